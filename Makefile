@@ -1,0 +1,31 @@
+# Two commands that work on a fresh clone: `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.hopdec-installed
+BUNDLE  ?= build/bundle-tiny
+
+.PHONY: demo test venv bundle lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[test,build]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hopdec demo
+
+bundle: $(STAMP)
+	$(VPY) -m kernels.build --config tiny --tp 4 --out $(BUNDLE)
+
+test: $(STAMP) bundle
+	HOPDEC_BUNDLE=$(BUNDLE) $(VPY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check loader kernels executor collectives tests
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,1 @@
+"""NCCL communicator and custom IPC all-reduce (no model knowledge)."""

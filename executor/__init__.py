@@ -1,0 +1,1 @@
+"""Runtime, step plan, reference step, Executor (bind/step) and the `hopdec` CLI."""
