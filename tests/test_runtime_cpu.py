@@ -1,0 +1,265 @@
+"""Runtime pieces that need no GPU: buckets, arena layout, manifest validation, argument packing,
+check() errors, NVTX fallback, probe references."""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import random
+import sys
+
+import numpy as np
+import pytest
+
+from executor.arena import plan_slices
+from executor.bundle import BundleError, Kernel, KernelRecord, read_manifest
+from executor.cuda import CudaError, check
+from executor.graphs import BUCKETS, bucket_table
+from executor.launch import LaunchSpec
+from kernels import probes_ref
+
+# ---- buckets ---------------------------------------------------------------------------------
+
+
+def test_buckets_are_vllms():
+    assert BUCKETS[:5] == (1, 2, 4, 8, 16)
+    assert BUCKETS[-1] == 192 and len(BUCKETS) == 27
+    assert all(b % 8 == 0 for b in BUCKETS[3:])
+
+
+def test_bucket_table_is_smallest_bucket_holding_rows():
+    table = bucket_table()
+    for rows in range(1, 193):
+        expected = min(b for b in BUCKETS if b >= rows)
+        assert table[rows] == expected, rows
+    assert len(table) == 193
+
+
+def test_bucket_table_rejects_bad_buckets():
+    with pytest.raises(ValueError, match="positive ints"):
+        bucket_table((0, 4))
+
+# ---- arena layout ----------------------------------------------------------------------------
+
+
+def test_arena_slices_aligned_disjoint_and_sized():
+    rng = random.Random()
+    reqs = [(f"s{i}", rng.randint(1, 5000), "u8 [n]") for i in range(40)]
+    for align in (256, 1024):
+        slices, total = plan_slices(reqs, align)
+        spans = sorted((s.offset, s.end) for s in slices.values())
+        assert all(s.offset % align == 0 for s in slices.values())
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+        assert [slices[n].nbytes for n, _, _ in reqs] == [nb for _, nb, _ in reqs]
+        assert total >= spans[-1][1] and total % align == 0
+
+
+@pytest.mark.parametrize("reqs, align, match", [
+    ([("x", 16), ("x", 32)], 256, "requested twice"),
+    ([("x", 0)], 256, "positive int"),
+    ([("x", -4)], 256, "positive int"),
+    ([("x", 1.5)], 256, "positive int"),
+    ([("", 8)], 256, "non-empty"),
+    ([("x",)], 256, r"\(name, nbytes"),
+    ([], 256, "at least one"),
+    ([("x", 8)], 128, "power of two >= 256"),
+    ([("x", 8)], 768, "power of two >= 256"),
+])
+def test_arena_rejects_bad_requests(reqs, align, match):
+    with pytest.raises(ValueError, match=match):
+        plan_slices(reqs, align)
+
+# ---- manifest validation ---------------------------------------------------------------------
+
+
+def _write_bundle(tmp_path, kernels: dict, **top):
+    doc = {"format": 1, "arch": "sm_90a", "config": "tiny", "tp": 4, "dsl": "test",
+           "kernels": kernels}
+    doc.update(top)
+    for rec in kernels.values():
+        if isinstance(rec, dict) and isinstance(rec.get("cubin"), str):
+            (tmp_path / rec["cubin"]).write_bytes(b"\x7fELF fake")
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    return tmp_path
+
+
+def _rec(**over):
+    rec = {"family": "norm", "cubin": "k.cubin", "entry": "kernel_k_0",
+           "params": [["x", "u64"], ["rows", "u32"], ["eps", "f32"]], "block": [256, 1, 1],
+           "smem_bytes": 0, "registers": 40, "pdl": True}
+    rec.update(over)
+    return rec
+
+
+def test_manifest_reads_a_valid_bundle(tmp_path):
+    m = read_manifest(_write_bundle(tmp_path, {"k": _rec()}))
+    k = m.kernels["k"]
+    assert k.params == (("x", "u64"), ("rows", "u32"), ("eps", "f32"))
+    assert k.block == (256, 1, 1) and k.entry == "kernel_k_0" and k.pdl
+    assert k.cubin == tmp_path / "k.cubin" and m.tp == 4
+
+
+@pytest.mark.parametrize("top, rec, match", [
+    ({"format": 2}, {}, "format 2"),
+    ({"arch": "sm_100a"}, {}, "arch 'sm_100a'"),
+    ({}, {"params": [["x", "u16"]]}, "bad param"),
+    ({}, {"params": "x"}, "list of"),
+    ({}, {"block": [0, 1, 1]}, "3 positive ints"),
+    ({}, {"block": [1024, 2, 1]}, "exceeds 1024"),
+    ({}, {"smem_bytes": -1}, "smem_bytes must be >= 0"),
+    ({}, {"entry": 7}, "'entry' must be str"),
+])
+def test_manifest_rejects_bad_fields_naming_the_kernel(tmp_path, top, rec, match):
+    _write_bundle(tmp_path, {"rmsnorm_bf16_d256": _rec(**rec)}, **top)
+    with pytest.raises(BundleError, match=match) as info:
+        read_manifest(tmp_path)
+    assert "manifest.json" in str(info.value)
+
+
+def test_manifest_missing_cubin_names_it(tmp_path):
+    _write_bundle(tmp_path, {"k": _rec()})
+    (tmp_path / "k.cubin").unlink()
+    with pytest.raises(BundleError, match=r"kernel 'k'.*k\.cubin does not exist"):
+        read_manifest(tmp_path)
+
+
+def test_manifest_missing_or_corrupt(tmp_path):
+    with pytest.raises(BundleError, match="no manifest.json"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        read_manifest(tmp_path)
+    _write_bundle(tmp_path, {})
+    with pytest.raises(BundleError, match="non-empty"):
+        read_manifest(tmp_path)
+
+# ---- LaunchSpec packing and validation -------------------------------------------------------
+
+
+def _fake_kernel(params=(("x", "u64"), ("rows", "u32"), ("off", "i32"), ("eps", "f32"))):
+    rec = KernelRecord(name="fake", family="t", cubin=None, entry="e", params=tuple(params),
+                       block=(128, 1, 1), smem_bytes=0, pdl=True)
+    return Kernel(rec, function=None)
+
+
+def test_launchspec_packs_each_value_at_its_abi_type():
+    rng = np.random.default_rng()
+    ptr = int(rng.integers(1, 2**63)) * 2
+    rows, off = int(rng.integers(0, 2**32)), int(rng.integers(-2**31, 2**31))
+    eps = float(rng.random())
+    spec = LaunchSpec(_fake_kernel(), (7,), (ptr, rows, off, eps))
+    assert spec.grid == (7, 1, 1)
+    slots = (ctypes.c_void_p * 4).from_address(spec._params_addr)
+    got = [ctypes.c_uint64.from_address(slots[0]).value, ctypes.c_uint32.from_address(slots[1]).value,
+           ctypes.c_int32.from_address(slots[2]).value, ctypes.c_float.from_address(slots[3]).value]
+    assert got[:3] == [ptr, rows, off]
+    assert got[3] == np.float32(eps)
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((1 << 20, 1, 1), TypeError, "takes 4 args"),
+    ((1 << 20, 1, 1, 1.0, 5), TypeError, "takes 4 args"),
+    ((0, 1, 1, 1.0), ValueError, "param 'x'.*non-null pointer"),
+    ((1.5, 1, 1, 1.0), TypeError, r"param 'x'.*device pointer \(int\)"),
+    ((1 << 20, -1, 1, 1.0), ValueError, r"param 'rows' \(u32\).*\[0, 4294967295\]"),
+    ((1 << 20, 2**32, 1, 1.0), ValueError, "param 'rows'"),
+    ((1 << 20, True, 1, 1.0), TypeError, "param 'rows'"),
+    ((1 << 20, 1, 2**31, 1.0), ValueError, r"param 'off' \(i32\)"),
+    ((1 << 20, 1, 1, "1e-6"), TypeError, "param 'eps'.*float"),
+    ((1 << 20, 1, 1, 1e39), ValueError, "overflows float32"),
+])
+def test_launchspec_rejects_bad_args_by_name(args, exc, match):
+    with pytest.raises(exc, match=match):
+        LaunchSpec(_fake_kernel(), (1,), args)
+
+
+@pytest.mark.parametrize("grid", [(0,), (1, 70000), (1, 1, 1, 1), "4", (2.0,)])
+def test_launchspec_rejects_bad_grids(grid):
+    with pytest.raises(ValueError, match="grid"):
+        LaunchSpec(_fake_kernel(), grid, (1 << 20, 1, 1, 1.0))
+
+
+def test_launchspec_rejects_smem_beyond_opt_in():
+    with pytest.raises(ValueError, match="dynamic shared memory"):
+        LaunchSpec(_fake_kernel(), (1,), (1 << 20, 1, 1, 1.0), smem=100_000)
+
+# ---- check() ---------------------------------------------------------------------------------
+
+
+def test_check_unpacks_values():
+    from cuda.bindings import driver as cu
+    ok = cu.CUresult.CUDA_SUCCESS
+    assert check((ok,)) is None
+    assert check((ok, 5)) == 5
+    assert check((ok, 5, "a")) == (5, "a")
+
+
+def test_check_error_names_call_code_and_meaning():
+    from cuda.bindings import driver as cu
+    bad = cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaError) as info:
+        check((bad, None))   # the source line has no cu* call: the error says where it was
+    assert "CUDA_ERROR_INVALID_VALUE (1)" in str(info.value)
+    assert "test_runtime_cpu.py" in info.value.call
+    with pytest.raises(CudaError) as info:
+        check((bad,), call="cuMemAlloc")
+    assert str(info.value).startswith("cuMemAlloc failed: CUDA_ERROR_INVALID_VALUE")
+    assert info.value.meaning   # the driver's text, or why it could not be asked
+
+
+def test_check_reads_call_name_from_source_line():
+    from cuda.bindings import driver as cu
+
+    def cuFakeAlloc(nbytes):
+        return (cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+
+    with pytest.raises(CudaError, match="^cuFakeAlloc failed") as info:
+        check(cuFakeAlloc(1 << 40))
+    assert info.value.code_name == "CUDA_ERROR_OUT_OF_MEMORY"
+
+# ---- NVTX fallback ---------------------------------------------------------------------------
+
+
+def test_nvtx_ranges_are_noops_without_the_package(monkeypatch):
+    import executor.nvtx_ranges as nr
+    monkeypatch.setitem(sys.modules, "nvtx", None)   # import nvtx -> ImportError
+    monkeypatch.setattr(nr, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="nvtx"):
+        r = nr.Ranges()
+    assert not r.enabled
+    with r.range("layer0"):
+        r.push("x")
+        r.pop()
+
+# ---- probe references ------------------------------------------------------------------------
+
+
+def test_stream_read_ref_is_order_free_xor():
+    rng = np.random.default_rng()
+    src = rng.integers(0, 2**32, size=4096, dtype=np.uint32)
+    expected = 0
+    for w in src:
+        expected ^= int(w)
+    assert probes_ref.stream_read_ref(src) == expected
+    assert probes_ref.xor_fold_u32(rng.permutation(src)) == expected
+    parts = np.array([probes_ref.xor_fold_u32(c) for c in np.array_split(src, 37)], np.uint32)
+    assert probes_ref.xor_fold_u32(parts) == expected
+
+
+def test_stream_read_sizes():
+    assert probes_ref.check_stream_read_size(64 << 20) == 4 << 20
+    for bad in (0, 15, -16):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            probes_ref.check_stream_read_size(bad)
+    g = probes_ref.STREAM_READ.grid_x
+    assert probes_ref.stream_read_bytes(1 << 20) == (1 << 20) + 4 * g * 8
+
+
+def test_probe_specs_have_the_family_protocol():
+    names = [s.name for s in probes_ref.ALL_PROBES]
+    assert len(set(names)) == len(names)
+    for s in probes_ref.ALL_PROBES:
+        d = s.to_dict()
+        assert d["name"] == s.name and len(s.grid(5)) == 3
+        assert all(t in ("u64", "u32", "i32", "f32") for _, t in s.params)
+        json.dumps(d)
