@@ -8,13 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.config import (
-    IGNORED_KEYS,
-    LayerSpec,
-    ModelConfig,
-    QuantizationConfig,
-    RopeScaling,
-)
+from loader.config import LayerSpec, ModelConfig, QuantizationConfig, RopeScaling
+from loader.config_checks import IGNORED_KEYS
 
 REAL = ModelConfig.preset("v41-flash")
 TINY = ModelConfig.preset("tiny")
