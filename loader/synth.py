@@ -1,0 +1,272 @@
+"""Deterministic synthetic V4.1 checkpoints: real names, dtypes and shapes; values that run finite.
+
+`hopdec synth --config {tiny,v41-flash} [--layers N] [--seed S] --out DIR` writes `config.json`,
+safetensors shards of at most `--shard-gb` and `model.safetensors.index.json`.
+
+Determinism: every tensor draws from its own generator seeded by (seed, blake2b(name)); an FP8
+weight and its scale come from one generator seeded by their common base name (they are quantized
+together). Any tensor can thus be regenerated alone, in any order, by any process.
+
+Values (chosen so a forward pass stays finite and routes/predicts varied tokens):
+- linear weights ~ N(0, 1/fan_in) before quantization; embed rows ~ N(0, 1) (distinct rows);
+  head ~ N(0, 1/D), so logits are O(1);
+- norms 1 + N(0, 0.05^2); router bias and VL bias N(0, 0.01^2); attn_sink N(0, 0.5^2);
+- mHC: fn ~ N(0, 1/(n D)) so mixes are O(1), scale ~ U(0.3, 0.7), base near 0 for pre/post and
+  2*I + N(0, 0.1^2) for comb, so Sinkhorn starts from a diagonal-dominant, well-conditioned matrix.
+- Dense FP8 weights are really quantized (UE8M0 per 32x32 block, the smallest power of two that
+  fits the block amax in 448, RNE).
+- MXFP4 experts are drawn directly (quantizing 384 x 3 float experts per layer is too slow on two
+  cores): codes are i.i.d. with the law of round-to-nearest-E2M1(N(0, 2.2^2)) (what an MX
+  quantizer produces for Gaussian weights, whose group amax lands at ~4..8 scale units), and the
+  scale bytes sit at the level of N(0, 1/fan_in) with a -1/0/+1 binade spread plus a sparse tail
+  (1 group in 512) 12..20 binades below, so Humming's fused-E8M0 re-rounding (range > 11) is
+  exercised in every expert. The joint law differs from quantized Gaussians only in that codes
+  and scales are independent; the marginal laws and the dynamic range are the same.
+
+`--layers N` (N < num_hidden_layers) writes layers 0..N-1 plus embed, norm and head, and a config
+that is the first-N slice: num_hidden_layers = N, compress_ratios[:N], kv/index source and Engram
+layer lists restricted to ids < N (engram_num_embeddings sliced alongside: a prefix of the Engram
+layers keeps its primes), candidate_source_layer_id -1 when the candidate source is cut off, and
+no DSpark (num_nextn_predict_layers 0, no dspark_target_layer_ids): the stages read aux states of
+target layers the slice no longer has. The slice is valid because every role refers only to
+layers at or below it (model doc §1.2).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from loader.config import ModelConfig
+from loader.safetensors import DTYPES, TensorToWrite, write_safetensors
+from loader.schema import BLOCK, Fmt, TensorSpec, checkpoint_schema
+
+INDEX_NAME = "model.safetensors.index.json"
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+MXFP4_CODE_STD = 2.2  # code-unit std of the Gaussian that the E2M1 codes are drawn from
+FAR_GROUP_RATE = 1 / 512  # scale groups placed 12..20 binades below their expert's level
+
+
+def slice_config(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
+    """The config of layers 0..num_layers-1 (see the module docstring), or `cfg` itself."""
+    L = cfg.num_hidden_layers
+    if num_layers is None or num_layers == L:
+        return cfg
+    if not 1 <= num_layers < L:
+        raise ValueError(f"--layers {num_layers} is outside 1..{L} for this config")
+    d = cfg.to_dict()
+
+    def keep(ids: tuple[int, ...]) -> list[int]:
+        return [i for i in ids if i < num_layers]
+
+    engram = keep(cfg.engram_layer_ids)
+    d.update(
+        num_hidden_layers=num_layers,
+        compress_ratios=list(cfg.compress_ratios[:num_layers]),
+        kv_source_layer_ids=keep(cfg.kv_source_layer_ids),
+        index_source_layer_ids=keep(cfg.index_source_layer_ids),
+        engram_layer_ids=engram,
+        engram_num_embeddings=list(cfg.engram_num_embeddings[:len(engram)]),
+        num_nextn_predict_layers=0,
+        dspark_target_layer_ids=[],
+    )
+    if cfg.candidate_source_layer_id >= num_layers:
+        d["candidate_source_layer_id"] = -1
+    return ModelConfig.from_dict(d, source=f"first {num_layers} layers of the config")
+
+
+# ---- per-tensor values ---------------------------------------------------------------------------
+
+
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
+    """The generator of one tensor (or FP8 weight/scale pair), from (seed, name) alone."""
+    digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
+    words = np.frombuffer(digest, dtype=np.uint32).tolist()
+    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, *words]))
+
+
+def fp8_quantize(w: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 e4m3 with one UE8M0 scale per (block_rows x 32) block: scale 2^e, e the smallest with
+    amax / 2^e <= 448; codes round to nearest even. Returns (e4m3 [N, K], uint8 [N/br, K/32])."""
+    n, k = w.shape
+    blocks = w.reshape(n // block_rows, block_rows, k // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=(1, 3)).astype(np.float64)
+    mant, exp = np.frexp(np.maximum(amax, 2.0**-120) / 448.0)
+    e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(amax / 448)), exact
+    e = np.clip(e, -127, 127)
+    inv = np.ldexp(1.0, -e).astype(np.float32)[:, None, :, None]
+    codes = np.clip(blocks * inv, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return codes.reshape(n, k), (e + 127).astype(np.uint8)
+
+
+def _e2m1_code_lut() -> np.ndarray:
+    """uint16 random -> packed byte of two E2M1 codes (low byte -> low nibble), by inverse CDF."""
+    edges = (E2M1_MAGNITUDES[1:] + E2M1_MAGNITUDES[:-1]) / 2 / MXFP4_CODE_STD
+    cdf = np.array([0.5 * (1 + math.erf(x / math.sqrt(2))) for x in edges])
+    p_mag = np.diff(np.concatenate([[0.5], cdf, [1.0]]))  # mass of |v| rounding to each magnitude
+    probs = np.concatenate([p_mag, p_mag])  # codes 0..7 positive, 8..15 negative (8 = -0)
+    cum = np.cumsum(probs / probs.sum())
+    code_of_u8 = np.searchsorted(cum, (np.arange(256) + 0.5) / 256).astype(np.uint8)
+    v = np.arange(65536)
+    return (code_of_u8[v & 255] | (code_of_u8[v >> 8] << 4)).astype(np.uint8).view(np.int8)
+
+
+_CODE_LUT = _e2m1_code_lut()
+
+
+def mxfp4_codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Packed int8 E2M1 pairs drawn directly (see the module docstring)."""
+    count = math.prod(shape)
+    draws = rng.integers(0, 1 << 16, size=count, dtype=np.uint16)
+    return _CODE_LUT[draws].reshape(shape)  # fancy indexing: ~5x faster than take() here
+
+
+def mxfp4_scales(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+    """UE8M0 bytes at the level of N(0, 1/fan_in) weights, -1/0/+1 binade spread, a far tail."""
+    level = 127 + round(math.log2(fan_in**-0.5 / MXFP4_CODE_STD))
+    spread = rng.choice(np.array([-1, 0, 1], np.int16), size=shape, p=[0.25, 0.5, 0.25])
+    far = rng.random(shape) < FAR_GROUP_RATE
+    spread[far] -= rng.integers(13, 22, size=int(far.sum()), dtype=np.int16)
+    return (level + spread).astype(np.uint8)
+
+
+def _plain_values(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    """BF16/F32 tensors: the value laws of the module docstring."""
+    shape = spec.shape
+    if spec.init == "hc_base":  # pre, post near 0; comb 2*I so Sinkhorn starts diagonal-dominant
+        n = round(math.sqrt(shape[0] + 1)) - 1  # mix width = (2 + n) * n
+        values = rng.normal(0.0, 0.1, shape)
+        values[2 * n:] += 2.0 * np.eye(n).reshape(-1)
+    elif spec.init == "hc_scale":
+        values = rng.uniform(0.3, 0.7, shape)
+    elif spec.init == "ones":
+        values = 1.0 + rng.normal(0.0, spec.std, shape)
+    else:
+        values = rng.standard_normal(shape, dtype=np.float32) * np.float32(spec.std)
+    return np.asarray(values).astype(DTYPES[spec.dtype])
+
+
+class ValueSource:
+    """Produces every tensor of a schema from (seed, name); caches the FP8 pair it last made."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._pair: tuple[str, np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, spec: TensorSpec) -> np.ndarray:
+        if spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE):
+            if self._pair is None or self._pair[0] != spec.base:
+                self._pair = (spec.base, *self._fp8_pair(spec))
+            return self._pair[1] if spec.fmt is Fmt.FP8 else self._pair[2]
+        rng = tensor_rng(self.seed, spec.name)
+        if spec.fmt is Fmt.MXFP4:
+            return mxfp4_codes(rng, spec.shape)
+        if spec.fmt is Fmt.MXFP4_SCALE:
+            return mxfp4_scales(rng, spec.shape, fan_in=spec.shape[1] * BLOCK)
+        return _plain_values(spec, rng)
+
+    def _fp8_pair(self, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
+        rng = tensor_rng(self.seed, spec.base)
+        # Engram table rows are embeddings ~ N(0, 1) with one scale per row and 32 columns;
+        # linear weights ~ N(0, 1/fan_in) with one scale per 32x32 block.
+        block_rows = 1 if spec.cls == "engram_table" else BLOCK
+        n, k = spec.shape
+        if spec.fmt is Fmt.FP8_SCALE:
+            n, k = n * block_rows, k * BLOCK
+        std = np.float32(1.0 if block_rows == 1 else k**-0.5)
+        return fp8_quantize(rng.standard_normal((n, k), dtype=np.float32) * std, block_rows)
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Rate-limited progress lines on stderr (one per `every` seconds, and a final one)."""
+
+    def __init__(self, label: str, total_bytes: int, enabled: bool = True, every: float = 2.0):
+        self.label, self.total, self.enabled, self.every = label, total_bytes, enabled, every
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, nbytes: int, note: str = "") -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= self.every or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9) / 1e6
+            print(f"{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
+                  f"({rate:.0f} MB/s) {note}", file=sys.stderr, flush=True)
+
+
+def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive tensors, at most `shard_bytes` per shard (a larger tensor gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for t in specs:
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def synth(cfg: ModelConfig, out: str | Path, seed: int = 0, layers: int | None = None,
+          shard_bytes: int = 4 << 30, progress: bool = True) -> Path:
+    """Write a synthetic checkpoint of `cfg` (its first `layers` layers) into `out`."""
+    out = Path(out)
+    cfg = slice_config(cfg, layers)
+    specs = checkpoint_schema(cfg)
+    shards = plan_shards(specs, shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    source = ValueSource(seed)
+    bar = Progress(f"synth {out.name}", sum(t.nbytes for t in specs), progress)
+
+    def produce(t: TensorToWrite) -> np.ndarray:
+        spec = by_name[t.name]
+        array = source(spec)
+        bar.add(spec.nbytes, spec.name)
+        return array
+
+    by_name = {t.name: t for t in specs}
+    for file_name, shard in zip(names, shards):
+        write_safetensors(out / file_name, [TensorToWrite(t.name, t.dtype, t.shape) for t in shard],
+                          produce, metadata={"format": "pt", "hopdec_synth_seed": str(seed)})
+    weight_map = {t.name: f for f, shard in zip(names, shards) for t in shard}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in specs)}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+    cfg.to_json(out / "config.json")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="preset name (tiny, v41-flash) or a "
+                        "config.json path")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="write only layers 0..N-1 (+ embed, norm, head; no DSpark)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GB")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    try:
+        cfg = ModelConfig.from_json(path) if path.suffix == ".json" else ModelConfig.preset(args.config)
+        start = time.monotonic()
+        out = synth(cfg, args.out, args.seed, args.layers, int(args.shard_gb * 2**30),
+                    progress=not args.quiet)
+    except (ValueError, OSError) as exc:
+        print(f"hopdec synth: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} in {time.monotonic() - start:.1f} s")
+    return 0
