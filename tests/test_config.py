@@ -206,3 +206,344 @@ def test_rope_type_alias():
     assert ModelConfig.from_dict(data) == TINY
     data["rope_scaling"]["type"] = "linear"
     _raises(data, "rope_scaling: type 'linear' differs from rope_type 'yarn'")
+
+
+# ---- validation: every rule raises with the key in the message --------------------------------------
+
+
+def _set(**changes):
+    def mutate(d):
+        d.update(changes)
+    return mutate
+
+
+def _set_in(section, **changes):
+    def mutate(d):
+        d[section].update(changes)
+    return mutate
+
+
+def _ratios(ratios, kv=None, index=None):
+    def mutate(d):
+        d["compress_ratios"] = ratios
+        if kv is not None:
+            d["kv_source_layer_ids"] = kv
+        if index is not None:
+            d["index_source_layer_ids"] = index
+    return mutate
+
+
+TINY_RATIOS = [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0]
+
+INVALID = {
+    "ratios too short": (_ratios(TINY_RATIOS[:-1]), ["compress_ratios has 12 entries", "= 13"]),
+    "ratio 4 (V4 CSA)": (_ratios(TINY_RATIOS[:3] + [4] + TINY_RATIOS[4:]),
+                         ["compress_ratios", "(3, 4)", "(0, 1, 2)"]),
+    "compressed DSpark stage": (_ratios(TINY_RATIOS[:-1] + [1]), ["DSpark stages [12]"]),
+    "kv source out of range": (_set(kv_source_layer_ids=[2, 4, 6, 10]),
+                               ["kv_source_layer_ids", "layer 10 is outside 0..9"]),
+    "kv source not increasing": (_set(kv_source_layer_ids=[4, 2, 6]),
+                                 ["kv_source_layer_ids = [4, 2, 6] must be strictly increasing"]),
+    "index source negative": (_set(index_source_layer_ids=[-1, 2, 4, 6, 8]),
+                              ["index_source_layer_ids", "layer -1 is outside"]),
+    "kv source not compressed": (_set(kv_source_layer_ids=[1, 2, 4, 6],
+                                      index_source_layer_ids=[1, 2, 4, 6, 8]),
+                                 ["kv_source_layer_ids: layers [1] are not compressed"]),
+    "index source not compressed": (_set(index_source_layer_ids=[0, 2, 4, 6, 8]),
+                                    ["index_source_layer_ids: layers [0] are not compressed"]),
+    "kv source without indexer": (_set(index_source_layer_ids=[2, 6, 8]),
+                                  ["kv_source_layer_ids [4] are not in index_source_layer_ids"]),
+    "compressed layer without kv source": (_set(kv_source_layer_ids=[4, 6],
+                                                index_source_layer_ids=[4, 6, 8]),
+                                           ["compressed layers [2, 3] have no kv source"]),
+    "candidate source ratio 2": (_set(candidate_source_layer_id=4),
+                                 ["candidate_source_layer_id = 4 must be a ratio-1 kv source"]),
+    "candidate source not kv": (_set(candidate_source_layer_id=8),
+                                ["candidate_source_layer_id = 8"]),
+    "candidates shorter than top-k": (_set(candidate_topk_blocks=2),
+                                      ["candidate_topk_blocks * candidate_block_size",
+                                       "= 9 < index_topk = 16"]),
+    "hidden not 32-blocked": (_set(hidden_size=250), ["hidden_size = 250 is not a multiple of 32"]),
+    "q_lora not 32-blocked": (_set(q_lora_rank=100), ["q_lora_rank = 100"]),
+    "o_lora not 32-blocked": (_set(o_lora_rank=120), ["o_lora_rank = 120"]),
+    "moe inter not 32-blocked": (_set(moe_intermediate_size=400),
+                                 ["moe_intermediate_size = 400 is not a multiple of 32"]),
+    "dspark inter not 32-blocked": (_set(dspark_moe_intermediate_size=400),
+                                    ["dspark_moe_intermediate_size = 400"]),
+    "index dim not 32-blocked": (_set(index_head_dim=100), ["index_head_dim = 100"]),
+    "engram dim not 32-blocked": (_set(engram_head_dim=48), ["engram_head_dim = 48"]),
+    "vocab not 32-blocked": (_set(vocab_size=1000), ["vocab_size = 1000 is not a multiple of 32"]),
+    "rope not 32-blocked": (_set(qk_rope_head_dim=66), ["qk_rope_head_dim = 66"]),
+    "rope odd": (_set(qk_rope_head_dim=63), ["qk_rope_head_dim = 63 must be even"]),
+    "rope is all of head_dim": (_set(qk_rope_head_dim=512), ["inside head_dim = 512"]),
+    "nope not 32-blocked": (_set(head_dim=500), ["head_dim - qk_rope_head_dim (nope) = 436"]),
+    "o_groups does not divide heads": (_set(o_groups=3),
+                                       ["o_groups = 3 does not divide num_attention_heads = 16"]),
+    "top-k above experts": (_set(num_experts_per_tok=17), ["num_experts_per_tok = 17 exceeds"]),
+    "dspark top-k above experts": (_set(dspark_num_experts_per_tok=9),
+                                   ["dspark_num_experts_per_tok = 9 exceeds"]),
+    "dspark targets vs stages": (_set(dspark_target_layer_ids=[8, 9]),
+                                 ["dspark_target_layer_ids [8, 9] has 2 entries",
+                                  "num_nextn_predict_layers = 3"]),
+    "dspark target out of range": (_set(dspark_target_layer_ids=[8, 9, 10]),
+                                   ["dspark_target_layer_ids", "layer 10 is outside 0..9"]),
+    "engram layer out of range": (_set(engram_layer_ids=[1, 10]),
+                                  ["engram_layer_ids", "layer 10 is outside"]),
+    "engram rows not the prime walk": (_set(engram_num_embeddings=[25874, 30000]),
+                                       ["engram_num_embeddings [25874, 30000] does not match",
+                                        "[25874, 30058]"]),
+    "engram rows per layer": (_set(engram_num_embeddings=[25874]),
+                              ["engram_num_embeddings [25874] needs one entry per"]),
+    "engram unigram only": (_set(engram_max_ngram_size=1), ["engram_max_ngram_size = 1"]),
+    "engram pad outside vocab": (_set(engram_pad_token_id=1024),
+                                 ["engram_pad_token_id = 1024 is outside the vocabulary"]),
+    "noise token outside vocab": (_set(dspark_noise_token_id=-1), ["dspark_noise_token_id = -1"]),
+    "block 128x128 (V4)": (_set_in("quantization_config", weight_block_size=[128, 128]),
+                           ["quantization_config.weight_block_size = [128, 128]",
+                            "V4.1 numerics only", "[32, 32]"]),
+    "scale e4m3": (_set_in("quantization_config", scale_fmt="e4m3"),
+                   ["quantization_config.scale_fmt = 'e4m3'", "V4.1 numerics only"]),
+    "fp8 experts": (_set_in("quantization_config", expert_dtype="fp8"),
+                    ["quantization_config.expert_dtype = 'fp8'"]),
+    "quant method": (_set_in("quantization_config", quant_method="mxfp4"),
+                     ["quantization_config.quant_method = 'mxfp4'"]),
+    "weight format": (_set_in("quantization_config", fmt="e5m2"),
+                      ["quantization_config.fmt = 'e5m2'"]),
+    "static activations": (_set_in("quantization_config", activation_scheme="static"),
+                           ["quantization_config.activation_scheme = 'static'"]),
+    "rope not yarn": (_set_in("rope_scaling", type="linear"), ["rope_scaling.type = 'linear'"]),
+    "yarn mscale": (_set_in("rope_scaling", mscale=1.0), ["rope_scaling.mscale = 1.0"]),
+    "yarn factor": (_set_in("rope_scaling", factor=0), ["rope_scaling.factor = 0.0 must be positive"]),
+    "softmax routing": (_set(scoring_func="softmax"), ["scoring_func = 'softmax'"]),
+    "greedy top-k": (_set(topk_method="greedy"), ["topk_method = 'greedy'"]),
+    "two kv heads": (_set(num_key_value_heads=2), ["num_key_value_heads = 2"]),
+    "zero eps": (_set(rms_norm_eps=0.0), ["rms_norm_eps = 0.0 must be positive"]),
+    "zero window": (_set(sliding_window=0), ["sliding_window = 0 must be positive"]),
+    "V4 model type": (_set(model_type="deepseek_v4"), ["model_type 'deepseek_v4'"]),
+}
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_config_raises_naming_the_key(name):
+    mutate, needles = INVALID[name]
+    data = _tiny_dict()
+    mutate(data)
+    _raises(data, *needles)
+
+
+def test_direct_construction_is_validated_too():
+    kwargs = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
+    ModelConfig(**kwargs)
+    with pytest.raises(ValueError, match="o_groups = 5"):
+        ModelConfig(**{**kwargs, "o_groups": 5})
+
+
+@st.composite
+def _invalid_ratios(draw):
+    """Either a wrong length of valid ratios, or the right length with one bad value somewhere."""
+    if draw(st.booleans()):
+        length = draw(st.integers(0, 30).filter(lambda n: n != 13))
+        return draw(st.lists(st.sampled_from([0, 1, 2]), min_size=length, max_size=length)), "entries"
+    ratios = list(TINY_RATIOS)
+    at = draw(st.integers(0, 12))
+    if at >= 10:  # a DSpark stage: any non-zero ratio is wrong there
+        ratios[at] = draw(st.sampled_from([1, 2]))
+        return ratios, f"DSpark stages [{at}]"
+    ratios[at] = draw(st.integers(-5, 200).filter(lambda r: r not in (0, 1, 2)))
+    return ratios, f"({at}, {ratios[at]})"
+
+
+@settings(max_examples=60, deadline=None)
+@given(_invalid_ratios())
+def test_random_invalid_compress_ratios_raise(case):
+    ratios, needle = case
+    data = _tiny_dict()
+    data["compress_ratios"] = ratios
+    _raises(data, "compress_ratios", needle)
+
+
+# ---- layer roles: model doc §1.2 (real) and §5 (tiny), layer by layer ----------------------------------
+
+
+def _spec(index, ratio, mode, kv=None, topk=None, engram=False, candidate_source=False):
+    return LayerSpec(
+        index=index, ratio=ratio, mode=mode, kv_source=kv, topk_source=topk,
+        owns_compressor=mode == "full", owns_index_keys=mode == "full",
+        has_indexer=mode in ("full", "reindex"), is_candidate_source=candidate_source,
+        uses_candidates=mode == "reindex", has_engram=engram, is_dspark=mode == "draft",
+    )
+
+
+def test_tiny_layer_roles():
+    # §5: 0 SWA | 1 SWA+Engram | 2 C2A full | 3 C2A reuse | 4 C2A full+Engram | 5 C2A reuse
+    #     6 C1A full+candidates | 7 C1A reuse | 8 C1A reindex(candidate consumer) | 9 C1A reuse
+    expected = [
+        _spec(0, 0, "swa"), _spec(1, 0, "swa", engram=True),
+        _spec(2, 2, "full", 2, 2), _spec(3, 2, "reuse", 2, 2),
+        _spec(4, 2, "full", 4, 4, engram=True), _spec(5, 2, "reuse", 4, 4),
+        _spec(6, 1, "full", 6, 6, candidate_source=True), _spec(7, 1, "reuse", 6, 6),
+        _spec(8, 1, "reindex", 6, 8), _spec(9, 1, "reuse", 6, 8),
+        _spec(10, 0, "draft"), _spec(11, 0, "draft"), _spec(12, 0, "draft"),
+    ]
+    assert [TINY.layer(i) for i in range(13)] == expected
+    assert TINY.layers == tuple(expected)
+
+
+def test_real_layer_roles():
+    expected = {0: _spec(0, 0, "swa"), 1: _spec(1, 0, "swa", engram=True)}
+    for source in (2, 8, 14):  # §1.2: 2, 8, 14 FULL; 3-7, 9-13, 15-19 REUSE their top-k
+        expected[source] = _spec(source, 2, "full", source, source, engram=source == 14)
+        for i in range(source + 1, source + 6):
+            expected[i] = _spec(i, 2, "reuse", source, source)
+    expected[20] = _spec(20, 1, "full", 20, 20, candidate_source=True)
+    for i in range(21, 40):  # REINDEX at 24/28/32/36; REUSE the latest index source otherwise
+        latest = max(s for s in (20, 24, 28, 32, 36) if s <= i)
+        expected[i] = _spec(i, 1, "reindex" if i == latest else "reuse", 20, latest)
+    for i in range(40, 43):
+        expected[i] = _spec(i, 0, "draft")
+    assert len(REAL.layers) == 43
+    for i in range(43):
+        assert REAL.layer(i) == expected[i], f"layer {i}"
+
+
+def test_layer_index_is_checked():
+    assert TINY.layer(np.int64(3)) == TINY.layer(3)
+    for bad in (-1, 13):
+        with pytest.raises(ValueError, match=rf"layer {bad} is outside 0..12"):
+            TINY.layer(bad)
+    with pytest.raises(TypeError, match="layer index must be an int"):
+        TINY.layer(2.0)
+
+
+# ---- per-rank shapes ----------------------------------------------------------------------------------
+
+# tp -> (heads, o_groups, moe_inter, shared_inter, dspark_moe_inter, vocab, q_b_out, wo_b_in, engram)
+REAL_RANKS = {
+    1: (64, 8, 2304, 2304, 2304, 129280, 32768, 8192, 24),
+    2: (32, 4, 1152, 1152, 1152, 64640, 16384, 4096, 12),
+    4: (16, 2, 576, 576, 576, 32320, 8192, 2048, 6),
+}
+TINY_RANKS = {
+    1: (16, 8, 384, 384, 384, 1024, 8192, 1024, 24),
+    2: (8, 4, 192, 192, 192, 512, 4096, 512, 12),
+    4: (4, 2, 96, 96, 96, 256, 2048, 256, 6),
+}
+
+
+@pytest.mark.parametrize("cfg, table", [(REAL, REAL_RANKS), (TINY, TINY_RANKS)], ids=["real", "tiny"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_rank_shapes(cfg, table, tp):
+    s = cfg.rank_shapes(tp)
+    got = (s.heads, s.o_groups, s.moe_inter, s.shared_inter, s.dspark_moe_inter, s.vocab, s.q_b_out,
+           s.wo_b_in, s.engram_hash_cols)
+    assert (s.tp, got) == (tp, table[tp])
+    assert [s.vocab_offset(r) for r in range(tp)] == [r * cfg.vocab_size // tp for r in range(tp)]
+    with pytest.raises(ValueError, match=f"rank {tp} is outside"):
+        s.vocab_offset(tp)
+
+
+@pytest.mark.parametrize("tp", [0, 3, 8, True])
+def test_unsupported_tp(tp):
+    with pytest.raises(ValueError, match=r"is not supported; expected one of \(1, 2, 4\)"):
+        TINY.rank_shapes(tp)
+
+
+@pytest.mark.parametrize("changes, tp, needle", [
+    ({"o_groups": 2, "num_attention_heads": 16}, 4, "tp=4 does not divide o_groups = 2"),
+    ({"num_attention_heads": 6, "o_groups": 2}, 4, "tp=4 does not divide num_attention_heads = 6"),
+    ({"moe_intermediate_size": 64, "dspark_moe_intermediate_size": 128}, 4,
+     "moe_intermediate_size = 64 does not split into whole 32-wide blocks at tp=4"),
+    ({"dspark_moe_intermediate_size": 96}, 2, "dspark_moe_intermediate_size = 96"),
+    ({"vocab_size": 1056}, 2, "vocab_size = 1056"),
+    ({"engram_n_heads": 3}, 2, "tp=2 does not divide Engram hash columns"),
+])
+def test_tp_must_split_widths(changes, tp, needle):
+    data = {**_tiny_dict(), **changes}
+    del data["engram_num_embeddings"]  # re-derived for the changed Engram heads
+    cfg = ModelConfig.from_dict(data)
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        cfg.rank_shapes(tp)
+
+
+# ---- Engram: the prime walk, table rows, offsets, multipliers, rank split -----------------------------
+
+
+def _sieve_primes_above(start: int, count: int) -> list[int]:
+    """An independent oracle for the walk: Eratosthenes up to a bound past the `count`-th prime."""
+    limit = start + 64 * count + 1000  # prime gaps near 1.6e7 average ~17, far below 64
+    sieve = np.ones(limit + 1, dtype=bool)
+    sieve[:2] = False
+    for p in range(2, int(limit ** 0.5) + 1):
+        if sieve[p]:
+            sieve[p * p::p] = False
+    primes = np.flatnonzero(sieve[start + 1:]) + start + 1
+    assert len(primes) >= count
+    return [int(p) for p in primes[:count]]
+
+
+@pytest.mark.parametrize("cfg", [REAL, TINY], ids=["real", "tiny"])
+def test_engram_primes_are_one_global_walk(cfg):
+    walk = _sieve_primes_above(cfg.engram_vocab_size - 1, 24 * len(cfg.engram_layer_ids))
+    flat = [p for layer in cfg.engram_layer_ids for p in cfg.engram_primes_flat(layer)]
+    assert flat == walk
+    for i, layer in enumerate(cfg.engram_layer_ids):
+        # [layer][order][head] nesting: 3 orders (2-, 3-, 4-gram) of 8 heads each
+        nested = cfg.engram_primes[i]
+        assert [len(order) for order in nested] == [8, 8, 8]
+        assert [p for order in nested for p in order] == walk[24 * i:24 * (i + 1)]
+        assert cfg.engram_num_embeddings_of(layer) == sum(walk[24 * i:24 * (i + 1)])
+
+
+def test_engram_rows_known_answer():
+    # The real config's rows (model doc §1.1), reproduced from the walk, not read from the preset.
+    data = REAL.to_dict()
+    del data["engram_num_embeddings"]
+    derived = ModelConfig.from_dict(data)
+    assert derived.engram_num_embeddings == (384006168, 384016682)
+    assert (derived.engram_num_embeddings_of(1), derived.engram_num_embeddings_of(14)) == (
+        384006168, 384016682)
+
+
+@pytest.mark.parametrize("cfg", [REAL, TINY], ids=["real", "tiny"])
+def test_engram_offsets_tile_the_table(cfg):
+    for layer in cfg.engram_layer_ids:
+        primes, offsets = cfg.engram_primes_flat(layer), cfg.engram_offsets(layer)
+        assert offsets[0] == 0 and len(offsets) == cfg.engram_num_hash_cols == 24
+        assert all(offsets[c + 1] - offsets[c] == primes[c] for c in range(23))
+        assert offsets[-1] + primes[-1] == cfg.engram_num_embeddings_of(layer)
+
+
+@pytest.mark.parametrize("cfg", [REAL, TINY], ids=["real", "tiny"])
+def test_engram_hash_multipliers(cfg):
+    bound = (np.iinfo(np.int64).max // cfg.engram_compressed_vocab_size) // 2
+    rows = {}
+    for layer in cfg.engram_layer_ids:
+        mult = cfg.engram_hash_multipliers(layer)
+        draw = np.random.default_rng(10007 * layer).integers(0, bound, size=4, dtype=np.int64)
+        assert mult == tuple(int(v) * 2 + 1 for v in draw)
+        assert all(m % 2 == 1 and 1 <= m < 2 * bound for m in mult)
+        # the product of the largest compressed id and a multiplier stays inside int64
+        assert max(mult) * (cfg.engram_compressed_vocab_size - 1) <= np.iinfo(np.int64).max
+        rows[layer] = mult
+    assert len(set(rows.values())) == len(rows)
+
+
+@pytest.mark.parametrize("cfg", [REAL, TINY], ids=["real", "tiny"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_engram_rank_rows_partition_the_table(cfg, tp):
+    for layer in cfg.engram_layer_ids:
+        ranges = [cfg.engram_rank_rows(layer, tp, r) for r in range(tp)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == cfg.engram_num_embeddings_of(layer)
+        assert all(ranges[r][1] == ranges[r + 1][0] for r in range(tp - 1))
+        cols = 24 // tp
+        primes = cfg.engram_primes_flat(layer)
+        assert [b - a for a, b in ranges] == [sum(primes[r * cols:(r + 1) * cols]) for r in range(tp)]
+    with pytest.raises(ValueError, match=f"rank {tp} is outside"):
+        cfg.engram_rank_rows(cfg.engram_layer_ids[0], tp, tp)
+
+
+def test_engram_queries_need_an_engram_layer():
+    for query in (TINY.engram_primes_flat, TINY.engram_offsets, TINY.engram_hash_multipliers,
+                  TINY.engram_num_embeddings_of):
+        with pytest.raises(ValueError, match=r"layer 2 has no Engram \(engram_layer_ids \[1, 4\]\)"):
+            query(2)
