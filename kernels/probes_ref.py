@@ -105,3 +105,19 @@ def stream_read_ref(src: np.ndarray) -> int:
 def chain_ref(num_steps: int, start: int = 0) -> int:
     """Counter after a chain of num_steps `probe_chain_step` launches (each adds exactly 1)."""
     return (start + num_steps) % 2**32
+
+
+def stream_read_partials_ref(src: np.ndarray, grid_x: int) -> np.ndarray:
+    """Exactly the u32 partials the stream-read probe writes for a grid of grid_x CTAs.
+
+    Thread g (= cta * 256 + t) visits the vectors g, g + S, g + 2S, ... (S = grid_x * 256 threads)
+    and XORs their words; lane 0 of each warp stores the XOR of its 32 threads.
+    """
+    words = np.ascontiguousarray(src).view(np.uint32).ravel()
+    check_stream_read_size(words.size * 4)
+    num_threads = grid_x * STREAM_THREADS
+    vecs = words.reshape(-1, VECTOR_BYTES // 4)
+    pad = (-vecs.shape[0]) % num_threads
+    vecs = np.concatenate([vecs, np.zeros((pad, vecs.shape[1]), np.uint32)])   # 0 is XOR's identity
+    per_thread = np.bitwise_xor.reduce(vecs.reshape(-1, num_threads, vecs.shape[1]), axis=(0, 2))
+    return np.bitwise_xor.reduce(per_thread.reshape(-1, WARP), axis=1)

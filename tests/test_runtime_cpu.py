@@ -263,3 +263,19 @@ def test_probe_specs_have_the_family_protocol():
         assert d["name"] == s.name and len(s.grid(5)) == 3
         assert all(t in ("u64", "u32", "i32", "f32") for _, t in s.params)
         json.dumps(d)
+
+
+def test_stream_read_partials_ref_folds_to_the_whole():
+    rng = np.random.default_rng()
+    src = rng.integers(0, 2**32, size=4 * 3001, dtype=np.uint32)   # a ragged number of vectors
+    parts = probes_ref.stream_read_partials_ref(src, grid_x=2)
+    assert parts.shape == (2 * 256 // 32,)
+    assert probes_ref.xor_fold_u32(parts) == probes_ref.stream_read_ref(src)
+    # warp 0's partial: threads 0..31, each visiting vectors t, t + 512, t + 1024, ...
+    vecs = src.reshape(-1, 4)
+    expected = 0
+    for t in range(32):
+        for v in vecs[t::512]:
+            for w in v:
+                expected ^= int(w)
+    assert int(parts[0]) == expected
