@@ -1,4 +1,5 @@
-"""ModelConfig: presets, JSON round trips, every validation error, layer roles, per-rank shapes, Engram."""
+"""ModelConfig: presets, JSON round trips, validation errors, layer roles, rank shapes, Engram."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ def _tiny_dict() -> dict:
 
 
 def _raises(data: dict, *needles: str, exc: type[Exception] = ValueError) -> str:
-    """from_dict(data) must raise `exc` whose message contains every needle (and the source name)."""
+    """from_dict(data) must raise `exc` whose message holds every needle and the source name."""
     with pytest.raises(exc) as info:
         ModelConfig.from_dict(data, source="cfg.json")
     message = str(info.value)
@@ -30,18 +31,27 @@ def _raises(data: dict, *needles: str, exc: type[Exception] = ValueError) -> str
     return message
 
 
-# ---- presets: the numbers of model doc §1.1 and §5 --------------------------------------------------
+# ---- presets: the numbers of model doc §1.1 and §5 -----------------------------------------------
 
 
 def test_v41_flash_preset_matches_the_model_doc():
     c = REAL
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers) == (129280, 5120, 40)
-    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qk_rope_head_dim) == (64, 1, 512, 64)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qk_rope_head_dim) == (
+        64,
+        1,
+        512,
+        64,
+    )
     assert (c.q_lora_rank, c.o_groups, c.o_lora_rank, c.sliding_window) == (1280, 8, 1024, 128)
     assert c.compress_ratios == (0, 0) + (2,) * 18 + (1,) * 20 + (0,) * 3
     assert c.kv_source_layer_ids == (2, 8, 14, 20)
     assert c.index_source_layer_ids == (2, 8, 14, 20, 24, 28, 32, 36)
-    assert (c.candidate_source_layer_id, c.candidate_topk_blocks, c.candidate_block_size) == (20, 2048, 8)
+    assert (c.candidate_source_layer_id, c.candidate_topk_blocks, c.candidate_block_size) == (
+        20,
+        2048,
+        8,
+    )
     assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (32, 128, 512)
     assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts) == (384, 6, 1)
     assert c.moe_intermediate_size == c.dspark_moe_intermediate_size == 2304
@@ -53,12 +63,25 @@ def test_v41_flash_preset_matches_the_model_doc():
     assert c.engram_layer_ids == (1, 14)
     assert (c.engram_max_ngram_size, c.engram_n_heads, c.engram_head_dim) == (4, 8, 256)
     assert (c.engram_vocab_size, c.engram_compressed_vocab_size, c.engram_pad_token_id) == (
-        16_000_000, 99092, 2)
-    assert (c.num_nextn_predict_layers, c.dspark_block_size, c.dspark_noise_token_id) == (3, 5, 128799)
+        16_000_000,
+        99092,
+        2,
+    )
+    assert (c.num_nextn_predict_layers, c.dspark_block_size, c.dspark_noise_token_id) == (
+        3,
+        5,
+        128799,
+    )
     assert c.dspark_target_layer_ids == (37, 38, 39)
-    assert (c.dspark_markov_rank, c.dspark_n_routed_experts, c.dspark_num_experts_per_tok) == (256, 128, 3)
+    assert (c.dspark_markov_rank, c.dspark_n_routed_experts, c.dspark_num_experts_per_tok) == (
+        256,
+        128,
+        3,
+    )
     assert c.tie_word_embeddings is False
-    assert c.quantization_config == QuantizationConfig("fp8", "dynamic", "e4m3", "ue8m0", (32, 32), "fp4")
+    assert c.quantization_config == QuantizationConfig(
+        "fp8", "dynamic", "e4m3", "ue8m0", (32, 32), "fp4"
+    )
 
 
 def test_derived_numbers():
@@ -70,19 +93,40 @@ def test_derived_numbers():
 
 def test_tiny_preset_matches_the_model_doc():
     c = TINY
-    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (1024, 256, 10, 16)
-    assert (c.head_dim, c.qk_rope_head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank) == (512, 64, 256, 8, 128)
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (
+        1024,
+        256,
+        10,
+        16,
+    )
+    assert (c.head_dim, c.qk_rope_head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank) == (
+        512,
+        64,
+        256,
+        8,
+        128,
+    )
     assert c.sliding_window == 16
     assert c.compress_ratios == (0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0)
     assert (c.kv_source_layer_ids, c.index_source_layer_ids) == ((2, 4, 6), (2, 4, 6, 8))
-    assert (c.candidate_source_layer_id, c.candidate_topk_blocks, c.candidate_block_size) == (6, 4, 8)
+    assert (c.candidate_source_layer_id, c.candidate_topk_blocks, c.candidate_block_size) == (
+        6,
+        4,
+        8,
+    )
     assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (4, 128, 16)
     assert (c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (16, 6, 384)
     assert (c.engram_layer_ids, c.engram_head_dim, c.engram_vocab_size) == ((1, 4), 32, 1000)
     assert (c.engram_compressed_vocab_size, c.engram_pad_token_id) == (1024, 2)
-    assert (c.dspark_noise_token_id, c.dspark_target_layer_ids, c.dspark_markov_rank) == (1023, (7, 8, 9), 32)
+    assert (c.dspark_noise_token_id, c.dspark_target_layer_ids, c.dspark_markov_rank) == (
+        1023,
+        (7, 8, 9),
+        32,
+    )
     assert (c.dspark_n_routed_experts, c.dspark_num_experts_per_tok) == (8, 3)
-    assert c.rope_scaling.original_max_position_embeddings == 64 and c.max_position_embeddings == 1024
+    assert (
+        c.rope_scaling.original_max_position_embeddings == 64 and c.max_position_embeddings == 1024
+    )
 
 
 def test_unknown_preset_names_the_choices():
@@ -90,7 +134,7 @@ def test_unknown_preset_names_the_choices():
         ModelConfig.preset("v4")
 
 
-# ---- JSON round trips and the multimodal wrapper -----------------------------------------------------
+# ---- JSON round trips and the multimodal wrapper -------------------------------------------------
 
 
 @pytest.mark.parametrize("cfg", [REAL, TINY], ids=["v41-flash", "tiny"])
@@ -124,7 +168,9 @@ def test_multimodal_wrapper_is_accepted(tmp_path):
 
 def dataclass_fields_equal(a: ModelConfig, b: ModelConfig, skip: set[str]) -> bool:
     da, db = a.to_dict(), b.to_dict()
-    return {k: v for k, v in da.items() if k not in skip} == {k: v for k, v in db.items() if k not in skip}
+    return {k: v for k, v in da.items() if k not in skip} == {
+        k: v for k, v in db.items() if k not in skip
+    }
 
 
 def test_wrapper_and_text_config_must_agree():
@@ -161,11 +207,13 @@ def test_bad_files(tmp_path):
         ModelConfig.from_json(listing)
 
 
-# ---- key-level errors ---------------------------------------------------------------------------------
+# ---- key-level errors ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", [k for k in _tiny_dict() if k not in
-                                 ("engram_num_embeddings", "dspark_moe_intermediate_size")])
+@pytest.mark.parametrize(
+    "key",
+    [k for k in _tiny_dict() if k not in ("engram_num_embeddings", "dspark_moe_intermediate_size")],
+)
 def test_every_missing_required_key_is_named(key, tmp_path):
     data = _tiny_dict()
     del data[key]
@@ -186,16 +234,28 @@ def test_unknown_keys_are_named():
 
 
 def test_fixed_value_keys():
-    assert ModelConfig.from_dict({**_tiny_dict(), "num_hash_layers": 0, "hidden_act": "silu"}) == TINY
+    assert (
+        ModelConfig.from_dict({**_tiny_dict(), "num_hash_layers": 0, "hidden_act": "silu"}) == TINY
+    )
     _raises({**_tiny_dict(), "num_hash_layers": 3}, "num_hash_layers = 3", "V4.1")
     _raises({**_tiny_dict(), "expert_dtype": "fp8"}, "expert_dtype = 'fp8'")
 
 
-@pytest.mark.parametrize("key, value", [
-    ("hidden_size", 256.0), ("hidden_size", "256"), ("hidden_size", True), ("norm_topk_prob", 1),
-    ("scoring_func", 3), ("rms_norm_eps", "1e-20"), ("compress_ratios", 2), ("engram_layer_ids", [1, 4.0]),
-    ("rope_scaling", [16]), ("quantization_config", "fp8"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("hidden_size", 256.0),
+        ("hidden_size", "256"),
+        ("hidden_size", True),
+        ("norm_topk_prob", 1),
+        ("scoring_func", 3),
+        ("rms_norm_eps", "1e-20"),
+        ("compress_ratios", 2),
+        ("engram_layer_ids", [1, 4.0]),
+        ("rope_scaling", [16]),
+        ("quantization_config", "fp8"),
+    ],
+)
 def test_wrong_types_are_named(key, value):
     _raises({**_tiny_dict(), key: value}, key, exc=TypeError)
 
@@ -208,18 +268,20 @@ def test_rope_type_alias():
     _raises(data, "rope_scaling: type 'linear' differs from rope_type 'yarn'")
 
 
-# ---- validation: every rule raises with the key in the message --------------------------------------
+# ---- validation: every rule raises with the key in the message -----------------------------------
 
 
 def _set(**changes):
     def mutate(d):
         d.update(changes)
+
     return mutate
 
 
 def _set_in(section, **changes):
     def mutate(d):
         d[section].update(changes)
+
     return mutate
 
 
@@ -230,6 +292,7 @@ def _ratios(ratios, kv=None, index=None):
             d["kv_source_layer_ids"] = kv
         if index is not None:
             d["index_source_layer_ids"] = index
+
     return mutate
 
 
@@ -237,39 +300,62 @@ TINY_RATIOS = [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0]
 
 INVALID = {
     "ratios too short": (_ratios(TINY_RATIOS[:-1]), ["compress_ratios has 12 entries", "= 13"]),
-    "ratio 4 (V4 CSA)": (_ratios(TINY_RATIOS[:3] + [4] + TINY_RATIOS[4:]),
-                         ["compress_ratios", "(3, 4)", "(0, 1, 2)"]),
+    "ratio 4 (V4 CSA)": (
+        _ratios(TINY_RATIOS[:3] + [4] + TINY_RATIOS[4:]),
+        ["compress_ratios", "(3, 4)", "(0, 1, 2)"],
+    ),
     "compressed DSpark stage": (_ratios(TINY_RATIOS[:-1] + [1]), ["DSpark stages [12]"]),
-    "kv source out of range": (_set(kv_source_layer_ids=[2, 4, 6, 10]),
-                               ["kv_source_layer_ids", "layer 10 is outside 0..9"]),
-    "kv source not increasing": (_set(kv_source_layer_ids=[4, 2, 6]),
-                                 ["kv_source_layer_ids = [4, 2, 6] must be strictly increasing"]),
-    "index source negative": (_set(index_source_layer_ids=[-1, 2, 4, 6, 8]),
-                              ["index_source_layer_ids", "layer -1 is outside"]),
-    "kv source not compressed": (_set(kv_source_layer_ids=[1, 2, 4, 6],
-                                      index_source_layer_ids=[1, 2, 4, 6, 8]),
-                                 ["kv_source_layer_ids: layers [1] are not compressed"]),
-    "index source not compressed": (_set(index_source_layer_ids=[0, 2, 4, 6, 8]),
-                                    ["index_source_layer_ids: layers [0] are not compressed"]),
-    "kv source without indexer": (_set(index_source_layer_ids=[2, 6, 8]),
-                                  ["kv_source_layer_ids [4] are not in index_source_layer_ids"]),
-    "compressed layer without kv source": (_set(kv_source_layer_ids=[4, 6],
-                                                index_source_layer_ids=[4, 6, 8]),
-                                           ["compressed layers [2, 3] have no kv source"]),
-    "candidate source ratio 2": (_set(candidate_source_layer_id=4),
-                                 ["candidate_source_layer_id = 4 must be a ratio-1 kv source"]),
-    "candidate source not kv": (_set(candidate_source_layer_id=8),
-                                ["candidate_source_layer_id = 8"]),
-    "candidates shorter than top-k": (_set(candidate_topk_blocks=2),
-                                      ["candidate_topk_blocks * candidate_block_size",
-                                       "= 9 < index_topk = 16"]),
+    "kv source out of range": (
+        _set(kv_source_layer_ids=[2, 4, 6, 10]),
+        ["kv_source_layer_ids", "layer 10 is outside 0..9"],
+    ),
+    "kv source not increasing": (
+        _set(kv_source_layer_ids=[4, 2, 6]),
+        ["kv_source_layer_ids = [4, 2, 6] must be strictly increasing"],
+    ),
+    "index source negative": (
+        _set(index_source_layer_ids=[-1, 2, 4, 6, 8]),
+        ["index_source_layer_ids", "layer -1 is outside"],
+    ),
+    "kv source not compressed": (
+        _set(kv_source_layer_ids=[1, 2, 4, 6], index_source_layer_ids=[1, 2, 4, 6, 8]),
+        ["kv_source_layer_ids: layers [1] are not compressed"],
+    ),
+    "index source not compressed": (
+        _set(index_source_layer_ids=[0, 2, 4, 6, 8]),
+        ["index_source_layer_ids: layers [0] are not compressed"],
+    ),
+    "kv source without indexer": (
+        _set(index_source_layer_ids=[2, 6, 8]),
+        ["kv_source_layer_ids [4] are not in index_source_layer_ids"],
+    ),
+    "compressed layer without kv source": (
+        _set(kv_source_layer_ids=[4, 6], index_source_layer_ids=[4, 6, 8]),
+        ["compressed layers [2, 3] have no kv source"],
+    ),
+    "candidate source ratio 2": (
+        _set(candidate_source_layer_id=4),
+        ["candidate_source_layer_id = 4 must be a ratio-1 kv source"],
+    ),
+    "candidate source not kv": (
+        _set(candidate_source_layer_id=8),
+        ["candidate_source_layer_id = 8"],
+    ),
+    "candidates shorter than top-k": (
+        _set(candidate_topk_blocks=2),
+        ["candidate_topk_blocks * candidate_block_size", "= 9 < index_topk = 16"],
+    ),
     "hidden not 32-blocked": (_set(hidden_size=250), ["hidden_size = 250 is not a multiple of 32"]),
     "q_lora not 32-blocked": (_set(q_lora_rank=100), ["q_lora_rank = 100"]),
     "o_lora not 32-blocked": (_set(o_lora_rank=120), ["o_lora_rank = 120"]),
-    "moe inter not 32-blocked": (_set(moe_intermediate_size=400),
-                                 ["moe_intermediate_size = 400 is not a multiple of 32"]),
-    "dspark inter not 32-blocked": (_set(dspark_moe_intermediate_size=400),
-                                    ["dspark_moe_intermediate_size = 400"]),
+    "moe inter not 32-blocked": (
+        _set(moe_intermediate_size=400),
+        ["moe_intermediate_size = 400 is not a multiple of 32"],
+    ),
+    "dspark inter not 32-blocked": (
+        _set(dspark_moe_intermediate_size=400),
+        ["dspark_moe_intermediate_size = 400"],
+    ),
     "index dim not 32-blocked": (_set(index_head_dim=100), ["index_head_dim = 100"]),
     "engram dim not 32-blocked": (_set(engram_head_dim=48), ["engram_head_dim = 48"]),
     "vocab not 32-blocked": (_set(vocab_size=1000), ["vocab_size = 1000 is not a multiple of 32"]),
@@ -277,43 +363,71 @@ INVALID = {
     "rope odd": (_set(qk_rope_head_dim=63), ["qk_rope_head_dim = 63 must be even"]),
     "rope is all of head_dim": (_set(qk_rope_head_dim=512), ["inside head_dim = 512"]),
     "nope not 32-blocked": (_set(head_dim=500), ["head_dim - qk_rope_head_dim (nope) = 436"]),
-    "o_groups does not divide heads": (_set(o_groups=3),
-                                       ["o_groups = 3 does not divide num_attention_heads = 16"]),
+    "o_groups does not divide heads": (
+        _set(o_groups=3),
+        ["o_groups = 3 does not divide num_attention_heads = 16"],
+    ),
     "top-k above experts": (_set(num_experts_per_tok=17), ["num_experts_per_tok = 17 exceeds"]),
-    "dspark top-k above experts": (_set(dspark_num_experts_per_tok=9),
-                                   ["dspark_num_experts_per_tok = 9 exceeds"]),
-    "dspark targets vs stages": (_set(dspark_target_layer_ids=[8, 9]),
-                                 ["dspark_target_layer_ids [8, 9] has 2 entries",
-                                  "num_nextn_predict_layers = 3"]),
-    "dspark target out of range": (_set(dspark_target_layer_ids=[8, 9, 10]),
-                                   ["dspark_target_layer_ids", "layer 10 is outside 0..9"]),
-    "engram layer out of range": (_set(engram_layer_ids=[1, 10]),
-                                  ["engram_layer_ids", "layer 10 is outside"]),
-    "engram rows not the prime walk": (_set(engram_num_embeddings=[25874, 30000]),
-                                       ["engram_num_embeddings [25874, 30000] does not match",
-                                        "[25874, 30058]"]),
-    "engram rows per layer": (_set(engram_num_embeddings=[25874]),
-                              ["engram_num_embeddings [25874] needs one entry per"]),
+    "dspark top-k above experts": (
+        _set(dspark_num_experts_per_tok=9),
+        ["dspark_num_experts_per_tok = 9 exceeds"],
+    ),
+    "dspark targets vs stages": (
+        _set(dspark_target_layer_ids=[8, 9]),
+        ["dspark_target_layer_ids [8, 9] has 2 entries", "num_nextn_predict_layers = 3"],
+    ),
+    "dspark target out of range": (
+        _set(dspark_target_layer_ids=[8, 9, 10]),
+        ["dspark_target_layer_ids", "layer 10 is outside 0..9"],
+    ),
+    "engram layer out of range": (
+        _set(engram_layer_ids=[1, 10]),
+        ["engram_layer_ids", "layer 10 is outside"],
+    ),
+    "engram rows not the prime walk": (
+        _set(engram_num_embeddings=[25874, 30000]),
+        ["engram_num_embeddings [25874, 30000] does not match", "[25874, 30058]"],
+    ),
+    "engram rows per layer": (
+        _set(engram_num_embeddings=[25874]),
+        ["engram_num_embeddings [25874] needs one entry per"],
+    ),
     "engram unigram only": (_set(engram_max_ngram_size=1), ["engram_max_ngram_size = 1"]),
-    "engram pad outside vocab": (_set(engram_pad_token_id=1024),
-                                 ["engram_pad_token_id = 1024 is outside the vocabulary"]),
+    "engram pad outside vocab": (
+        _set(engram_pad_token_id=1024),
+        ["engram_pad_token_id = 1024 is outside the vocabulary"],
+    ),
     "noise token outside vocab": (_set(dspark_noise_token_id=-1), ["dspark_noise_token_id = -1"]),
-    "block 128x128 (V4)": (_set_in("quantization_config", weight_block_size=[128, 128]),
-                           ["quantization_config.weight_block_size = [128, 128]",
-                            "V4.1 numerics only", "[32, 32]"]),
-    "scale e4m3": (_set_in("quantization_config", scale_fmt="e4m3"),
-                   ["quantization_config.scale_fmt = 'e4m3'", "V4.1 numerics only"]),
-    "fp8 experts": (_set_in("quantization_config", expert_dtype="fp8"),
-                    ["quantization_config.expert_dtype = 'fp8'"]),
-    "quant method": (_set_in("quantization_config", quant_method="mxfp4"),
-                     ["quantization_config.quant_method = 'mxfp4'"]),
-    "weight format": (_set_in("quantization_config", fmt="e5m2"),
-                      ["quantization_config.fmt = 'e5m2'"]),
-    "static activations": (_set_in("quantization_config", activation_scheme="static"),
-                           ["quantization_config.activation_scheme = 'static'"]),
+    "block 128x128 (V4)": (
+        _set_in("quantization_config", weight_block_size=[128, 128]),
+        ["quantization_config.weight_block_size = [128, 128]", "V4.1 numerics only", "[32, 32]"],
+    ),
+    "scale e4m3": (
+        _set_in("quantization_config", scale_fmt="e4m3"),
+        ["quantization_config.scale_fmt = 'e4m3'", "V4.1 numerics only"],
+    ),
+    "fp8 experts": (
+        _set_in("quantization_config", expert_dtype="fp8"),
+        ["quantization_config.expert_dtype = 'fp8'"],
+    ),
+    "quant method": (
+        _set_in("quantization_config", quant_method="mxfp4"),
+        ["quantization_config.quant_method = 'mxfp4'"],
+    ),
+    "weight format": (
+        _set_in("quantization_config", fmt="e5m2"),
+        ["quantization_config.fmt = 'e5m2'"],
+    ),
+    "static activations": (
+        _set_in("quantization_config", activation_scheme="static"),
+        ["quantization_config.activation_scheme = 'static'"],
+    ),
     "rope not yarn": (_set_in("rope_scaling", type="linear"), ["rope_scaling.type = 'linear'"]),
     "yarn mscale": (_set_in("rope_scaling", mscale=1.0), ["rope_scaling.mscale = 1.0"]),
-    "yarn factor": (_set_in("rope_scaling", factor=0), ["rope_scaling.factor = 0.0 must be positive"]),
+    "yarn factor": (
+        _set_in("rope_scaling", factor=0),
+        ["rope_scaling.factor = 0.0 must be positive"],
+    ),
     "softmax routing": (_set(scoring_func="softmax"), ["scoring_func = 'softmax'"]),
     "greedy top-k": (_set(topk_method="greedy"), ["topk_method = 'greedy'"]),
     "two kv heads": (_set(num_key_value_heads=2), ["num_key_value_heads = 2"]),
@@ -343,7 +457,9 @@ def _invalid_ratios(draw):
     """Either a wrong length of valid ratios, or the right length with one bad value somewhere."""
     if draw(st.booleans()):
         length = draw(st.integers(0, 30).filter(lambda n: n != 13))
-        return draw(st.lists(st.sampled_from([0, 1, 2]), min_size=length, max_size=length)), "entries"
+        return draw(
+            st.lists(st.sampled_from([0, 1, 2]), min_size=length, max_size=length)
+        ), "entries"
     ratios = list(TINY_RATIOS)
     at = draw(st.integers(0, 12))
     if at >= 10:  # a DSpark stage: any non-zero ratio is wrong there
@@ -362,15 +478,23 @@ def test_random_invalid_compress_ratios_raise(case):
     _raises(data, "compress_ratios", needle)
 
 
-# ---- layer roles: model doc §1.2 (real) and §5 (tiny), layer by layer ----------------------------------
+# ---- layer roles: model doc §1.2 (real) and §5 (tiny), layer by layer ----------------------------
 
 
 def _spec(index, ratio, mode, kv=None, topk=None, engram=False, candidate_source=False):
     return LayerSpec(
-        index=index, ratio=ratio, mode=mode, kv_source=kv, topk_source=topk,
-        owns_compressor=mode == "full", owns_index_keys=mode == "full",
-        has_indexer=mode in ("full", "reindex"), is_candidate_source=candidate_source,
-        uses_candidates=mode == "reindex", has_engram=engram, is_dspark=mode == "draft",
+        index=index,
+        ratio=ratio,
+        mode=mode,
+        kv_source=kv,
+        topk_source=topk,
+        owns_compressor=mode == "full",
+        owns_index_keys=mode == "full",
+        has_indexer=mode in ("full", "reindex"),
+        is_candidate_source=candidate_source,
+        uses_candidates=mode == "reindex",
+        has_engram=engram,
+        is_dspark=mode == "draft",
     )
 
 
@@ -378,12 +502,19 @@ def test_tiny_layer_roles():
     # §5: 0 SWA | 1 SWA+Engram | 2 C2A full | 3 C2A reuse | 4 C2A full+Engram | 5 C2A reuse
     #     6 C1A full+candidates | 7 C1A reuse | 8 C1A reindex(candidate consumer) | 9 C1A reuse
     expected = [
-        _spec(0, 0, "swa"), _spec(1, 0, "swa", engram=True),
-        _spec(2, 2, "full", 2, 2), _spec(3, 2, "reuse", 2, 2),
-        _spec(4, 2, "full", 4, 4, engram=True), _spec(5, 2, "reuse", 4, 4),
-        _spec(6, 1, "full", 6, 6, candidate_source=True), _spec(7, 1, "reuse", 6, 6),
-        _spec(8, 1, "reindex", 6, 8), _spec(9, 1, "reuse", 6, 8),
-        _spec(10, 0, "draft"), _spec(11, 0, "draft"), _spec(12, 0, "draft"),
+        _spec(0, 0, "swa"),
+        _spec(1, 0, "swa", engram=True),
+        _spec(2, 2, "full", 2, 2),
+        _spec(3, 2, "reuse", 2, 2),
+        _spec(4, 2, "full", 4, 4, engram=True),
+        _spec(5, 2, "reuse", 4, 4),
+        _spec(6, 1, "full", 6, 6, candidate_source=True),
+        _spec(7, 1, "reuse", 6, 6),
+        _spec(8, 1, "reindex", 6, 8),
+        _spec(9, 1, "reuse", 6, 8),
+        _spec(10, 0, "draft"),
+        _spec(11, 0, "draft"),
+        _spec(12, 0, "draft"),
     ]
     assert [TINY.layer(i) for i in range(13)] == expected
     assert TINY.layers == tuple(expected)
@@ -415,9 +546,10 @@ def test_layer_index_is_checked():
         TINY.layer(2.0)
 
 
-# ---- per-rank shapes ----------------------------------------------------------------------------------
+# ---- per-rank shapes -----------------------------------------------------------------------------
 
-# tp -> (heads, o_groups, moe_inter, shared_inter, dspark_moe_inter, vocab, q_b_out, wo_b_in, engram)
+# tp -> (heads, o_groups, moe_inter, shared_inter, dspark_moe_inter, vocab, q_b_out, wo_b_in,
+#        engram hash columns)
 REAL_RANKS = {
     1: (64, 8, 2304, 2304, 2304, 129280, 32768, 8192, 24),
     2: (32, 4, 1152, 1152, 1152, 64640, 16384, 4096, 12),
@@ -430,12 +562,23 @@ TINY_RANKS = {
 }
 
 
-@pytest.mark.parametrize("cfg, table", [(REAL, REAL_RANKS), (TINY, TINY_RANKS)], ids=["real", "tiny"])
+@pytest.mark.parametrize(
+    "cfg, table", [(REAL, REAL_RANKS), (TINY, TINY_RANKS)], ids=["real", "tiny"]
+)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_rank_shapes(cfg, table, tp):
     s = cfg.rank_shapes(tp)
-    got = (s.heads, s.o_groups, s.moe_inter, s.shared_inter, s.dspark_moe_inter, s.vocab, s.q_b_out,
-           s.wo_b_in, s.engram_hash_cols)
+    got = (
+        s.heads,
+        s.o_groups,
+        s.moe_inter,
+        s.shared_inter,
+        s.dspark_moe_inter,
+        s.vocab,
+        s.q_b_out,
+        s.wo_b_in,
+        s.engram_hash_cols,
+    )
     assert (s.tp, got) == (tp, table[tp])
     assert [s.vocab_offset(r) for r in range(tp)] == [r * cfg.vocab_size // tp for r in range(tp)]
     with pytest.raises(ValueError, match=f"rank {tp} is outside"):
@@ -448,15 +591,25 @@ def test_unsupported_tp(tp):
         TINY.rank_shapes(tp)
 
 
-@pytest.mark.parametrize("changes, tp, needle", [
-    ({"o_groups": 2, "num_attention_heads": 16}, 4, "tp=4 does not divide o_groups = 2"),
-    ({"num_attention_heads": 6, "o_groups": 2}, 4, "tp=4 does not divide num_attention_heads = 6"),
-    ({"moe_intermediate_size": 64, "dspark_moe_intermediate_size": 128}, 4,
-     "moe_intermediate_size = 64 does not split into whole 32-wide blocks at tp=4"),
-    ({"dspark_moe_intermediate_size": 96}, 2, "dspark_moe_intermediate_size = 96"),
-    ({"vocab_size": 1056}, 2, "vocab_size = 1056"),
-    ({"engram_n_heads": 3}, 2, "tp=2 does not divide Engram hash columns"),
-])
+@pytest.mark.parametrize(
+    "changes, tp, needle",
+    [
+        ({"o_groups": 2, "num_attention_heads": 16}, 4, "tp=4 does not divide o_groups = 2"),
+        (
+            {"num_attention_heads": 6, "o_groups": 2},
+            4,
+            "tp=4 does not divide num_attention_heads = 6",
+        ),
+        (
+            {"moe_intermediate_size": 64, "dspark_moe_intermediate_size": 128},
+            4,
+            "moe_intermediate_size = 64 does not split into whole 32-wide blocks at tp=4",
+        ),
+        ({"dspark_moe_intermediate_size": 96}, 2, "dspark_moe_intermediate_size = 96"),
+        ({"vocab_size": 1056}, 2, "vocab_size = 1056"),
+        ({"engram_n_heads": 3}, 2, "tp=2 does not divide Engram hash columns"),
+    ],
+)
 def test_tp_must_split_widths(changes, tp, needle):
     data = {**_tiny_dict(), **changes}
     del data["engram_num_embeddings"]  # re-derived for the changed Engram heads
@@ -465,7 +618,7 @@ def test_tp_must_split_widths(changes, tp, needle):
         cfg.rank_shapes(tp)
 
 
-# ---- Engram: the prime walk, table rows, offsets, multipliers, rank split -----------------------------
+# ---- Engram: the prime walk, table rows, offsets, multipliers, rank split ------------------------
 
 
 def _sieve_primes_above(start: int, count: int) -> list[int]:
@@ -473,10 +626,10 @@ def _sieve_primes_above(start: int, count: int) -> list[int]:
     limit = start + 64 * count + 1000  # prime gaps near 1.6e7 average ~17, far below 64
     sieve = np.ones(limit + 1, dtype=bool)
     sieve[:2] = False
-    for p in range(2, int(limit ** 0.5) + 1):
+    for p in range(2, int(limit**0.5) + 1):
         if sieve[p]:
-            sieve[p * p::p] = False
-    primes = np.flatnonzero(sieve[start + 1:]) + start + 1
+            sieve[p * p :: p] = False
+    primes = np.flatnonzero(sieve[start + 1 :]) + start + 1
     assert len(primes) >= count
     return [int(p) for p in primes[:count]]
 
@@ -490,8 +643,8 @@ def test_engram_primes_are_one_global_walk(cfg):
         # [layer][order][head] nesting: 3 orders (2-, 3-, 4-gram) of 8 heads each
         nested = cfg.engram_primes[i]
         assert [len(order) for order in nested] == [8, 8, 8]
-        assert [p for order in nested for p in order] == walk[24 * i:24 * (i + 1)]
-        assert cfg.engram_num_embeddings_of(layer) == sum(walk[24 * i:24 * (i + 1)])
+        assert [p for order in nested for p in order] == walk[24 * i : 24 * (i + 1)]
+        assert cfg.engram_num_embeddings_of(layer) == sum(walk[24 * i : 24 * (i + 1)])
 
 
 def test_engram_rows_known_answer():
@@ -501,7 +654,9 @@ def test_engram_rows_known_answer():
     derived = ModelConfig.from_dict(data)
     assert derived.engram_num_embeddings == (384006168, 384016682)
     assert (derived.engram_num_embeddings_of(1), derived.engram_num_embeddings_of(14)) == (
-        384006168, 384016682)
+        384006168,
+        384016682,
+    )
 
 
 @pytest.mark.parametrize("cfg", [REAL, TINY], ids=["real", "tiny"])
@@ -537,13 +692,21 @@ def test_engram_rank_rows_partition_the_table(cfg, tp):
         assert all(ranges[r][1] == ranges[r + 1][0] for r in range(tp - 1))
         cols = 24 // tp
         primes = cfg.engram_primes_flat(layer)
-        assert [b - a for a, b in ranges] == [sum(primes[r * cols:(r + 1) * cols]) for r in range(tp)]
+        assert [b - a for a, b in ranges] == [
+            sum(primes[r * cols : (r + 1) * cols]) for r in range(tp)
+        ]
     with pytest.raises(ValueError, match=f"rank {tp} is outside"):
         cfg.engram_rank_rows(cfg.engram_layer_ids[0], tp, tp)
 
 
 def test_engram_queries_need_an_engram_layer():
-    for query in (TINY.engram_primes_flat, TINY.engram_offsets, TINY.engram_hash_multipliers,
-                  TINY.engram_num_embeddings_of):
-        with pytest.raises(ValueError, match=r"layer 2 has no Engram \(engram_layer_ids \[1, 4\]\)"):
+    for query in (
+        TINY.engram_primes_flat,
+        TINY.engram_offsets,
+        TINY.engram_hash_multipliers,
+        TINY.engram_num_embeddings_of,
+    ):
+        with pytest.raises(
+            ValueError, match=r"layer 2 has no Engram \(engram_layer_ids \[1, 4\]\)"
+        ):
             query(2)
