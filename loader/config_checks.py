@@ -16,6 +16,7 @@ from typing import Any
 QUANT_BLOCK = 32  # FP8 weights: UE8M0 per 32x32 block; MXFP4 experts: UE8M0 per 32 along K
 SUPPORTED_RATIOS = (0, 1, 2)  # V4.1: SWA only, ratio 1 (C1A), ratio 2 (C2A); V4's 4/128 are not
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+NO_CANDIDATE_SOURCE = -1  # candidate_source_layer_id of a config without the two-level indexer
 
 # The only quantization hopdec implements (model doc §1.1, humming-formats §2).
 V41_QUANTIZATION = {
@@ -322,10 +323,12 @@ def _check_topology(cfg: Any) -> None:
             f"(kv_source_layer_ids {list(kv)}, compress_ratios {list(ratios[:num_layers])})"
         )
     cand = cfg.candidate_source_layer_id
+    if cand == NO_CANDIDATE_SOURCE:  # no two-level indexer: every indexer scans all entries
+        return
     if cand not in kv or ratios[cand] != 1:
         raise ValueError(
             f"candidate_source_layer_id = {cand} must be a ratio-1 kv source "
-            f"(kv_source_layer_ids {list(kv)})"
+            f"(kv_source_layer_ids {list(kv)}) or {NO_CANDIDATE_SOURCE} for none"
         )
     blocks, size = cfg.candidate_topk_blocks, cfg.candidate_block_size
     reach = blocks * size - (size - 1)

@@ -710,3 +710,36 @@ def test_engram_queries_need_an_engram_layer():
             ValueError, match=r"layer 2 has no Engram \(engram_layer_ids \[1, 4\]\)"
         ):
             query(2)
+
+
+def test_no_candidate_source():
+    # -1: no two-level indexer (as in a config cut below the candidate source); reindex layers then
+    # scan every entry of their kv source's index keys.
+    cfg = ModelConfig.from_dict({**_tiny_dict(), "candidate_source_layer_id": -1})
+    assert not any(spec.is_candidate_source or spec.uses_candidates for spec in cfg.layers)
+    assert cfg.layer(8).mode == "reindex" and cfg.layer(8).topk_source == 8
+    _raises({**_tiny_dict(), "candidate_source_layer_id": -2}, "candidate_source_layer_id = -2")
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 9, 20, 21, 25])
+def test_configs_cut_to_the_first_layers(num_layers):
+    """What `hopdec synth --layers N` writes: the first N layers of the real model, no DSpark."""
+    d = REAL.to_dict()
+
+    def keep(ids):
+        return [i for i in ids if i < num_layers]
+
+    engram = keep(REAL.engram_layer_ids)
+    d.update(
+        num_hidden_layers=num_layers,
+        compress_ratios=list(REAL.compress_ratios[:num_layers]),
+        kv_source_layer_ids=keep(REAL.kv_source_layer_ids),
+        index_source_layer_ids=keep(REAL.index_source_layer_ids),
+        engram_layer_ids=engram,
+        engram_num_embeddings=list(REAL.engram_num_embeddings[: len(engram)]),
+        num_nextn_predict_layers=0,
+        dspark_target_layer_ids=[],
+        candidate_source_layer_id=20 if num_layers > 20 else -1,
+    )
+    cut = ModelConfig.from_dict(d)
+    assert cut.layers == REAL.layers[:num_layers]
