@@ -13,8 +13,9 @@ Values (chosen so a forward pass stays finite and routes/predicts varied tokens)
 - norms 1 + N(0, 0.05^2); router bias and VL bias N(0, 0.01^2); attn_sink N(0, 0.5^2);
 - mHC: fn ~ N(0, 1/(n D)) so mixes are O(1), scale ~ U(0.3, 0.7), base near 0 for pre/post and
   2*I + N(0, 0.1^2) for comb, so Sinkhorn starts from a diagonal-dominant, well-conditioned matrix.
-- Dense FP8 weights are really quantized (UE8M0 per 32x32 block, the smallest power of two that
-  fits the block amax in 448, RNE).
+- Dense FP8 weights are really quantized (`formats.fp8_block_quantize`: UE8M0 per 32x32 block,
+  the smallest power of two that fits the block amax in 448, RNE); Engram table rows likewise
+  with one scale per row and 32 columns.
 - MXFP4 experts are drawn directly (quantizing 384 x 3 float experts per layer is too slow on two
   cores): codes are i.i.d. with the law of round-to-nearest-E2M1(N(0, 2.2^2)) (what an MX
   quantizer produces for Gaussian weights, whose group amax lands at ~4..8 scale units), and the
@@ -45,6 +46,8 @@ import ml_dtypes
 import numpy as np
 
 from loader.config import ModelConfig
+from loader.formats import E4M3_MAX, fp8_block_quantize, ue8m0_scale_for_amax
+from loader.progress import Progress
 from loader.safetensors import DTYPES, TensorToWrite, write_safetensors
 from loader.schema import BLOCK, Fmt, TensorSpec, checkpoint_schema
 
@@ -93,17 +96,17 @@ def tensor_rng(seed: int, name: str) -> np.random.Generator:
 
 
 def fp8_quantize(w: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """FP8 e4m3 with one UE8M0 scale per (block_rows x 32) block: scale 2^e, e the smallest with
-    amax / 2^e <= 448; codes round to nearest even. Returns (e4m3 [N, K], uint8 [N/br, K/32])."""
+    """FP8 e4m3 + one UE8M0 byte per (block_rows x 32) block, by formats' ceil rule (amax fits 448).
+
+    32x32 is `formats.fp8_block_quantize`; 1x32 (Engram table rows) applies the same rule per row.
+    """
+    if block_rows == BLOCK:
+        return fp8_block_quantize(w)
     n, k = w.shape
-    blocks = w.reshape(n // block_rows, block_rows, k // BLOCK, BLOCK)
-    amax = np.abs(blocks).max(axis=(1, 3)).astype(np.float64)
-    mant, exp = np.frexp(np.maximum(amax, 2.0**-120) / 448.0)
-    e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(amax / 448)), exact
-    e = np.clip(e, -127, 127)
-    inv = np.ldexp(1.0, -e).astype(np.float32)[:, None, :, None]
-    codes = np.clip(blocks * inv, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
-    return codes.reshape(n, k), (e + 127).astype(np.uint8)
+    groups = w.reshape(n, k // BLOCK, BLOCK)
+    scales = ue8m0_scale_for_amax(np.abs(groups).max(axis=-1), E4M3_MAX)
+    inverse = np.ldexp(np.float32(1.0), 127 - scales.astype(np.int32))[..., None]
+    return (groups * inverse).astype(ml_dtypes.float8_e4m3fn).reshape(n, k), scales
 
 
 def _e2m1_code_lut() -> np.ndarray:
@@ -185,24 +188,6 @@ class ValueSource:
 
 
 # ---- writing -------------------------------------------------------------------------------------
-
-
-class Progress:
-    """Rate-limited progress lines on stderr (one per `every` seconds, and a final one)."""
-
-    def __init__(self, label: str, total_bytes: int, enabled: bool = True, every: float = 2.0):
-        self.label, self.total, self.enabled, self.every = label, total_bytes, enabled, every
-        self.done = 0
-        self.start = self.last = time.monotonic()
-
-    def add(self, nbytes: int, note: str = "") -> None:
-        self.done += nbytes
-        now = time.monotonic()
-        if self.enabled and (now - self.last >= self.every or self.done >= self.total):
-            self.last = now
-            rate = self.done / max(now - self.start, 1e-9) / 1e6
-            print(f"{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-                  f"({rate:.0f} MB/s) {note}", file=sys.stderr, flush=True)
 
 
 def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
