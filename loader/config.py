@@ -60,7 +60,15 @@ class QuantizationConfig:
 class LayerSpec:
     """The role of one layer (backbone 0..L-1, DSpark stages L..L+nextn-1) in the cache sharing.
 
-    kv_source: the layer whose compressed cache (and index keys) this layer reads, None for ratio 0.
+    A compressed layer reads the cache of the most recent kv source at or below it with the same
+    ratio, and the top-k of the most recent index source likewise (model doc §1.2). Modes:
+      swa      ratio 0: sliding window only.
+      full     kv source: runs the compressor, publishes its cache and index keys, own indexer.
+      reindex  index source that is not a kv source: own indexer query over kv_source's index keys,
+               masked to the candidate blocks when uses_candidates.
+      reuse    attends to kv_source's cache at topk_source's top-k positions; no indexer.
+      draft    DSpark stage: sliding window only, non-causal inside the draft block.
+    kv_source: the layer whose compressed cache (and index keys) this layer reads; None at ratio 0.
     topk_source: the layer whose top-k positions this layer attends to; itself for full/reindex.
     """
 
@@ -202,11 +210,10 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
         """A named preset: 'v41-flash' (the real model, §1.1) or 'tiny' (the CPU test model, §5)."""
-        path = PRESET_DIR / f"{name}.json"
-        if not path.is_file():
-            known = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+        if name not in known:
             raise ValueError(f"unknown preset {name!r}; expected one of {known}")
-        return cls.from_json(path)
+        return cls.from_json(PRESET_DIR / f"{name}.json")
 
     def to_dict(self) -> dict[str, Any]:
         """A flat text config (JSON-ready: lists, plain dicts) that from_dict reads back equal."""

@@ -132,6 +132,8 @@ def test_tiny_preset_matches_the_model_doc():
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match=r"unknown preset 'v4'.*tiny.*v41-flash"):
         ModelConfig.preset("v4")
+    with pytest.raises(ValueError, match="unknown preset '../presets/tiny'"):
+        ModelConfig.preset("../presets/tiny")
 
 
 # ---- JSON round trips and the multimodal wrapper -------------------------------------------------
@@ -142,7 +144,7 @@ def test_json_round_trip(cfg, tmp_path):
     path = tmp_path / "config.json"
     cfg.to_json(path)
     again = ModelConfig.from_json(path)
-    assert again == cfg
+    assert again == cfg and hash(again) == hash(cfg)  # usable as a cache key
     assert json.loads(path.read_text()) == cfg.to_dict() == again.to_dict()
 
 
