@@ -18,12 +18,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from loader.formats import bf16_round as round_bf16
+
 SCALE_GROUP = 32
-
-
-def round_bf16(values: np.ndarray) -> np.ndarray:
-    """Round to BF16 (nearest even) and return float32."""
-    return np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def ngram_history(tokens: np.ndarray, positions: np.ndarray, max_ngram: int,

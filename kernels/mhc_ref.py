@@ -23,13 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-
-def round_bf16(values: np.ndarray) -> np.ndarray:
-    """Round to BF16 (nearest even) and return float32."""
-    return np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+from loader.formats import bf16_round as round_bf16
 
 
 @dataclass(frozen=True)

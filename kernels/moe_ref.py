@@ -15,17 +15,17 @@ Model doc §2.2 F1-F4 with the stock SM90 (Humming) numerics of humming-formats 
   F4  partial    bf16(Σ_k w_k·y_k + shared): this rank's partial, summed over ranks by AR-2.
 
 Weights arrive dequantized to float32 (exact: FP4/FP8 code x power of two), per rank: the rank's
-slice of I for every expert. "exact" mode (`quantize_acts=False`) skips the FP8 activation rounding.
+slice of I for every expert. The W4A8 arithmetic itself is `loader.formats.w4a8_linear`.
+"exact" mode (`quantize_acts=False`) skips the FP8 activation rounding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-FP8_E4M3_MAX = 448.0
-ACT_GROUP = 128
+from loader.formats import bf16_round as round_bf16
+from loader.formats import w4a8_linear
 
 
 @dataclass(frozen=True)
@@ -42,29 +42,6 @@ class ExpertShard:
 
     w13: np.ndarray
     w2: np.ndarray
-
-
-def round_bf16(values: np.ndarray) -> np.ndarray:
-    """Round to BF16 (nearest even) and return float32."""
-    return np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def quantize_fp8_groups(x: np.ndarray, group: int = ACT_GROUP) -> np.ndarray:
-    """Quantize-dequantize [R, K] per (row, group of `group` along K, last one may be partial).
-
-    Humming DynamicGroup: s = max(amax/448, 1e-30) in fp32 (not a power of two),
-    q = e4m3_rn_satfinite(x · (1/s)); returns q·s as float32.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    out = np.empty_like(x)
-    for start in range(0, x.shape[1], group):
-        block = x[:, start:start + group]
-        amax = np.abs(block).max(axis=1, keepdims=True)
-        scale = np.maximum(amax / np.float32(FP8_E4M3_MAX), np.float32(1e-30)).astype(np.float32)
-        scaled = np.clip(block * (np.float32(1.0) / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        codes = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        out[:, start:start + group] = codes * scale
-    return out
 
 
 def route(x: np.ndarray, gate_weight: np.ndarray, gate_bias: np.ndarray, topk: int,
@@ -91,29 +68,34 @@ def swiglu_clamped(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
     return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
 
 
-def expert_forward(x_act: np.ndarray, shard: ExpertShard, swiglu_limit: float,
+def _linear(x: np.ndarray, weight: np.ndarray, quantize_acts: bool) -> np.ndarray:
+    """W4A8 (loader.formats.w4a8_linear: FP8 per-128 activations, per-group fp32 partials) or,
+    in exact mode, a plain fp32 product; either way rounded to BF16 (the GEMM's c_dtype)."""
+    if quantize_acts:
+        return round_bf16(w4a8_linear(x, weight))
+    return round_bf16(x.astype(np.float32) @ weight.T)
+
+
+def expert_forward(x: np.ndarray, shard: ExpertShard, swiglu_limit: float,
                    quantize_acts: bool) -> np.ndarray:
-    """F2 for one expert: x_act [r, D] (already FP8-rounded when quantizing) -> y [r, D] BF16 values."""
+    """F2 for one expert: x [r, D] BF16 values -> y [r, D] BF16 values."""
     inter = shard.w2.shape[1]
     if shard.w13.shape[0] != 2 * inter:
         raise ValueError(f"expert w13 has {shard.w13.shape[0]} rows, w2 implies 2·{inter}")
-    h13 = round_bf16(x_act @ shard.w13.T)
+    h13 = _linear(x, shard.w13, quantize_acts)
     h = round_bf16(swiglu_clamped(h13[:, :inter], h13[:, inter:], swiglu_limit))
-    if quantize_acts:
-        h = quantize_fp8_groups(h)
-    return round_bf16(h @ shard.w2.T)
+    return _linear(h, shard.w2, quantize_acts)
 
 
 def routed_experts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard],
                    swiglu_limit: float, quantize_acts: bool = True) -> np.ndarray:
     """F2 + combine for one rank: [R, D] -> fp32 [R, D] = Σ_k w_k · y_{e_k} (slot order)."""
-    x_act = quantize_fp8_groups(x) if quantize_acts else x.astype(np.float32)
     rows, topk = routing.experts.shape
     expert_out = np.zeros((rows, topk, x.shape[1]), dtype=np.float32)
     for e in np.unique(routing.experts):
         row_idx, slot_idx = np.nonzero(routing.experts == e)
         expert_out[row_idx, slot_idx] = expert_forward(
-            x_act[row_idx], experts[int(e)], swiglu_limit, quantize_acts)
+            x[row_idx], experts[int(e)], swiglu_limit, quantize_acts)
     combined = np.zeros((rows, x.shape[1]), dtype=np.float32)
     for k in range(topk):
         combined += routing.weights[:, k:k + 1] * expert_out[:, k]

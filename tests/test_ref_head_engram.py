@@ -86,8 +86,9 @@ def test_lookup_dequantizes_fp8_rows_with_ue8m0_scales():
             want = vals * 2.0 ** (np.repeat(scales[row].astype(np.int64), 32) - 127)
             assert np.array_equal(got[r, c], want)
     assert np.array_equal(got, _bf16(got)), "FP8 x power of two is exact in BF16"
-    with pytest.raises(ValueError, match="out of this rank"):
-        engram_ref.lookup(ids, codes, scales, row_offset=101)
+    for bad in (99, 100 + rows):  # one row below, one row past this rank's rows
+        with pytest.raises(ValueError, match="out of this rank"):
+            engram_ref.lookup(np.array([[bad]]), codes, scales, row_offset=100)
 
 
 def test_gate_matches_float64_and_stays_in_zero_one():
