@@ -11,7 +11,10 @@ def sm90_gpu_reason() -> str | None:
         from cuda.bindings import driver as cu
     except Exception as exc:  # noqa: BLE001 - any import failure means no GPU path
         return f"cuda-python not importable: {exc}"
-    err, = cu.cuInit(0)
+    try:
+        err, = cu.cuInit(0)
+    except Exception as exc:  # noqa: BLE001 - no libcuda on this machine
+        return f"no CUDA driver: {exc}"
     if err != cu.CUresult.CUDA_SUCCESS:
         return f"no CUDA driver/GPU (cuInit: {err.name})"
     err, dev = cu.cuDeviceGet(0)
