@@ -49,6 +49,7 @@ _E2M1_ROUNDINGS = ("nearest_even", "nearest_away")
 
 _BF16 = ml_dtypes.bfloat16
 _E4M3 = ml_dtypes.float8_e4m3fn
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(_E4M3).astype(np.float32)  # byte -> value LUT
 _E8M0 = ml_dtypes.float8_e8m0fnu
 
 
@@ -257,11 +258,25 @@ def mxfp4_quantize(w) -> tuple[np.ndarray, np.ndarray]:
 
 def mxfp4_dequantize(packed, scales, *, name: str = "mxfp4") -> np.ndarray:
     """float32 ``fp4(c) * 2^(S-127)`` ``[..., out, in]`` (exact); a NaN scale byte raises."""
-    codes = mxfp4_unpack(packed, name=f"{name} packed")
+    values = _mxfp4_values(packed, f"{name} packed")
     scales = _as_scale_bytes(scales, f"{name} scales")
-    _check_group_scales(codes.shape, scales, MXFP4_GROUP, name)
-    values = e2m1_decode(codes).reshape(*scales.shape, MXFP4_GROUP)
-    return (values * ue8m0_decode(scales)[..., None]).reshape(codes.shape)
+    _check_group_scales(values.shape, scales, MXFP4_GROUP, name)
+    return _scale_groups(values, scales.astype(np.int32) - UE8M0_BIAS)
+
+
+def _mxfp4_values(packed, name: str) -> np.ndarray:
+    """float32 E2M1 values ``[..., in]`` of packed pairs."""
+    return _E2M1_VALUES[mxfp4_unpack(packed, name=name)]
+
+
+def _scale_groups(values: np.ndarray, exponent: np.ndarray) -> np.ndarray:
+    """float32 ``values * 2^exponent`` with one exponent (>= -127) per 32 values along the last axis.
+
+    Exact: fp4 and E4M3 values have at most 4 significant bits, so even 2^-127 scales stay exact.
+    """
+    scale = np.ldexp(np.float32(1.0), exponent)
+    grouped = values.reshape(*exponent.shape, -1) * scale[..., None]
+    return grouped.reshape(values.shape).astype(np.float32, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -325,10 +340,13 @@ def fp8_block_dequantize(w, s, block: int = FP8_BLOCK, *, name: str = "fp8 weigh
     if w.dtype != _E4M3 or w.ndim != 2:
         raise TypeError(f"{name}: expected float8_e4m3fn [N, K], got {w.dtype} {w.shape}")
     row_scales = _fp8_row_scales(w, s, block, name)
-    out = w.astype(np.float32).reshape(w.shape[0], -1, block) * row_scales[..., None]
-    out = out.reshape(w.shape)
-    _require_finite(out, f"{name} (dequantized)")
-    return out
+    raw = w.view(np.uint8)
+    nan = (raw & 0x7F) == 0x7F
+    if nan.any():
+        idx = _first_index(nan)
+        raise ValueError(f"{name}: E4M3 NaN byte 0x{raw[idx]:02X} at index {idx}")
+    values = _E4M3_VALUES[raw].reshape(w.shape[0], -1, block) * row_scales[..., None]
+    return values.reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -428,10 +446,8 @@ def fused_e8m0(packed, scales, r_max: int = FUSED_E8M0_R_MAX, *, name: str = "ex
 
 def fused_e8m0_dequantize(f: FusedE8M0) -> np.ndarray:
     """float32 effective weight ``fp4(c') * 2^(max(S, lo) - 127)`` ``[..., out, in]`` (exact)."""
-    codes = mxfp4_unpack(f.packed, name="FusedE8M0.packed")
     exponent = f.offsets.astype(np.int32) - 1 + f.lo[..., None, None] - UE8M0_BIAS
-    values = e2m1_decode(codes).reshape(*f.offsets.shape, MXFP4_GROUP)
-    return np.ldexp(values, exponent[..., None]).reshape(codes.shape).astype(np.float32)
+    return _scale_groups(_mxfp4_values(f.packed, "FusedE8M0.packed"), exponent)
 
 
 def fused_e8m0_e4m3_bytes(f: FusedE8M0) -> np.ndarray:
@@ -441,10 +457,8 @@ def fused_e8m0_e4m3_bytes(f: FusedE8M0) -> np.ndarray:
     Humming's ``fused_dequant_single_for_mxfp4``); code 8 gives 0x80. ``value * 2^6 * weight_scale_2``
     is the effective weight.
     """
-    codes = mxfp4_unpack(f.packed, name="FusedE8M0.packed")
-    exponent = f.offsets.astype(np.int32) - FUSED_E8M0_EXP_OFFSET
-    values = e2m1_decode(codes).reshape(*f.offsets.shape, MXFP4_GROUP)
-    values = np.ldexp(values, exponent[..., None]).astype(np.float32).reshape(codes.shape)
+    values = _mxfp4_values(f.packed, "FusedE8M0.packed")
+    values = _scale_groups(values, f.offsets.astype(np.int32) - FUSED_E8M0_EXP_OFFSET)
     e4m3 = values.astype(_E4M3)
     assert np.array_equal(e4m3.astype(np.float32), values), "fused E4M3 expansion must be exact"
     return e4m3.view(np.uint8)
@@ -551,6 +565,12 @@ def _effective_expert_weight(weight) -> np.ndarray:
     return weight
 
 
+def _pad_k(a: np.ndarray, group: int) -> np.ndarray:
+    """a ``[R, K]`` zero-padded along K to a whole number of groups (no copy when already whole)."""
+    tail = -a.shape[1] % group
+    return np.pad(a, ((0, 0), (0, tail))) if tail else a
+
+
 def w4a8_linear(x, weight, group: int = ACT_GROUP) -> np.ndarray:
     """float32 ``[M, N]`` of one expert's W4A8 GEMM as SM90 Humming computes it.
 
@@ -565,12 +585,8 @@ def w4a8_linear(x, weight, group: int = ACT_GROUP) -> np.ndarray:
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"w4a8_linear: x {x.shape} and weight {w.shape} must be [M, K] and [N, K]")
     q, scales = quantize_act_fp8(x, group)
-    m, k = x.shape
-    groups = scales.shape[1]
-    xq = np.zeros((m, groups * group), dtype=np.float32)
-    xq[:, :k] = q.astype(np.float32)
-    wp = np.zeros((w.shape[0], groups * group), dtype=np.float32)
-    wp[:, :k] = w
+    xq, wp = _pad_k(q.astype(np.float32), group), _pad_k(w, group)
+    m, groups = scales.shape
     # [G, M, g] @ [G, g, N] -> [G, M, N]: one float32 partial per group.
     partials = np.matmul(xq.reshape(m, groups, group).transpose(1, 0, 2),
                          wp.reshape(-1, groups, group).transpose(1, 2, 0))
