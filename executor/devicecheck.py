@@ -1,0 +1,216 @@
+"""`hopdec devicecheck --out DIR`: every GPU test and every benchmark, one JSON report and a table.
+
+Run on a GPU machine (see docs/device.md). Steps:
+1. `pytest -m gpu tests` in a subprocess with the bundles exported (HOPDEC_BUNDLE = the tiny one,
+   HOPDEC_BUNDLE_V41 = the v41-flash one); the junit XML is parsed into the report. A skipped GPU
+   test counts as a failure here: on the GPU machine nothing may skip.
+2. The registered benchmarks (`executor/benchmarks.py`), in process, each isolated: one that raises
+   is recorded with its error and the others still run.
+3. DIR/report.json (environment, tests, bandwidth rows, metrics) and DIR/table.txt (printed too).
+Exit status 0 only when every GPU test passed, no benchmark failed and every target was met.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+DEFAULT_BUNDLES = ("build/bundle-tiny", "build/bundle-v41-flash-tp4")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="report directory (created)")
+    parser.add_argument("--bundle", action="append", type=Path, default=None,
+                        help=f"kernel bundle dir (repeatable; default: {', '.join(DEFAULT_BUNDLES)})")
+    parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument("--skip-bench", action="store_true", help="GPU tests only")
+    parser.add_argument("--only", action="append", default=None, help="run only these benchmarks")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and reps")
+    parser.add_argument("--test-timeout", type=int, default=300, help="seconds for pytest")
+
+
+def _bundle_configs(paths: list[Path]) -> dict[str, Path]:
+    from executor.bundle import read_manifest
+    found = {}
+    for p in paths:
+        m = read_manifest(p)              # a bad bundle fails here, naming the file
+        found[m.config or p.name] = p
+    return found
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "host": platform.node()}
+    for mod in ("numpy", "cupy", "nvtx", "ml_dtypes", "cuda.bindings"):
+        try:
+            env[mod] = __import__(mod, fromlist=["_"]).__version__
+        except Exception as exc:  # noqa: BLE001 - a missing package is a fact for the report
+            env[mod] = f"unavailable: {type(exc).__name__}: {exc}"
+    try:
+        from executor.cuda import check, driver
+        cu = driver()
+        check(cu.cuInit(0))
+        env["driver_version"] = check(cu.cuDriverGetVersion())
+    except Exception as exc:  # noqa: BLE001
+        env["driver_version"] = f"unavailable: {exc}"
+    return env
+
+
+def run_gpu_tests(out: Path, bundles: dict[str, Path], timeout: int) -> dict:
+    junit = out / "junit.xml"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if "tiny" in bundles:
+        env["HOPDEC_BUNDLE"] = str(bundles["tiny"])
+    if "v41-flash" in bundles:
+        env["HOPDEC_BUNDLE_V41"] = str(bundles["v41-flash"])
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rs", "-p", "no:cacheprovider",
+           f"--junitxml={junit}"]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        log, rc = f"{exc.stdout or ''}{exc.stderr or ''}\npytest timed out after {timeout}s", -1
+    (out / "pytest.log").write_text(log if isinstance(log, str) else log.decode())
+    result = {"returncode": rc, "seconds": round(time.time() - t0, 1), "cases": []}
+    result.update(parse_junit(junit) if junit.is_file() else {"error": "no junit xml written"})
+    return result
+
+
+def parse_junit(path: Path) -> dict:
+    """Counts and per-case outcomes (with the failure/skip message) from a pytest junit XML."""
+    root = ET.parse(path).getroot()
+    cases, counts = [], {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    for tc in root.iter("testcase"):
+        outcome, message = "passed", ""
+        for tag, name in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            node = tc.find(tag)
+            if node is not None:
+                outcome, message = name, (node.get("message") or node.text or "")[:500]
+                break
+        counts[outcome] += 1
+        cases.append({"name": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
+                      "seconds": float(tc.get("time") or 0), "message": message})
+    return {**counts, "cases": cases}
+
+
+def run_benchmarks(bundles: dict[str, Path], only, quick: bool) -> tuple[dict, list, list]:
+    from executor.benchmarks import BENCHMARKS, BenchContext, result_dicts
+    from executor.runtime import Bundle, Device
+
+    status = {}
+    try:
+        dev = Device(0)
+    except Exception as exc:  # noqa: BLE001 - no GPU: the report says so instead of a traceback
+        status["setup"] = {"ok": False, "error": f"no device: {type(exc).__name__}: {exc}"}
+        return status, [], []
+    loaded = {}
+    ctx = None
+    try:
+        loaded = {cfg: Bundle.load(dev, p) for cfg, p in bundles.items()}
+        ctx = BenchContext(dev, dev.stream(), loaded, quick=quick)
+        for name, fn in BENCHMARKS:
+            if only and name not in only:
+                continue
+            t0 = time.time()
+            try:
+                fn(ctx)
+                status[name] = {"ok": True, "seconds": round(time.time() - t0, 1)}
+            except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the rest
+                status[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc()[-3000:]}
+            print(f"benchmark {name}: {'ok' if status[name]['ok'] else status[name]['error']}",
+                  flush=True)
+        bw, metrics = result_dicts(ctx)
+    finally:
+        if ctx is not None:
+            ctx.close()
+        for b in loaded.values():
+            b.close()
+        dev.close()
+    return status, bw, metrics
+
+
+def format_table(report: dict) -> str:
+    lines = []
+    env = report["environment"]
+    lines.append(f"hopdec devicecheck  device={env.get('device', '?')}  "
+                 f"driver={env.get('driver_version')}  cupy={env.get('cupy')}")
+    t = report.get("tests")
+    if t:
+        lines.append(f"GPU tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+                     f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped "
+                     f"({t.get('seconds')} s)")
+        for c in t.get("cases", []):
+            if c["outcome"] != "passed":
+                lines.append(f"  {c['outcome'].upper():8s} {c['name']}: {c['message'][:160]}")
+    if report.get("bandwidth"):
+        lines.append("")
+        lines.append(f"{'kernel':34s} {'case':>10s} {'rows':>7s} {'us':>10s} {'bytes':>13s} "
+                     f"{'GB/s':>8s} {'%4.8TB/s':>9s} {'%stream':>8s}")
+        for r in report["bandwidth"]:
+            ps = f"{r['pct_stream']:.1f}" if r["pct_stream"] is not None else "-"
+            lines.append(f"{r['kernel']:34s} {r['case']:>10s} {r['rows']:>7d} {r['us']:>10.2f} "
+                         f"{r['bytes']:>13d} {r['gbps']:>8.0f} {r['pct_hbm']:>9.1f} {ps:>8s}")
+    if report.get("metrics"):
+        lines.append("")
+        lines.append(f"{'metric':62s} {'value':>10s} {'unit':5s} {'target':>8s} ok")
+        for m in report["metrics"]:
+            ok = "-" if m["ok"] is None else ("yes" if m["ok"] else "NO")
+            lines.append(f"{m['metric']:62s} {m['value']:>10.3f} {m['unit']:5s} "
+                         f"{m['target']:>8s} {ok}")
+    for name, st in report.get("benchmarks", {}).items():
+        if not st["ok"]:
+            lines.append(f"BENCHMARK FAILED {name}: {st['error']}")
+    lines.append(f"overall: {'PASS' if report['ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    paths = args.bundle or [Path(p) for p in DEFAULT_BUNDLES if Path(p, "manifest.json").is_file()]
+    bundles = _bundle_configs(paths)
+    report = {"environment": environment(), "bundles": {k: str(v) for k, v in bundles.items()}}
+    try:
+        from executor.runtime import Device
+        with Device(0) as dev:
+            report["environment"]["device"] = dev.info.name
+            report["environment"]["device_info"] = dev.info.__dict__ | {}
+    except Exception as exc:  # noqa: BLE001
+        report["environment"]["device"] = f"unavailable: {exc}"
+    if not args.skip_tests:
+        report["tests"] = run_gpu_tests(out, bundles, args.test_timeout)
+    if not args.skip_bench:
+        report["benchmarks"], report["bandwidth"], report["metrics"] = run_benchmarks(
+            bundles, args.only, args.quick)
+    tests_ok = args.skip_tests or (report["tests"].get("returncode") == 0
+                                   and report["tests"].get("passed", 0) > 0
+                                   and not report["tests"].get("skipped")
+                                   and not report["tests"].get("failed")
+                                   and not report["tests"].get("errors"))
+    bench_ok = all(st["ok"] for st in report.get("benchmarks", {}).values())
+    targets_ok = all(m["ok"] is not False for m in report.get("metrics", []))
+    report["ok"] = bool(tests_ok and bench_ok and targets_ok)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    table = format_table(report)
+    (out / "table.txt").write_text(table + "\n")
+    print(table)
+    return 0 if report["ok"] else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m executor.devicecheck", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
