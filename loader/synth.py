@@ -20,14 +20,14 @@ Values (chosen so a forward pass stays finite and routes/predicts varied tokens)
   cores): codes are i.i.d. with the law of round-to-nearest-E2M1(N(0, 2.2^2)) (what an MX
   quantizer produces for Gaussian weights, whose group amax lands at ~4..8 scale units), and the
   scale bytes sit at the level of N(0, 1/fan_in) with a -1/0/+1 binade spread plus a sparse tail
-  (1 group in 512) 12..20 binades below, so Humming's fused-E8M0 re-rounding (range > 11) is
+  (1 group in 512, and at least one per tensor) 13..21 binades below, so Humming's fused-E8M0 re-rounding (range > 11) is
   exercised in every expert. The joint law differs from quantized Gaussians only in that codes
   and scales are independent; the marginal laws and the dynamic range are the same.
 
 `--layers N` (N < num_hidden_layers) writes layers 0..N-1 plus embed, norm and head, and a config
 that is the first-N slice: num_hidden_layers = N, compress_ratios[:N], kv/index source and Engram
 layer lists restricted to ids < N (engram_num_embeddings sliced alongside: a prefix of the Engram
-layers keeps its primes), candidate_source_layer_id -1 when the candidate source is cut off, and
+layers keeps its primes), candidate_source_layer_id -1 (NO_CANDIDATE_SOURCE) when the candidate source is cut off, and
 no DSpark (num_nextn_predict_layers 0, no dspark_target_layer_ids): the stages read aux states of
 target layers the slice no longer has. The slice is valid because every role refers only to
 layers at or below it (model doc §1.2).
@@ -46,6 +46,7 @@ import ml_dtypes
 import numpy as np
 
 from loader.config import ModelConfig
+from loader.config_checks import NO_CANDIDATE_SOURCE
 from loader.formats import E4M3_MAX, fp8_block_quantize, ue8m0_scale_for_amax
 from loader.progress import Progress
 from loader.safetensors import DTYPES, TensorToWrite, write_safetensors
@@ -54,7 +55,7 @@ from loader.schema import BLOCK, Fmt, TensorSpec, checkpoint_schema
 INDEX_NAME = "model.safetensors.index.json"
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MXFP4_CODE_STD = 2.2  # code-unit std of the Gaussian that the E2M1 codes are drawn from
-FAR_GROUP_RATE = 1 / 512  # scale groups placed 12..20 binades below their expert's level
+FAR_GROUP_RATE = 1 / 512  # scale groups placed 13..21 binades below the level (range > 11)
 
 
 def slice_config(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
@@ -81,7 +82,7 @@ def slice_config(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
         dspark_target_layer_ids=[],
     )
     if cfg.candidate_source_layer_id >= num_layers:
-        d["candidate_source_layer_id"] = -1
+        d["candidate_source_layer_id"] = NO_CANDIDATE_SOURCE
     return ModelConfig.from_dict(d, source=f"first {num_layers} layers of the config")
 
 
@@ -136,6 +137,7 @@ def mxfp4_scales(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) 
     level = 127 + round(math.log2(fan_in**-0.5 / MXFP4_CODE_STD))
     spread = rng.choice(np.array([-1, 0, 1], np.int16), size=shape, p=[0.25, 0.5, 0.25])
     far = rng.random(shape) < FAR_GROUP_RATE
+    far.flat[rng.integers(far.size)] = True  # at least one per tensor: every expert is exercised
     spread[far] -= rng.integers(13, 22, size=int(far.sum()), dtype=np.int16)
     return (level + spread).astype(np.uint8)
 
