@@ -1,4 +1,4 @@
-"""Device benchmarks for `hopdec devicecheck`: a registry of functions, each adding rows to a report.
+"""Device benchmarks for `hopdec devicecheck`: a registry of functions, each adding report rows.
 
 Adding a benchmark is one registration:
 
@@ -14,10 +14,12 @@ perf_counter medians over batches.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from executor.arena import Arena
+from executor.cuda import check, driver
 from executor.graphs import Graph
 from executor.launch import LaunchSpec
 from executor.nvtx_ranges import Ranges
@@ -69,8 +71,19 @@ class BenchContext:
 
     @property
     def flusher(self) -> L2Flusher:
+        """Sweeps 2x the L2 between reps: a read with the stream-read probe when a bundle has it."""
         if self._flusher is None:
-            self._flusher = L2Flusher(self.device)
+            bundle = self.bundle_with(pr.STREAM_READ.name)
+            reader = None
+            if bundle is not None:
+                kernel = bundle.kernel(pr.STREAM_READ.name)
+                grid_x = self.device.sm_count * pr.STREAM_CTAS_PER_SM
+                parts = 16 * pr.stream_read_partials_count(grid_x)   # tail of the sweep buffer
+
+                def reader(ptr: int, nbytes: int) -> LaunchSpec:
+                    return LaunchSpec(kernel, (grid_x,), (ptr, ptr + nbytes - parts,
+                                                          (nbytes - parts) // 16))
+            self._flusher = L2Flusher(self.device, reader=reader)
         return self._flusher
 
     def bundle_with(self, kernel_prefix: str, prefer=("v41-flash", "tiny")):
@@ -157,7 +170,8 @@ def bench_stream_read(ctx: BenchContext) -> None:
             spec = LaunchSpec(bundle.kernel(pr.STREAM_READ.name), (grid_x,),
                               (arena.ptr("src"), arena.ptr("parts"),
                                pr.check_stream_read_size(size)))
-            us = ctx.cold_median_us(lambda s=spec: s.launch(ctx.stream), reps=20 if ctx.quick else 50)
+            us = ctx.cold_median_us(lambda s=spec: s.launch(ctx.stream),
+                                    reps=20 if ctx.quick else 50)
             row = ctx.bandwidth(pr.STREAM_READ.name, f"{size // MB} MB", 0, us,
                                 pr.stream_read_bytes(size, grid_x))
             best = max(best, row.gbps)
@@ -224,41 +238,145 @@ def bench_host_costs(ctx: BenchContext) -> None:
         ctx.metric("NVTX push+pop (nvtx package missing: no-op)", 0.0, "us", "", False)
 
 
+@benchmark("sync_free")
+def bench_sync_free(ctx: BenchContext) -> None:
+    """Host time to enqueue a 200-node graph behind a 20 ms kernel, and that it returned first."""
+    cu = driver()
+    bundle = ctx.bundle_with(pr.SPIN.name)
+    spin_ns = 20_000_000
+    with Arena(ctx.device, [("out", 8), ("counter", 4)]) as arena:
+        spin = LaunchSpec(bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
+        g = _chain_graph(ctx, bundle, arena.ptr("counter"), 200, True)
+        done = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT))
+        try:
+            ctx.stream.synchronize()
+            t0 = time.perf_counter_ns()
+            spin.launch(ctx.stream)
+            g.launch(ctx.stream)
+            host_us = (time.perf_counter_ns() - t0) / 1e3
+            check(cu.cuEventRecord(done, ctx.stream.cu_handle))
+            running = cu.cuEventQuery(done)[0] == cu.CUresult.CUDA_ERROR_NOT_READY
+            ctx.stream.synchronize()
+            wall_us = (time.perf_counter_ns() - t0) / 1e3
+        finally:
+            check(cu.cuEventDestroy(done))
+            g.close()
+    ctx.metric("host time: enqueue 20 ms spin + 200-node graph", host_us, "us", "< 200 us",
+               host_us < 200.0 and running)
+    ctx.metric("wall time until that work completed", wall_us, "us")
+
+
 # ---- model kernels -----------------------------------------------------------------------------
+
+DECODE_ROWS = (1, 8, 64, 192)
+
+
+def _sweep(ctx: BenchContext, bundle, name: str, spec, cases, args_for_rows) -> list:
+    """Time kernel `name` at each (case label, rows), cold L2; one bandwidth row per case."""
+    rows_out = []
+    for case, rows in cases:
+        launch = LaunchSpec(bundle.kernel(name), spec.grid(rows), args_for_rows(rows))
+        us = ctx.cold_median_us(lambda s=launch: s.launch(ctx.stream),
+                                reps=30 if ctx.quick else 60)
+        rows_out.append(ctx.bandwidth(name, case, rows, us, spec.bytes_moved(rows)))
+    return rows_out
+
+
+def _widest(bundle, prefix: str, key: str = "width"):
+    recs = [bundle.manifest.kernels[n] for n in bundle.names() if n.startswith(prefix)]
+    widest = max(r.spec[key] for r in recs)
+    return widest, sorted((r for r in recs if r.spec[key] == widest), key=lambda r: r.name)
+
 
 @benchmark("rmsnorm")
 def bench_rmsnorm(ctx: BenchContext) -> None:
-    """RMSNorm over 1 MB .. 256 MB of input at the widest width built (D=5120 on v41-flash)."""
+    """RMSNorm at decode rows and over 1 MB .. 256 MB of input, widest width built (5120)."""
     from kernels import norm_ref
 
     bundle = ctx.bundle_with("rmsnorm_")
     if bundle is None:
         raise LookupError("no bundle has an rmsnorm kernel")
-    recs = [bundle.manifest.kernels[n] for n in bundle.names() if n.startswith("rmsnorm_")]
-    width = max(r.spec["width"] for r in recs)
+    width, recs = _widest(bundle, "rmsnorm_")
     sizes = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
     if ctx.quick:
         sizes = [1 * MB, 64 * MB]
-    max_rows = sizes[-1] // (2 * width)
+    cases = [(f"{r} rows", r) for r in DECODE_ROWS]
+    cases += [(f"{size // MB} MB in", size // (2 * width)) for size in sizes]
+    max_rows = max(r for _, r in cases)
     reqs = [("x", max_rows * width * 2, f"bf16 [{max_rows}, {width}]"),
             ("out", max_rows * width * 2, f"bf16 [{max_rows}, {width}]"),
             ("weight", width * 4, f"bf16/f32 [{width}]")]
     with Arena(ctx.device, reqs) as arena:
         fill_random_bf16(arena, "x")
         fill_random_bf16(arena, "weight")
-        for rec in sorted((r for r in recs if r.spec["width"] == width), key=lambda r: r.name):
+        for rec in recs:
             spec = norm_ref.make_spec(width, rec.spec["weight_dtype"])
-            for size in sizes:
-                rows = size // (2 * width)
-                launch = LaunchSpec(bundle.kernel(rec.name), spec.grid(rows),
-                                    (arena.ptr("x"), arena.ptr("weight"), arena.ptr("out"),
-                                     rows, 1e-6))
-                us = ctx.cold_median_us(lambda s=launch: s.launch(ctx.stream), reps=50)
-                row = ctx.bandwidth(rec.name, f"{size // MB} MB in", rows, us,
-                                    norm_ref.rmsnorm_bytes(rows, width, rec.spec["weight_dtype"]))
-                if size >= 64 * MB and row.pct_stream is not None:
-                    ctx.metric(f"{rec.name} at {size // MB} MB: % of streaming bandwidth",
+            rows = _sweep(ctx, bundle, rec.name, spec, cases, lambda n: (
+                arena.ptr("x"), arena.ptr("weight"), arena.ptr("out"), n, 1e-6))
+            for row in rows:
+                if row.case.endswith("MB in") and row.bytes >= 128 * MB and row.pct_stream:
+                    ctx.metric(f"{rec.name} at {row.case}: % of streaming bandwidth",
                                row.pct_stream, "%", ">= 80%", row.pct_stream >= 80.0)
+
+
+@benchmark("residual_add")
+def bench_residual_add(ctx: BenchContext) -> None:
+    """Residual add (fp32 or bf16 a + bf16 b -> bf16) at decode rows and 64 / 256 MB of a."""
+    from kernels import elementwise_ref
+
+    bundle = ctx.bundle_with("residual_add_")
+    if bundle is None:
+        raise LookupError("no bundle has a residual_add kernel")
+    width, recs = _widest(bundle, "residual_add_")
+    cases = [(f"{r} rows", r) for r in DECODE_ROWS]
+    sizes_mb = (64,) if ctx.quick else (64, 256)
+    cases += [(f"{mb} MB a32", mb * MB // (4 * width)) for mb in sizes_mb]
+    max_rows = max(r for _, r in cases)
+    reqs = [("a", max_rows * width * 4, f"f32 [{max_rows}, {width}]"),
+            ("b", max_rows * width * 2, f"bf16 [{max_rows}, {width}]"),
+            ("out", max_rows * width * 2, f"bf16 [{max_rows}, {width}]")]
+    with Arena(ctx.device, reqs) as arena:
+        fill_random_bf16(arena, "a")
+        fill_random_bf16(arena, "b")
+        for rec in recs:
+            spec = elementwise_ref.make_spec(width, rec.spec["a_dtype"])
+            _sweep(ctx, bundle, rec.name, spec, cases, lambda n: (
+                arena.ptr("a"), arena.ptr("b"), arena.ptr("out"), n))
+
+
+@benchmark("rope")
+def bench_rope(ctx: BenchContext) -> None:
+    """RoPE (every variant of the widest head count) at decode rows and 4096 / 32768 rows."""
+    import cupy as cp
+
+    from kernels import rope_ref
+
+    bundle = ctx.bundle_with("rope_")
+    if bundle is None:
+        raise LookupError("no bundle has a rope kernel")
+    heads, recs = _widest(bundle, "rope_", key="heads")
+    head_dim = recs[0].spec["head_dim"]
+    num_positions = 65536
+    cases = [(f"{r} rows", r) for r in DECODE_ROWS + ((4096,) if ctx.quick else (4096, 32768))]
+    max_rows = max(r for _, r in cases)
+    xbytes = max_rows * heads * head_dim * 2
+    reqs = [("x", xbytes, f"bf16 [{max_rows}, {heads}, {head_dim}]"), ("out", xbytes),
+            ("table", rope_ref.table_bytes(num_positions), f"f32 [{num_positions}, 32, 2]"),
+            ("positions", max_rows * 4, f"i32 [{max_rows}]")]
+    with Arena(ctx.device, reqs) as arena:
+        fill_random_bf16(arena, "x")
+        fill_random_bf16(arena, "out")
+        arena.view("table", "float32")[:] = cp.random.uniform(-1, 1, arena.nbytes("table") // 4,
+                                                              dtype=cp.float32)
+        arena.view("positions", "int32")[:] = cp.random.randint(0, num_positions, max_rows,
+                                                                dtype=cp.int32)
+        cp.cuda.Device().synchronize()
+        for rec in recs:
+            s = rec.spec
+            spec = rope_ref.make_spec(s["heads"], s["head_dim"], s["inverse"], s["in_place"])
+            io = (arena.ptr("x"),) if s["in_place"] else (arena.ptr("x"), arena.ptr("out"))
+            _sweep(ctx, bundle, rec.name, spec, cases, lambda n, io=io: io + (
+                arena.ptr("table"), arena.ptr("positions"), n, num_positions))
 
 
 def result_dicts(ctx: BenchContext) -> tuple[list[dict], list[dict]]:

@@ -103,7 +103,7 @@ def read_manifest(bundle_dir) -> Manifest:
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / "manifest.json"
     if not path.is_file():
-        raise BundleError(f"{path}: no manifest.json (build the bundle with python -m kernels.build)")
+        raise BundleError(f"{path}: no manifest.json (build it with python -m kernels.build)")
     try:
         doc = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -111,7 +111,8 @@ def read_manifest(bundle_dir) -> Manifest:
     if not isinstance(doc, dict):
         raise BundleError(f"{path}: top level must be an object")
     if doc.get("format") != MANIFEST_FORMAT:
-        raise BundleError(f"{path}: format {doc.get('format')!r}, this runtime reads {MANIFEST_FORMAT}")
+        raise BundleError(f"{path}: format {doc.get('format')!r}, "
+                          f"this runtime reads {MANIFEST_FORMAT}")
     if doc.get("arch") != MANIFEST_ARCH:
         raise BundleError(f"{path}: arch {doc.get('arch')!r}, this runtime needs {MANIFEST_ARCH}")
     kernels = doc.get("kernels")

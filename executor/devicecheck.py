@@ -28,7 +28,8 @@ DEFAULT_BUNDLES = ("build/bundle-tiny", "build/bundle-v41-flash-tp4")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="report directory (created)")
     parser.add_argument("--bundle", action="append", type=Path, default=None,
-                        help=f"kernel bundle dir (repeatable; default: {', '.join(DEFAULT_BUNDLES)})")
+                        help="kernel bundle dir (repeatable; default: "
+                             f"{', '.join(DEFAULT_BUNDLES)})")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     parser.add_argument("--skip-bench", action="store_true", help="GPU tests only")
     parser.add_argument("--only", action="append", default=None, help="run only these benchmarks")
@@ -69,8 +70,8 @@ def run_gpu_tests(out: Path, bundles: dict[str, Path], timeout: int) -> dict:
         env["HOPDEC_BUNDLE"] = str(bundles["tiny"])
     if "v41-flash" in bundles:
         env["HOPDEC_BUNDLE_V41"] = str(bundles["v41-flash"])
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rs", "-p", "no:cacheprovider",
-           f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rs",
+           "-p", "no:cacheprovider", f"--junitxml={junit}"]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,

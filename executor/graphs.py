@@ -1,6 +1,6 @@
-"""CUDA graphs: capture a stream's launches once, replay with one cuGraphLaunch; one graph per bucket.
+"""CUDA graphs: capture a stream's launches once, replay them with one cuGraphLaunch, per bucket.
 
-    with Graph.capture(stream) as g:      # THREAD_LOCAL capture: other threads' CUDA calls are legal
+    with Graph.capture(stream) as g:      # THREAD_LOCAL: other threads' CUDA calls stay legal
         spec.launch(stream)               # ... every launch of the step
     g.launch(stream)                      # ~2-4 us of host time, whatever the node count
 

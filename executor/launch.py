@@ -48,7 +48,7 @@ def _check_grid(kernel_name: str, grid) -> tuple[int, int, int]:
 
 
 def pack_params(kernel_name: str, params, args):
-    """Validate args against the ABI and return (ctypes values, void*[] array) kept alive together."""
+    """Check args against the ABI; return (ctypes values, void*[] array), kept alive together."""
     args = tuple(args)
     if len(args) != len(params):
         names = ", ".join(f"{n}:{t}" for n, t in params)

@@ -1,8 +1,8 @@
-"""Benchmark timing: CUDA-event medians on the device, perf_counter medians on the host, L2 flushing.
+"""Benchmark timing: CUDA-event medians on the device, perf_counter medians on the host, L2 flush.
 
 Device time: each rep is bracketed by its own event pair, all reps are queued back to back, then the
 host waits once and reads every pair: the median is robust to the odd slow rep. An optional L2
-flush (a memset of a buffer twice the L2) runs between reps, outside the events, so each timed rep
+flush (a sweep over a buffer twice the L2) runs between reps, outside the events, so each timed rep
 reads its inputs from HBM.
 Host time: the median, over batches, of the wall time of `batch` calls divided by `batch`; the
 device is drained between batches so no call ever blocks on a full launch queue.
@@ -56,16 +56,34 @@ class EventTimer:
 
 
 class L2Flusher:
-    """A device buffer of at least twice the L2; `flush` overwrites it (cuMemsetD32Async)."""
+    """A device buffer of at least twice the L2, swept between timed reps to evict the inputs.
 
-    def __init__(self, device, nbytes: int | None = None):
+    With a `reader` (a callback building a LaunchSpec that reads `nbytes` at `ptr`, e.g. the
+    stream-read probe) the sweep is a read, which leaves the L2 full of clean lines. Without one
+    it is a cuMemsetD32Async, which leaves dirty lines whose write-back then competes with the
+    timed kernel: use it only where no reader exists.
+    """
+
+    def __init__(self, device, nbytes: int | None = None, reader=None):
         cu = driver()
         self.nbytes = nbytes or max(2 * device.info.l2_bytes, 64 << 20)
-        self.nbytes = (self.nbytes + 3) // 4 * 4
+        self.nbytes = (self.nbytes + 255) // 256 * 256
         self._ptr = check(cu.cuMemAlloc(self.nbytes))
         self._value = 0
+        try:
+            self._read = reader(int(self._ptr), self.nbytes) if reader is not None else None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def reads(self) -> bool:
+        return self._read is not None
 
     def flush(self, stream) -> None:
+        if self._read is not None:
+            self._read.launch(stream)
+            return
         self._value = (self._value + 1) & 0xFFFFFFFF   # a new value each time: no shortcut possible
         check(driver().cuMemsetD32Async(self._ptr, self._value, self.nbytes // 4,
                                         stream.cu_handle))

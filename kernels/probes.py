@@ -1,11 +1,11 @@
-"""Runtime probe kernels in the CuTe DSL: streaming read, %globaltimer spin, PDL flag pair, chain step.
+"""Runtime probe kernels in the CuTe DSL: stream read, %globaltimer spin, PDL flag pair, chain step.
 
 ABIs, grid rules and references live in `kernels/probes_ref.py` (the runtime imports only that).
 All kernels take pointers and 32-bit scalars only, so a plain cuLaunchKernelEx launches the cubin.
 
 PDL placement:
 - stream_read / spin wait (`griddepcontrol.wait`) before doing anything an earlier kernel could
-  race with, and trigger their dependents only at exit (implicitly), so they behave like model kernels.
+  race with, and trigger their dependents only at exit (implicitly), like model kernels.
 - pdl_producer triggers `launch_dependents` FIRST, then spins, then publishes the flag: a consumer
   launched with the PDL attribute starts while the producer still spins.
 - pdl_consumer reads the flag BEFORE its wait (what it sees proves or disproves overlap), then waits

@@ -2,13 +2,15 @@
 
 The probes are not model kernels. They measure the machine and prove runtime behaviour:
 
-| kernel            | PTX ABI                                   | does                                          |
-|-------------------|-------------------------------------------|-----------------------------------------------|
-| `probe_stream_read` | (u64 src, u64 partials, u32 num_vectors) | 16-byte loads over src, XOR-folds each warp's words into partials[warp] |
-| `probe_spin`      | (u64 out, u32 spin_ns)                    | spins `spin_ns` on %globaltimer, writes the elapsed ns (i64) to out[0] |
-| `probe_pdl_producer` | (u64 flag, u32 spin_ns, u32 token)     | triggers its dependents, spins, then stores token to flag |
-| `probe_pdl_consumer` | (u64 flag, u64 out, u32 token)         | out[0] = (flag == token) BEFORE griddepcontrol.wait, out[1] = flag after it |
-| `probe_chain_step` | (u64 counter)                            | triggers, waits, then CTA 0 adds 1 to counter[0] (a chain of N steps counts N) |
+- `probe_stream_read (u64 src, u64 partials, u32 num_vectors)`: 16-byte loads over src; each
+  warp XOR-folds its words into partials[warp].
+- `probe_spin (u64 out, u32 spin_ns)`: spins spin_ns on %globaltimer, writes the elapsed ns (i64).
+- `probe_pdl_producer (u64 flag, u32 spin_ns, u32 token)`: triggers its dependents, spins, then
+  stores token to flag.
+- `probe_pdl_consumer (u64 flag, u64 out, u32 token)`: out[0] = (flag == token) BEFORE
+  griddepcontrol.wait, out[1] = flag after it.
+- `probe_chain_step (u64 counter)`: triggers, waits, then CTA 0 adds 1 to counter[0] (a chain of
+  N steps counts N).
 
 The XOR fold is order-free, so the folded partials equal the fold of the whole buffer whatever
 the grid: that is what the stream-read test checks, and it keeps every load live.
@@ -32,7 +34,7 @@ class ProbeSpec:
     """One compiled probe kernel: name, PTX ABI, launch shape."""
 
     name: str
-    kind: str                               # stream_read | spin | pdl_producer | pdl_consumer | chain_step
+    kind: str                               # stream_read|spin|pdl_producer|pdl_consumer|chain_step
     params: tuple[tuple[str, str], ...]     # (name, "u64" | "u32" | "i32" | "f32") in ABI order
     block: tuple[int, int, int]
     grid_x: int                             # default CTAs; the probes take any grid
@@ -84,7 +86,8 @@ def stream_read_bytes(num_bytes: int, grid_x: int = STREAM_READ.grid_x) -> int:
 def check_stream_read_size(num_bytes: int) -> int:
     """Number of 16-byte vectors for a source of num_bytes; rejects what the kernel cannot take."""
     if num_bytes <= 0 or num_bytes % VECTOR_BYTES:
-        raise ValueError(f"stream-read source must be a positive multiple of 16 bytes, got {num_bytes}")
+        raise ValueError(f"stream-read source must be a positive multiple of 16 bytes, "
+                         f"got {num_bytes}")
     num_vectors = num_bytes // VECTOR_BYTES
     if num_vectors >= 2**31:
         raise ValueError(f"stream-read source of {num_bytes} bytes exceeds the i32 vector index")

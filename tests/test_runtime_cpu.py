@@ -150,7 +150,8 @@ def test_launchspec_packs_each_value_at_its_abi_type():
     spec = LaunchSpec(_fake_kernel(), (7,), (ptr, rows, off, eps))
     assert spec.grid == (7, 1, 1)
     slots = (ctypes.c_void_p * 4).from_address(spec._params_addr)
-    got = [ctypes.c_uint64.from_address(slots[0]).value, ctypes.c_uint32.from_address(slots[1]).value,
+    got = [ctypes.c_uint64.from_address(slots[0]).value,
+           ctypes.c_uint32.from_address(slots[1]).value,
            ctypes.c_int32.from_address(slots[2]).value, ctypes.c_float.from_address(slots[3]).value]
     assert got[:3] == [ptr, rows, off]
     assert got[3] == np.float32(eps)

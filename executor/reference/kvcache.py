@@ -21,7 +21,8 @@ Exact mode (`exact=True`) stores float32 [.., 512] / [.., 128] instead of record
 Unwritten memory is poison (0xFF bytes = NaN FP8 and NaN scales; NaN floats): reading it shows up.
 
 Per-step scratch (the GPU's index buffers): `step_topk[l]` [R, topk] int32 entry ids of index source l,
-`step_candidates[l]` [R, blocks] int32 candidate blocks of the candidate source.
+`step_candidates[l]` [R, blocks] int32 candidate blocks of the candidate source, each keyed by the
+step's rows so a stale read raises.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class KVCaches:
     ratios: dict[int, int]  # kv source -> compress ratio
     step_topk: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     step_candidates: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # The last layer's replicated attention half, shared by the rank calls of one step (attention.py).
+    shared_memo: dict = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, cfg, max_seqs: int, max_context: int, page_size: int = 64,
