@@ -282,10 +282,11 @@ def _sweep(ctx: BenchContext, bundle, name: str, spec, cases, args_for_rows) -> 
     return rows_out
 
 
-def _widest(bundle, prefix: str, key: str = "width"):
+def _widest(bundle, prefix: str, size=lambda spec: spec["width"]):
+    """(largest size, the kernels of that size): the variants decode spends most bytes on."""
     recs = [bundle.manifest.kernels[n] for n in bundle.names() if n.startswith(prefix)]
-    widest = max(r.spec[key] for r in recs)
-    return widest, sorted((r for r in recs if r.spec[key] == widest), key=lambda r: r.name)
+    widest = max(size(r.spec) for r in recs)
+    return widest, sorted((r for r in recs if size(r.spec) == widest), key=lambda r: r.name)
 
 
 @benchmark("rmsnorm")
@@ -346,7 +347,7 @@ def bench_residual_add(ctx: BenchContext) -> None:
 
 @benchmark("rope")
 def bench_rope(ctx: BenchContext) -> None:
-    """RoPE (every variant of the widest head count) at decode rows and 4096 / 32768 rows."""
+    """RoPE (every variant of the largest heads x head_dim) at decode rows, 4096, 32768 rows."""
     import cupy as cp
 
     from kernels import rope_ref
@@ -354,8 +355,8 @@ def bench_rope(ctx: BenchContext) -> None:
     bundle = ctx.bundle_with("rope_")
     if bundle is None:
         raise LookupError("no bundle has a rope kernel")
-    heads, recs = _widest(bundle, "rope_", key="heads")
-    head_dim = recs[0].spec["head_dim"]
+    _, recs = _widest(bundle, "rope_", size=lambda spec: spec["heads"] * spec["head_dim"])
+    heads, head_dim = recs[0].spec["heads"], recs[0].spec["head_dim"]
     num_positions = 65536
     cases = [(f"{r} rows", r) for r in DECODE_ROWS + ((4096,) if ctx.quick else (4096, 32768))]
     max_rows = max(r for _, r in cases)
