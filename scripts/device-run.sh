@@ -31,7 +31,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 "$PY" - <<'PYEOF'
 import importlib, sys
 print("python", sys.version.split()[0])
-for name in ("numpy", "ml_dtypes", "cupy", "cuda.bindings", "cuda.core", "nvtx", "nccl", "pytest"):
+for name in ("numpy", "ml_dtypes", "cupy", "cuda.bindings", "cuda.core", "nvtx", "nccl.core",
+             "pytest"):
     try:
         m = importlib.import_module(name)
         print(f"{name:14s} {getattr(m, '__version__', '?'):12s} {getattr(m, '__file__', '')}")
