@@ -1,0 +1,191 @@
+"""GPU tests of RMSNorm, residual add and RoPE against their NumPy references, through the runtime.
+
+Bundles: HOPDEC_BUNDLE (tiny widths) and HOPDEC_BUNDLE_V41 (v41-flash widths); a missing bundle
+skips its cases with the reason. Every case draws fresh inputs, poisons the output with NaN, and
+compares every element. Tolerances:
+- RMSNorm: bitwise. The reference replays the kernel's summation order and its IEEE-rounded
+  div/sqrt/rcp/mul (see kernels/norm_ref.py); squares of bf16 are exact, so fma == mul + add.
+- residual add: bitwise (one fp32 add, one RNE rounding on both sides).
+- RoPE: <= 1 bf16 ulp, and fewer than 1 in 1000 elements off at all: the kernel's fma keeps one
+  product unrounded where the reference rounds the float64 result once, which can flip a bf16
+  rounding only when the fp32 value sits within an fp32 ulp of a bf16 boundary (~2**-16 odds).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.runtime import Arena, Bundle, Device, LaunchSpec
+from kernels import common_ref as cr
+from kernels import elementwise_ref as er
+from kernels import norm_ref as nr
+from kernels import rope_ref as rr
+from loader.config import ModelConfig
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+ROWS = (1, 5, 6, 8, 17, 48, 192)
+LARGE_ROWS = 6553            # 64 MiB of bf16 input at D = 5120
+RNG = np.random.default_rng()
+BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
+           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = Device(0)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module", params=sorted(BUNDLES))
+def setup(request, dev):
+    """(config, bundle) for each bundle present."""
+    env, default = BUNDLES[request.param]
+    path = Path(os.environ.get(env, default))
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
+    bundle = Bundle.load(dev, path)
+    yield ModelConfig.preset(request.param), bundle
+    bundle.close()
+
+
+@pytest.fixture(scope="module")
+def stream(dev):
+    return dev.stream()
+
+
+def _run(dev, stream, bundle, name, grid, buffers: dict, scalars: tuple, outputs: tuple,
+         poison: tuple | None = None):
+    """Upload `buffers` (name -> host array) into one arena, fill `poison` (default: the outputs)
+    with NaN instead, launch `name` with (pointers in dict order) + scalars, return `outputs`."""
+    poison = outputs if poison is None else poison
+    with Arena(dev, [(k, max(v.nbytes, 16)) for k, v in buffers.items()]) as arena:
+        for key, host in buffers.items():
+            view = arena.view(key, np.uint8, (host.nbytes,))
+            if key in poison:
+                view[...] = 0xFF                    # NaN in bf16 and f32
+            else:
+                view[...] = cp.asarray(np.ascontiguousarray(host).view(np.uint8).ravel())
+        cp.cuda.Device().synchronize()
+        ptrs = tuple(arena.ptr(k) for k in buffers)
+        LaunchSpec(bundle.kernel(name), grid, ptrs + scalars, pdl=True).launch(stream)
+        stream.synchronize()
+        return tuple(cp.asnumpy(arena.view(k, np.uint8, (buffers[k].nbytes,)))
+                     .view(buffers[k].dtype).reshape(buffers[k].shape) for k in outputs)
+
+
+def _first_mismatch(got, want) -> str:
+    bad = np.argwhere(got.view(np.uint16) != want.view(np.uint16))
+    if not len(bad):
+        return ""
+    idx = tuple(bad[0])
+    return f"{len(bad)} mismatches, first at {idx}: got {got[idx]} want {want[idx]}"
+
+
+def _rows(width: int):
+    return ROWS + ((LARGE_ROWS * 5120 // width,) if width >= 1280 else ())
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wdtype", nr.WEIGHT_DTYPES)
+def test_rmsnorm_matches_reference_bitwise(dev, stream, setup, wdtype):
+    cfg, bundle = setup
+    for width in nr.norm_widths(cfg):
+        spec = nr.make_spec(width, wdtype)
+        for rows in _rows(width):
+            x = cr.to_bf16(RNG.standard_normal((rows, width)) * RNG.uniform(0.01, 50))
+            x[RNG.integers(0, rows)] = 0                       # an all-zero row
+            w = RNG.uniform(-2, 2, width).astype(np.float32)
+            w = cr.to_bf16(w) if wdtype == "bf16" else w
+            eps = float(RNG.choice([1e-20, cfg.rms_norm_eps, 1e-6]))
+            buffers = {"x": x, "w": w, "y": np.empty_like(x)}
+            y, = _run(dev, stream, bundle, spec.name, spec.grid(rows), buffers,
+                      (rows, eps), ("y",))
+            want = nr.rmsnorm_ref(x, w, eps)
+            assert not np.isnan(y.astype(np.float32)).any(), f"{spec.name} rows={rows}: unwritten"
+            assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (
+                f"{spec.name} rows={rows} eps={eps}: {_first_mismatch(y, want)}")
+
+
+def test_rmsnorm_in_place(dev, stream, setup):
+    cfg, bundle = setup
+    spec = nr.make_spec(cfg.hidden_size, "bf16")
+    rows = 17
+    x = cr.to_bf16(RNG.standard_normal((rows, spec.width)))
+    w = cr.to_bf16(RNG.uniform(-2, 2, spec.width))
+    with Arena(dev, [("x", x.nbytes), ("w", w.nbytes)]) as arena:
+        arena.view("x", np.uint8, (x.nbytes,))[...] = cp.asarray(x.view(np.uint8).ravel())
+        arena.view("w", np.uint8, (w.nbytes,))[...] = cp.asarray(w.view(np.uint8).ravel())
+        cp.cuda.Device().synchronize()
+        args = (arena.ptr("x"), arena.ptr("w"), arena.ptr("x"), rows, 1e-20)
+        LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), args).launch(stream)
+        stream.synchronize()
+        y = cp.asnumpy(arena.view("x", np.uint16, (rows, spec.width))).view(cr.BF16)
+    assert np.array_equal(y.view(np.uint16), nr.rmsnorm_ref(x, w, 1e-20).view(np.uint16))
+
+
+# ---- residual add --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("a_dtype", er.A_DTYPES)
+def test_residual_add_matches_reference_bitwise(dev, stream, setup, a_dtype):
+    cfg, bundle = setup
+    spec = er.make_spec(cfg.hidden_size, a_dtype)
+    for rows in _rows(spec.width):
+        a = (RNG.standard_normal((rows, spec.width)) * 3).astype(np.float32)
+        a = cr.to_bf16(a) if a_dtype == "bf16" else a
+        b = cr.to_bf16(RNG.standard_normal((rows, spec.width)) * 10)
+        out, = _run(dev, stream, bundle, spec.name, spec.grid(rows),
+                    {"a": a, "b": b, "out": np.empty_like(b)}, (rows,), ("out",))
+        want = er.residual_add_ref(a, b)
+        assert np.array_equal(out.view(np.uint16), want.view(np.uint16)), (
+            f"{spec.name} rows={rows}: {_first_mismatch(out, want)}")
+
+
+# ---- RoPE ------------------------------------------------------------------------------------------
+
+def _rope_specs(cfg):
+    heads = cfg.rank_shapes(4).heads
+    for in_place in (True, False):
+        yield rr.make_spec(heads, cfg.head_dim, False, in_place)
+        yield rr.make_spec(heads, cfg.head_dim, True, in_place)
+        yield rr.make_spec(1, cfg.head_dim, False, in_place)
+    yield rr.make_spec(cfg.index_n_heads, cfg.index_head_dim, False, True)
+
+
+@pytest.mark.parametrize("kind", ("plain", "yarn"))
+def test_rope_matches_reference(dev, stream, setup, kind):
+    cfg, bundle = setup
+    num_positions = min(cfg.max_position_embeddings, 1 << 17)   # keeps the table at 32 MiB
+    table = rr.RopeTable.for_ratio(cfg, 1 if kind == "yarn" else 0, num_positions)
+    for spec in _rope_specs(cfg):
+        for rows in ROWS + (2048,):
+            x = cr.to_bf16(RNG.standard_normal((rows, spec.heads, spec.head_dim)) * 4)
+            pos = RNG.integers(0, num_positions, rows).astype(np.int32)
+            pos[RNG.integers(0, rows)] = num_positions - 1                 # the last table row
+            if rows > 5:
+                pos[1] = -1 if rows % 2 else num_positions                  # out of range: NaN
+            io = {"x": x} if spec.in_place else {"x": x, "out": np.empty_like(x)}
+            # In place, x is the output and cannot be poisoned: an unwritten rope dim would keep
+            # its input value, which differs from the rotated reference (positions > 0).
+            got, = _run(dev, stream, bundle, spec.name, spec.grid(rows),
+                        {**io, "table": table.cos_sin, "pos": pos}, (rows, num_positions),
+                        ("x",) if spec.in_place else ("out",), poison=() if spec.in_place else None)
+            want = rr.rope_ref(x, pos, table, spec.inverse)
+            _check_rope(spec.name, rows, got, want, x)
+
+
+def _check_rope(name, rows, got, want, x):
+    g, w = got.astype(np.float32), want.astype(np.float32)
+    nan_g, nan_w = np.isnan(g), np.isnan(w)
+    assert np.array_equal(nan_g, nan_w), f"{name} rows={rows}: NaN positions differ"
+    dist = cr.bf16_ulp_distance(np.where(nan_g, 0, got), np.where(nan_w, 0, want))
+    assert dist.max() <= 1, f"{name} rows={rows}: {_first_mismatch(got, want)}"
+    assert np.count_nonzero(dist) <= max(1, dist.size // 1000), f"{name}: {np.count_nonzero(dist)}"
+    nope = x.shape[-1] - rr.ROPE_DIM
+    assert np.array_equal(got[..., :nope].view(np.uint16), x[..., :nope].view(np.uint16))
