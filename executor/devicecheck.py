@@ -46,19 +46,26 @@ def _bundle_configs(paths: list[Path]) -> dict[str, Path]:
     return found
 
 
+DISTRIBUTIONS = ("numpy", "ml_dtypes", "cupy-cuda13x", "cupy-cuda12x", "cuda-bindings", "cuda-core",
+                 "nvtx", "nccl4py", "nvidia-nccl-cu13", "pytest")
+
+
 def environment() -> dict:
-    env = {"python": platform.python_version(), "host": platform.node()}
-    for mod in ("numpy", "cupy", "nvtx", "ml_dtypes", "cuda.bindings"):
+    """Python, package versions (missing ones said so) and the driver version."""
+    from importlib import metadata
+
+    env = {"python": platform.python_version(), "host": platform.node(), "packages": {}}
+    for dist in DISTRIBUTIONS:
         try:
-            env[mod] = __import__(mod, fromlist=["_"]).__version__
-        except Exception as exc:  # noqa: BLE001 - a missing package is a fact for the report
-            env[mod] = f"unavailable: {type(exc).__name__}: {exc}"
+            env["packages"][dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            env["packages"][dist] = None
     try:
         from executor.cuda import check, driver
         cu = driver()
         check(cu.cuInit(0))
         env["driver_version"] = check(cu.cuDriverGetVersion())
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - no driver is a fact for the report
         env["driver_version"] = f"unavailable: {exc}"
     return env
 
@@ -142,8 +149,10 @@ def run_benchmarks(bundles: dict[str, Path], only, quick: bool) -> tuple[dict, l
 def format_table(report: dict) -> str:
     lines = []
     env = report["environment"]
+    pk = env.get("packages", {})
     lines.append(f"hopdec devicecheck  device={env.get('device', '?')}  "
-                 f"driver={env.get('driver_version')}  cupy={env.get('cupy')}")
+                 f"driver={env.get('driver_version')}  cuda-bindings={pk.get('cuda-bindings')}  "
+                 f"cupy={pk.get('cupy-cuda13x') or pk.get('cupy-cuda12x')}  nvtx={pk.get('nvtx')}")
     t = report.get("tests")
     if t:
         lines.append(f"GPU tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
@@ -151,7 +160,8 @@ def format_table(report: dict) -> str:
                      f"({t.get('seconds')} s)")
         for c in t.get("cases", []):
             if c["outcome"] != "passed":
-                lines.append(f"  {c['outcome'].upper():8s} {c['name']}: {c['message'][:160]}")
+                first = (c["message"].splitlines() or [""])[0]
+                lines.append(f"  {c['outcome'].upper():8s} {c['name']}: {first[:160]}")
     if report.get("bandwidth"):
         lines.append("")
         lines.append(f"{'kernel':34s} {'case':>10s} {'rows':>7s} {'us':>10s} {'bytes':>13s} "

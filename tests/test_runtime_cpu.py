@@ -280,3 +280,32 @@ def test_stream_read_partials_ref_folds_to_the_whole():
             for w in v:
                 expected ^= int(w)
     assert int(parts[0]) == expected
+
+# ---- devicecheck report ----------------------------------------------------------------------
+
+
+def test_devicecheck_parses_junit_and_formats_the_table(tmp_path):
+    from executor.devicecheck import format_table, parse_junit
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.t" name="ok" time="0.5"/>'
+        '<testcase classname="tests.gpu.t" name="bad" time="0.1">'
+        '<failure message="AssertionError: boom&#10;second line">tb</failure></testcase>'
+        '<testcase classname="tests.gpu.t" name="skip" time="0">'
+        '<skipped message="no bundle"/></testcase>'
+        '</testsuite></testsuites>')
+    tests = parse_junit(tmp_path / "j.xml")
+    assert (tests["passed"], tests["failed"], tests["skipped"], tests["errors"]) == (1, 1, 1, 0)
+    assert [c["outcome"] for c in tests["cases"]] == ["passed", "failed", "skipped"]
+    report = {"environment": {"device": "NVIDIA H200", "packages": {}}, "tests": tests,
+              "bandwidth": [{"kernel": "k", "case": "64 MB", "rows": 1, "us": 10.0,
+                             "bytes": 48_000_000, "gbps": 4800.0, "pct_hbm": 100.0,
+                             "pct_stream": None}],
+              "metrics": [{"metric": "m", "value": 0.7, "unit": "us", "target": "< 1 us",
+                           "ok": True}],
+              "benchmarks": {"x": {"ok": False, "error": "E: broke"}}, "ok": False}
+    table = format_table(report)
+    assert "FAILED   tests.gpu.t::bad: AssertionError: boom" in table
+    assert "second line" not in table
+    assert "4800" in table and "100.0" in table and "BENCHMARK FAILED x: E: broke" in table
+    assert table.endswith("overall: FAIL")
