@@ -48,22 +48,26 @@ def swa_positions(positions: np.ndarray, block_start: np.ndarray, block_end: np.
 
 def sparse_mqa(q: np.ndarray, kv: np.ndarray, valid: np.ndarray, sink: np.ndarray,
                round_probs: bool = True) -> np.ndarray:
-    """o [R, H, 512] float32 holding BF16 values; see the module docstring."""
+    """o [R, H, 512] float32 holding BF16 values; see the module docstring.
+
+    Sums run in float64 (exact enough to be order-independent) and the results are rounded where the
+    kernel rounds: P to BF16, o to BF16. The kernel's fp32 sums differ from this by ~1e-6 relative.
+    """
     r, h, d = q.shape
     if kv.ndim != 3 or kv.shape[0] != r or kv.shape[2] != d or valid.shape != kv.shape[:2]:
         raise ValueError(f"sparse_mqa: q {q.shape}, kv {kv.shape}, valid {valid.shape} disagree")
     if sink.shape != (h,):
         raise ValueError(f"sparse_mqa: sink {sink.shape}; expected [{h}]")
-    kv = np.where(valid[:, :, None], kv, np.float32(0)).astype(np.float32)
-    logits = np.matmul(q.astype(np.float32), kv.transpose(0, 2, 1)) * np.float32(SOFTMAX_SCALE)
+    kv = np.where(valid[:, :, None], kv, 0).astype(np.float64)
+    logits = np.matmul(q.astype(np.float64), kv.transpose(0, 2, 1)) * SOFTMAX_SCALE
     logits = np.where(valid[:, None, :], logits, -np.inf)
-    sink = sink.astype(np.float32)[None, :, None]
+    sink = sink.astype(np.float64)[None, :, None]
     m = np.maximum(logits.max(axis=2, keepdims=True), sink)
     e = np.exp(logits - m)
     probs = e / (e.sum(axis=2, keepdims=True) + np.exp(sink - m))
     if round_probs:
-        probs = to_bf16(probs).astype(np.float32)
-    return to_bf16(np.matmul(probs, kv)).astype(np.float32)
+        probs = to_bf16(probs.astype(np.float32)).astype(np.float64)
+    return to_bf16(np.matmul(probs, kv).astype(np.float32)).astype(np.float32)
 
 
 def sparse_mqa_f64(q: np.ndarray, kv: np.ndarray, valid: np.ndarray, sink: np.ndarray) -> np.ndarray:

@@ -51,9 +51,10 @@ def index_scores(q: np.ndarray, weights: np.ndarray, keys: np.ndarray) -> np.nda
             f"index_scores: q {q.shape}, weights {weights.shape}, keys {keys.shape} do not agree "
             f"(expected weights [{r}, {nh}] and keys [N, {d}])"
         )
-    dots = (q.reshape(r * nh, d).astype(np.float32) @ keys.astype(np.float32).T).reshape(r, nh, -1)
+    # float64 sums rounded once: a row's scores do not depend on the scan's other rows or length.
+    dots = (q.reshape(r * nh, d).astype(np.float64) @ keys.astype(np.float64).T).reshape(r, nh, -1)
     np.maximum(dots, 0.0, out=dots)
-    return np.einsum("rhn,rh->rn", dots, weights.astype(np.float32))
+    return np.einsum("rhn,rh->rn", dots, weights.astype(np.float64)).astype(np.float32)
 
 
 def visible_mask(num_visible: np.ndarray, num_entries: int) -> np.ndarray:

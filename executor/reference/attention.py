@@ -6,7 +6,8 @@
       -> per rank: wq_b -> RoPE(q) -> sparse MQA over SWA window + top-k entries (sink)
       -> inverse RoPE -> wo_a (grouped) -> wo_b partial [R, D] float32 (summed over ranks by AR-1)
 
-Rounding (stock SM90): linear outputs and norms are BF16; the compressor and indexer keys stay float32
+Rounding (stock SM90): linear outputs and norms are BF16 (products summed exactly in float64 and
+rounded to float32 first, an order-independent stand-in for fp32 accumulation); the compressor and indexer keys stay float32
 until their records; the query is BF16 after RoPE; attention probabilities BF16 before PV; o BF16.
 `exact=True` (must match `caches.exact`) keeps KV entries and index keys as BF16 values instead of
 records and skips the FP4 index-query quantization; every BF16 rounding stays.
@@ -24,6 +25,7 @@ attn.indexer.{weights_proj,wk,k_norm}.weight.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +56,36 @@ def _rope(x: np.ndarray, positions: np.ndarray, table, inverse: bool = False) ->
     return rope_ref.apply_rope(x, positions, table, inverse=inverse)
 
 
-def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """W8A16: BF16 input values x float32 weights, fp32 accumulation, BF16 output (as float32)."""
-    return bf16_round(x @ w.T)
+# Linear weights as float64, per LayerWeights object (dropped with it).
+_WEIGHTS_F64: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DENSE = ("attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b")
+
+
+def _weight(lw, name: str) -> np.ndarray:
+    """float64 copy of a linear weight (`lw.dense` for FP8 ones, `lw.vector` for the rest)."""
+    cache = _WEIGHTS_F64.setdefault(lw, {})
+    if name not in cache:
+        if name == "attn.compressor.wkv|wgate":
+            w = np.concatenate([lw.vector("attn.compressor.wkv.weight"),
+                                lw.vector("attn.compressor.wgate.weight")])
+        else:
+            w = lw.dense(name) if name in _DENSE else lw.vector(name)
+        cache[name] = w.astype(np.float64)
+    return cache[name]
+
+
+def _dot(x: np.ndarray, w64: np.ndarray) -> np.ndarray:
+    """x @ w^T with exact products summed in float64, rounded once to float32.
+
+    The oracle for the kernels' fp32 accumulation: order-independent, so a row's result does not
+    depend on which other rows share the batch (a verify block equals its rows run one by one).
+    """
+    return (x.astype(np.float64) @ w64.T).astype(np.float32)
+
+
+def _linear(x: np.ndarray, lw, name: str) -> np.ndarray:
+    """W8A16: BF16 input values x dequantized weights, fp32-or-better accumulation, BF16 output."""
+    return bf16_round(_dot(x, _weight(lw, name)))
 
 
 def _norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -96,7 +125,7 @@ def _check_inputs(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg, exac
 
 def insert_swa(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg) -> None:
     """A1 (kv half), kv_norm, RoPE, A6: write the real rows' SWA entries (also DSpark context KV)."""
-    kv = _norm(_linear(x, lw.dense("attn.wkv")), lw.vector("attn.kv_norm.weight"), cfg.rms_norm_eps)
+    kv = _norm(_linear(x, lw, "attn.wkv"), lw.vector("attn.kv_norm.weight"), cfg.rms_norm_eps)
     real = rows.real
     entries = bf16_round(_rope(kv[real], rows.positions[real], rope_for(cfg, lw.spec.ratio)))
     # The record keeps the rope dims as BF16 and quantizes the (BF16) nope dims to FP8.
@@ -130,13 +159,11 @@ def compress(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg) -> None:
     pos = rows.positions[real]
     norm_w = lw.vector("attn.compressor.norm.weight")
     if spec.ratio == 1:
-        score = compressor_ref.project(x[real], lw.vector("attn.compressor.wkv.weight"))
+        score = compressor_ref.project(x[real], _weight(lw, "attn.compressor.wkv.weight"))
         latent = compressor_ref.rmsnorm_f32(score, norm_w, eps)
         _publish(lw, latent, pos, real, rows, caches, cfg)
         return
-    w = np.concatenate([lw.vector("attn.compressor.wkv.weight"),
-                        lw.vector("attn.compressor.wgate.weight")])
-    kv_score = compressor_ref.project(x[real], w)
+    kv_score = compressor_ref.project(x[real], _weight(lw, "attn.compressor.wkv|wgate"))
     lines = rows.state_lines[rows.seq_index[real]]
     ring, ring_pos, rr = caches.ring[spec.index], caches.ring_pos[spec.index], caches.ring_rows
     ring[lines, pos % rr] = kv_score
@@ -163,11 +190,11 @@ def index_topk(lw, x: np.ndarray, qr: np.ndarray, rows: RowBatch, caches: KVCach
     """A3, A10-A12: [R, topk] int32 entry ids of the kv source's cache (-1 padded); also candidates."""
     spec = lw.spec
     nh, hd = cfg.index_n_heads, cfg.index_head_dim
-    q = _linear(qr, lw.dense("attn.indexer.wq_b")).reshape(-1, nh, hd)
+    q = _linear(qr, lw, "attn.indexer.wq_b").reshape(-1, nh, hd)
     q = bf16_round(_rope(q, rows.positions, rope_for(cfg, spec.ratio)))
     if not exact:
         q = indexer_ref.fp4_quantize_dequantize(q)
-    w = _linear(x, lw.vector("attn.indexer.weights_proj.weight")) * np.float32((hd * nh) ** -0.5)
+    w = _linear(x, lw, "attn.indexer.weights_proj.weight") * np.float32((hd * nh) ** -0.5)
     topk = np.full((rows.num_rows, cfg.index_topk), -1, np.int32)
     cands = np.full((rows.num_rows, cfg.candidate_topk_blocks), -1, np.int32)
     prior = None
@@ -234,7 +261,7 @@ def attention_shared(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg,
     """Everything replicated across ranks: cache writes, index top-k and the gathered entries."""
     _check_inputs(lw, x, rows, caches, cfg, exact)
     spec = lw.spec
-    qr = _norm(_linear(x, lw.dense("attn.wq_a")), lw.vector("attn.q_norm.weight"), cfg.rms_norm_eps)
+    qr = _norm(_linear(x, lw, "attn.wq_a"), lw.vector("attn.q_norm.weight"), cfg.rms_norm_eps)
     insert_swa(lw, x, rows, caches, cfg)
     if spec.owns_compressor:
         compress(lw, x, rows, caches, cfg)
@@ -247,22 +274,26 @@ def attention_shared(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg,
     return SharedAttention(qr=qr, kv=kv, valid=valid)
 
 
-def attention_rank(lw, shared: SharedAttention, rows: RowBatch, cfg, tp: int,
-                   rank: int) -> np.ndarray:
-    """A4, A5 (q), A13-A16 on one rank: this rank's wo_b partial [R, D] float32 (not rounded)."""
+def attention_heads(lw, shared: SharedAttention, rows: RowBatch, cfg, tp: int) -> np.ndarray:
+    """A4, A5 (q), A13-A15 on one rank: the wo_b input [R, G_l * o_lora] (BF16 values)."""
     shapes = cfg.rank_shapes(tp)
     r, hd = rows.num_rows, cfg.head_dim
     table = rope_for(cfg, lw.spec.ratio)
-    q = _linear(shared.qr, lw.dense("attn.wq_b")).reshape(r, shapes.heads, hd)
+    q = _linear(shared.qr, lw, "attn.wq_b").reshape(r, shapes.heads, hd)
     q = bf16_round(_rope(q, rows.positions, table))
-    sink = lw.vector("attn.attn_sink")
-    o = attention_ref.sparse_mqa(q, shared.kv, shared.valid, sink)
+    o = attention_ref.sparse_mqa(q, shared.kv, shared.valid, lw.vector("attn.attn_sink"))
     o = bf16_round(_rope(o, rows.positions, table, inverse=True))
-    wo_a = lw.dense("attn.wo_a").reshape(shapes.o_groups, cfg.o_lora_rank, cfg.o_group_in_dim)
-    grouped = o.reshape(r, shapes.o_groups, cfg.o_group_in_dim)
-    z = bf16_round(np.matmul(grouped.transpose(1, 0, 2), wo_a.transpose(0, 2, 1)))  # [G, R, o_lora]
-    z = z.transpose(1, 0, 2).reshape(r, -1)
-    partial = z @ lw.dense("attn.wo_b").T
+    # wo_a: group g of this rank maps its heads' outputs [hpg * 512] to o_lora (block-diagonal).
+    wo_a = _weight(lw, "attn.wo_a").reshape(shapes.o_groups, cfg.o_lora_rank, cfg.o_group_in_dim)
+    grouped = o.reshape(r, shapes.o_groups, cfg.o_group_in_dim).transpose(1, 0, 2)
+    z = bf16_round(np.matmul(grouped.astype(np.float64), wo_a.transpose(0, 2, 1)))  # [G_l, R, o_lora]
+    return z.transpose(1, 0, 2).reshape(r, -1)
+
+
+def attention_rank(lw, shared: SharedAttention, rows: RowBatch, cfg, tp: int,
+                   rank: int) -> np.ndarray:
+    """One rank's wo_b partial [R, D] float32, not rounded (AR-1 sums, then rounds once)."""
+    partial = _dot(attention_heads(lw, shared, rows, cfg, tp), _weight(lw, "attn.wo_b"))
     partial[~rows.real] = 0.0
     return partial
 
