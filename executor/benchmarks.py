@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from executor.arena import Arena
 from executor.cuda import check, driver
-from executor.graphs import Graph
+from executor.graphs import Graph, GraphSet
 from executor.launch import LaunchSpec
 from executor.nvtx_ranges import Ranges
 from executor.timing import EventTimer, L2Flusher, host_cost_us
@@ -227,6 +227,16 @@ def bench_host_costs(ctx: BenchContext) -> None:
                 g.close()
             ctx.metric(f"host cost of one graph launch ({steps} nodes)", us, "us", "< 10 us",
                        us < 10.0)
+        # step()-style: rows -> bucket lookup -> cuGraphLaunch, over all 27 vLLM buckets
+        gs = GraphSet.capture(ctx.stream, lambda rows: spec.launch(ctx.stream))
+        try:
+            rows = iter(range(10**9))
+            us = host_cost_us(lambda: gs.launch(next(rows) % 192 + 1, ctx.stream), drain,
+                              batch=20)
+        finally:
+            gs.close()
+        ctx.metric("host cost of GraphSet.launch(rows) (step()-style)", us, "us", "< 10 us",
+                   us < 10.0)
     ranges = Ranges()
     if ranges.enabled:
         def push_pop():

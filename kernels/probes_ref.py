@@ -4,7 +4,8 @@ The probes are not model kernels. They measure the machine and prove runtime beh
 
 - `probe_stream_read (u64 src, u64 partials, u32 num_vectors)`: 16-byte loads over src; each
   warp XOR-folds its words into partials[warp].
-- `probe_spin (u64 out, u32 spin_ns)`: spins spin_ns on %globaltimer, writes the elapsed ns (i64).
+- `probe_spin (u64 out, u32 spin_ns)`: spins spin_ns (< 2**31) on %globaltimer, writes the
+  elapsed ns (i64) to out[0].
 - `probe_pdl_producer (u64 flag, u32 spin_ns, u32 token)`: triggers its dependents, spins, then
   stores token to flag.
 - `probe_pdl_consumer (u64 flag, u64 out, u32 token)`: out[0] = (flag == token) BEFORE

@@ -309,3 +309,13 @@ def test_devicecheck_parses_junit_and_formats_the_table(tmp_path):
     assert "second line" not in table
     assert "4800" in table and "100.0" in table and "BENCHMARK FAILED x: E: broke" in table
     assert table.endswith("overall: FAIL")
+
+
+def test_nvtx_ranges_push_and_pop_with_the_package():
+    pytest.importorskip("nvtx")
+    from executor.nvtx_ranges import Ranges
+    r = Ranges()
+    assert r.enabled
+    with r.range("layer0"), r.range("rmsnorm"):
+        pass
+    assert set(r._attrs) == {"layer0", "rmsnorm"}     # attributes built once per name

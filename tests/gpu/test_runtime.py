@@ -269,7 +269,6 @@ def test_graphset_replays_the_bucket_of_the_rows(dev, bundle, stream):
 
 def test_every_resource_is_released(bundle):
     """Device memory returns to its starting free amount once everything is closed."""
-    cu = driver()
     dev = Device(0)
     cp.get_default_memory_pool().free_all_blocks()
     dev.synchronize()
@@ -288,8 +287,9 @@ def test_every_resource_is_released(bundle):
     for thing in (g, timer, b, arena, dev):
         thing.close()
         thing.close()                                     # idempotent
-    check(cu.cuCtxSynchronize())
-    leaked = free0 - Device(0).mem_free_bytes()
+    with Device(0) as again:
+        again.synchronize()
+        leaked = free0 - again.mem_free_bytes()
     assert abs(leaked) <= 2 << 20, f"{leaked} bytes not returned"
 
 
