@@ -59,20 +59,30 @@ class DeviceInfo:
 
 
 class Stream:
-    """A non-blocking CUDA stream owned by a Device; `handle` is the raw int (cudaStream_t)."""
+    """A CUDA stream; `handle` is the raw int (cudaStream_t). Owned streams come from
+    `Device.stream()`; `Stream.external(int)` wraps a caller's stream without owning it."""
 
-    def __init__(self, cu_handle):
+    def __init__(self, cu_handle, owned: bool = True):
         self.cu_handle = cu_handle
         self.handle = int(cu_handle)
+        self.owned = owned
+
+    @classmethod
+    def external(cls, handle: int) -> Stream:
+        """Wrap a stream the caller owns (e.g. torch's current stream); close() leaves it alone."""
+        if isinstance(handle, bool) or not isinstance(handle, int) or handle <= 0:
+            raise ValueError(f"external stream handle must be a positive int (never the legacy "
+                             f"default stream 0), got {handle!r}")
+        return cls(driver().CUstream(handle), owned=False)
 
     def synchronize(self) -> None:
         """Host waits for the stream: setup and tests only, never inside a step."""
         check(driver().cuStreamSynchronize(self.cu_handle))
 
     def close(self) -> None:
-        if self.cu_handle is not None:
+        if self.cu_handle is not None and self.owned:
             check(driver().cuStreamDestroy(self.cu_handle))
-            self.cu_handle = None
+        self.cu_handle = None
 
 
 class Device:

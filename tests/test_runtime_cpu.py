@@ -319,3 +319,14 @@ def test_nvtx_ranges_push_and_pop_with_the_package():
     with r.range("layer0"), r.range("rmsnorm"):
         pass
     assert set(r._attrs) == {"layer0", "rmsnorm"}     # attributes built once per name
+
+
+def test_external_stream_is_wrapped_not_owned():
+    from executor.runtime import Stream
+    s = Stream.external(0x7F00_1234)
+    assert s.handle == 0x7F00_1234 and not s.owned
+    s.close()                      # no driver call: the caller owns it
+    assert s.cu_handle is None
+    for bad in (0, -1, True, "0x10"):
+        with pytest.raises(ValueError, match="external stream"):
+            Stream.external(bad)
