@@ -82,7 +82,7 @@ class RmsNormSpec:
     vecs_per_thread: int
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
-    smem_bytes: int = 0                     # dynamic shared memory (cross-warp partials)
+    smem_bytes: int = 0                     # dynamic shared memory (weight, cross-warp totals)
 
     @property
     def rows_per_cta(self) -> int:
@@ -113,8 +113,8 @@ def make_spec(width: int, weight_dtype: str) -> RmsNormSpec:
     threads, vecs = row_geometry(width)
     if CTA_THREADS % threads:
         raise ValueError(f"RMSNorm width {width}: {threads} threads per row do not tile a CTA")
-    # Rows wider than a warp exchange warp totals through 2 slots x warps fp32 of dynamic smem.
-    smem = 2 * 4 * (threads // WARP) if threads > WARP else 0
+    # Dynamic smem: the weight as fp32, then (rows wider than a warp) 2 slots x warps fp32 totals.
+    smem = 4 * width + (2 * 4 * (threads // WARP) if threads > WARP else 0)
     return RmsNormSpec(f"rmsnorm_bf16_d{width}_w{weight_dtype}", width, weight_dtype, threads, vecs,
                        smem_bytes=smem)
 

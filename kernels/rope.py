@@ -79,10 +79,11 @@ class RopeSm90:
                                    chunk, num_positions)
             else:
                 offset = unit * self.head_dim + chunk * VEC
-                if chunk < self.nope_chunks:
+                if chunk < self.nope_chunks:   # staged through registers: 16-byte ld/st
                     layout = cute.make_layout((VEC,))
-                    cute.autovec_copy(cute.make_tensor(x + offset, layout),
-                                      cute.make_tensor(out + offset, layout))
+                    staged = cute.make_rmem_tensor(layout, BFloat16)
+                    cute.autovec_copy(cute.make_tensor(x + offset, layout), staged)
+                    cute.autovec_copy(staged, cute.make_tensor(out + offset, layout))
                 else:
                     self._rotate_chunk(x, out, table, positions, offset, unit // self.heads,
                                        chunk - self.nope_chunks, num_positions)

@@ -22,9 +22,11 @@ Kernel PTX ABI: in place (u64 x, u64 table, u64 positions, u32 rows, u32 num_pos
 out of place (u64 x, u64 out, u64 table, u64 positions, u32 rows, u32 num_positions).
 x is BF16 [rows, heads, head_dim], positions int32 [rows]. A position outside [0, num_positions)
 yields NaN in that row's rotated dims (never an out-of-bounds read).
-Numerics: fp32 math, bf16 out. The kernel's compiler contracts `x0*cos - x1*sin` into an fma;
-the reference evaluates it in float64 (products exact) before rounding, so the two may differ by
-1 bf16 ulp in the rare element whose fp32 result sits on a bf16 rounding boundary.
+Numerics: fp32 math, bf16 out. The compiler picks which product of each output it fuses into an
+fma (seen in PTX: y0 = mul, mul, sub; y1 = fma(x0, s, x1*c)), so the kernel rounds 1 or 2 of the
+products in fp32 where this reference keeps both exact (float64) and rounds once; an output may
+then differ by up to 2**-23 * (|x0| + |x1|) before its bf16 rounding, which cancellation can
+make several bf16 ulps of a small result (the GPU test states that bound).
 Bytes moved: in place rows*heads*64*2*2 + rows*(4 + 256); out of place rows*heads*head_dim*2*2 +
 rows*(4 + 256) (x, y, the position and its table row).
 """

@@ -99,7 +99,7 @@ def test_norm_widths_cover_every_decode_norm():
 
 def test_rmsnorm_grid_and_bytes():
     spec = nr.make_spec(5120, "f32")
-    assert spec.name == "rmsnorm_bf16_d5120_wf32" and spec.smem_bytes == 32
+    assert spec.name == "rmsnorm_bf16_d5120_wf32" and spec.smem_bytes == 5120 * 4 + 32
     assert spec.grid(1) == (1, 1, 1) and spec.grid(10_000) == (spec.max_ctas, 1, 1)
     assert nr.make_spec(128, "bf16").grid(17) == (3, 1, 1)          # 8 rows of 128 per CTA
     assert spec.bytes_moved(6) == 6 * 5120 * 4 + 5120 * 4
