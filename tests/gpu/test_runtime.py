@@ -319,3 +319,18 @@ def test_launchspec_arg_errors_on_a_real_kernel(bundle):
         LaunchSpec(k, (1,), (1 << 20, 1 << 20))
     with pytest.raises(TypeError, match="param 'token'"):
         LaunchSpec(k, (1,), (1 << 20, 1 << 20, 1.0))
+
+
+def test_launch_on_an_external_callers_stream(dev, bundle):
+    """A caller-owned stream (here CuPy's) is wrapped, launched on, and left open by close()."""
+    from executor.runtime import Stream
+    theirs = cp.cuda.Stream(non_blocking=True)
+    with Arena(dev, [("counter", 4)]) as arena:
+        _u32_view(arena, "counter")[:] = 0
+        _cupy_done()
+        s = Stream.external(theirs.ptr)
+        for spec in [_chain(bundle, arena.ptr("counter"), True) for _ in range(3)]:
+            spec.launch(s)
+        s.close()
+        theirs.synchronize()                              # still valid: we did not destroy it
+        assert int(_u32_view(arena, "counter").get()[0]) == 3
