@@ -100,6 +100,9 @@ def _print_doc_comparison(cfg: ModelConfig, specs: list[TensorSpec], tp: int, ou
             ours = backbone[cls] / L
         elif scope == "expert":
             ours = backbone[cls] / experts
+        elif cfg.num_hidden_layers != real.num_hidden_layers and cls not in ("embed", "head"):
+            rows.append((label, scope, "(slice)", f"{doc:,.2f}", "-"))  # whole-model figure
+            continue
         else:
             ours = whole[cls]
         if not ours:
