@@ -35,8 +35,15 @@ def bundle(tmp_path_factory):
         path = Path(env)
     else:
         path = tmp_path_factory.mktemp("bundle")
+        saved = os.environ.get("HOPDEC_CACHE_DIR")
         os.environ["HOPDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-        build.build_bundle("tiny", 4, path, log=_quiet)
+        try:
+            build.build_bundle("tiny", 4, path, log=_quiet)
+        finally:
+            if saved is None:
+                del os.environ["HOPDEC_CACHE_DIR"]
+            else:
+                os.environ["HOPDEC_CACHE_DIR"] = saved
     return path, load_manifest(path)
 
 
