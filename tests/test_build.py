@@ -48,7 +48,7 @@ def bundle(tmp_path_factory):
 
 
 def test_manifest_lists_every_spec_of_every_family(bundle):
-    path, manifest = bundle
+    _, manifest = bundle
     cfg = ModelConfig.preset(manifest["config"])
     assert manifest["arch"] == "sm_90a" and manifest["dsl"].startswith("nvidia-cutlass-dsl")
     expected = {}
