@@ -25,6 +25,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -93,16 +94,17 @@ def _header_entry(path: Path, name: str, entry: object, data_start: int) -> Tens
     return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
-def parse_header(path: Path, head: bytes, file_bytes: int) -> tuple[dict[str, TensorInfo], dict]:
-    """Validate a header against the file size; returns (tensors by name, __metadata__)."""
+def read_header(path: Path, f: BinaryIO, file_bytes: int) -> tuple[dict[str, TensorInfo], dict]:
+    """Read and validate the header of open file `f` against the file size (reads only the
+    header); returns (tensors by name, __metadata__)."""
     if file_bytes < 8:
         raise SafetensorsError(f"{path}: {file_bytes} bytes, too short for a safetensors header")
-    (header_bytes,) = struct.unpack("<Q", head[:8])
+    (header_bytes,) = struct.unpack("<Q", f.read(8))
     if header_bytes > min(MAX_HEADER_BYTES, file_bytes - 8):
         raise SafetensorsError(f"{path}: header length {header_bytes} is impossible for a file of "
                                f"{file_bytes} bytes (limit {MAX_HEADER_BYTES})")
     try:
-        header = json.loads(head[8:8 + header_bytes].decode("utf-8"))
+        header = json.loads(f.read(header_bytes).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SafetensorsError(f"{path}: header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -152,8 +154,7 @@ class SafetensorsFile:
         try:
             with open(path, "rb") as f:
                 file_bytes = os.fstat(f.fileno()).st_size
-                head = f.read(min(file_bytes, 8 + MAX_HEADER_BYTES))
-                tensors, metadata = parse_header(path, head, file_bytes)
+                tensors, metadata = read_header(path, f, file_bytes)
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if file_bytes else None
         except OSError as exc:
             raise SafetensorsError(f"{path}: cannot read: {exc.strerror or exc}") from None

@@ -10,15 +10,12 @@ from loader.checkpoint import INDEX_NAME, MAX_REPORTED, Checkpoint, CheckpointEr
 from loader.config import ModelConfig
 from loader.safetensors import SafetensorsFile, save_arrays
 from loader.schema import checkpoint_schema
-from loader.synth import synth
-
-SHARD_BYTES = 16 << 20  # several shards, so index/shard mismatches can be built
+from tests.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    return synth(ModelConfig.preset("tiny"), tmp_path_factory.mktemp("tiny") / "ckpt", seed=7,
-                 shard_bytes=SHARD_BYTES, progress=False)
+def pristine():
+    return tiny_checkpoint()
 
 
 @pytest.fixture

@@ -9,14 +9,12 @@ from loader.config import ModelConfig
 from loader.formats import fp8_block_dequantize, mxfp4_dequantize
 from loader.schema import Split, checkpoint_schema
 from loader.sharding import rank_nbytes, rank_range, rank_shape, rank_tensors, shard
-from loader.synth import synth
+from tests.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = synth(ModelConfig.preset("tiny"), tmp_path_factory.mktemp("tiny"), seed=3,
-                 progress=False)
-    with Checkpoint.open(path, progress=False) as ck:
+def ckpt():
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ck:
         yield ck
 
 

@@ -14,8 +14,7 @@ from loader.config import ModelConfig
 from loader.formats import fp8_block_dequantize, fused_e8m0, mxfp4_unpack
 from loader.schema import Fmt
 from loader.synth import MXFP4_CODE_STD, ValueSource, slice_config, synth
-
-SEED = 11
+from tests.tiny_checkpoint import SEED, SHARD_BYTES, tiny_checkpoint
 
 
 def _digests(d):
@@ -28,9 +27,8 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory, tiny):
-    return synth(tiny, tmp_path_factory.mktemp("a"), seed=SEED, shard_bytes=16 << 20,
-                 progress=False)
+def ckpt_dir():
+    return tiny_checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +38,9 @@ def ck(ckpt_dir):
 
 
 def test_same_seed_same_bytes_other_seed_differs(ckpt_dir, tiny, tmp_path):
-    again = synth(tiny, tmp_path / "b", seed=SEED, shard_bytes=16 << 20, progress=False)
+    again = synth(tiny, tmp_path / "b", seed=SEED, shard_bytes=SHARD_BYTES, progress=False)
     assert _digests(again) == _digests(ckpt_dir)
-    other = synth(tiny, tmp_path / "c", seed=SEED + 1, shard_bytes=16 << 20, progress=False)
+    other = synth(tiny, tmp_path / "c", seed=SEED + 1, shard_bytes=SHARD_BYTES, progress=False)
     with Checkpoint.open(ckpt_dir, progress=False) as a, Checkpoint.open(other, progress=False) as b:
         same = [n for n in a.names if a.get(n).tobytes() == b.get(n).tobytes()]
         assert len(same) < len(a.names) // 20
@@ -64,7 +62,7 @@ def test_shards_and_index(ckpt_dir, ck):
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in ck.specs.values())
     assert set(index["weight_map"]) == set(ck.names)
     for name, f in ck.files.items():
-        assert f.file_bytes <= (16 << 20) + 65536 or len(f.tensors) == 1, name
+        assert f.file_bytes <= SHARD_BYTES + 65536 or len(f.tensors) == 1, name  # + header
 
 
 def test_layer_slice_is_a_valid_prefix(ck, tiny, tmp_path):
