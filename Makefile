@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.hopdec-installed
 BUNDLE  ?= build/bundle-tiny
 
-.PHONY: demo test venv bundle lint clean
+.PHONY: demo test venv bundle bundles lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 bundle: $(STAMP)
 	$(VPY) -m kernels.build --config tiny --tp 4 --out $(BUNDLE)
+
+# Both bundles the GPU machine needs (carry `build` there; see docs/device.md).
+bundles: bundle
+	$(VPY) -m kernels.build --config v41-flash --tp 4 --out build/bundle-v41-flash-tp4
 
 test: $(STAMP) bundle
 	HOPDEC_BUNDLE=$(BUNDLE) $(VPY) -m pytest -q
