@@ -72,8 +72,8 @@ class Checkpoint:
         files: dict[str, SafetensorsFile] = {}
         try:
             weight_map = _read_weight_map(path, problems)
-            locations = _open_shards(path, weight_map, files, problems)
-            checked = _check_schema(specs, files, locations, problems)
+            locations, lost = _open_shards(path, weight_map, files, problems)
+            checked = _check_schema(specs, files, locations, lost, problems)
             if scan != "none":
                 _scan_values(path, checked, files, locations, scan, progress, problems)
         except BaseException:
@@ -116,12 +116,12 @@ def _close_all(files: dict[str, SafetensorsFile]) -> None:
     files.clear()
 
 
-def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str]:
-    """name -> shard file name, from the index; a single-file checkpoint maps to itself."""
+def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str] | None:
+    """name -> shard file name, from the index; None for a single-file checkpoint."""
     index = path / INDEX_NAME
     if not index.exists():
         if (path / SINGLE_NAME).exists():
-            return {}  # filled from the single file's header
+            return None
         raise CheckpointError(path, [f"neither {INDEX_NAME} nor {SINGLE_NAME} exists"])
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
@@ -140,10 +140,14 @@ def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str]:
     return weight_map
 
 
-def _open_shards(path: Path, weight_map: dict[str, str], files: dict[str, SafetensorsFile],
-                 problems: list[str]) -> dict[str, str]:
-    """Open every shard the index names; returns where each tensor really is."""
-    shard_names = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
+def _open_shards(path: Path, weight_map: dict[str, str] | None,
+                 files: dict[str, SafetensorsFile],
+                 problems: list[str]) -> tuple[dict[str, str], set[str]]:
+    """Open every shard the index names; returns where each tensor really is, and the tensors
+    the index maps to shards that are missing or unreadable (already reported per shard)."""
+    indexed = weight_map is not None
+    shard_names = sorted(set(weight_map.values())) if indexed else [SINGLE_NAME]
+    weight_map = weight_map or {}
     for shard in shard_names:
         listed = [n for n, s in weight_map.items() if s == shard]
         if not (path / shard).is_file():
@@ -161,23 +165,26 @@ def _open_shards(path: Path, weight_map: dict[str, str], files: dict[str, Safete
                 problems.append(f"tensor '{name}' is in both {locations[name]} and {shard}")
                 continue
             locations[name] = shard
-            if weight_map and name not in weight_map:
+            if indexed and name not in weight_map:
                 problems.append(f"{shard}: tensor '{name}' is not listed in {INDEX_NAME}")
-            elif weight_map and weight_map[name] != shard:
+            elif indexed and weight_map[name] != shard:
                 problems.append(f"{INDEX_NAME}: maps '{name}' to {weight_map[name]}, but it is "
                                 f"in {shard}")
     for name, shard in weight_map.items():
         if shard in files and name not in locations:
             problems.append(f"{INDEX_NAME}: maps '{name}' to {shard}, which has no such tensor")
-    return locations
+    lost = {name for name, shard in weight_map.items() if shard not in files}
+    return locations, lost
 
 
 def _check_schema(specs: dict[str, TensorSpec], files: dict[str, SafetensorsFile],
-                  locations: dict[str, str], problems: list[str]) -> list[str]:
+                  locations: dict[str, str], lost: set[str], problems: list[str]) -> list[str]:
     """Missing / unexpected / dtype / shape; returns the tensors that passed (to scan)."""
     passed = []
     for name, spec in specs.items():
         shard = locations.get(name)
+        if shard is None and name in lost:
+            continue  # its shard's problem is reported once, not per tensor
         if shard is None:
             problems.append(f"missing tensor '{name}' (expected {spec.dtype}{list(spec.shape)})")
             continue
