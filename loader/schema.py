@@ -56,7 +56,7 @@ class Fmt(str, enum.Enum):
     """Storage format of one tensor, for byte accounting and for the synthesiser."""
 
     FP8 = "fp8 e4m3"
-    FP8_SCALE = "fp8 scales (ue8m0 32x32)"
+    FP8_SCALE = "fp8 scales (ue8m0)"  # 32x32 blocks; 1x32 for the Engram tables
     MXFP4 = "mxfp4 e2m1"
     MXFP4_SCALE = "mxfp4 scales (ue8m0 /32)"
     BF16 = "bf16"

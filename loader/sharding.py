@@ -13,6 +13,9 @@ the checkpoint mapping or of the array given; `rank_tensors(ckpt, tp, rank)` yie
 
 A cut must land on a multiple of the row's `granule` (a 32-row FP8 block, a 16-byte MXFP4 group,
 a whole `wo_a` group), so a weight and its scale are always cut at the same model coordinate.
+vLLM repeats the 32x32 block scales 32x along N (`formats.fp8_block_scales_per_row`) before its
+loader slices them; cutting the block form on whole blocks is the same cut. The shared expert
+needs no zero padding here: I/32 blocks divide by tp for both presets (72 and 12 blocks).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 
 from loader.checkpoint import Checkpoint
 from loader.config import ModelConfig
-from loader.formats import fp8_block_dequantize, mxfp4_dequantize
+from loader.formats import fp8_block_dequantize, fp8_block_scales_per_row, mxfp4_dequantize
 from loader.schema import Split, checkpoint_schema
 from loader.sharding import rank_nbytes, rank_range, rank_shape, rank_tensors, shard
 from tests.tiny_checkpoint import tiny_checkpoint
@@ -140,3 +140,18 @@ def test_bad_tp_rank_and_uncuttable_shape(ckpt):
     odd = dataclasses.replace(spec, shape=(96, 256))  # 96/4 = 24 rows: not whole 32-row blocks
     with pytest.raises(ValueError, match="wq_b.weight: dim 0 .* whole 32-entry units"):
         rank_range(odd, 4, 0)
+
+
+@pytest.mark.parametrize("base", ["layers.1.attn.wq_b", "layers.1.attn.wo_b", "layers.1.attn.wo_a",
+                                  "layers.1.ffn.shared_experts.w1"])
+def test_block_scale_cut_equals_vllm_per_row_cut(ckpt, base):
+    """vLLM expands scales to rows first, then slices; our block-form cut expands to the same."""
+    spec_w, spec_s = ckpt.spec(base + ".weight"), ckpt.spec(base + ".scale")
+    per_row = fp8_block_scales_per_row(ckpt.get(base + ".scale"))
+    for r in range(4):
+        cut = rank_range(spec_w, 4, r)
+        if spec_w.split.dim == 0:
+            want = per_row[cut[0]:cut[1]]
+        else:
+            want = per_row[:, cut[0] // 32:cut[1] // 32]
+        np.testing.assert_array_equal(fp8_block_scales_per_row(shard(ckpt, spec_s, 4, r)), want)
