@@ -95,14 +95,21 @@ def run_gpu_tests(out: Path, bundles: dict[str, Path], timeout: int) -> dict:
 def parse_junit(path: Path) -> dict:
     """Counts and per-case outcomes (with the failure/skip message) from a pytest junit XML."""
     root = ET.parse(path).getroot()
-    cases, counts = [], {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    cases = []
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "modules_skipped": 0}
     for tc in root.iter("testcase"):
         outcome, message = "passed", ""
         for tag, name in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
             node = tc.find(tag)
             if node is not None:
                 outcome, message = name, (node.get("message") or node.text or "")[:500]
+                if node.text and tag == "skipped":
+                    message = f"{message}: {node.text}"[:500]
                 break
+        if outcome == "skipped" and not tc.get("classname"):
+            # a whole module skipped at collection (e.g. a CPU module needing the DSL): none of
+            # its tests was selected by -m gpu, so it is reported but is not a skipped GPU test
+            outcome = "modules_skipped"
         counts[outcome] += 1
         cases.append({"name": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
                       "seconds": float(tc.get("time") or 0), "message": message})
@@ -157,7 +164,8 @@ def format_table(report: dict) -> str:
     if t:
         lines.append(f"GPU tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
                      f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped "
-                     f"({t.get('seconds')} s)")
+                     f"({t.get('seconds')} s); {t.get('modules_skipped', 0)} module(s) "
+                     "skipped at collection")
         for c in t.get("cases", []):
             if c["outcome"] != "passed":
                 first = (c["message"].splitlines() or [""])[0]

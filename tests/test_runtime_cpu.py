@@ -293,10 +293,14 @@ def test_devicecheck_parses_junit_and_formats_the_table(tmp_path):
         '<failure message="AssertionError: boom&#10;second line">tb</failure></testcase>'
         '<testcase classname="tests.gpu.t" name="skip" time="0">'
         '<skipped message="no bundle"/></testcase>'
+        '<testcase classname="" name="tests.test_build" time="0">'
+        '<skipped message="collection skipped">needs the DSL</skipped></testcase>'
         '</testsuite></testsuites>')
     tests = parse_junit(tmp_path / "j.xml")
     assert (tests["passed"], tests["failed"], tests["skipped"], tests["errors"]) == (1, 1, 1, 0)
-    assert [c["outcome"] for c in tests["cases"]] == ["passed", "failed", "skipped"]
+    assert tests["modules_skipped"] == 1
+    assert [c["outcome"] for c in tests["cases"]] == ["passed", "failed", "skipped",
+                                                      "modules_skipped"]
     report = {"environment": {"device": "NVIDIA H200", "packages": {}}, "tests": tests,
               "bandwidth": [{"kernel": "k", "case": "64 MB", "rows": 1, "us": 10.0,
                              "bytes": 48_000_000, "gbps": 4800.0, "pct_hbm": 100.0,
