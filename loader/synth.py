@@ -20,15 +20,16 @@ Values (chosen so a forward pass stays finite and routes/predicts varied tokens)
   cores): codes are i.i.d. with the law of round-to-nearest-E2M1(N(0, 2.2^2)) (what an MX
   quantizer produces for Gaussian weights, whose group amax lands at ~4..8 scale units), and the
   scale bytes sit at the level of N(0, 1/fan_in) with a -1/0/+1 binade spread plus a sparse tail
-  (1 group in 512, and at least one per tensor) 13..21 binades below, so Humming's fused-E8M0 re-rounding (range > 11) is
-  exercised in every expert. The joint law differs from quantized Gaussians only in that codes
-  and scales are independent; the marginal laws and the dynamic range are the same.
+  (1 group in 512, and at least one per tensor) 13..21 binades below, so Humming's fused-E8M0
+  re-rounding (range > 11) is exercised in every expert. The joint law differs from quantized
+  Gaussians only in that codes and scales are independent; the marginal laws and the dynamic
+  range are the same.
 
 `--layers N` (N < num_hidden_layers) writes layers 0..N-1 plus embed, norm and head, and a config
 that is the first-N slice: num_hidden_layers = N, compress_ratios[:N], kv/index source and Engram
 layer lists restricted to ids < N (engram_num_embeddings sliced alongside: a prefix of the Engram
-layers keeps its primes), candidate_source_layer_id -1 (NO_CANDIDATE_SOURCE) when the candidate source is cut off, and
-no DSpark (num_nextn_predict_layers 0, no dspark_target_layer_ids): the stages read aux states of
+layers keeps its primes), candidate_source_layer_id -1 (NO_CANDIDATE_SOURCE) when the candidate
+source is cut off, and no DSpark (num_nextn_predict_layers 0, no dspark_target_layer_ids): the stages read aux states of
 target layers the slice no longer has. The slice is valid because every role refers only to
 layers at or below it (model doc §1.2).
 """
@@ -212,8 +213,22 @@ def synth(cfg: ModelConfig, out: str | Path, seed: int = 0, layers: int | None =
     cfg = slice_config(cfg, layers)
     specs = checkpoint_schema(cfg)
     shards = plan_shards(specs, shard_bytes)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out}: output directory is not empty (refusing to mix checkpoints)")
     out.mkdir(parents=True, exist_ok=True)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    try:
+        _write(out, cfg, specs, shards, names, seed, progress)
+    except BaseException:
+        for name in [*names, INDEX_NAME, "config.json"]:  # leave nothing half-written
+            (out / name).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _write(out: Path, cfg: ModelConfig, specs: list[TensorSpec], shards: list[list[TensorSpec]],
+           names: list[str], seed: int, progress: bool) -> None:
+    """The shards, then the index, then config.json (a reader needs all three)."""
     source = ValueSource(seed)
     bar = Progress(f"synth {out.name}", sum(t.nbytes for t in specs), progress)
 
@@ -231,7 +246,6 @@ def synth(cfg: ModelConfig, out: str | Path, seed: int = 0, layers: int | None =
     index = {"metadata": {"total_size": sum(t.nbytes for t in specs)}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
     cfg.to_json(out / "config.json")
-    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -252,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.monotonic()
         out = synth(cfg, args.out, args.seed, args.layers, int(args.shard_gb * 2**30),
                     progress=not args.quiet)
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         print(f"hopdec synth: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out} in {time.monotonic() - start:.1f} s")

@@ -167,5 +167,23 @@ def test_cli_synth_then_inspect(tmp_path, capsys):
     assert main(["synth", "--config", "tiny", "--layers", "0", "--out", str(tmp_path / "x")]) == 1
     assert "--layers 0 is outside" in capsys.readouterr().err
     assert main(["synth", "--config", "nope", "--out", str(tmp_path / "y")]) == 1
+    assert main(["synth", "--config", "tiny", "--out", str(out), "--quiet"]) == 1
+    assert "not empty" in capsys.readouterr().err
     assert main(["inspect", "--schema", "v41-flash"]) == 0
     assert "routed expert (1/4, MXFP4)" in capsys.readouterr().out
+
+
+def test_failed_synth_leaves_nothing(tiny, tmp_path, monkeypatch):
+    import loader.synth as synth_module
+
+    real, calls = synth_module.mxfp4_codes, []
+
+    def explode_late(rng, shape):  # fail after a few shards are complete
+        calls.append(shape)
+        if len(calls) == 400:
+            raise RuntimeError("disk full")
+        return real(rng, shape)
+    monkeypatch.setattr(synth_module, "mxfp4_codes", explode_late)
+    with pytest.raises(RuntimeError, match="disk full"):
+        synth(tiny, tmp_path / "z", shard_bytes=4 << 20, progress=False)
+    assert list((tmp_path / "z").iterdir()) == []
