@@ -1,0 +1,247 @@
+"""W8A16 dense linears: specs, grid/workspace rules, byte formula and the NumPy reference (no DSL).
+
+    y[r, g, n] = sum_k x[r, g, k] * W[g, n, k],   W = e4m3(w) * 2^(s[g, n/32, k/32] - 127)
+
+x is BF16 [rows, G*K], w is FP8 E4M3 [G, N, K] (row-major, the checkpoint layout), s is UE8M0
+[G, N/32, K/32] (the checkpoint's 32x32 block scales, not vLLM's per-row repeat), fp32
+accumulation. G = 1 for every plain linear; `wo_a` is the grouped case G = o_groups per rank
+(`kernels/wo_a_ref.py`). Epilogues (one rounding each, at the end, as `w8a16_linear` + `to_bf16`):
+  "bf16"      out = bf16(y)                          [rows, G*N] bf16
+  "f32"       out = y                                [rows, G*N] f32 (input of the all-reduce)
+  "residual"  out = bf16(y + float(residual))        [rows, G*N] bf16, residual bf16
+
+PTX ABI: (u64 x, u64 weight, u64 scales, u64 residual, u64 out, u64 workspace, u64 counters,
+u32 rows). `residual` is read only by the residual epilogue, `workspace`/`counters` only when
+split_k > 1; pass any valid pointer otherwise. `counters` (u32 [max_passes, tiles]) must be zero
+when the executor binds it; the kernel leaves it zero again after every launch.
+
+How the kernel computes (kernels/dense.py has the details): a warp owns 16 weight rows (one
+mma.sync m16n8k16 A tile) and walks K in 64-element chunks; each thread loads two 16-byte weight
+vectors, turns the e4m3 bytes into exactly scaled bf16 (bit placement + one power-of-two bf16x2
+multiply: exact), and multiplies them by up to 8 x rows per n8 row tile on the tensor cores with
+fp32 accumulation. A CTA's warps split its K range; their fp32 partials meet in shared memory in
+warp order; split_k CTAs per tile meet in the workspace, summed in slice order by the CTA that
+arrives last (a counter per pass and tile): every launch and graph replay gives the same bits.
+Rows beyond 8 * row_tiles run as further passes over the same weights (L2-resident for a CTA's
+slice). The summation order differs from NumPy's, so tests compare within a stated bound (below)
+instead of bitwise.
+
+Constraints: N % 16 == 0 (N % 32 for the scales), K % 32 == 0, scale bytes <= 134 (effective
+block scale <= 2^7; the bf16 scale factor 2^(s-7) must be finite), 1 <= rows <= MAX_ROWS.
+
+Bytes that must move per launch: weights G*N*K + scales G*(N/32)*(K/32) + x rows*G*K*2 +
+out rows*G*N*(2 or 4) (+ residual rows*G*N*2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.common_ref import BF16, H200_NUM_SMS, ceil_div, check_rows, params_dict, to_bf16
+
+WARP = 32
+CTA_WARPS = 4                       # warps per CTA: they split the CTA's K range
+TILE_N = 16                         # weight rows per warp tile (mma.sync M)
+ROW_TILE = 8                        # x rows per mma (mma.sync N)
+CHUNK_K = 64                        # K per warp step: 4 threads x 16 bytes of one weight row
+FP8_BLOCK = 32
+MAX_ROWS = 192                      # largest decode bucket
+MAX_SCALE_BYTE = 134                # 2^(s - 7) must stay a finite bf16 (s + 120 <= 254)
+TARGET_CTAS = 2 * H200_NUM_SMS      # split K until a launch has at least this many CTAs
+EPILOGUES = ("bf16", "f32", "residual")
+ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows per pass (R > 8)
+PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
+          ("out", "u64"), ("workspace", "u64"), ("counters", "u64"), ("rows", "u32"))
+
+
+def choose_split_k(tiles: int, k: int) -> int:
+    """CTAs per weight tile: enough CTAs to cover the SMs twice, each warp >= 2 chunks of K."""
+    chunks = ceil_div(k, CHUNK_K)
+    split = max(1, ceil_div(TARGET_CTAS, tiles))
+    return max(1, min(split, chunks // (2 * CTA_WARPS)))
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """One compiled W8A16 linear: shape, group count, rows per pass, epilogue, K split."""
+
+    name: str
+    n: int                                  # output features per group
+    k: int                                  # input features per group
+    groups: int = 1
+    row_tiles: int = 1                      # n8 row tiles per pass: 8 * row_tiles rows
+    epilogue: str = "bf16"
+    split_k: int = 1
+    params: tuple[tuple[str, str], ...] = PARAMS
+    block: tuple[int, int, int] = (CTA_WARPS * WARP, 1, 1)
+
+    @property
+    def tiles(self) -> int:
+        return self.groups * self.n // TILE_N
+
+    @property
+    def rows_per_pass(self) -> int:
+        return ROW_TILE * self.row_tiles
+
+    @property
+    def max_passes(self) -> int:
+        return ceil_div(MAX_ROWS, self.rows_per_pass)
+
+    @property
+    def smem_bytes(self) -> int:
+        # fp32 partial per warp x row tile x 128 accumulators, plus the last-arrival flag.
+        return CTA_WARPS * self.row_tiles * TILE_N * ROW_TILE * 4 + 16
+
+    @property
+    def out_dtype(self) -> str:
+        return "f32" if self.epilogue == "f32" else "bf16"
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > MAX_ROWS:
+            raise ValueError(f"{self.name}: rows={rows} exceeds MAX_ROWS={MAX_ROWS}")
+        return (self.tiles * self.split_k, 1, 1)
+
+    def passes(self, rows: int) -> int:
+        return ceil_div(check_rows(rows, self.name), self.rows_per_pass)
+
+    def workspace_bytes(self) -> int:
+        """fp32 [max_passes, split_k, tiles, 128 * row_tiles]; 0 without a K split."""
+        if self.split_k == 1:
+            return 0
+        return self.max_passes * self.split_k * self.tiles * TILE_N * self.rows_per_pass * 4
+
+    def counters_bytes(self) -> int:
+        """u32 [max_passes, tiles], zeroed at bind time; 0 without a K split."""
+        return 0 if self.split_k == 1 else self.max_passes * self.tiles * 4
+
+    def weight_bytes(self) -> int:
+        return self.groups * (self.n * self.k + (self.n // FP8_BLOCK) * (self.k // FP8_BLOCK))
+
+    def bytes_moved(self, rows: int) -> int:
+        out_bytes = 4 if self.out_dtype == "f32" else 2
+        extra = rows * self.groups * self.n * 2 if self.epilogue == "residual" else 0
+        return (self.weight_bytes() + rows * self.groups * self.k * 2
+                + rows * self.groups * self.n * out_bytes + extra)
+
+    def to_dict(self) -> dict:
+        return {"family": "dense", "name": self.name, "n": self.n, "k": self.k,
+                "groups": self.groups, "row_tiles": self.row_tiles, "epilogue": self.epilogue,
+                "split_k": self.split_k, "params": params_dict(self.params),
+                "block": list(self.block), "smem_bytes": self.smem_bytes, "tiles": self.tiles,
+                "max_passes": self.max_passes}
+
+
+def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
+              epilogue: str = "bf16", prefix: str = "dense_w8a16") -> DenseSpec:
+    """Validated spec; the name carries every compile-time choice."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"{label}: epilogue {epilogue!r}; expected one of {EPILOGUES}")
+    if row_tiles not in ROW_TILE_CHOICES:
+        raise ValueError(f"{label}: row_tiles {row_tiles}; expected one of {ROW_TILE_CHOICES}")
+    if n <= 0 or n % FP8_BLOCK or k <= 0 or k % FP8_BLOCK or groups < 1:
+        raise ValueError(f"{label}: N={n}, K={k}, groups={groups}: N and K must be positive "
+                         f"multiples of {FP8_BLOCK}")
+    split = choose_split_k(groups * n // TILE_N, k)
+    name = f"{prefix}_{label}_n{n}_k{k}" + (f"_g{groups}" if groups > 1 else "")
+    name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
+    return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
+
+
+def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+    """label -> (N, K, epilogues): every FP8 W8A16 linear of a decode step, per rank.
+
+    Model doc §2.2: fused wq_a|wkv (replicated), wq_b (column parallel), wo_b (row parallel: fp32
+    partials for the all-reduce), the shared expert's fused w1|w3 and w2 (row parallel), the
+    indexer's wq_b (replicated), Engram wkv (replicated), DSpark main_proj (replicated).
+    The compressor projections are fp32/bf16 in the checkpoint (schema UNCERTAIN), not FP8.
+    """
+    rs = cfg.rank_shapes(tp)
+    d = cfg.hidden_size
+    row_parallel = ("bf16", "f32", "residual")
+    shapes = {
+        "wqa_wkv": (cfg.q_lora_rank + cfg.head_dim, d, ("bf16",)),
+        "wq_b": (rs.q_b_out, cfg.q_lora_rank, ("bf16",)),
+        "wo_b": (d, rs.wo_b_in, row_parallel),
+        "shared_w13": (2 * rs.shared_inter, d, ("bf16",)),
+        "shared_w2": (d, rs.shared_inter, row_parallel),
+        "indexer_wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, ("bf16",)),
+        "engram_wkv": ((cfg.hc_mult + 1) * d, cfg.engram_num_hash_cols * cfg.engram_head_dim,
+                       ("bf16",)),
+        "main_proj": (d, len(cfg.dspark_target_layer_ids) * d, ("bf16",)),
+    }
+    if rs.dspark_moe_inter != rs.shared_inter:
+        shapes["dspark_shared_w13"] = (2 * rs.dspark_moe_inter, d, ("bf16",))
+        shapes["dspark_shared_w2"] = (d, rs.dspark_moe_inter, row_parallel)
+    return shapes
+
+
+def dense_specs(cfg, tp: int) -> list[DenseSpec]:
+    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi)
+            for label, (n, k, epis) in dense_shapes(cfg, tp).items()
+            for epi in epis for rt in ROW_TILE_CHOICES]
+
+
+# ---- reference ---------------------------------------------------------------------------------
+
+def check_weight(w: np.ndarray, s: np.ndarray, groups: int, n: int, k: int, name: str) -> None:
+    """Shapes/dtypes of one W8A16 weight as the kernel reads it (raises naming the tensor)."""
+    import ml_dtypes
+    want_w, want_s = (groups, n, k), (groups, n // FP8_BLOCK, k // FP8_BLOCK)
+    if w.dtype != np.dtype(ml_dtypes.float8_e4m3fn) or w.shape != want_w:
+        raise TypeError(f"{name}: weight must be float8_e4m3fn {want_w}, got {w.dtype} {w.shape}")
+    if s.dtype != np.uint8 or s.shape != want_s:
+        raise TypeError(f"{name}: scales must be uint8 (UE8M0) {want_s}, got {s.dtype} {s.shape}")
+    if int(s.max(initial=0)) > MAX_SCALE_BYTE:
+        raise ValueError(f"{name}: scale byte {int(s.max())} > {MAX_SCALE_BYTE} (block scale "
+                         "above 2^7) is outside what the kernel represents")
+
+
+def dense_f32(x: np.ndarray, w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """fp32 y [rows, G*N] = per group x_g @ W_g^T via loader.formats.w8a16_linear."""
+    from loader.formats import w8a16_linear
+    groups, n, k = w.shape
+    check_weight(w, s, groups, n, k, "dense_f32")
+    if x.ndim != 2 or x.shape[1] != groups * k or x.dtype != BF16:
+        raise TypeError(f"dense_f32: x must be bf16 [rows, {groups * k}], got {x.dtype} {x.shape}")
+    return np.concatenate([w8a16_linear(x[:, g * k:(g + 1) * k], w[g], s[g])
+                           for g in range(groups)], axis=1).astype(np.float32)
+
+
+def dense_ref(spec: DenseSpec, x: np.ndarray, w: np.ndarray, s: np.ndarray,
+              residual: np.ndarray | None = None) -> np.ndarray:
+    """What the kernel writes, up to fp32 summation order: bf16 or f32 [rows, G*N]."""
+    y = dense_f32(x, w, s)
+    if spec.epilogue == "f32":
+        return y
+    if spec.epilogue == "residual":
+        if residual is None or residual.shape != y.shape or residual.dtype != BF16:
+            raise TypeError(f"{spec.name}: residual must be bf16 {y.shape}")
+        y = y + residual.astype(np.float32)
+    return to_bf16(y)
+
+
+def dense_tolerance(x: np.ndarray, w_f32: np.ndarray, out_dtype: str) -> np.ndarray:
+    """Per-element bound |kernel - exact| for y = x @ W^T, groups already folded into w_f32.
+
+    - fp32 accumulation in any order: |error| <= (K - 1) * 2^-24 * sum_k |x_k * W_nk| (the
+      classical recursive-summation bound, gamma_K; tensor-core accumulation keeps at least fp32's
+      24 bits per addition, a factor 2 of margin covers its truncating adds);
+    - a bf16 output adds one rounding: <= 2^-8 * |y| (half an ulp of an 8-bit significand).
+    """
+    k = x.shape[1]
+    abs_sum = np.abs(x.astype(np.float64)) @ np.abs(w_f32.astype(np.float64)).T
+    bound = 2.0 * (k - 1) * 2.0**-24 * abs_sum
+    if out_dtype == "bf16":
+        exact = x.astype(np.float64) @ w_f32.astype(np.float64).T
+        bound = bound + 2.0**-8 * np.abs(exact) + 2.0**-133   # + the smallest bf16 subnormal
+    return bound
+
+
+def random_e4m3(rng: np.random.Generator, shape) -> np.ndarray:
+    """Uniform random E4M3 bytes over every finite code (zeros and subnormals included)."""
+    import ml_dtypes
+    raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    raw = np.where((raw & 0x7F) == 0x7F, raw & 0xF0, raw).astype(np.uint8)   # no NaN bytes
+    return raw.view(ml_dtypes.float8_e4m3fn)
