@@ -13,8 +13,8 @@ What the attention kernel computes for R rows and H local heads (model doc §2.2
     P = e / (sum_n e + exp(sink_h - m))  -> rounded to BF16
     o[r, h] = bf16( sum_n P[r, h, n] * kv[r, n] )                   (float32 accumulation)
 
-A row with no valid entry gets o = 0 (only the sink). Invalid entries are zeroed before the products,
-so poison (NaN) in unused cache memory never reaches the output.
+A row with no valid entry gets o = 0 (only the sink). Invalid entries are zeroed before the
+products, so poison (NaN) in unused cache memory never reaches the output.
 
 Which SWA positions a row sees (`swa_positions`): causal rows (decode, verify) see p - W + 1 .. p;
 draft rows see the W positions before their block plus every row of the block.
@@ -34,8 +34,8 @@ def swa_positions(positions: np.ndarray, block_start: np.ndarray, block_end: np.
     """([R, C] positions, [R, C] valid) of the SWA entries each row attends to.
 
     Causal rows: p - W + 1 .. p. Draft rows: block_start - W .. block_end (W + block rows).
-    # uncertain: the draft window is the W positions before the block (pypto's VISIBLE_ROWS = WIN + S);
-    # it could instead end at each row's own position minus one.
+    # uncertain: the draft window is the W positions before the block (pypto's
+    # VISIBLE_ROWS = WIN + S); it could instead end at each row's own position minus one.
     """
     positions = np.asarray(positions, np.int64)
     lo = np.where(draft, block_start - window, positions - window + 1)
@@ -70,7 +70,8 @@ def sparse_mqa(q: np.ndarray, kv: np.ndarray, valid: np.ndarray, sink: np.ndarra
     return to_bf16(np.matmul(probs, kv).astype(np.float32)).astype(np.float32)
 
 
-def sparse_mqa_f64(q: np.ndarray, kv: np.ndarray, valid: np.ndarray, sink: np.ndarray) -> np.ndarray:
+def sparse_mqa_f64(q: np.ndarray, kv: np.ndarray, valid: np.ndarray,
+                   sink: np.ndarray) -> np.ndarray:
     """Float64 ground truth of the same formula (no roundings), for tolerance checks."""
     kv = np.where(valid[:, :, None], kv, 0).astype(np.float64)
     logits = np.matmul(q.astype(np.float64), kv.transpose(0, 2, 1)) * SOFTMAX_SCALE

@@ -6,8 +6,9 @@ summed in float64 and rounded once, an order-independent stand-in for fp32 accum
     kv_score = x @ W^T                              x [R, D] (bf16 values); W [512*r, D]
       ratio 2: W = [wkv; wgate] (fp32 weights): kv = kv_score[:, :512], score = kv_score[:, 512:]
       ratio 1: W = wkv (bf16 weights): kv = kv_score, no gate
-    ratio 2: each row's (kv, score) goes to the fp32 ring (row p % ring_rows of the sequence); at odd p
-             pooled = sum_{t in {p-1, p}} softmax_t(score)[t] * kv[t]     (per channel, over the pair)
+    ratio 2: each row's (kv, score) goes to the fp32 ring (row p % ring_rows of its sequence);
+             at odd p, per channel, over the pair:
+             pooled = sum_{t in {p-1, p}} softmax_t(score)[t] * kv[t]
     ratio 1: pooled = kv for every p
     latent   = RMSNorm_c(pooled)                      (compressor.norm, fp32 throughout)
     entry e = p // r  <-  RoPE(latent, position r * (p // r))   (compress rope: theta 160000 + YaRN)
@@ -26,7 +27,7 @@ HEAD_DIM = 512
 
 
 def project(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """kv_score [R, 512 * r] float32 = x @ w^T (products summed in float64, rounded once to fp32)."""
+    """kv_score [R, 512 * r] float32 = x @ w^T (products summed in float64, rounded once)."""
     if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] % HEAD_DIM:
         raise ValueError(
             f"compressor projection: x {x.shape} and weight {w.shape} do not agree "

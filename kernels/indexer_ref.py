@@ -1,8 +1,8 @@
-"""NumPy reference of the V4.1 lightning indexer: FP4 index query, scores, top-k and candidate blocks.
+"""NumPy reference of the V4.1 lightning indexer: FP4 index query, scores, top-k, candidate blocks.
 
 What the indexer kernels compute for the R rows of one sequence (model doc §2.2 A10-A12):
 
-    q_I     [R, nh, 128]  index query after RoPE, FP4 quantize-dequantized (MXFP4: E2M1, UE8M0 per 32)
+    q_I     [R, nh, 128]  index query after RoPE, FP4 quantize-dequantized (E2M1, UE8M0 per 32)
     w       [R, nh]       head weights (weights_proj(x) * 128^-1/2 * nh^-1/2)
     K       [N, 128]      the sequence's index keys (entries 0..N-1, FP8 + fp32 scale in the cache)
     score[r, s] = sum_h w[r, h] * ReLU(q_I[r, h] . K[s])                 (float32)
@@ -33,7 +33,7 @@ def fp4_quantize_dequantize(x: np.ndarray, group: int = FP4_GROUP) -> np.ndarray
     |x / scale| <= 6; the E2M1 cast rounds to nearest even.
     """
     # uncertain: the FP4 act-quant rounding (nearest even here) and the 1e-4 amax floor follow
-    # DeepSeek's reference act_quant as described in the model doc §0; not checked against its kernel.
+    # DeepSeek's reference act_quant as the model doc §0 describes it; its kernel was not read.
     if x.shape[-1] % group:
         raise ValueError(f"fp4 quantize: last dim {x.shape[-1]} is not a multiple of {group}")
     g = x.astype(np.float32).reshape(*x.shape[:-1], -1, group)
@@ -44,7 +44,7 @@ def fp4_quantize_dequantize(x: np.ndarray, group: int = FP4_GROUP) -> np.ndarray
 
 
 def index_scores(q: np.ndarray, weights: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """score[r, s] = sum_h weights[r, h] * ReLU(q[r, h] . keys[s]); q [R, nh, d], keys [N, d] -> [R, N]."""
+    """score[r, s] = sum_h weights[r, h] * ReLU(q[r, h] . keys[s]); q [R, nh, d], keys [N, d]."""
     r, nh, d = q.shape
     if weights.shape != (r, nh) or keys.ndim != 2 or keys.shape[1] != d:
         raise ValueError(
@@ -66,7 +66,7 @@ def _best_sorted(scores: np.ndarray, allowed: np.ndarray, k: int) -> np.ndarray:
     """The k best allowed columns per row (ties to the lower column), ascending, -1 padded."""
     r, n = scores.shape
     masked = np.where(allowed, scores, -np.inf)
-    # A stable sort of the negated scores puts equal scores in column order: ties go to the lower column.
+    # A stable sort of the negated scores keeps equal scores in column order: lower column first.
     order = np.argsort(-masked, axis=1, kind="stable")[:, :k]
     keep = np.take_along_axis(allowed, order, axis=1)
     picked = np.sort(np.where(keep, order, n), axis=1)  # n sorts after every real column
@@ -92,7 +92,8 @@ def candidate_blocks(scores: np.ndarray, allowed: np.ndarray, own_entry: np.ndar
     """[R, num_blocks] int32: the candidate blocks of each row, ascending, -1 padded.
 
     Block score = max of the row's allowed entry scores inside the block; blocks with no allowed
-    entry are never candidates; the block holding `own_entry[r]` (the row's own position) is forced in.
+    entry are never candidates; the block holding `own_entry[r]` (the row's own position) is
+    forced in.
     """
     r, n = scores.shape
     nb = -(-n // block_size)

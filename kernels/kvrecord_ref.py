@@ -1,4 +1,4 @@
-"""NumPy reference of the SM90 KV-cache records: the 584-byte latent record and the 132-byte index key.
+"""NumPy reference of the SM90 KV-cache records: the 584-byte latent and the 132-byte index key.
 
 Latent record (one SWA or compressed entry; vLLM SM90 / FlashMLA "MODEL1 FP8 sparse" layout, AoS):
 
@@ -12,9 +12,9 @@ Index key record (one 128-d indexer key):
     bytes [  0, 128)  128 x FP8 E4M3  key / scale
     bytes [128, 132)    1 x float32   scale (little endian), a power of two
 
-Scales: `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, so `|x / s| <= 448` and the FP8 cast (round to nearest
-even) never saturates; an all-zero group gets the floor scale. Decoding multiplies back; FP8 x 2^k and
-BF16 are exact in float32, so decode(encode(x)) is the value every kernel reads.
+Scales: `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, so `|x / s| <= 448` and the FP8 cast (round to
+nearest even) never saturates; an all-zero group gets the floor scale. Decoding multiplies back;
+FP8 x 2^k and BF16 are exact in float32, so decode(encode(x)) is the value every kernel reads.
 """
 from __future__ import annotations
 
@@ -46,13 +46,13 @@ _BF16 = ml_dtypes.bfloat16
 
 
 def pow2_scale_exponent(amax: np.ndarray) -> np.ndarray:
-    """Exponent k (int32) of the smallest power-of-two scale 2^k with max(amax, 1e-4) / 2^k <= 448."""
+    """Exponent k (int32) of the smallest power of two 2^k with max(amax, 1e-4) / 2^k <= 448."""
     floored = np.maximum(amax.astype(np.float32), np.float32(AMAX_FLOOR))
     return formats.ue8m0_scale_for_amax(floored, FP8_MAX).astype(np.int32) - 127
 
 
 def _fp8_bytes(scaled: np.ndarray) -> np.ndarray:
-    """Round to FP8 E4M3 (nearest even) and return the raw bytes; |scaled| <= 448 by construction."""
+    """FP8 E4M3 bytes, round to nearest even; |scaled| <= 448 by construction (clip is a no-op)."""
     return np.clip(scaled, -FP8_MAX, FP8_MAX).astype(_FP8).view(np.uint8)
 
 
@@ -61,7 +61,8 @@ def _fp8_values(raw: np.ndarray) -> np.ndarray:
 
 
 def _check(name: str, arr: np.ndarray, dtype, last: int) -> None:
-    if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 2 or arr.shape[1] != last:
+    ok = isinstance(arr, np.ndarray) and arr.dtype == dtype and arr.ndim == 2
+    if not ok or arr.shape[1] != last:
         got = f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
         raise ValueError(f"{name}: expected a {np.dtype(dtype).name} array [N, {last}], got {got}")
 

@@ -84,9 +84,9 @@ def _assert_same_caches(a: KVCaches, b: KVCaches):
             np.testing.assert_array_equal(arr, getattr(b, name)[layer], err_msg=f"{name}[{layer}]")
 
 
-# Starts cross every threshold of model doc §5 at the tiny config: T < window (5, 11), T = 17 (ratio-1
-# entries > top-k 16, block starting at an odd position), T = 33 (candidate masking: > 32 entries),
-# T = 40 (ratio-2 entries > top-k); every 6-row block straddles odd positions.
+# Starts cross every threshold of model doc §5 at the tiny config: T < window (5, 11), T = 17
+# (ratio-1 entries > top-k 16, block starting at an odd position), T = 33 (candidate masking: > 32
+# entries), T = 40 (ratio-2 entries > top-k); every 6-row block straddles odd positions.
 @pytest.mark.parametrize("start", [5, 11, 17, 33, 40])
 def test_verify_block_equals_sequential_rows(model, start):
     base = _caches()

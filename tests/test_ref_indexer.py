@@ -49,9 +49,10 @@ def test_index_scores_match_loop():
     want = np.zeros((3, 37))
     for r in range(3):
         for s in range(37):
-            want[r, s] = sum(w[r, h] * max(0.0, float(q[r, h].astype(np.float64) @ k[s])) for h in range(4))
-    # fp32 dot products of 128 terms of size ~1 (sum ~ 11): error ~ 128 * 2^-24 * 11 per term, x4 heads.
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
+            dots = [float(q[r, h].astype(np.float64) @ k[s]) for h in range(4)]
+            want[r, s] = sum(float(w[r, h]) * max(0.0, d) for h, d in enumerate(dots))
+    # The reference sums in float64 and rounds once to float32: half an fp32 ulp (2^-24 relative).
+    np.testing.assert_allclose(got, want, rtol=2.0**-23, atol=1e-30)
 
 
 def _topk_brute(scores, allowed, k):
@@ -116,7 +117,8 @@ def test_topk_inside_candidates_matches_brute_force():
     blocks = ix.candidate_blocks(scores, visible, own, 8, 4)
     allowed = visible & ix.candidate_entry_mask(blocks, n, 8)
     assert (allowed.sum(axis=1) >= 16).all()  # 4 * 8 - 7 >= 16 candidates
-    np.testing.assert_array_equal(ix.topk_entries(scores, allowed, 16), _topk_brute(scores, allowed, 16))
+    np.testing.assert_array_equal(ix.topk_entries(scores, allowed, 16),
+                                  _topk_brute(scores, allowed, 16))
 
 
 def test_bad_shapes_raise():

@@ -1,4 +1,4 @@
-"""KV records (584 B / 132 B), the reference caches, row metadata and the compressor-ring rollback."""
+"""KV records (584 B / 132 B), the reference caches, row metadata, the compressor-ring rollback."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -41,7 +41,8 @@ def test_kv_record_layout_and_round_trip():
     s = np.repeat(np.exp2(k), 64, axis=1)
     err = np.abs(y[:, :448] - x[:, :448])
     assert (err <= np.maximum(2.0**-4 * np.abs(x[:, :448]), 2.0**-10 * s)).all()
-    np.testing.assert_array_equal(y[:, 448:], x[:, 448:].astype(ml_dtypes.bfloat16).astype(np.float32))
+    rope = x[:, 448:].astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(y[:, 448:], rope)
     np.testing.assert_array_equal(y[0, :64], 0.0)
     # decode(encode(y)) == y: the record is a fixed point once quantized
     np.testing.assert_array_equal(rec.quantize_kv(y), y)
@@ -49,7 +50,8 @@ def test_kv_record_layout_and_round_trip():
 
 def test_index_key_layout_and_round_trip():
     rng = np.random.default_rng()
-    x = (rng.standard_normal((20, 128)) * np.exp2(rng.integers(-10, 10, (20, 1)))).astype(np.float32)
+    x = rng.standard_normal((20, 128)) * np.exp2(rng.integers(-10, 10, (20, 1)))
+    x = x.astype(np.float32)
     r = rec.encode_index_key(x)
     assert r.shape == (20, 132)
     scale = r[:, 128:].copy().view("<f4")[:, 0]
@@ -105,7 +107,8 @@ def test_row_batch_from_blocks_and_validation():
     with pytest.raises(ValueError, match=r"context_lens\[1\]"):
         RowBatch(**{**rb.__dict__, "context_lens": np.array([16, 5, 25], np.int64)})
     with pytest.raises(ValueError, match="mix padding"):
-        RowBatch(**{**rb.__dict__, "seq_index": np.where(rb.real, rb.seq_index, 0).astype(np.int32)})
+        seq = np.where(rb.real, rb.seq_index, 0).astype(np.int32)
+        RowBatch(**{**rb.__dict__, "seq_index": seq})
     with pytest.raises(ValueError, match="positions: expected int64"):
         RowBatch(**{**rb.__dict__, "positions": rb.positions.astype(np.int32)})
 

@@ -1,20 +1,22 @@
 """The V4.1 attention sublayer of the reference step on one rank (model doc §2.2 A1-A16).
 
-    x [R, D] (BF16 values) -> wq_a|wkv (W8A16, replicated) -> q_norm, kv_norm -> RoPE(kv) -> SWA insert
+    x [R, D] (BF16 values) -> wq_a|wkv (W8A16, replicated) -> q_norm, kv_norm -> RoPE(kv)
+      -> SWA insert
       -> compressor (kv sources: ratio-2 ring pooling / ratio 1) -> publish entry + index key
       -> indexer (index sources): FP4 query, scores over the kv source's keys, top-k (+ candidates)
       -> per rank: wq_b -> RoPE(q) -> sparse MQA over SWA window + top-k entries (sink)
       -> inverse RoPE -> wo_a (grouped) -> wo_b partial [R, D] float32 (summed over ranks by AR-1)
 
-Rounding (stock SM90): linear outputs and norms are BF16 (products summed exactly in float64 and
-rounded to float32 first, an order-independent stand-in for fp32 accumulation); the compressor and indexer keys stay float32
-until their records; the query is BF16 after RoPE; attention probabilities BF16 before PV; o BF16.
+Rounding (stock SM90): linear outputs and norms are BF16 (products summed in float64 and rounded to
+float32 first, an order-independent stand-in for fp32 accumulation); compressor latents and index
+keys stay float32 until their records; the query is BF16 after RoPE; attention probabilities BF16
+before PV; o BF16; the returned wo_b partial is float32 (the step rounds after AR-1).
 `exact=True` (must match `caches.exact`) keeps KV entries and index keys as BF16 values instead of
 records and skips the FP4 index-query quantization; every BF16 rounding stays.
 
-Write-then-read order per layer: SWA insert, compressor ring and published entries, index keys, then
-index scan and attention. With the block rules of `kernels.attention_ref` this equals running the rows
-of a causal block one at a time (tests/test_ref_attention.py checks it).
+Write-then-read order per layer: SWA insert, compressor ring and published entries, index keys,
+then index scan and attention. With the block rules of `kernels.attention_ref` this equals running
+the rows of a causal block one at a time (tests/test_ref_attention.py checks it).
 
 Weights read from `lw` (executor.reference.weights.LayerWeights): `lw.spec` (LayerSpec);
 `lw.dense(name)` for attn.wq_a, attn.wkv, attn.wq_b (rank's heads), attn.wo_a (rank's groups),
@@ -48,7 +50,7 @@ class SharedAttention:
 
 @functools.lru_cache(maxsize=8)
 def rope_for(cfg, ratio: int) -> rope_ref.RopeTable:
-    """RoPE of a layer: plain theta 10000 on ratio-0 layers, theta 160000 + YaRN on compressed ones."""
+    """A layer's RoPE: plain theta 1e4 on ratio-0 layers, theta 1.6e5 + YaRN on compressed ones."""
     return rope_ref.RopeTable.for_ratio(cfg, ratio)
 
 
@@ -103,17 +105,11 @@ def _check_inputs(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg, exac
             f"{cfg.hidden_size}], got {x.dtype} {x.shape}"
         )
     if bool(exact) != caches.exact:
-        raise ValueError(f"attention exact={exact} but the KV caches were allocated exact={caches.exact}")
+        raise ValueError(
+            f"attention exact={exact} but the KV caches were allocated exact={caches.exact}")
     if lw.spec.ratio and np.any(rows.block_kind[rows.real] == KIND_DRAFT):
         raise ValueError(f"layer {lw.spec.index}: draft rows run only the SWA-only DSpark stages")
-    real = rows.real
-    want = caches.swa_slots(rows.state_lines[rows.seq_index[real]], rows.positions[real])
-    if np.any(rows.slot_mapping[real] != want):
-        bad = np.flatnonzero(real)[rows.slot_mapping[real] != want]
-        raise ValueError(
-            f"slot_mapping of rows {bad.tolist()} is not state_line * {caches.ring_slots} + "
-            f"position % {caches.ring_slots} (the SWA ring layout of these caches)"
-        )
+    _check_slots(rows, caches)
     too_long = [s for s in range(rows.num_seqs) if rows.seq_rows(s).size > caches.ring_slots
                 - cfg.sliding_window or rows.seq_rows(s).size > caches.ring_rows - 2]
     if too_long:
@@ -123,8 +119,24 @@ def _check_inputs(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg, exac
         )
 
 
+def _check_slots(rows: RowBatch, caches: KVCaches) -> None:
+    real = rows.real
+    want = caches.swa_slots(rows.state_lines[rows.seq_index[real]], rows.positions[real])
+    if np.any(rows.slot_mapping[real] != want):
+        bad = np.flatnonzero(real)[rows.slot_mapping[real] != want]
+        raise ValueError(
+            f"slot_mapping of rows {bad.tolist()} is not state_line * {caches.ring_slots} + "
+            f"position % {caches.ring_slots} (the SWA ring layout of these caches)"
+        )
+
+
 def insert_swa(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg) -> None:
-    """A1 (kv half), kv_norm, RoPE, A6: write the real rows' SWA entries (also DSpark context KV)."""
+    """A1 (kv half), kv_norm, RoPE, A6: write the real rows' SWA entries.
+
+    Also the DSpark context KV (model doc §4 step 2): x = main_x of the accepted positions, rows a
+    causal block of them, lw a DSpark stage.
+    """
+    _check_slots(rows, caches)
     kv = _norm(_linear(x, lw, "attn.wkv"), lw.vector("attn.kv_norm.weight"), cfg.rms_norm_eps)
     real = rows.real
     entries = bf16_round(_rope(kv[real], rows.positions[real], rope_for(cfg, lw.spec.ratio)))
@@ -187,7 +199,7 @@ def compress(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg) -> None:
 
 def index_topk(lw, x: np.ndarray, qr: np.ndarray, rows: RowBatch, caches: KVCaches, cfg,
                exact: bool) -> np.ndarray:
-    """A3, A10-A12: [R, topk] int32 entry ids of the kv source's cache (-1 padded); also candidates."""
+    """A3, A10-A12: [R, topk] int32 entry ids of the kv source's cache, -1 padded (+ candidates)."""
     spec = lw.spec
     nh, hd = cfg.index_n_heads, cfg.index_head_dim
     q = _linear(qr, lw, "attn.indexer.wq_b").reshape(-1, nh, hd)
@@ -206,17 +218,19 @@ def index_topk(lw, x: np.ndarray, qr: np.ndarray, rows: RowBatch, caches: KVCach
         n = int(pos[-1] + 1) // spec.ratio
         if n == 0:
             continue
-        keys = caches.load_keys(spec.kv_source, caches.entry_rows(rows.block_tables[s], np.arange(n)))
+        phys = caches.entry_rows(rows.block_tables[s], np.arange(n))
+        keys = caches.load_keys(spec.kv_source, phys)
         # One scan for all rows of the block; each row keeps its own visible prefix.
         scores = indexer_ref.index_scores(q[idx], w[idx], keys)
         visible = indexer_ref.visible_mask((pos + 1) // spec.ratio, n)
         allowed = visible
         if prior is not None:
-            allowed = visible & indexer_ref.candidate_entry_mask(prior[idx], n, cfg.candidate_block_size)
+            inside = indexer_ref.candidate_entry_mask(prior[idx], n, cfg.candidate_block_size)
+            allowed = visible & inside
         topk[idx] = indexer_ref.topk_entries(scores, allowed, cfg.index_topk)
         if spec.is_candidate_source:
-            cands[idx] = indexer_ref.candidate_blocks(scores, visible, pos, cfg.candidate_block_size,
-                                                      cfg.candidate_topk_blocks)
+            cands[idx] = indexer_ref.candidate_blocks(
+                scores, visible, pos, cfg.candidate_block_size, cfg.candidate_topk_blocks)
     if spec.is_candidate_source:
         caches.step_candidates[spec.index] = (_step_key(rows), cands)
     caches.step_topk[spec.index] = (_step_key(rows), topk)
@@ -226,8 +240,8 @@ def index_topk(lw, x: np.ndarray, qr: np.ndarray, rows: RowBatch, caches: KVCach
 def _step_scratch(scratch: dict, source: int, rows: RowBatch, spec) -> np.ndarray:
     key, value = scratch.get(source, (None, None))
     if key != _step_key(rows):
-        raise ValueError(f"layer {spec.index} needs this step's output of layer {source}, which has "
-                         f"not run on these rows yet")
+        raise ValueError(f"layer {spec.index} needs this step's output of layer {source}, "
+                         f"which has not run on these rows yet")
     return value
 
 
@@ -286,7 +300,7 @@ def attention_heads(lw, shared: SharedAttention, rows: RowBatch, cfg, tp: int) -
     # wo_a: group g of this rank maps its heads' outputs [hpg * 512] to o_lora (block-diagonal).
     wo_a = _weight(lw, "attn.wo_a").reshape(shapes.o_groups, cfg.o_lora_rank, cfg.o_group_in_dim)
     grouped = o.reshape(r, shapes.o_groups, cfg.o_group_in_dim).transpose(1, 0, 2)
-    z = bf16_round(np.matmul(grouped.astype(np.float64), wo_a.transpose(0, 2, 1)))  # [G_l, R, o_lora]
+    z = bf16_round(np.matmul(grouped.astype(np.float64), wo_a.transpose(0, 2, 1)))  # [G_l, R, lora]
     return z.transpose(1, 0, 2).reshape(r, -1)
 
 

@@ -1,28 +1,29 @@
-"""The caller-owned KV caches of the reference step, as NumPy arrays in the byte layout the GPU uses.
+"""The caller-owned KV caches of the reference step: NumPy arrays in the byte layout the GPU uses.
 
 Per layer l (cfg.layer(l); every backbone layer and every DSpark stage):
-- `swa[l]`          uint8 [max_seqs * ring_slots, 584]: the SWA ring of each state line; position p of
-                    line s lives in slot s * ring_slots + p % ring_slots (the row's slot_mapping).
+- `swa[l]`          uint8 [max_seqs * ring_slots, 584]: the SWA ring of each state line; position
+                    p of line s lives in slot s * ring_slots + p % ring_slots (slot_mapping).
                     ring_slots = pow2 >= window + max_block_rows, so the W + 5 positions a verify or
                     draft block reads never collide with the block's own writes.
 Per kv source k (owns_compressor):
-- `compressed[k]`   uint8 [num_pages * page_size, 584]: compressed entries, paged (RowBatch.block_tables),
-                    entry e = p // ratio.
+- `compressed[k]`   uint8 [num_pages * page_size, 584]: compressed entries, entry e = p // ratio,
+                    paged through RowBatch.block_tables.
 - `index_keys[k]`   uint8 [num_pages * page_size, 132]: the entry's 128-d index key, same paging.
 Per ratio-2 kv source k:
-- `ring[k]`         float32 [max_seqs, ring_rows, 1024]: (kv | score) of position p in row p % ring_rows
-                    (ring_rows = pow2 >= max_block_rows + 2, 8 for DSpark k = 5).
-- `ring_pos[k]`     int64 [max_seqs, ring_rows]: the position each ring row holds, -1 empty. Reference-only
-                    bookkeeping (the GPU relies on the positional invariant); it turns a pooling of a
-                    missing or rolled-back position into an error instead of silent garbage.
-Record layouts: `kernels.kvrecord_ref` (584 B: 448 FP8 + 64 BF16 + 7 UE8M0 + pad; 132 B: 128 FP8 + f32).
+- `ring[k]`         float32 [max_seqs, ring_rows, 1024]: (kv | score) of position p in row
+                    p % ring_rows (ring_rows = pow2 >= max_block_rows + 2, 8 for DSpark k = 5).
+- `ring_pos[k]`     int64 [max_seqs, ring_rows]: the position each ring row holds, -1 empty.
+                    Reference-only bookkeeping (the GPU relies on the positional invariant): it
+                    turns pooling a missing or rolled-back position into an error, not garbage.
+Record layouts: `kernels.kvrecord_ref` (584 B: 448 FP8 + 64 BF16 + 7 UE8M0 + pad; 132 B: 128 FP8 +
+one f32 scale).
 
-Exact mode (`exact=True`) stores float32 [.., 512] / [.., 128] instead of records (no KV quantization).
+Exact mode (`exact=True`) stores float32 [.., 512] / [.., 128] (BF16 values) instead of records.
 Unwritten memory is poison (0xFF bytes = NaN FP8 and NaN scales; NaN floats): reading it shows up.
 
-Per-step scratch (the GPU's index buffers): `step_topk[l]` [R, topk] int32 entry ids of index source l,
-`step_candidates[l]` [R, blocks] int32 candidate blocks of the candidate source, each keyed by the
-step's rows so a stale read raises.
+Per-step scratch (the GPU's index buffers): `step_topk[l]` [R, topk] int32 entry ids of index
+source l, `step_candidates[l]` [R, blocks] int32 candidate blocks of the candidate source, each
+keyed by the step's rows so a stale read raises.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class KVCaches:
     ratios: dict[int, int]  # kv source -> compress ratio
     step_topk: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     step_candidates: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    # The last layer's replicated attention half, shared by the rank calls of one step (attention.py).
+    # The last layer's replicated attention half, shared by a step's rank calls (attention.py).
     shared_memo: dict = field(default_factory=dict)
 
     @classmethod
@@ -76,7 +77,8 @@ class KVCaches:
                 raise ValueError(f"KVCaches.allocate: {name} must be a positive int, got {v!r}")
         pages_per_seq = -(-max_context // page_size)
         num_pages = max_seqs * pages_per_seq
-        order = np.arange(num_pages) if seed is None else np.random.default_rng(seed).permutation(num_pages)
+        order = (np.arange(num_pages) if seed is None
+                 else np.random.default_rng(seed).permutation(num_pages))
         tables = order.reshape(max_seqs, pages_per_seq).astype(np.int32)
         ring_slots = next_pow2(cfg.sliding_window + max_block_rows)
         ring_rows = next_pow2(max_block_rows + 2)
@@ -100,26 +102,28 @@ class KVCaches:
     def copy(self) -> KVCaches:
         return copy.deepcopy(self)
 
-    # ---- addressing -------------------------------------------------------------------------------
+    # ---- addressing ------------------------------------------------------------------------
 
     def swa_slots(self, lines: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return np.asarray(lines, np.int64) * self.ring_slots + np.asarray(positions) % self.ring_slots
+        lines = np.asarray(lines, np.int64)
+        return lines * self.ring_slots + np.asarray(positions) % self.ring_slots
 
     def entry_rows(self, block_table: np.ndarray, entries: np.ndarray) -> np.ndarray:
-        """Physical rows of entry ids `entries` (any shape, >= 0) through one sequence's block table."""
+        """Physical rows of entry ids `entries` (any shape, >= 0) via one sequence's block table."""
         entries = np.asarray(entries, np.int64)
         page = entries // self.page_size
         if np.any(page >= block_table.shape[0]):
             raise ValueError(
-                f"entry {int(entries.max())} needs page {int(page.max())}, beyond the block table's "
-                f"{block_table.shape[0]} pages"
+                f"entry {int(entries.max())} needs page {int(page.max())}, beyond the "
+                f"block table's {block_table.shape[0]} pages"
             )
         pages = block_table[page].astype(np.int64)
         if np.any(pages < 0):
-            raise ValueError(f"entries {entries[pages < 0].tolist()} fall on unallocated pages (-1)")
+            raise ValueError(
+                f"entries {entries[pages < 0].tolist()} fall on unallocated pages (-1)")
         return pages * self.page_size + entries % self.page_size
 
-    # ---- records ----------------------------------------------------------------------------------
+    # ---- records ---------------------------------------------------------------------------
 
     def store_kv(self, cache: np.ndarray, rows: np.ndarray, entries: np.ndarray) -> None:
         """Write [N, 512] float32 entries at physical `rows` (quantized to records unless exact)."""
@@ -139,7 +143,7 @@ class KVCaches:
         flat = self.index_keys[layer][rows]
         return flat.astype(np.float32) if self.exact else rec.decode_index_key(flat)
 
-    # ---- DSpark rollback ---------------------------------------------------------------------------
+    # ---- DSpark rollback -------------------------------------------------------------------
 
     def rollback_compressor_rings(self, state_line: int, accepted_len: int) -> None:
         """Forget ring rows of positions >= accepted_len of one sequence (model doc §2.5).

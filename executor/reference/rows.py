@@ -1,15 +1,16 @@
-"""The rows of one decode step: per-row token, position, sequence, KV slot and block; per-sequence tables.
+"""The rows of one decode step: per-row token, position, sequence, KV slot, block; per sequence.
 
 A step holds R rows. The rows of one sequence form one block of consecutive positions:
 - `decode`: one row (plain decode);
-- `verify`: DSpark verify rows (or prefill chunks), causal inside the block: row j sees what rows < j
-  of the same step wrote;
+- `verify`: DSpark verify rows (or prefill chunks), causal inside the block: row j sees what
+  rows < j of the same step wrote;
 - `draft`: DSpark draft rows, non-causal: every row sees the whole block.
 Padding rows (bucket fill) carry slot -1 and sequence -1: they write nothing and read nothing.
 
 Per sequence (indexed by `seq_index`, in block order):
 - `state_lines[s]`: the sequence's line in the fixed-size per-sequence state (SWA rings, compressor
-  rings); a row's `slot_mapping` is the SWA slot it writes, `state_line * ring_slots + p % ring_slots`.
+  rings); a row's `slot_mapping` is the SWA slot it writes:
+  `state_line * ring_slots + p % ring_slots`.
 - `block_tables[s]`: pages of the paged compressed caches and index keys; entry e lives at
   `block_tables[s, e // page_size] * page_size + e % page_size`; -1 = no page.
 - `context_lens[s]`: positions with KV after this step's writes = last row position + 1.
@@ -118,11 +119,13 @@ def _validate(rb: RowBatch) -> None:
     _expect(rb.state_lines, "state_lines", np.int32, (s,))
     _expect(rb.context_lens, "context_lens", np.int64, (s,))
     if rb.block_tables.ndim != 2 or rb.block_tables.shape[0] != s:
-        raise ValueError(f"RowBatch.block_tables: expected [{s}, max_pages], got {rb.block_tables.shape}")
+        raise ValueError(
+            f"RowBatch.block_tables: expected [{s}, max_pages], got {rb.block_tables.shape}")
     real = rb.slot_mapping >= 0
     if np.any(real != (rb.seq_index >= 0)):
         bad = np.flatnonzero(real != (rb.seq_index >= 0))
-        raise ValueError(f"RowBatch: rows {bad.tolist()} mix padding (slot -1 / sequence -1) with real")
+        raise ValueError(
+            f"RowBatch: rows {bad.tolist()} mix padding (slot -1 / sequence -1) with real")
     if np.any(rb.seq_index >= s):
         raise ValueError(f"RowBatch.seq_index: values must be < {s} sequences")
     if np.any(rb.block_kind < 0) or np.any(rb.block_kind >= len(BLOCK_KINDS)):
@@ -130,7 +133,8 @@ def _validate(rb: RowBatch) -> None:
     if np.any(rb.positions[real] < 0):
         raise ValueError("RowBatch.positions: real rows need positions >= 0")
     if len(np.unique(rb.state_lines)) != s:
-        raise ValueError(f"RowBatch.state_lines {rb.state_lines.tolist()}: a sequence appears twice")
+        raise ValueError(
+            f"RowBatch.state_lines {rb.state_lines.tolist()}: a sequence appears twice")
     for q in range(s):
         idx = np.flatnonzero(rb.seq_index == q)
         if idx.size == 0:
@@ -138,12 +142,13 @@ def _validate(rb: RowBatch) -> None:
         pos = rb.positions[idx]
         if np.any(np.diff(idx) != 1) or np.any(np.diff(pos) != 1):
             raise ValueError(
-                f"RowBatch: sequence {q} rows {idx.tolist()} at positions {pos.tolist()} are not one "
-                f"contiguous block of consecutive positions"
+                f"RowBatch: sequence {q} rows {idx.tolist()} at positions {pos.tolist()} are not "
+                f"one contiguous block of consecutive positions"
             )
         kinds = np.unique(rb.block_kind[idx])
         if kinds.size != 1 or (kinds[0] == KIND_DECODE and idx.size != 1):
-            raise ValueError(f"RowBatch: sequence {q} block kinds {kinds.tolist()} for {idx.size} rows")
+            raise ValueError(
+                f"RowBatch: sequence {q} block kinds {kinds.tolist()} for {idx.size} rows")
         if rb.context_lens[q] != pos[-1] + 1:
             raise ValueError(
                 f"RowBatch.context_lens[{q}] = {rb.context_lens[q]}; expected last position + 1 = "
