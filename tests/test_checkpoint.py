@@ -4,13 +4,13 @@ import shutil
 
 import numpy as np
 import pytest
+from tiny_checkpoint import tiny_checkpoint
 
 from loader import checkpoint as ckpt_module
 from loader.checkpoint import INDEX_NAME, MAX_REPORTED, Checkpoint, CheckpointError
 from loader.config import ModelConfig
 from loader.safetensors import SafetensorsFile, save_arrays
 from loader.schema import checkpoint_schema
-from tests.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

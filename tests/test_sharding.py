@@ -3,13 +3,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+from tiny_checkpoint import tiny_checkpoint
 
 from loader.checkpoint import Checkpoint
 from loader.config import ModelConfig
 from loader.formats import fp8_block_dequantize, fp8_block_scales_per_row, mxfp4_dequantize
 from loader.schema import Split, checkpoint_schema
 from loader.sharding import rank_nbytes, rank_range, rank_shape, rank_tensors, shard
-from tests.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from tiny_checkpoint import SEED, SHARD_BYTES, tiny_checkpoint
 
 from executor.cli import main
 from kernels.mhc_ref import hc_coefficients, hc_mixes
@@ -14,7 +15,6 @@ from loader.config import ModelConfig
 from loader.formats import fp8_block_dequantize, fused_e8m0, mxfp4_unpack
 from loader.schema import Fmt
 from loader.synth import MXFP4_CODE_STD, ValueSource, slice_config, synth
-from tests.tiny_checkpoint import SEED, SHARD_BYTES, tiny_checkpoint
 
 
 def _digests(d):
