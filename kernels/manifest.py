@@ -25,6 +25,7 @@ FAMILIES = (
     "kernels.elementwise",
     "kernels.rope",
     "kernels.probes",
+    "kernels.moe",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
