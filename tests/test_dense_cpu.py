@@ -1,0 +1,314 @@
+"""CPU tests of the dense W8A16, grouped wo_a and lm_head families: specs, references, and a NumPy
+model of the kernels' register-level data movement (bit conversion, K permutation, mma fragments).
+
+The fragment model replays, lane by lane, what kernels/dense.py and kernels/lm_head.py put in the
+mma.sync.m16n8k16 registers (16-byte loads, e4m3 -> bf16 bit placement, prmt selectors), decodes
+the registers with the PTX ISA's fragment layout, and checks that the product is x @ W^T: a wrong
+selector, permutation or lane mapping fails here, before any GPU run.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels import dense_ref as dr
+from kernels import lm_head_ref as lr
+from kernels import wo_a_ref as wr
+from kernels.common_ref import BF16
+from kernels.head_ref import greedy_tokens, pick_across_ranks
+from loader.config import ModelConfig
+from loader.formats import fp8_block_dequantize
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+# ---- the PTX m16n8k16 fragment layout (bf16 A/B, f32 C) ----------------------------------------
+
+def a_coords(lane: int, reg: int, half: int) -> tuple[int, int]:
+    g, t = lane // 4, lane % 4
+    return g + 8 * (reg % 2), 2 * t + half + 8 * (reg // 2)
+
+
+def b_coords(lane: int, reg: int, half: int) -> tuple[int, int]:
+    g, t = lane // 4, lane % 4
+    return 2 * t + half + 8 * reg, g
+
+
+def c_coords(lane: int, reg: int) -> tuple[int, int]:
+    g, t = lane // 4, lane % 4
+    return g + 8 * (reg // 2), 2 * t + reg % 2
+
+
+def bf16_halves(word: int) -> tuple[float, float]:
+    pair = np.array([word & 0xFFFF, word >> 16], np.uint16).view(BF16)
+    return float(pair[0]), float(pair[1])
+
+
+def mma(a_regs, b_regs) -> np.ndarray:
+    """[32 lanes][4] A words, [32][2] B words -> D [16, 8] float64 (exact products and sums)."""
+    a, b = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        for reg in range(4):
+            for half, v in enumerate(bf16_halves(a_regs[lane][reg])):
+                a[a_coords(lane, reg, half)] = v
+        for reg in range(2):
+            for half, v in enumerate(bf16_halves(b_regs[lane][reg])):
+                b[b_coords(lane, reg, half)] = v
+    assert not np.isnan(a).any() and not np.isnan(b).any(), "fragments do not cover the tile"
+    return a @ b
+
+
+def prmt(a: int, b: int, selector: int) -> int:
+    data = a | (b << 32)
+    out = 0
+    for i in range(4):
+        byte = (data >> (8 * ((selector >> (4 * i)) & 0xF))) & 0xFF
+        out |= byte << (8 * i)
+    return out
+
+
+def e4m3x4_to_bf16x2x2(word: int, scale_byte: int) -> tuple[int, int, float]:
+    """The kernel's bit placement (value x 2^-120) and the factor its bf16x2 multiply applies."""
+    even = ((word << 4) & 0x07F007F0) | ((word << 8) & 0x80008000)
+    odd = ((word >> 4) & 0x07F007F0) | (word & 0x80008000)
+    return even & 0xFFFFFFFF, odd, 2.0 ** (scale_byte - 7)
+
+
+def words(raw: np.ndarray) -> list[int]:
+    return [int(w) for w in np.ascontiguousarray(raw).view(np.uint32)]
+
+
+# ---- bit conversion --------------------------------------------------------------------------
+
+def test_e4m3_bit_placement_is_exact_for_every_code_and_scale():
+    codes = np.arange(256, dtype=np.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    true = codes.view(E4M3).astype(np.float64)
+    for scale in (8, 100, 127, 134):
+        for c in codes[finite]:
+            even, _, factor = e4m3x4_to_bf16x2x2(int(c), scale)
+            got = bf16_halves(even)[0] * factor
+            want = true[c] * 2.0 ** (scale - 127)
+            assert got == want and np.signbit(got) == np.signbit(want), (c, scale)
+
+
+# ---- dense fragment model ----------------------------------------------------------------------
+
+def dense_chunk_model(w_bytes: np.ndarray, scale_bytes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """One warp, one 64-K chunk, 16 weight rows, 8 x rows, as kernels/dense.py moves the data."""
+    d = np.zeros((16, 8))
+    a_regs = [[None] * 4 for _ in range(32)]
+    b_regs = [[None] * 2 for _ in range(32)]
+    for j in range(4):
+        factors = {}
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            wa = words(w_bytes[g, 16 * t:16 * t + 16])
+            wb = words(w_bytes[g + 8, 16 * t:16 * t + 16])
+            sbyte = int(scale_bytes[(16 * t) // 32])        # one 32-K group per thread
+            ea, oa, fa = e4m3x4_to_bf16x2x2(wa[j], sbyte)
+            eb, ob, _ = e4m3x4_to_bf16x2x2(wb[j], sbyte)
+            factors[lane] = fa
+            a_regs[lane] = [ea, eb, oa, ob]
+            xw = words(x[g, 16 * t:16 * t + 16])
+            b_regs[lane] = [prmt(xw[2 * j], xw[2 * j + 1], 0x5410),
+                            prmt(xw[2 * j], xw[2 * j + 1], 0x7632)]
+        # the scale multiply is per lane on A; the two K groups of the chunk have their own factor
+        part = np.zeros((16, 8))
+        for group in range(2):
+            lanes = [ln for ln in range(32) if (ln % 4) // 2 == group]
+            masked_a = [a_regs[ln] if ln in lanes else [0, 0, 0, 0] for ln in range(32)]
+            part += mma(masked_a, b_regs) * factors[lanes[0]]
+        d += part
+    return d
+
+
+def test_dense_fragment_model_matches_the_product():
+    rng = np.random.default_rng()
+    w = dr.random_e4m3(rng, (16, 64))
+    scales = rng.integers(110, 125, size=2).astype(np.uint8)
+    x = rng.standard_normal((8, 64)).astype(BF16)
+    got = dense_chunk_model(w.view(np.uint8), scales, x)            # [n, r]
+    w_f = fp8_block_dequantize(np.concatenate([w, w]), scales[None, :])[:16]
+    want = w_f.astype(np.float64) @ x.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-30)
+
+
+def test_dense_epilogue_index_matches_the_c_fragment():
+    # kernels/dense.py: accumulator q of lane ln -> n = n0 + ln//4 + 8*(q//2), r = 2*(ln%4) + q%2
+    for ln in range(32):
+        for q in range(4):
+            assert c_coords(ln, q) == (ln // 4 + 8 * (q // 2), 2 * (ln % 4) + q % 2)
+
+
+def test_lm_head_fragment_model_matches_the_product():
+    rng = np.random.default_rng()
+    w = rng.standard_normal((16, 32)).astype(BF16)
+    x = rng.standard_normal((8, 32)).astype(BF16)
+    d = np.zeros((16, 8))
+    for j in range(2):
+        a_regs, b_regs = [], []
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            wa, wb = words(w[g, 8 * t:8 * t + 8]), words(w[g + 8, 8 * t:8 * t + 8])
+            xw = words(x[g, 8 * t:8 * t + 8])
+            a_regs.append([wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1]])
+            b_regs.append([xw[2 * j], xw[2 * j + 1]])
+        d += mma(a_regs, b_regs)
+    want = w.astype(np.float64) @ x.astype(np.float64).T
+    np.testing.assert_allclose(d, want, rtol=1e-12)
+
+
+# ---- argmax keys -------------------------------------------------------------------------------
+
+def argmax_key(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """NumPy twin of lm_head.argmax_key: (ordered(value) << 32) | ~index as uint64."""
+    v = (values.astype(np.float32) + np.float32(0)).view(np.uint32).astype(np.uint64)
+    ordered = np.where(v >> 31, ~v & 0xFFFFFFFF, v | 0x80000000)
+    return (ordered << 32) | (~index.astype(np.uint64) & 0xFFFFFFFF)
+
+
+def test_argmax_keys_reproduce_numpy_argmax_with_ties_and_signed_zero():
+    rng = np.random.default_rng()
+    for _ in range(50):
+        v = rng.integers(-3, 4, size=257).astype(np.float32)   # many exact ties
+        v[rng.integers(0, 257, size=5)] = -0.0
+        keys = argmax_key(v, np.arange(v.size))
+        best = int(np.argmax(keys))
+        ref = lr.lm_head_argmax_ref(v[None, :], 0)
+        assert best == ref[0, 1] == int(np.argmax(v))
+    ordered = argmax_key(np.array([-np.inf, -1, -0.0, 0, 1e-45, 3, np.inf, np.nan], np.float32),
+                         np.zeros(8, np.int64)) >> 32
+    assert np.all(np.diff(ordered.astype(np.int64)[[0, 1, 3, 4, 5, 6, 7]]) > 0)
+    assert ordered[2] == ordered[3]
+
+
+# ---- specs -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def v41():
+    return ModelConfig.preset("v41-flash")
+
+
+def test_dense_shapes_at_tp4_match_the_model_doc(v41):
+    shapes = dr.dense_shapes(v41, 4)
+    assert shapes["wqa_wkv"][:2] == (1792, 5120)
+    assert shapes["wq_b"][:2] == (8192, 1280)
+    assert shapes["wo_b"][:2] == (5120, 2048)
+    assert shapes["shared_w13"][:2] == (1152, 5120)
+    assert shapes["shared_w2"][:2] == (5120, 576)
+    assert shapes["indexer_wq_b"][:2] == (4096, 1280)
+    assert shapes["engram_wkv"][:2] == (25600, 6144)
+    assert shapes["main_proj"][:2] == (5120, 15360)
+    assert wr.wo_a_shape(v41, 4) == (2, 1024, 4096)
+    assert lr.lm_head_specs(v41, 4)[0].vocab == 32320
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_specs_are_valid_and_uniquely_named(config):
+    cfg = ModelConfig.preset(config)
+    specs = dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) + lr.lm_head_specs(cfg, 4)
+    assert len({s.name for s in specs}) == len(specs)
+    for s in specs:
+        d = s.to_dict()
+        assert d["name"] == s.name and d["params"] == [list(p) for p in s.params]
+        assert s.grid(1)[0] >= 1 and s.grid(192) == s.grid(1)
+        if isinstance(s, dr.DenseSpec):
+            assert s.n % dr.TILE_N == 0 and s.split_k >= 1
+            assert (s.workspace_bytes() > 0) == (s.split_k > 1)
+            assert s.grid(1)[0] == s.tiles * s.split_k
+
+
+def test_split_k_fills_the_gpu_for_narrow_layers(v41):
+    by_label = {s.name: s for s in dr.dense_specs(v41, 4)}
+    wqa = by_label["dense_w8a16_wqa_wkv_n1792_k5120_r8_bf16"]
+    w13 = by_label["dense_w8a16_shared_w13_n1152_k5120_r8_bf16"]
+    for s in (wqa, w13):
+        assert s.grid(1)[0] >= 2 * 132 and s.split_k > 1
+        assert s.workspace_bytes() == s.max_passes * s.split_k * s.tiles * 16 * 8 * 4
+        assert s.counters_bytes() == s.max_passes * s.tiles * 4
+
+
+def test_bad_specs_and_rows_are_rejected():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        dr.make_spec("bad", 48, 5120)
+    with pytest.raises(ValueError, match="epilogue"):
+        dr.make_spec("bad", 64, 64, epilogue="gelu")
+    with pytest.raises(ValueError, match="row_tiles"):
+        dr.make_spec("bad", 64, 64, row_tiles=2)
+    spec = dr.make_spec("ok", 64, 64)
+    for rows in (0, -1, 193, True):
+        with pytest.raises(ValueError):
+            spec.grid(rows)
+    with pytest.raises(ValueError, match="multiple"):
+        lr.make_spec(100, 5120)
+
+
+# ---- references --------------------------------------------------------------------------------
+
+def _weights(rng, groups, n, k):
+    w = dr.random_e4m3(rng, (groups, n, k))
+    s = rng.integers(112, 124, size=(groups, n // 32, k // 32)).astype(np.uint8)
+    return w, s
+
+
+@pytest.mark.parametrize("epilogue", dr.EPILOGUES)
+def test_dense_ref_is_within_its_bound_of_float64(epilogue):
+    rng = np.random.default_rng()
+    w, s = _weights(rng, 1, 64, 160)
+    x = rng.standard_normal((5, 160)).astype(BF16)
+    res = rng.standard_normal((5, 64)).astype(BF16)
+    spec = dr.make_spec("t", 64, 160, epilogue=epilogue)
+    got = dr.dense_ref(spec, x, w, s, res).astype(np.float64)
+    wf = fp8_block_dequantize(w[0], s[0]).astype(np.float64)
+    exact = x.astype(np.float64) @ wf.T + (res.astype(np.float64) if epilogue == "residual" else 0)
+    bound = dr.dense_tolerance(x, wf, spec.out_dtype)
+    if epilogue == "residual":
+        bound = bound + 2.0**-8 * np.abs(exact)
+    assert np.all(np.abs(got - exact) <= bound)
+    # the bound is tight enough to catch a wrong scale (a factor of 2 on one block)
+    s_bad = s.copy()
+    s_bad[0, 0, 0] += 1
+    bad = dr.dense_ref(spec, x, w, s_bad, res).astype(np.float64)
+    assert np.any(np.abs(bad - exact) > bound)
+
+
+def test_wo_a_ref_is_blockwise_per_group():
+    rng = np.random.default_rng()
+    w, s = _weights(rng, 2, 32, 64)
+    o = rng.standard_normal((3, 128)).astype(BF16)
+    spec = dr.make_spec("grouped", 32, 64, groups=2, prefix="wo_a_fp8")
+    got = wr.wo_a_ref(spec, o, w, s)
+    for g in range(2):
+        one = dr.make_spec("g", 32, 64)
+        np.testing.assert_array_equal(got[:, 32 * g:32 * (g + 1)],
+                                      dr.dense_ref(one, o[:, 64 * g:64 * (g + 1)], w[g:g + 1],
+                                                   s[g:g + 1]))
+
+
+def test_weight_checks_name_the_problem():
+    rng = np.random.default_rng()
+    w, s = _weights(rng, 1, 32, 64)
+    with pytest.raises(TypeError, match="scales must be uint8"):
+        dr.check_weight(w, s.astype(np.int32), 1, 32, 64, "layers.0.attn.wq_b")
+    s[0, 0, 0] = 200
+    with pytest.raises(ValueError, match="layers.0.attn.wq_b: scale byte 200"):
+        dr.check_weight(w, s, 1, 32, 64, "layers.0.attn.wq_b")
+
+
+def test_split_vocab_pick_equals_full_argmax_with_cross_rank_ties():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((6, 64)).astype(BF16)
+    head = rng.standard_normal((4 * 32, 64)).astype(BF16)
+    head[70] = head[5]              # a tie across ranks 0 and 2: the lower index must win
+    head[5] = (x[0].astype(np.float32) * 4).astype(BF16)
+    head[70] = head[5]
+    shards = [head[32 * r:32 * (r + 1)] for r in range(4)]
+    pairs = [lr.lm_head_argmax_ref(lr.lm_head_logits_ref(x, sh), 32 * r)
+             for r, sh in enumerate(shards)]
+    values = np.stack([p[:, 0].view(np.float32) for p in pairs])
+    index = np.stack([p[:, 1].astype(np.int64) for p in pairs])
+    picked = pick_across_ranks(values, index)
+    assert picked[0] == 5
+    np.testing.assert_array_equal(picked, greedy_tokens(x, shards))
