@@ -102,30 +102,48 @@ def test_verify_block_equals_sequential_rows(model, start):
     _assert_same_caches(block, seq)
 
 
-def test_causal_verify_and_non_causal_draft(model):
+def _perturbed(model, layers, line, pos, run):
+    """run() with the inputs of (line, pos) changed on `layers`, restored afterwards."""
+    model.x[layers, line, pos] += 1.0
+    try:
+        return run()
+    finally:
+        model.x[layers, line, pos] -= 1.0
+
+
+def test_causal_verify_block(model):
     caches = _caches()
     _prefill(model, caches, line=0, end=20)
     verify = [RowBlock(0, 20, (1,) * 6, "verify")]
     a = model.step(caches.copy(), verify)
-    model.x[:, 0, 25] += 1.0  # change only the last row's inputs
-    try:
-        b = model.step(caches.copy(), verify)
-        draft_changed = model.step(caches.copy(), [RowBlock(0, 20, (1,) * 5, "draft")], [10])
-    finally:
-        model.x[:, 0, 25] -= 1.0
-    for layer in BACKBONE:
+    b = _perturbed(model, slice(None), 0, 25, lambda: model.step(caches.copy(), verify))
+    for layer in BACKBONE:  # rows 0..4 never see row 5
         np.testing.assert_array_equal(a[layer][:5], b[layer][:5], err_msg=f"layer {layer}")
         assert not np.array_equal(a[layer][5], b[layer][5])
-    # DSpark stage 10: context KV at 0..19 of line 0, then a 5-row draft block at 20..24.
+
+
+def test_non_causal_draft_block(model):
+    caches = _caches()
+    stage = 10
+    # DSpark context KV of positions 0..19 through the entry point dspark.py uses.
     for start in range(0, 20, 5):
-        model.step(caches, [RowBlock(0, start, (1,) * 5, "verify")], [10])
-    c = caches.copy()
-    draft = model.step(c, [RowBlock(0, 20, (1,) * 5, "draft")], [10])[10]
-    # Non-causal: row 0 reads row 4's entry (position 24), so row 0 moves when only row 4 changed.
-    assert not np.allclose(draft[0], draft_changed[10][0])
+        rows = RowBatch.from_blocks([RowBlock(0, start, (1,) * 5, "verify")], caches.block_tables,
+                                    caches.ring_slots)
+        attn.insert_swa(model.ranks[0].layer(stage), model.inputs(stage, rows), rows, caches, CFG)
+    for kind in ("draft", "verify"):
+        block = [RowBlock(0, 20, (1,) * 5, kind)]
+        a = model.step(caches.copy(), block, [stage])[stage]
+        b = _perturbed(model, stage, 0, 24,
+                       lambda blk=block: model.step(caches.copy(), blk, [stage]))
+        if kind == "draft":  # every row reads row 4's entry (position 24)
+            assert all(not np.allclose(a[j], b[stage][j]) for j in range(5))
+        else:  # the same rows as a causal block: rows 0..3 do not
+            np.testing.assert_array_equal(a[:4], b[stage][:4])
     # Every draft row gathers the same entries: positions 20 - W .. 24.
+    c = caches.copy()
+    model.step(c, [RowBlock(0, 20, (1,) * 5, "draft")], [stage])
     rows = RowBatch.from_blocks([RowBlock(0, 20, (1,) * 5, "draft")], c.block_tables, c.ring_slots)
-    kv, valid = attn.gather(CFG.layer(10), None, rows, c, CFG)
+    kv, valid = attn.gather(CFG.layer(stage), None, rows, c, CFG)
     assert (valid.sum(axis=1) == CFG.sliding_window + 5).all()
     for j in range(1, 5):
         np.testing.assert_array_equal(kv[j][valid[j]], kv[0][valid[0]])
@@ -286,6 +304,18 @@ def test_exact_mode(model):
     with pytest.raises(ValueError, match="exact=True but the KV caches were allocated exact=False"):
         attn.attention_shared(model.ranks[0].layer(0), model.inputs(0, rows), rows, quant, CFG,
                               exact=True)
+
+
+def test_reading_unwritten_entries_raises(model):
+    caches = _caches()
+    # No prefill: position 5 would attend to SWA entries 0..4, which are still poison.
+    with pytest.raises(ValueError, match="attends to a KV entry that was never written"):
+        model.step(caches, [RowBlock(0, 5, (1,))], layers=[0])
+    # The first block publishes ratio-2 entry 0 at its row p = 1, whose index key is written before
+    # the scan: the row sees (and selects) an entry it created in the same step.
+    model.step(caches, [RowBlock(1, 0, (1,) * 4, "verify")], layers=[0, 1, 2])
+    np.testing.assert_array_equal(caches.step_topk[2][1][:, :3], [[-1, -1, -1], [0, -1, -1],
+                                                                  [0, -1, -1], [0, 1, -1]])
 
 
 def test_bad_input_raises(model):

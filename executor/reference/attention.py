@@ -223,6 +223,9 @@ def index_topk(lw, x: np.ndarray, qr: np.ndarray, rows: RowBatch, caches: KVCach
         # One scan for all rows of the block; each row keeps its own visible prefix.
         scores = indexer_ref.index_scores(q[idx], w[idx], keys)
         visible = indexer_ref.visible_mask((pos + 1) // spec.ratio, n)
+        if not np.isfinite(scores[visible]).all():  # poison: a visible key was never written
+            raise ValueError(f"layer {spec.index}: sequence {s} scores an index key of layer "
+                             f"{spec.kv_source} that was never written")
         allowed = visible
         if prior is not None:
             inside = indexer_ref.candidate_entry_mask(prior[idx], n, cfg.candidate_block_size)
@@ -259,15 +262,32 @@ def gather(spec, topk: np.ndarray | None, rows: RowBatch, caches: KVCaches, cfg)
     slots = caches.swa_slots(lines[seq][:, None], cols)
     kv = caches.load_kv(caches.swa[spec.index], slots)
     if topk is None:
+        _check_written(spec, kv, valid, rows)
         return kv, valid
     ok = (topk >= 0) & real[:, None]
     ent = np.where(ok, topk, 0)
     tables = np.concatenate([rows.block_tables, np.zeros_like(rows.block_tables[:1])])[seq]
-    page = np.minimum(ent // caches.page_size, tables.shape[1] - 1)
-    phys = np.take_along_axis(tables, page, axis=1).astype(np.int64) * caches.page_size
-    phys = np.where(ok, phys + ent % caches.page_size, 0)
+    page = ent // caches.page_size
+    if np.any(page >= tables.shape[1]):
+        raise ValueError(f"layer {spec.index}: a top-k entry lies beyond the block tables' "
+                         f"{tables.shape[1]} pages")
+    pages = np.take_along_axis(tables, page, axis=1).astype(np.int64)
+    if np.any(ok & (pages < 0)):
+        raise ValueError(f"layer {spec.index}: a top-k entry falls on an unallocated page (-1)")
+    phys = np.where(ok, pages * caches.page_size + ent % caches.page_size, 0)
     comp = caches.load_kv(caches.compressed[spec.kv_source], phys)
-    return np.concatenate([kv, comp], axis=1), np.concatenate([valid, ok], axis=1)
+    kv, valid = np.concatenate([kv, comp], axis=1), np.concatenate([valid, ok], axis=1)
+    _check_written(spec, kv, valid, rows)
+    return kv, valid
+
+
+def _check_written(spec, kv: np.ndarray, valid: np.ndarray, rows: RowBatch) -> None:
+    """Unwritten cache memory is poison (NaN): a row that would attend to it is a caller bug."""
+    bad = ~np.isfinite(kv).all(axis=2) & valid
+    if bad.any():
+        r = int(np.flatnonzero(bad.any(axis=1))[0])
+        raise ValueError(f"layer {spec.index}: row {r} (position {rows.positions[r]}) attends to a "
+                         f"KV entry that was never written (missing prefill or skipped position?)")
 
 
 def attention_shared(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg,
