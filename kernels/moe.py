@@ -1,0 +1,742 @@
+"""Routed-expert MoE (MXFP4 x FP8, one TP rank) for SM90 in the CuTe DSL: prep, w13, w2, combine.
+
+What each kernel computes, the weight layout and the exact reference are in
+`kernels/moe_kernel_ref.py`; the design, the predictions and the measurements in
+`docs/notes/moe-design.md`. In short: routing is device data; `moe_prep` turns the top-k ids into
+the list of distinct experts and their (row, slot) pairs and quantizes x to FP8 once; `moe_w13` and
+`moe_w2` walk (expert, tile) work items with a persistent grid, each warp streaming 16 weight rows
+with 16-byte loads held in registers, expanding FP4 + UE8M0 offset to E4M3 with two `prmt` per 8
+codes, and multiplying with `mma.sync.m16n8k32.e4m3` (weights = M, up to 8 token rows = N);
+`moe_combine` sums the six expert outputs of each row in slot order.
+
+PDL: every kernel waits (`griddepcontrol.wait`) before reading what its predecessor wrote and then
+triggers its dependents at once, so the next kernel's CTAs are resident early. `moe_w2` uses that:
+before its wait it reads the routing list (written by `moe_prep`, two kernels back, complete before
+`moe_w13` passed its own wait; read with ld.relaxed.gpu so no stale L1 line is used) and loads its
+first work item's weights into registers, overlapping w13's stream.
+
+    prep   |wait|trigger| route (CTA 0) + quantize x (CTAs 1..)      |
+    w13           |wait|trigger| stream w13 of the distinct experts |
+    w2            |prefetch w2 regs|wait|trigger| h -> FP8, mma, ye |
+    combine                        |wait| y = sum_s w * ye          |
+
+Constraints: pointers 16-byte aligned, rows <= 192, topk ids in [0, E) and distinct per row (a bad
+id is counted in meta[1] and its pair skipped; its ye rows are then not written).
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from kernels import moe_kernel_ref as mk
+
+_F448 = "0f43E00000"
+_F_FLOOR = "0f0DA24260"       # 1e-30 (quantize_act_fp8's scale floor)
+_F_NEG_LOG2E = "0fBFB8AA3B"
+
+
+# ---- inline PTX helpers (each one instruction group; the reference replays them) ---------------
+
+def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=False):
+    ty = kind or T.i32()
+    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
+    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
+                          has_side_effects=side_effects, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    if results == 1:
+        return out
+    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
+
+
+def ld_weights_v4(addr: Int64):
+    """16 bytes of constant weights: non-coherent path, no L1 allocation (streamed once)."""
+    v = _asm(4, [Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l")
+    return [Int32(x) for x in v]
+
+
+def ld_weights_v2(addr: Int64):
+    v = _asm(2, [Int64(addr)], "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
+    return [Int32(x) for x in v]
+
+
+def ld_v2(addr: Int64, pred: Int32):
+    """8 bytes written by an earlier kernel (coherent path); zeros where pred == 0."""
+    v = _asm(2, [Int64(addr), Int32(pred)],
+             "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;\n"
+             "@p ld.global.v2.u32 {$0, $1}, [$2]; }", "=r,=r,l,r", side_effects=True)
+    return [Int32(x) for x in v]
+
+
+def ld_u32(addr: Int64, pred: Int32):
+    return Int32(_asm(1, [Int64(addr), Int32(pred)],
+                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
+                      "@p ld.global.u32 $0, [$1]; }", "=r,l,r", side_effects=True))
+
+
+def ld_relaxed_u32(addr: Int64):
+    """A word written two kernels back, read before griddepcontrol.wait (never a stale L1 line)."""
+    return Int32(_asm(1, [Int64(addr)], "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l",
+                      side_effects=True))
+
+
+def ld_f32(addr: Int64, pred: Int32):
+    return Float32(_asm(1, [Int64(addr), Int32(pred)],
+                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0f00000000;\n"
+                        "@p ld.global.f32 $0, [$1]; }", "=f,l,r", kind=T.f32(),
+                        side_effects=True))
+
+
+def _void_asm(operands, text: str, constraints: str):
+    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def st_u32(addr: Int64, value: Int32):
+    _void_asm([Int64(addr), Int32(value)], "st.global.u32 [$0], $1;", "l,r")
+
+
+def st_f32(addr: Int64, value: Float32):
+    _void_asm([Int64(addr), Float32(value)], "st.global.f32 [$0], $1;", "l,f")
+
+
+def st_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32):
+    _void_asm([Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d)],
+              "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f")
+
+
+def st_bf16(addr: Int64, value: Float32):
+    _void_asm([Int64(addr), Float32(value)],
+              "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f")
+
+
+def sts_u32(saddr: Int32, value: Int32):
+    _void_asm([Int32(saddr), Int32(value)], "st.shared.u32 [$0], $1;", "r,r")
+
+
+def sts_f32(saddr: Int32, value: Float32):
+    _void_asm([Int32(saddr), Float32(value)], "st.shared.f32 [$0], $1;", "r,f")
+
+
+def lds_u32(saddr: Int32):
+    return Int32(_asm(1, [Int32(saddr)], "ld.shared.u32 $0, [$1];", "=r,r", side_effects=True))
+
+
+def lds_f32(saddr: Int32):
+    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32(),
+                        side_effects=True))
+
+
+def lds_v2(saddr: Int32):
+    v = _asm(2, [Int32(saddr)], "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r", side_effects=True)
+    return [Int32(x) for x in v]
+
+
+def atom_or_shared(saddr: Int32, value: Int32):
+    _void_asm([Int32(saddr), Int32(value)], "red.shared.or.b32 [$0], $1;", "r,r")
+
+
+def decode_row(word: Int32, offsets: Int32, byte: int):
+    """(lo, hi) E4M3 registers of one row and k-step: 8 E2M1 codes + the offset byte `byte`."""
+    v = _asm(2, [Int32(word), Int32(offsets)],
+             "{ .reg .b32 o, l0, l1, sel, sh, t, s;\n"
+             f"bfe.u32 o, $3, {8 * byte}, 8;\n"
+             f"mad.lo.u32 l0, o, 0x01010100, {mk.LUT_LO_BASE:#x};\n"
+             f"mad.lo.u32 l1, o, 0x01010101, {mk.LUT_HI_BASE:#x};\n"
+             "and.b32 sel, $2, 0x77777777;\n"
+             "prmt.b32 t, l0, l1, sel;\n"
+             "and.b32 s, $2, 0x80808080;\n"
+             "or.b32 $0, t, s;\n"
+             "shr.u32 sh, sel, 16;\n"
+             "prmt.b32 t, l0, l1, sh;\n"
+             "shl.b32 s, $2, 4;\n"
+             "and.b32 s, s, 0x80808080;\n"
+             "or.b32 $1, t, s; }", "=r,=r,r,r")
+    return Int32(v[0]), Int32(v[1])
+
+
+def mma_e4m3(a, b, c):
+    """c + A(16x32 e4m3) x B(32x8 e4m3), fp32: mma.sync.aligned.m16n8k32.row.col."""
+    ops = [Int32(x) for x in a] + [Int32(x) for x in b] + [Float32(x) for x in c]
+    v = _asm(4, ops, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+             "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", kind=T.f32())
+    return [Float32(x) for x in v]
+
+
+def bf16_pair(word: Int32):
+    """The two bf16 of a word as fp32 (low half first)."""
+    v = _asm(2, [Int32(word)], "{ .reg .b32 t; shl.b32 t, $2, 16; mov.b32 $0, t;\n"
+             "and.b32 t, $2, 0xFFFF0000; mov.b32 $1, t; }", "=f,=f,r", kind=T.f32())
+    return Float32(v[0]), Float32(v[1])
+
+
+def fabs_max(a: Float32, b: Float32):
+    return Float32(_asm(1, [Float32(a), Float32(b)],
+                        "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f",
+                        kind=T.f32()))
+
+
+def shfl_max(v: Float32, offset: int):
+    return Float32(_asm(1, [Float32(v)],
+                        "{ .reg .f32 t; shfl.sync.bfly.b32 t, $1, " + str(offset)
+                        + ", 0x1f, 0xffffffff; max.f32 $0, $1, t; }", "=f,f", kind=T.f32(),
+                        side_effects=True))
+
+
+def act_scale(amax: Float32):
+    """(s, 1/s): s = max(amax / 448, 1e-30) with div.rn, 1/s with rcp.rn (quantize_act_fp8)."""
+    v = _asm(2, [Float32(amax)], "{ .reg .f32 t; div.rn.f32 t, $2, " + _F448 + ";\n"
+             "max.f32 $0, t, " + _F_FLOOR + "; rcp.rn.f32 $1, $0; }", "=f,=f,f", kind=T.f32())
+    return Float32(v[0]), Float32(v[1])
+
+
+def quantize4(x0, x1, x2, x3, inv):
+    """4 E4M3 bytes (x0 lowest) of x * inv: mul.rn then cvt.rn.satfinite."""
+    return Int32(_asm(1, [Float32(x0), Float32(x1), Float32(x2), Float32(x3), Float32(inv)],
+                      "{ .reg .f32 y0, y1, y2, y3; .reg .b16 lo, hi;\n"
+                      "mul.rn.f32 y0, $1, $5; mul.rn.f32 y1, $2, $5;\n"
+                      "mul.rn.f32 y2, $3, $5; mul.rn.f32 y3, $4, $5;\n"
+                      "cvt.rn.satfinite.e4m3x2.f32 lo, y1, y0;\n"
+                      "cvt.rn.satfinite.e4m3x2.f32 hi, y3, y2;\n"
+                      "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f,f"))
+
+
+def round_bf16(x: Float32):
+    return Float32(_asm(1, [Float32(x)], "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1;\n"
+                        "cvt.f32.bf16 $0, h; }", "=f,f", kind=T.f32()))
+
+
+def swiglu(gate: Float32, up: Float32, limit: float):
+    """bf16-valued silu(min(gate, L)) * clip(up, -L, L) (gate, up already bf16 values)."""
+    lim = f"0f{Float32_bits(limit):08X}"
+    nlim = f"0f{Float32_bits(-limit):08X}"
+    return Float32(_asm(1, [Float32(gate), Float32(up)],
+                        "{ .reg .f32 g, u, t; min.f32 g, $1, " + lim + ";\n"
+                        "max.f32 u, $2, " + nlim + "; min.f32 u, u, " + lim + ";\n"
+                        "mul.rn.f32 t, g, " + _F_NEG_LOG2E + "; ex2.approx.f32 t, t;\n"
+                        "add.rn.f32 t, t, 0f3F800000; div.rn.f32 t, g, t;\n"
+                        "mul.rn.f32 $0, t, u; }", "=f,f,f", kind=T.f32()))
+
+
+def Float32_bits(x: float) -> int:
+    import numpy as np
+    return int(np.float32(x).view(np.uint32))
+
+
+def fmul_add(acc: Float32, a: Float32, b: Float32):
+    """acc + a * b with two roundings (mul.rn, add.rn), as NumPy's `acc + a * b`."""
+    return Float32(_asm(1, [Float32(acc), Float32(a), Float32(b)],
+                        "{ .reg .f32 t; mul.rn.f32 t, $2, $3; add.rn.f32 $0, $1, t; }",
+                        "=f,f,f,f", kind=T.f32()))
+
+
+def ctz(x: Int32):
+    return Int32(_asm(1, [Int32(x)], "{ .reg .b32 t; brev.b32 t, $1; clz.b32 $0, t; }",
+                      "=r,r"))
+
+
+def popc(x: Int32):
+    return Int32(_asm(1, [Int32(x)], "popc.b32 $0, $1;", "=r,r"))
+
+
+
+
+def _addr(ptr: cute.Pointer) -> Int64:
+    return Int64(ptr.toint())
+
+
+@cute.jit
+def quantize_quad(w0: Int32, w1: Int32):
+    """One lane's 4 bf16 of a 128-group (x0 lowest) -> (4 E4M3 bytes, group scale); the warp's 32
+    lanes hold the group, so amax is a butterfly over the whole warp."""
+    x0, x1 = bf16_pair(w0)
+    x2, x3 = bf16_pair(w1)
+    amax = fabs_max(fabs_max(fabs_max(fabs_max(Float32(0.0), x0), x1), x2), x3)
+    for k in cutlass.range_constexpr(5):
+        amax = shfl_max(amax, 16 >> k)
+    scale, inverse = act_scale(amax)
+    return quantize4(x0, x1, x2, x3, inverse), scale
+
+
+def fragment_position(kstep_of_lane, lane):
+    """Byte offset of lane's 4 consecutive K values (4*lane..) inside the fragment-ordered row."""
+    quad = lane % 8
+    return kstep_of_lane * mk.KSTEP + 8 * (quad % 4) + 4 * (quad // 4)
+
+
+class MoePrepSm90:
+    """moe_prep: CTA 0 builds the routing lists, CTAs 1.. quantize x (one warp per row group)."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        self.spec = spec
+        s = spec.shape
+        self.experts, self.topk, self.hidden = s.num_experts, s.topk, s.hidden
+        self.groups = s.groups(s.k13)
+        self.k_pad = s.k13
+        self.per_thread = mk.ceil_div(self.experts, mk.PREP_THREADS)
+        self.bitmap_words = self.experts * mk.BITMAP_WORDS
+        self.warps = mk.PREP_THREADS // mk.LANES
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, x: cute.Pointer, meta: cute.Pointer,
+                 pairs: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer, rows: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(topk_ids, x, meta, pairs, xq, xs, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, x: cute.Pointer, meta: cute.Pointer,
+               pairs: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        cute.arch.griddepcontrol_wait()          # topk ids and x come from the router
+        cute.arch.griddepcontrol_launch_dependents()
+        if bidx == 0:
+            self.route(_addr(topk_ids), _addr(meta), _addr(pairs), rows, base, tidx)
+        else:
+            self.quantize_rows(_addr(x), _addr(xq), _addr(xs), rows, tidx, bidx, gdim)
+
+    @cute.jit
+    def quantize_rows(self, x: Int64, xq: Int64, xs: Int64, rows: Int32, tidx: Int32,
+                      bidx: Int32, gdim: Int32):
+        lane = tidx % mk.LANES
+        item = (bidx - 1) * self.warps + tidx // mk.LANES
+        while item < rows * self.groups:
+            row = item // self.groups
+            grp = item % self.groups
+            k = grp * mk.ACT_GROUP + 4 * lane
+            w = ld_v2(x + Int64(row * self.hidden + k) * 2, Int32(1))
+            q, scale = quantize_quad(w[0], w[1])
+            pos = fragment_position(grp * 4 + lane // 8, lane)
+            st_u32(xq + Int64(row) * self.k_pad + pos, q)
+            if lane == 0:
+                st_f32(xs + Int64(row * self.groups + grp) * 4, scale)
+            item += (gdim - 1) * self.warps
+
+    @cute.jit
+    def route(self, ids: Int64, meta: Int64, pairs: Int64, rows: Int32, base: Int32,
+              tidx: Int32):
+        """Bitmap of rows per expert (red.or), popcounts, one block scan, then each thread lists
+        its experts' rows in ascending order: deterministic, no float atomics."""
+        totals = base + self.bitmap_words * 4          # [warps] scan totals, then the bad count
+        bad = totals + self.warps * 4
+        i = tidx
+        while i < self.bitmap_words:
+            sts_u32(base + 4 * i, Int32(0))
+            i += mk.PREP_THREADS
+        if tidx == 0:
+            sts_u32(bad, Int32(0))
+        cute.arch.sync_threads()
+        i = tidx
+        while i < rows * self.topk:
+            e = ld_u32(ids + Int64(i) * 4, Int32(1))
+            row = i // self.topk
+            if e >= 0 and e < self.experts:
+                atom_or_shared(base + 4 * (e * mk.BITMAP_WORDS + row // 32),
+                               Int32(1) << (row % 32))
+            else:
+                atom_or_shared(bad, Int32(1))
+            i += mk.PREP_THREADS
+        cute.arch.sync_threads()
+        counts = self.count_rows(base, tidx)
+        local = Int32(0)
+        for k in cutlass.range_constexpr(self.per_thread):
+            local = local + counts[k] + (Int32(1 << 16) if counts[k] > 0 else Int32(0))
+        exclusive, total = self.block_scan(local, totals, tidx)
+        pair_off = exclusive & 0xFFFF
+        entry = exclusive >> 16
+        for k in cutlass.range_constexpr(self.per_thread):
+            e = tidx * self.per_thread + k
+            if counts[k] > 0:
+                st_u32(meta + 4 * (mk.META_HEADER + entry), e)
+                st_u32(meta + 4 * (mk.META_HEADER + self.experts + entry), pair_off)
+                st_u32(meta + 4 * (mk.META_HEADER + 2 * self.experts + entry), counts[k])
+                self.list_rows(ids, pairs, base, e, pair_off)
+                entry = entry + 1
+                pair_off = pair_off + counts[k]
+        if tidx == mk.PREP_THREADS - 1:
+            st_u32(meta, total >> 16)
+            st_u32(meta + 4, lds_u32(bad))
+
+    @cute.jit
+    def count_rows(self, base: Int32, tidx: Int32):
+        counts = []
+        for k in cutlass.range_constexpr(self.per_thread):
+            e = tidx * self.per_thread + k
+            c = Int32(0)
+            if e < self.experts:
+                for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
+                    c = c + popc(lds_u32(base + 4 * (e * mk.BITMAP_WORDS + w)))
+            counts.append(c)
+        return counts
+
+    @cute.jit
+    def block_scan(self, value: Int32, totals: Int32, tidx: Int32):
+        """(exclusive prefix, grand total) of one Int32 per thread over the CTA, in thread order."""
+        lane = tidx % mk.LANES
+        warp = tidx // mk.LANES
+        inclusive = value
+        for k in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(inclusive, offset=1 << k)
+            if lane >= (1 << k):
+                inclusive = inclusive + up
+        if lane == mk.LANES - 1:
+            sts_u32(totals + 4 * warp, inclusive)
+        cute.arch.sync_threads()
+        before = Int32(0)
+        total = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            t = lds_u32(totals + 4 * w)
+            if w < warp:
+                before = before + t
+            total = total + t
+        return before + inclusive - value, total
+
+    @cute.jit
+    def list_rows(self, ids: Int64, pairs: Int64, base: Int32, e: Int32, pair_off: Int32):
+        n = pair_off
+        for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
+            bits = lds_u32(base + 4 * (e * mk.BITMAP_WORDS + w))
+            while bits != 0:
+                row = w * 32 + ctz(bits)
+                bits = bits & (bits - 1)
+                slot = Int32(0)
+                for s in cutlass.range_constexpr(self.topk):
+                    if ld_u32(ids + Int64(row * self.topk + s) * 4, Int32(1)) == e:
+                        slot = Int32(s)
+                st_u32(pairs + Int64(n) * 4, row * self.topk + slot)
+                n = n + 1
+
+
+@cute.jit
+def group_mma(wreg, oreg, col0: int, gi: int, ksteps: int, b_regs):
+    """fp32 partial of one 128-group: `ksteps` k-steps of the warp's register-held weight tile
+    (columns col0.., offset words of group gi) against the B fragments b_regs[s4]."""
+    part = [Float32(0.0)] * 4
+    for s4 in cutlass.range_constexpr(ksteps):
+        col = col0 + s4 // 2
+        s = s4 % 2
+        byte_g, byte_g8 = 2 * s4, 2 * s4 + 1
+        a0, a2 = decode_row(wreg[4 * col + 2 * s], oreg[2 * gi + byte_g // 4], byte_g % 4)
+        a1, a3 = decode_row(wreg[4 * col + 2 * s + 1], oreg[2 * gi + byte_g8 // 4], byte_g8 % 4)
+        part = mma_e4m3([a0, a1, a2, a3], b_regs[s4], part)
+    return part
+
+
+class MoeW13Sm90:
+    """moe_w13: (expert, 16-row [gate; up] tile) per CTA, K split over the CTA's warps."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        self.spec = spec
+        s = spec.shape
+        self.shape = s
+        self.warps = spec.block[0] // mk.LANES
+        self.cols = s.k13 // mk.COL_K
+        self.cols_per_warp = self.cols // self.warps
+        self.groups_per_warp = self.cols_per_warp // 2
+        self.groups = s.groups(s.k13)
+        self.tiles = s.tiles13
+
+    @cute.jit
+    def __call__(self, meta: cute.Pointer, pairs: cute.Pointer, xq: cute.Pointer,
+                 xs: cute.Pointer, codes: cute.Pointer, offsets: cute.Pointer,
+                 scales: cute.Pointer, h: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(meta, pairs, xq, xs, codes, offsets, scales, h, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, xq: cute.Pointer,
+               xs: cute.Pointer, codes: cute.Pointer, offsets: cute.Pointer,
+               scales: cute.Pointer, h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        wreg = cute.make_rmem_tensor(cute.make_layout(4 * self.cols_per_warp), Int32)
+        oreg = cute.make_rmem_tensor(cute.make_layout(2 * self.groups_per_warp), Int32)
+        cute.arch.griddepcontrol_wait()          # meta, pairs, xq, xs come from moe_prep
+        cute.arch.griddepcontrol_launch_dependents()
+        m = _addr(meta)
+        e_count = self.shape.num_experts
+        item = bidx
+        while item < ld_u32(m, Int32(1)) * self.tiles:
+            j = item // self.tiles
+            tile = item % self.tiles
+            e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
+            first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
+            count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
+            tile_id = Int64(e * self.tiles + tile)
+            wbase = (_addr(codes) + (tile_id * self.cols + warp * self.cols_per_warp)
+                     * mk.COL_BYTES + lane * 16)
+            for c in cutlass.range_constexpr(self.cols_per_warp):
+                v = ld_weights_v4(wbase + c * mk.COL_BYTES)
+                for i in cutlass.range_constexpr(4):
+                    wreg[4 * c + i] = v[i]
+            obase = (_addr(offsets) + (tile_id * self.groups + warp * self.groups_per_warp)
+                     * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8)
+            for gi in cutlass.range_constexpr(self.groups_per_warp):
+                v = ld_weights_v2(obase + gi * mk.GROUP_OFFSET_BYTES)
+                oreg[2 * gi] = v[0]
+                oreg[2 * gi + 1] = v[1]
+            scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
+            chunk = Int32(0)
+            while chunk < count:
+                self.chunk(wreg, oreg, _addr(pairs) + Int64(first) * 4, _addr(xq), _addr(xs),
+                           _addr(h), count - chunk, chunk, tile, scale, red, warp, lane)
+                chunk += mk.CHUNK_TOKENS
+            item += gdim
+
+    @cute.jit
+    def chunk(self, wreg, oreg, pair_list: Int64, xq: Int64, xs: Int64, h: Int64, left: Int32,
+              chunk: Int32, tile: Int32, scale: Float32, red: Int32, warp: Int32, lane: Int32):
+        """Up to 8 token rows of one expert: this warp's K slice, then warp 0 sums the slices in
+        warp order and applies the weight scale, bf16, SwiGLU, bf16."""
+        g, t = lane // 4, lane % 4
+        topk = self.shape.topk
+        vb = Int32(1) if g < left else Int32(0)
+        rb = ld_u32(pair_list + Int64(chunk + g) * 4, vb) // topk
+        v0 = Int32(1) if 2 * t < left else Int32(0)
+        v1 = Int32(1) if 2 * t + 1 < left else Int32(0)
+        p0 = ld_u32(pair_list + Int64(chunk + 2 * t) * 4, v0)
+        p1 = ld_u32(pair_list + Int64(chunk + 2 * t + 1) * 4, v1)
+        xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
+        acc = [Float32(0.0)] * 4
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            grp = warp * self.groups_per_warp + gi
+            b_regs = []
+            for s4 in cutlass.range_constexpr(4):
+                b_regs.append(ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb))
+            part = group_mma(wreg, oreg, 2 * gi, gi, 4, b_regs)
+            sc0 = ld_f32(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0)
+            sc1 = ld_f32(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)
+            acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
+                   fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
+        slot = red + 16 * (warp * mk.LANES + lane)
+        for i in cutlass.range_constexpr(4):
+            sts_f32(slot + 4 * i, acc[i])
+        cute.arch.sync_threads()
+        if warp == 0:
+            tot = [lds_f32(red + 16 * lane + 4 * i) for i in range(4)]
+            for w in cutlass.range_constexpr(1, self.warps):
+                for i in cutlass.range_constexpr(4):
+                    tot[i] = tot[i] + lds_f32(red + 16 * (w * mk.LANES + lane) + 4 * i)
+            limit = self.shape.swiglu_limit
+            n = 8 * tile + g
+            inter = self.shape.inter
+            if v0 != 0:
+                y0 = swiglu(round_bf16(tot[0] * scale), round_bf16(tot[2] * scale), limit)
+                st_bf16(h + Int64(p0 * inter + n) * 2, y0)
+            if v1 != 0:
+                y1 = swiglu(round_bf16(tot[1] * scale), round_bf16(tot[3] * scale), limit)
+                st_bf16(h + Int64(p1 * inter + n) * 2, y1)
+        cute.arch.sync_threads()
+
+
+class MoeW2Sm90:
+    """moe_w2: (expert, 8 tiles of 16 rows of w2) per CTA, one tile per warp, K = I whole."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        self.spec = spec
+        s = spec.shape
+        self.shape = s
+        self.cols = s.k2 // mk.COL_K
+        self.groups = s.groups(s.k2)
+        self.blocks = s.tiles2 // mk.W2_WARPS
+        self.q_bytes = mk.CHUNK_TOKENS * s.k2
+        self.s_bytes = mk.CHUNK_TOKENS * self.groups * 4
+
+    def ksteps(self, grp: int) -> int:
+        return min(4, (self.shape.k2 - grp * mk.ACT_GROUP) // mk.KSTEP)
+
+    @cute.jit
+    def __call__(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
+                 codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+                 ye: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(meta, pairs, h, codes, offsets, scales, ye, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.jit
+    def load_tile(self, wreg, oreg, codes: Int64, offsets: Int64, e: Int32, block: Int32,
+                  warp: Int32, lane: Int32):
+        tile_id = Int64(e * self.shape.tiles2 + block * mk.W2_WARPS + warp)
+        wbase = codes + tile_id * self.cols * mk.COL_BYTES + lane * 16
+        for c in cutlass.range_constexpr(self.cols):
+            v = ld_weights_v4(wbase + c * mk.COL_BYTES)
+            for i in cutlass.range_constexpr(4):
+                wreg[4 * c + i] = v[i]
+        obase = offsets + tile_id * self.groups * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8
+        for gi in cutlass.range_constexpr(self.groups):
+            v = ld_weights_v2(obase + gi * mk.GROUP_OFFSET_BYTES)
+            oreg[2 * gi] = v[0]
+            oreg[2 * gi + 1] = v[1]
+
+    @cute.kernel
+    def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               ye: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        sq = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        wreg = cute.make_rmem_tensor(cute.make_layout(4 * self.cols), Int32)
+        oreg = cute.make_rmem_tensor(cute.make_layout(2 * self.groups), Int32)
+        m = _addr(meta)
+        e_count = self.shape.num_experts
+        # Before the wait: moe_prep (two kernels back) has completed, so its routing list is
+        # final; prefetch the first work item's weights while moe_w13 streams.
+        total = ld_relaxed_u32(m) * self.blocks
+        item = bidx
+        if item < total:
+            e = ld_relaxed_u32(m + 4 * (mk.META_HEADER + item // self.blocks))
+            self.load_tile(wreg, oreg, _addr(codes), _addr(offsets), e, item % self.blocks,
+                           warp, lane)
+        cute.arch.griddepcontrol_wait()          # h comes from moe_w13
+        cute.arch.griddepcontrol_launch_dependents()
+        while item < total:
+            j = item // self.blocks
+            e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
+            first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
+            count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
+            scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
+            tile = (item % self.blocks) * mk.W2_WARPS + warp
+            chunk = Int32(0)
+            while chunk < count:
+                self.quantize_chunk(_addr(pairs) + Int64(first) * 4, _addr(h), count - chunk,
+                                    chunk, sq, warp, lane)
+                cute.arch.sync_threads()
+                self.chunk_mma(wreg, oreg, _addr(ye), tile, scale, sq, lane)
+                cute.arch.sync_threads()
+                chunk += mk.CHUNK_TOKENS
+            item += gdim
+            if item < total:
+                e = ld_u32(m + 4 * (mk.META_HEADER + item // self.blocks), Int32(1))
+                self.load_tile(wreg, oreg, _addr(codes), _addr(offsets), e,
+                               item % self.blocks, warp, lane)
+
+    @cute.jit
+    def quantize_chunk(self, pair_list: Int64, h: Int64, left: Int32, chunk: Int32, sq: Int32,
+                       warp: Int32, lane: Int32):
+        """Warp w re-quantizes token w of the chunk: h per 128 along I (tail group shorter),
+        into shared memory in fragment order, with its scales and pair id (-1: no token)."""
+        inter, k_pad = self.shape.inter, self.shape.k2
+        valid = Int32(1) if warp < left else Int32(0)
+        pair = ld_u32(pair_list + Int64(chunk + warp) * 4, valid)
+        for grp in cutlass.range_constexpr(self.groups):
+            k = grp * mk.ACT_GROUP + 4 * lane
+            inside = Int32(1) if k < inter else Int32(0)
+            w = ld_v2(h + Int64(pair * inter + k) * 2, valid * inside)
+            q, scale = quantize_quad(w[0], w[1])
+            if k < k_pad:
+                sts_u32(sq + warp * k_pad + fragment_position(grp * 4 + lane // 8, lane), q)
+            if lane == 0:
+                sts_f32(sq + self.q_bytes + 4 * (warp * self.groups + grp), scale)
+        if lane == 0:
+            sts_u32(sq + self.q_bytes + self.s_bytes + 4 * warp, pair if valid != 0 else -1)
+
+    @cute.jit
+    def chunk_mma(self, wreg, oreg, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
+                  lane: Int32):
+        g, t = lane // 4, lane % 4
+        k_pad, hidden = self.shape.k2, self.shape.hidden
+        acc = [Float32(0.0)] * 4
+        for grp in cutlass.range_constexpr(self.groups):
+            n_steps = self.ksteps(grp)
+            b_regs = []
+            for s4 in cutlass.range_constexpr(n_steps):
+                b_regs.append(lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
+            part = group_mma(wreg, oreg, 2 * grp, grp, n_steps, b_regs)
+            sc0 = lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
+            sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
+            acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
+                   fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
+        p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
+        p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
+        n = tile * mk.TILE_ROWS + g
+        if p0 >= 0:
+            st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
+            st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
+        if p1 >= 0:
+            st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
+            st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
+
+
+class MoeCombineSm90:
+    """moe_combine: y[r, n..n+3] = sum over slots (in order) of w[r, s] * ye[r*k + s, n..n+3]."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        self.spec = spec
+        self.shape = spec.shape
+        self.quads = spec.shape.hidden // mk.COMBINE_VEC
+
+    @cute.jit
+    def __call__(self, route_weights: cute.Pointer, ye: cute.Pointer, y: cute.Pointer,
+                 rows: Int32, stream: cuda.CUstream):
+        self.kernel(route_weights, ye, y, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, route_weights: cute.Pointer, ye: cute.Pointer, y: cute.Pointer,
+               rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        cute.arch.griddepcontrol_wait()          # ye comes from moe_w2
+        cute.arch.griddepcontrol_launch_dependents()
+        topk, hidden = self.shape.topk, self.shape.hidden
+        idx = bidx * mk.COMBINE_THREADS + tidx
+        while idx < rows * self.quads:
+            row = idx // self.quads
+            n = (idx % self.quads) * mk.COMBINE_VEC
+            acc = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(topk):
+                w = ld_f32(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
+                v = ld_v2(_addr(ye) + Int64((row * topk + s) * hidden + n) * 2, Int32(1))
+                x0, x1 = bf16_pair(v[0])
+                x2, x3 = bf16_pair(v[1])
+                acc = [fmul_add(acc[0], w, x0), fmul_add(acc[1], w, x1),
+                       fmul_add(acc[2], w, x2), fmul_add(acc[3], w, x3)]
+            st_f32x4(_addr(y) + Int64(row * hidden + n) * 4, acc[0], acc[1], acc[2], acc[3])
+            idx += gdim * mk.COMBINE_THREADS
+
+
+_KERNEL_CLASSES = {"prep": MoePrepSm90, "w13": MoeW13Sm90, "w2": MoeW2Sm90,
+                   "combine": MoeCombineSm90}
+
+
+def kernel_function(spec: mk.MoeSpec):
+    """The @cute.kernel whose Python signature the build checks against spec.params."""
+    return _KERNEL_CLASSES[spec.kind].kernel
+
+
+def specs(cfg, tp: int) -> list[mk.MoeSpec]:
+    """The four kernels of the routed MoE at this config's rank shape."""
+    return mk.make_specs(mk.moe_shape(cfg, tp))
+
+
+def compile_spec(spec: mk.MoeSpec, options: str = "--gpu-arch sm_90a"):
+    """cute.compile one kernel of the chain with pointer / Int32 arguments only."""
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr():
+        return make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    n_ptrs = len(spec.params) - 1
+    args = [ptr() for _ in range(n_ptrs)] + [Int32(1), cuda.CUstream(0)]
+    return cute.compile(_KERNEL_CLASSES[spec.kind](spec), *args, options=options)

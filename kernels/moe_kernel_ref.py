@@ -1,0 +1,478 @@
+"""Routed-expert MoE kernels (W4A8, one TP rank): specs, weight repack, routing lists, exact reference.
+
+Four kernels chained with PDL (`kernels/moe.py`), all on device data, no host routing work:
+
+  moe_prep     topk_ids [R, k] i32, x [R, D] bf16 -> meta (distinct experts, their pair lists),
+               pairs [R*k] i32 (pair = row*k + slot, grouped by expert, rows ascending),
+               xq [R, D] e4m3 (fragment order) + xs [R, D/128] f32: x quantized once per row.
+  moe_w13      per (distinct expert j, 16-row tile of [gate; up]): FP8 mma.sync over K = D split
+               across the CTA's warps, per-128-group fp32 partials x activation scale, fixed-order
+               cross-warp sum, x 2^(lo-122), bf16, clamped SwiGLU, bf16 -> h [R*k, I] bf16.
+  moe_w2       per (j, 128 rows of w2): h of the expert's pairs re-quantized per 128 along I (the
+               64-wide tail of I = 576 is its own group), mma over K = I -> ye [R*k, D] bf16.
+  moe_combine  y [R, D] f32 = sum over slots, in slot order, of w[r, s] * ye[r*k + s] (fp32 mul
+               then add, as moe_ref): the rank's routed partial, fp32 for the all-reduce epilogue.
+
+Weight layout (load-time repack of the fused-E8M0 MXFP4 weights; the only copy). A sublayer
+[N, K] of one expert is cut in tiles of 16 rows x 64 K ("columns"); each column is 32 lanes x 16
+bytes, exactly the A fragments of two m16n8k32 k-steps for lane (g = lane/4, t = lane%4): word
+2s+h (s = k-step, h = 0 for row g, 1 for row g+8) holds 8 E2M1 codes: the magnitudes (3 bits) of
+the lo register (k = 32s+4t+i) in nibble i, of the hi register (k = 32s+16+4t+i) in nibble 4+i,
+the lo signs at bits 8i+7 and the hi signs at bits 8i+3. The kernel expands a word with
+    sel = w & 0x77777777
+    lo  = prmt(L0, L1, sel)       | (w & 0x80808080)
+    hi  = prmt(L0, L1, sel >> 16) | ((w << 4) & 0x80808080)
+where L0/L1 = the 8-byte table [0, o8, o8+8, o8+12, o8+16, o8+20, o8+24, o8+28] and o8 =
+offset << 3: the E4M3 byte of fp4(c) * 2^(offset-6), exactly Humming's fused expansion.
+Offsets: per tile and 128-K group, 8 lanes-groups x 8 bytes (o8 of rows g, g+8 for the group's
+4 k-steps: byte 2*s4 + h). w13 tiles interleave gate and up: tile i = gate rows 8i..8i+7 then up
+rows 8i..8i+7, so the thread holding gate(n) also holds up(n) and SwiGLU stays in registers.
+K is zero-padded to a multiple of 64; padded offsets are 1. Per expert fp32 scale 2^(lo-122)
+(= 2^6 * weight_scale_2). Bytes equal the checkpoint's except w2's tail-group offsets (+0.7%).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from kernels.common_ref import H200_NUM_SMS, ceil_div, check_rows, params_dict
+from kernels.moe_ref import ExpertShard, RouterOutput, routed_experts
+from loader.formats import (
+    FusedE8M0,
+    fused_e8m0_e4m3_bytes,
+    mxfp4_unpack,
+    quantize_act_fp8,
+)
+
+TILE_ROWS = 16          # mma M
+COL_K = 64              # two k-steps of 32: one 16-byte load per lane
+KSTEP = 32              # mma K, also the MXFP4 scale group
+ACT_GROUP = 128         # activation quantization group
+LANES = 32
+CHUNK_TOKENS = 8        # mma N: token rows per pass over a tile
+COL_BYTES = LANES * 16
+GROUP_OFFSET_BYTES = 8 * 8
+LUT_LO_BASE = 0x0C080000
+LUT_HI_BASE = 0x1C181410
+MAX_ROWS = 192          # largest decode bucket; the prep kernel's bitmap holds this many rows
+BITMAP_WORDS = ceil_div(MAX_ROWS, 32)
+META_HEADER = 4         # meta[0] = distinct experts, [1] = bad expert ids seen, [2..3] spare
+E4M3 = ml_dtypes.float8_e4m3fn
+_SOURCE_SHA = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def round_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One rank's routed MoE: experts, top-k, hidden D, intermediate I (this rank's slice)."""
+
+    num_experts: int
+    topk: int
+    hidden: int
+    inter: int
+    swiglu_limit: float
+
+    def __post_init__(self):
+        if self.hidden % ACT_GROUP or self.hidden % TILE_ROWS:
+            raise ValueError(f"MoE hidden {self.hidden} must be a multiple of {ACT_GROUP}")
+        if self.inter % 8 or self.inter % KSTEP:
+            raise ValueError(f"MoE intermediate {self.inter} must be a multiple of 32")
+        if not 0 < self.topk <= min(self.num_experts, 8):
+            raise ValueError(f"MoE topk {self.topk} must be in 1..min(experts, 8)")
+
+    @property
+    def k13(self) -> int:           # padded K of w13 (= hidden)
+        return round_up(self.hidden, COL_K)
+
+    @property
+    def k2(self) -> int:            # padded K of w2 (I rounded up to 64)
+        return round_up(self.inter, COL_K)
+
+    def groups(self, k: int) -> int:
+        return ceil_div(k, ACT_GROUP)
+
+    @property
+    def tiles13(self) -> int:       # 8 gate + 8 up rows per tile
+        return self.inter // 8
+
+    @property
+    def tiles2(self) -> int:
+        return self.hidden // TILE_ROWS
+
+    def sublayer_bytes(self, n: int, k: int) -> tuple[int, int]:
+        """(code bytes, offset bytes) of one expert's repacked sublayer [n, k]."""
+        kp = round_up(k, COL_K)
+        return n * kp // 2, (n // TILE_ROWS) * self.groups(kp) * GROUP_OFFSET_BYTES
+
+    @property
+    def w13_bytes(self) -> tuple[int, int]:
+        return self.sublayer_bytes(2 * self.inter, self.hidden)
+
+    @property
+    def w2_bytes(self) -> tuple[int, int]:
+        return self.sublayer_bytes(self.hidden, self.inter)
+
+    def checkpoint_expert_bytes(self) -> int:
+        """MXFP4 codes + one UE8M0 byte per 32, w13 and w2, one expert (anchors.md's count)."""
+        n13, n2 = 2 * self.inter * self.hidden, self.hidden * self.inter
+        return n13 // 2 + n13 // 32 + n2 // 2 + n2 // 32
+
+    def repacked_expert_bytes(self) -> int:
+        return sum(self.w13_bytes) + sum(self.w2_bytes)
+
+    def tag(self) -> str:
+        return f"e{self.num_experts}_k{self.topk}_d{self.hidden}_i{self.inter}"
+
+
+def moe_shape(cfg, tp: int) -> MoeShape:
+    return MoeShape(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                    cfg.moe_intermediate_size // tp, float(cfg.swiglu_limit))
+
+
+# ---- kernel specs -------------------------------------------------------------------------------
+
+PARAMS = {
+    "prep": (("topk_ids", "u64"), ("x", "u64"), ("meta", "u64"), ("pairs", "u64"), ("xq", "u64"),
+             ("xs", "u64"), ("rows", "u32")),
+    "w13": (("meta", "u64"), ("pairs", "u64"), ("xq", "u64"), ("xs", "u64"), ("codes", "u64"),
+            ("offsets", "u64"), ("scales", "u64"), ("h", "u64"), ("rows", "u32")),
+    "w2": (("meta", "u64"), ("pairs", "u64"), ("h", "u64"), ("codes", "u64"), ("offsets", "u64"),
+           ("scales", "u64"), ("ye", "u64"), ("rows", "u32")),
+    "combine": (("route_weights", "u64"), ("ye", "u64"), ("y", "u64"), ("rows", "u32")),
+}
+PREP_THREADS = 256
+W2_WARPS = 8
+COMBINE_THREADS = 256
+COMBINE_VEC = 4
+
+
+def w13_split(shape: MoeShape) -> int:
+    """Warps per w13 CTA (split-K): the largest of 8, 4, 2, 1 giving whole 128-groups per warp."""
+    cols = shape.k13 // COL_K
+    for warps in (8, 4, 2, 1):
+        if cols % (2 * warps) == 0:
+            return warps
+    raise ValueError(f"w13 K {shape.k13} has no whole-group split")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """One compiled kernel of the MoE chain; `kind` is prep | w13 | w2 | combine."""
+
+    name: str
+    kind: str
+    shape: MoeShape
+    block: tuple[int, int, int]
+    smem_bytes: int = 0
+    ctas_per_sm: int = 2
+
+    @property
+    def params(self) -> tuple[tuple[str, str], ...]:
+        return PARAMS[self.kind]
+
+    def work_items(self, rows: int) -> int:
+        """Upper bound of the CTAs with work (distinct experts <= min(rows * k, E))."""
+        s = self.shape
+        distinct = min(rows * s.topk, s.num_experts)
+        if self.kind == "prep":
+            return 1 + ceil_div(rows * s.groups(s.k13), PREP_THREADS // LANES)
+        if self.kind == "w13":
+            return distinct * s.tiles13
+        if self.kind == "w2":
+            return distinct * ceil_div(s.tiles2, W2_WARPS)
+        return ceil_div(rows * s.hidden, COMBINE_THREADS * COMBINE_VEC)
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > MAX_ROWS:
+            raise ValueError(f"{self.name}: rows={rows} exceeds the MoE's {MAX_ROWS}")
+        cap = H200_NUM_SMS * self.ctas_per_sm
+        if self.kind == "combine":
+            cap = self.work_items(MAX_ROWS)
+        return (max(1, min(self.work_items(rows), cap)), 1, 1)
+
+    def to_dict(self) -> dict:
+        s = self.shape
+        return {"family": "moe", "name": self.name, "kind": self.kind,
+                "num_experts": s.num_experts, "topk": s.topk, "hidden": s.hidden,
+                "inter": s.inter, "swiglu_limit": s.swiglu_limit,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
+                "layout_source_sha256": _SOURCE_SHA}
+
+
+def w2_smem_bytes(shape: MoeShape) -> int:
+    """Quantized h of one token chunk (fragment order) + its group scales + the pair ids."""
+    return CHUNK_TOKENS * shape.k2 + CHUNK_TOKENS * shape.groups(shape.k2) * 4 + CHUNK_TOKENS * 4
+
+
+def prep_smem_bytes(shape: MoeShape) -> int:
+    """Row bitmap per expert + per-warp scan totals + the bad-id count."""
+    return shape.num_experts * BITMAP_WORDS * 4 + (PREP_THREADS // LANES) * 4 + 16
+
+
+def make_specs(shape: MoeShape) -> list[MoeSpec]:
+    tag = shape.tag()
+    split = w13_split(shape)
+    return [
+        MoeSpec(f"moe_prep_{tag}", "prep", shape, (PREP_THREADS, 1, 1),
+                smem_bytes=prep_smem_bytes(shape), ctas_per_sm=2),
+        MoeSpec(f"moe_w13_{tag}", "w13", shape, (split * LANES, 1, 1),
+                smem_bytes=split * LANES * 16, ctas_per_sm=1),
+        MoeSpec(f"moe_w2_{tag}", "w2", shape, (W2_WARPS * LANES, 1, 1),
+                smem_bytes=w2_smem_bytes(shape), ctas_per_sm=2),
+        MoeSpec(f"moe_combine_{tag}", "combine", shape, (COMBINE_THREADS, 1, 1)),
+    ]
+
+
+# ---- weight repack ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class PackedSublayer:
+    """codes uint8 [E, tiles, cols, 32, 16]; offsets uint8 [E, tiles, groups, 8, 8] (o8 bytes);
+    scales float32 [E] (2^(lo-122)): the kernel's only copy of one sublayer of every expert."""
+
+    codes: np.ndarray
+    offsets: np.ndarray
+    scales: np.ndarray
+    rows: int
+    k: int
+
+
+def _w13_row_order(inter: int) -> np.ndarray:
+    """Source row of each packed row: tile i = gate 8i..8i+7, then up (I + 8i)..(I + 8i + 7)."""
+    tiles = np.arange(inter // 8)[:, None]
+    r = np.arange(8)[None, :]
+    return np.concatenate([8 * tiles + r, inter + 8 * tiles + r], axis=1).reshape(-1)
+
+
+def _pack_words(codes: np.ndarray) -> np.ndarray:
+    """[E, T, 16, Kp] codes -> [E, T, Kp/64, 32 lanes, 4 words] uint32 (module docstring)."""
+    e, t, _, kp = codes.shape
+    c = codes.reshape(e, t, 2, 8, kp // COL_K, 2, 2, 4, 4)   # h, g, col, s, half, t, i
+    c = c.transpose(0, 1, 4, 3, 7, 5, 2, 6, 8).astype(np.uint32)  # e t col g t s h half i
+    mag, sign = c & 7, c >> 3
+    i = np.arange(4, dtype=np.uint32)
+    lo, hi = (slice(None),) * 7 + (0,), (slice(None),) * 7 + (1,)     # the `half` axis
+    word = ((mag[lo] << (4 * i)) | (mag[hi] << (16 + 4 * i))
+            | (sign[lo] << (8 * i + 7)) | (sign[hi] << (8 * i + 3))).sum(axis=-1, dtype=np.uint32)
+    return word.reshape(e, t, kp // COL_K, LANES, 4)        # word index = 2s + h
+
+
+def _pack_offsets(offsets: np.ndarray) -> np.ndarray:
+    """[E, T, 16, Kp/32] offsets -> [E, T, groups, 8, 8] o8 bytes (byte 2*s4 + h), pad = 1."""
+    e, t, _, ksteps = offsets.shape
+    groups = ceil_div(ksteps, 4)
+    full = np.ones((e, t, 16, groups * 4), np.uint8)
+    full[..., :ksteps] = offsets
+    o = full.reshape(e, t, 2, 8, groups, 4).transpose(0, 1, 4, 3, 5, 2)   # e t grp g s4 h
+    return (o.astype(np.uint16) << 3).astype(np.uint8).reshape(e, t, groups, 8, 8)
+
+
+def pack_sublayer(fused: FusedE8M0, row_order: np.ndarray | None = None,
+                  name: str = "sublayer") -> PackedSublayer:
+    """Repack one fused-E8M0 sublayer of all experts ([E, N, K/2] codes, [E, N, K/32] offsets)."""
+    codes = mxfp4_unpack(fused.packed, name=f"{name} packed")
+    offsets = np.asarray(fused.offsets)
+    if codes.ndim != 3 or offsets.shape != (*codes.shape[:2], codes.shape[2] // KSTEP):
+        raise ValueError(f"{name}: expected codes [E, N, K] and offsets [E, N, K/32], got "
+                         f"{codes.shape} and {offsets.shape}")
+    if offsets.size and (offsets.min() < 1 or offsets.max() > 12):
+        raise ValueError(f"{name}: fused-E8M0 offsets must be in [1, 12], got "
+                         f"[{offsets.min()}, {offsets.max()}]")
+    e, n, k = codes.shape
+    if n % TILE_ROWS:
+        raise ValueError(f"{name}: {n} rows is not a multiple of {TILE_ROWS}")
+    if row_order is not None:
+        codes, offsets = codes[:, row_order], offsets[:, row_order]
+    kp = round_up(k, COL_K)
+    codes = np.pad(codes, ((0, 0), (0, 0), (0, kp - k)))
+    offsets = np.pad(offsets, ((0, 0), (0, 0), (0, (kp - k) // KSTEP)), constant_values=1)
+    t = n // TILE_ROWS
+    words = _pack_words(codes.reshape(e, t, TILE_ROWS, kp))
+    lo = np.asarray(fused.lo, dtype=np.int64).reshape(e)
+    return PackedSublayer(
+        codes=words.view(np.uint8).reshape(e, t, kp // COL_K, LANES, 16),
+        offsets=_pack_offsets(offsets.reshape(e, t, TILE_ROWS, kp // KSTEP)),
+        scales=np.ldexp(np.float32(1.0), lo - 122).astype(np.float32), rows=n, k=k)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedExperts:
+    w13: PackedSublayer
+    w2: PackedSublayer
+
+
+def pack_experts(w13: FusedE8M0, w2: FusedE8M0, shape: MoeShape) -> PackedExperts:
+    """Both sublayers of every expert; w13 = [gate; up] [E, 2I, D/2], w2 [E, D, I/2]."""
+    e, inter, hidden = shape.num_experts, shape.inter, shape.hidden
+    if w13.packed.shape != (e, 2 * inter, hidden // 2):
+        raise ValueError(f"w13 packed {w13.packed.shape}, expected {(e, 2 * inter, hidden // 2)}")
+    if w2.packed.shape != (e, hidden, inter // 2):
+        raise ValueError(f"w2 packed {w2.packed.shape}, expected {(e, hidden, inter // 2)}")
+    return PackedExperts(pack_sublayer(w13, _w13_row_order(inter), "w13"),
+                         pack_sublayer(w2, None, "w2"))
+
+
+# ---- decode (what the kernel computes from the packed bytes) ------------------------------------
+
+def _prmt(lo: np.ndarray, hi: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """prmt.b32 (default mode) with selector nibbles < 8: byte j = table[(sel >> 4j) & 7]."""
+    table = np.stack([(lo >> (8 * b)) & 0xFF for b in range(4)]
+                     + [(hi >> (8 * b)) & 0xFF for b in range(4)], axis=-1)
+    out = np.zeros(sel.shape, np.uint32)
+    for j in range(4):
+        idx = ((sel >> (4 * j)) & 7).astype(np.intp)
+        out |= np.take_along_axis(table, idx[..., None], axis=-1)[..., 0] << (8 * j)
+    return out
+
+
+def decode_e4m3(packed: PackedSublayer) -> np.ndarray:
+    """uint8 E4M3 bytes [E, N, Kp] of a packed sublayer, by the kernel's prmt arithmetic, rows
+    in packed order (w13: tile-interleaved gate/up)."""
+    e, t, cols = packed.codes.shape[:3]
+    words = np.ascontiguousarray(packed.codes).view(np.uint32)       # e t col lane word
+    groups = packed.offsets.shape[2]
+    o8 = packed.offsets.reshape(e, t, groups, 8, 4, 2).astype(np.uint32)    # e t grp g s4 h
+    out = np.zeros((e, t, 2, 8, cols, 2, 2, 4, 4), np.uint8)                # e t h g col s half t i
+    for col in range(cols):
+        for s in range(2):
+            for h in range(2):
+                w = words[:, :, col, :, 2 * s + h].reshape(e, t, 8, 4)     # e t g t
+                o = o8[:, :, col // 2, :, 2 * (col % 2) + s, h][..., None]  # e t g 1
+                lut_lo = (o * 0x01010100 + LUT_LO_BASE) & 0xFFFFFFFF
+                lut_hi = (o * 0x01010101 + LUT_HI_BASE) & 0xFFFFFFFF
+                sel = w & 0x77777777
+                lo = _prmt(lut_lo, lut_hi, sel) | (w & 0x80808080)
+                hi = _prmt(lut_lo, lut_hi, sel >> 16) | ((w << 4) & 0x80808080)
+                for half, reg in ((0, lo), (1, hi)):
+                    for i in range(4):
+                        out[:, :, h, :, col, s, half, :, i] = (reg >> (8 * i)) & 0xFF
+    return out.reshape(e, t * TILE_ROWS, cols * COL_K)
+
+
+def effective_weights(packed: PackedSublayer) -> np.ndarray:
+    """float32 [E, N, K] = E4M3(decoded byte) * 2^(lo-122), rows in checkpoint order (exact)."""
+    values = decode_e4m3(packed).view(E4M3).astype(np.float32)[..., :packed.k]
+    values *= packed.scales[:, None, None]
+    return values
+
+
+def expert_shards(packed: PackedExperts, shape: MoeShape) -> list[ExpertShard]:
+    """moe_ref's per-expert float32 weights, read back from the packed bytes."""
+    w13 = np.empty((shape.num_experts, 2 * shape.inter, shape.hidden), np.float32)
+    w13[:, _w13_row_order(shape.inter)] = effective_weights(packed.w13)
+    w2 = effective_weights(packed.w2)
+    return [ExpertShard(w13[e], w2[e]) for e in range(shape.num_experts)]
+
+
+def unpacked_e4m3(packed: PackedExperts, shape: MoeShape) -> tuple[np.ndarray, np.ndarray]:
+    """(w13 [E, 2I, D], w2 [E, D, I]) E4M3 bytes in checkpoint row order (round-trip checks)."""
+    w13 = np.empty((shape.num_experts, 2 * shape.inter, shape.k13), np.uint8)
+    w13[:, _w13_row_order(shape.inter)] = decode_e4m3(packed.w13)
+    return w13[..., :shape.hidden], decode_e4m3(packed.w2)[..., :shape.inter]
+
+
+def reference_e4m3(w13: FusedE8M0, w2: FusedE8M0) -> tuple[np.ndarray, np.ndarray]:
+    return fused_e8m0_e4m3_bytes(w13), fused_e8m0_e4m3_bytes(w2)
+
+
+# ---- routing lists and activations (what moe_prep writes) ---------------------------------------
+
+@dataclass(frozen=True)
+class RoutingLists:
+    """distinct experts ascending; per entry: first pair, pair count; pairs = row*k + slot."""
+
+    experts: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray
+    pairs: np.ndarray
+
+    def meta(self, num_experts: int) -> np.ndarray:
+        """The int32 meta buffer: [D, bad ids, 0, 0, experts[E], offsets[E], counts[E]]."""
+        m = np.zeros(META_HEADER + 3 * num_experts, np.int32)
+        d = len(self.experts)
+        m[0] = d
+        m[META_HEADER:META_HEADER + d] = self.experts
+        m[META_HEADER + num_experts:META_HEADER + num_experts + d] = self.offsets
+        m[META_HEADER + 2 * num_experts:META_HEADER + 2 * num_experts + d] = self.counts
+        return m
+
+
+def meta_words(num_experts: int) -> int:
+    return META_HEADER + 3 * num_experts
+
+
+def check_topk_ids(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
+    ids = np.asarray(topk_ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"topk_ids must be an integer [R, k] array, got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+        raise ValueError(f"topk_ids must be in [0, {num_experts}), got [{ids.min()}, {ids.max()}]")
+    for r, row in enumerate(ids):
+        if len(set(row.tolist())) != len(row):
+            raise ValueError(f"topk_ids row {r} repeats an expert: {row.tolist()}")
+    return ids.astype(np.int32)
+
+
+def routing_lists(topk_ids: np.ndarray, num_experts: int) -> RoutingLists:
+    ids = check_topk_ids(topk_ids, num_experts)
+    rows, topk = ids.shape
+    experts, offsets, counts, pairs = [], [], [], []
+    for e in range(num_experts):
+        r, s = np.nonzero(ids == e)            # row-major: rows ascending
+        if len(r):
+            experts.append(e)
+            offsets.append(len(pairs))
+            counts.append(len(r))
+            pairs.extend((r * topk + s).tolist())
+    as32 = lambda v: np.asarray(v, np.int32)
+    return RoutingLists(as32(experts), as32(offsets), as32(counts), as32(pairs))
+
+
+def fragment_order(k: int) -> np.ndarray:
+    """Source column of each byte of the fragment-ordered activation (per 32: lane t's b0, b1)."""
+    pos = np.arange(k)
+    step, within = pos // KSTEP, pos % KSTEP
+    t, half, i = within // 8, (within % 8) // 4, within % 4
+    return step * KSTEP + half * 16 + 4 * t + i
+
+
+def quantize_fragments(a: np.ndarray, k_pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 [M, k_pad] E4M3 in fragment order, f32 [M, k_pad/128 groups]) of a [M, K]."""
+    q, s = quantize_act_fp8(a)
+    qb = np.zeros((a.shape[0], k_pad), np.uint8)
+    qb[:, :a.shape[1]] = q.view(np.uint8)
+    scales = np.zeros((a.shape[0], ceil_div(k_pad, ACT_GROUP)), np.float32)
+    scales[:, :s.shape[1]] = s
+    return qb[:, fragment_order(k_pad)], scales
+
+
+# ---- the exact reference of the chain -----------------------------------------------------------
+
+def routed_reference(x: np.ndarray, topk_ids: np.ndarray, route_weights: np.ndarray,
+                     packed: PackedExperts, shape: MoeShape) -> np.ndarray:
+    """fp32 [R, D]: moe_ref.routed_experts on the weights decoded from the packed bytes."""
+    ids = check_topk_ids(topk_ids, shape.num_experts)
+    routing = RouterOutput(ids.astype(np.int64), np.asarray(route_weights, np.float32))
+    return routed_experts(np.asarray(x, np.float32), routing, expert_shards(packed, shape),
+                          shape.swiglu_limit)
+
+
+def moe_bytes(shape: MoeShape, distinct: int, rows: int) -> int:
+    """Bytes that must move: checkpoint bytes of the distinct experts + x (bf16) + y (fp32)."""
+    return distinct * shape.checkpoint_expert_bytes() + rows * shape.hidden * (2 + 4)
+
+
+def check_spec_rows(spec: MoeSpec, rows: int) -> int:
+    check_rows(rows, spec.name)
+    if rows > MAX_ROWS:
+        raise ValueError(f"{spec.name}: rows={rows} exceeds {MAX_ROWS}")
+    return rows
