@@ -12,10 +12,13 @@ import numpy as np
 
 
 def head_logits(normed: np.ndarray, head_shard: np.ndarray) -> np.ndarray:
-    """[R, D] BF16 values x [V_l, D] BF16 values -> fp32 logits [R, V_l] (fp32 accumulation)."""
+    """[R, D] BF16 values x [V_l, D] BF16 values -> fp32 logits [R, V_l].
+
+    Summed in float64 and rounded once: independent of the batch's row count (see mhc_ref).
+    """
     if normed.shape[1] != head_shard.shape[1]:
         raise ValueError(f"head shard is {head_shard.shape}, input rows are {normed.shape}")
-    return (normed.astype(np.float32) @ head_shard.astype(np.float32).T).astype(np.float32)
+    return (normed.astype(np.float64) @ head_shard.astype(np.float64).T).astype(np.float32)
 
 
 def local_argmax(logits: np.ndarray, vocab_offset: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,9 @@ Layer 0's streams are four copies of the embedding, so its attention mixes are c
 embedding with `fn` summed over the four stream blocks (`sum_fn_over_streams`), as vLLM's
 `finalize_mhc_broadcast_weights` does.
 
+Sums are taken in float64 and rounded once (to fp32, or to BF16 where the model stores BF16), so a
+row's numbers never depend on the other rows of the step (the oracle is batch-invariant).
+
 Sinkhorn, exactly as the official `hc_split_sinkhorn`: row-softmax, +eps, column-normalize, then
 (iters - 1) times (row-normalize, column-normalize), every denominator + eps. Rows index the source
 stream j, columns the destination stream k, so the final column normalisation makes Σ_j comb[j, k] = 1.
@@ -61,8 +64,12 @@ def hc_mixes_broadcast(embedding: np.ndarray, fn_summed: np.ndarray, norm_eps: f
 
 
 def _scaled_gemv(flat: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
-    inv_rms = 1.0 / np.sqrt(np.mean(flat * flat, axis=1, keepdims=True) + np.float32(norm_eps))
-    return ((flat @ fn.T) * inv_rms).astype(np.float32)
+    # Float64 sums rounded once to fp32: a row's result does not depend on the other rows of the
+    # batch (BLAS fp32 kernels sum in an M-dependent order), so R = 1 and R = 6 agree bit for bit.
+    flat64 = flat.astype(np.float64)
+    inv_rms = 1.0 / np.sqrt(np.mean(flat64 * flat64, axis=1, keepdims=True).astype(np.float32)
+                            + np.float32(norm_eps))
+    return ((flat64 @ fn.astype(np.float64).T).astype(np.float32) * inv_rms).astype(np.float32)
 
 
 def sinkhorn(logits: np.ndarray, iters: int, eps: float) -> np.ndarray:
@@ -103,13 +110,13 @@ def hc_coefficients(mixes: np.ndarray, scale: np.ndarray, base: np.ndarray, n_st
 
 def hc_collapse(streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
     """M3 (before the norm): Σ_i pre[:, i]·X_i -> [R, D], rounded to BF16."""
-    return round_bf16(np.einsum("rn,rnd->rd", pre.astype(np.float32), streams.astype(np.float32)))
+    return round_bf16(np.einsum("rn,rnd->rd", pre.astype(np.float64), streams.astype(np.float64)))
 
 
 def hc_post(sublayer_out: np.ndarray, streams: np.ndarray, coeffs: HcCoefficients) -> np.ndarray:
     """M4: X'_k = post_k·a + Σ_j comb[j, k]·X_j -> [R, n, D], rounded to BF16."""
-    out = coeffs.post[:, :, None] * sublayer_out.astype(np.float32)[:, None, :]
-    out = out + np.einsum("rjk,rjd->rkd", coeffs.comb, streams.astype(np.float32))
+    out = coeffs.post[:, :, None].astype(np.float64) * sublayer_out.astype(np.float64)[:, None, :]
+    out = out + np.einsum("rjk,rjd->rkd", coeffs.comb.astype(np.float64), streams.astype(np.float64))
     return round_bf16(out)
 
 

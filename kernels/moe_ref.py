@@ -15,7 +15,8 @@ Model doc §2.2 F1-F4 with the stock SM90 (Humming) numerics of humming-formats 
   F4  partial    bf16(Σ_k w_k·y_k + shared): this rank's partial, summed over ranks by AR-2.
 
 Weights arrive dequantized to float32 (exact: FP4/FP8 code x power of two), per rank: the rank's
-slice of I for every expert. The W4A8 arithmetic itself is `loader.formats.w4a8_linear`.
+slice of I for every expert. The W4A8 arithmetic is that of `loader.formats.w4a8_linear`, with the
+per-group partials summed in float64 so that results do not depend on the batch's row count.
 "exact" mode (`quantize_acts=False`) skips the FP8 activation rounding.
 """
 from __future__ import annotations
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from loader.formats import bf16_round as round_bf16
-from loader.formats import w4a8_linear
+from loader.formats import quantize_act_fp8
+
+ACT_GROUP = 128
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ def route(x: np.ndarray, gate_weight: np.ndarray, gate_bias: np.ndarray, topk: i
     num_experts = gate_weight.shape[0]
     if gate_bias.shape != (num_experts,) or not 0 < topk <= num_experts:
         raise ValueError(f"router: weight {gate_weight.shape}, bias {gate_bias.shape}, topk {topk}")
-    logits = x.astype(np.float32) @ gate_weight.astype(np.float32).T
+    logits = matmul_t(x, gate_weight)
     scores = np.sqrt(np.logaddexp(np.float32(0.0), logits)).astype(np.float32)
     selection = scores + gate_bias.astype(np.float32)
     # A stable sort of -selection keeps the lower expert index first among equal scores.
@@ -68,12 +71,32 @@ def swiglu_clamped(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
     return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
 
 
+def matmul_t(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """fp32 x @ weightᵀ summed in float64 and rounded once: batch-invariant (see mhc_ref)."""
+    return (x.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32)
+
+
+def w4a8_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """SM90 W4A8 as loader.formats.w4a8_linear computes it, but batch-invariant.
+
+    x is quantized per 128-group (loader.formats.quantize_act_fp8, short tail group allowed);
+    each group's partial P_j = xq_j · W_jᵀ is one fp32 number (the WGMMA segment, summed here in
+    float64 and rounded once); y += as_j · P_j in fp32, groups in order.
+    """
+    q, scales = quantize_act_fp8(x, ACT_GROUP)
+    q = q.astype(np.float32)
+    y = np.zeros((x.shape[0], weight.shape[0]), np.float32)
+    for j, start in enumerate(range(0, x.shape[1], ACT_GROUP)):
+        part = matmul_t(q[:, start:start + ACT_GROUP], weight[:, start:start + ACT_GROUP])
+        y += scales[:, j:j + 1] * part
+    return y
+
+
 def _linear(x: np.ndarray, weight: np.ndarray, quantize_acts: bool) -> np.ndarray:
-    """W4A8 (loader.formats.w4a8_linear: FP8 per-128 activations, per-group fp32 partials) or,
-    in exact mode, a plain fp32 product; either way rounded to BF16 (the GEMM's c_dtype)."""
+    """W4A8 (FP8 activations) or, in exact mode, the plain product; rounded to BF16 (c_dtype)."""
     if quantize_acts:
-        return round_bf16(w4a8_linear(x, weight))
-    return round_bf16(x.astype(np.float32) @ weight.T)
+        return round_bf16(w4a8_matmul(x, weight))
+    return round_bf16(matmul_t(x, weight))
 
 
 def expert_forward(x: np.ndarray, shard: ExpertShard, swiglu_limit: float,
@@ -105,9 +128,9 @@ def routed_experts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertSha
 def shared_expert(x: np.ndarray, shard: ExpertShard, swiglu_limit: float) -> np.ndarray:
     """F3, W8A16: [R, D] BF16 values -> this rank's partial [R, D] BF16 values."""
     inter = shard.w2.shape[1]
-    h13 = round_bf16(x.astype(np.float32) @ shard.w13.T)
+    h13 = round_bf16(matmul_t(x, shard.w13))
     h = round_bf16(swiglu_clamped(h13[:, :inter], h13[:, inter:], swiglu_limit))
-    return round_bf16(h @ shard.w2.T)
+    return round_bf16(matmul_t(h, shard.w2))
 
 
 def moe_partial(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard],

@@ -146,7 +146,7 @@ def engram_update(model: ReferenceModel, layer: int, state: StreamState,
                                           e.table_scales, e.row_offset))
     looked_up = np.concatenate(gathered, axis=1).reshape(ids.shape[0], -1)
     e0 = model.ranks[0].layer(layer).engram
-    keys_and_value = bf16(looked_up @ e0.wkv.T)
+    keys_and_value = bf16(moe_ref.matmul_t(looked_up, e0.wkv))
     state.streams = engram_ref.gate_update(state.streams, keys_and_value, e0.q_weight, e0.k_weight,
                                            cfg.rms_norm_eps)
 
@@ -166,7 +166,7 @@ def moe_sublayer(model: ReferenceModel, layer: int, x: np.ndarray) -> np.ndarray
 def run_layer(model: ReferenceModel, layer: int, state: StreamState, rows: RowBatch, caches,
               history: np.ndarray | None) -> None:
     """One decoder layer (backbone or DSpark stage) on the streams, in place."""
-    from executor.reference.attention import attention_sublayer
+    from executor.reference.attention import attention_sublayer_ranks
 
     cfg = model.cfg
     lws = model.layer(layer)
@@ -182,8 +182,8 @@ def run_layer(model: ReferenceModel, layer: int, state: StreamState, rows: RowBa
     state.embedding = None
     x = rms_norm(mhc_ref.hc_collapse(state.streams, state.carried_pre),
                  lw0.vector("attn_norm.weight"), cfg.rms_norm_eps)
-    partials = [attention_sublayer(lw, x, rows, caches, cfg, model.tp, r, exact=model.exact)
-                for r, lw in enumerate(lws)]
+    # Per-rank partials; the replicated half (cache writes, top-k, gathers) is computed once.
+    partials = attention_sublayer_ranks(lws, x, rows, caches, cfg, model.tp, exact=model.exact)
     state.streams = mhc_ref.hc_post(all_reduce(partials), state.streams, attn_coeffs)
     ffn_coeffs = _coefficients(cfg, lw0, "ffn", state, broadcast=False)
     x = rms_norm(mhc_ref.hc_collapse(state.streams, attn_coeffs.pre),
