@@ -2,7 +2,7 @@
 
 Spec, ABI, reference and the argmax ordering rules: `kernels/lm_head_ref.py`.
 
-How: warp w of the grid owns vocab tiles w, w + W, ... (W = every warp of the grid, two CTAs per
+How: warp w of the grid owns vocab tiles w, w + W, ... (W = every warp of the grid, three CTAs per
 SM); for each it streams the tile's 16 x D bf16 weights as the A operand of mma.sync.m16n8k16,
 PREFETCH chunks of 32 hidden values in flight per thread, and the ring runs straight on into the
 next tile, so the stream never drains between tiles. The mma's logical K is a permutation of the
@@ -96,8 +96,8 @@ class LmHeadSm90:
     def __init__(self, spec: LmHeadSpec):
         self.spec = spec
         self.chunks = spec.hidden // CHUNK_K
-        # 8 chunks (64 registers) in flight for one row tile; 4 leave room for 4 row tiles.
-        self.prefetch = 8 if self.chunks % 8 == 0 and spec.row_tiles == 1 else 4
+        # 4 chunks (32 registers, 128 B per thread) in flight; 8 made ptxas spill the argmax.
+        self.prefetch = 4
         if self.chunks % self.prefetch:
             raise ValueError(f"{spec.name}: hidden {spec.hidden} is not a multiple of "
                              f"{CHUNK_K * self.prefetch}")

@@ -1,0 +1,236 @@
+"""GPU tests of the dense W8A16, grouped wo_a and lm_head kernels against their NumPy references.
+
+Every shape the bundles hold (tiny: HOPDEC_BUNDLE, V4.1-Flash TP4: HOPDEC_BUNDLE_V41), rows in
+{1, 5, 6, 8, 17, 48, 192}, fresh random inputs, outputs poisoned with NaN before each launch, every
+element checked, rows past `rows` checked untouched, and a second launch compared bitwise (the
+split-K / argmax counters must be back at zero for it to be right).
+
+Tolerances (kernels/dense_ref.dense_tolerance, lm_head_ref.logits_tolerance): the kernel sums in
+fp32 in another order than NumPy, so it is compared with the float64 product within the fp32
+recursive-summation bound 2*(K-1)*2^-24*sum|x*w| plus half a bf16 ulp (2^-8*|y|) where the output
+is bf16. A wrong scale block (factor 2) or a wrong K permutation exceeds that bound (see
+tests/test_dense_cpu.py). The argmax is compared exactly with NumPy's argmax of the kernel's own
+logits (the logits kernel sums in the same order as the argmax kernel).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.runtime import Arena, Bundle, Device, LaunchSpec
+from kernels import dense_ref as dr
+from kernels import lm_head_ref as lr
+from kernels.common_ref import BF16
+from loader.formats import fp8_block_dequantize
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+ROWS = (1, 5, 6, 8, 17, 48, 192)
+BUNDLES = {"tiny": os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"),
+           "v41-flash": os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = Device(0)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def stream(dev):
+    return dev.stream()
+
+
+@pytest.fixture(scope="module", params=list(BUNDLES))
+def bundle(request, dev):
+    path = Path(BUNDLES[request.param])
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no kernel bundle at {path}")
+    b = Bundle.load(dev, path)
+    yield b
+    b.close()
+
+
+def _records(bundle, family: str):
+    return [bundle.manifest.kernels[n] for n in bundle.names()
+            if bundle.manifest.kernels[n].family == family]
+
+
+def _dense_spec(rec) -> dr.DenseSpec:
+    s = rec.spec
+    spec = dr.DenseSpec(s["name"], s["n"], s["k"], s["groups"], s["row_tiles"], s["epilogue"],
+                        s["split_k"])
+    assert spec.to_dict() == s, f"{rec.name}: manifest spec differs from DenseSpec"
+    return spec
+
+
+def _nan(dtype: str) -> int:
+    return 0x7FC0 if dtype == "bf16" else 0x7FC00000
+
+
+class DenseCase:
+    """One shape's weights on host and device, float64 products for 192 rows (sliced per R)."""
+
+    def __init__(self, dev, specs: list[dr.DenseSpec], rng):
+        spec = specs[0]
+        g, n, k = spec.groups, spec.n, spec.k
+        self.w = dr.random_e4m3(rng, (g, n, k))
+        self.s = rng.integers(112, 125, size=(g, n // 32, k // 32)).astype(np.uint8)
+        self.x = rng.standard_normal((dr.MAX_ROWS, g * k)).astype(BF16)
+        self.res = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(BF16)
+        xf = self.x.astype(np.float64)
+        self.exact = np.empty((dr.MAX_ROWS, g * n))
+        self.acc_bound = np.empty((dr.MAX_ROWS, g * n))
+        for gi in range(g):
+            wf = fp8_block_dequantize(self.w[gi], self.s[gi]).astype(np.float64)
+            xg = xf[:, gi * k:(gi + 1) * k]
+            self.exact[:, gi * n:(gi + 1) * n] = xg @ wf.T
+            self.acc_bound[:, gi * n:(gi + 1) * n] = (2.0 * (k - 1) * 2.0**-24
+                                                      * (np.abs(xg) @ np.abs(wf).T))
+        ws = max([s.workspace_bytes() for s in specs] + [4])
+        cnt = max([s.counters_bytes() for s in specs] + [4])
+        self.arena = Arena(dev, [("x", self.x.nbytes), ("w", self.w.nbytes), ("s", self.s.nbytes),
+                                 ("res", self.res.nbytes), ("out", dr.MAX_ROWS * g * n * 4),
+                                 ("ws", ws), ("cnt", cnt)])
+        for name, host in (("x", self.x), ("w", self.w), ("s", self.s), ("res", self.res)):
+            self.arena.view(name, np.uint8)[:host.nbytes] = cp.asarray(host.view(np.uint8).ravel())
+        self.arena.view("cnt", np.uint32)[:] = 0
+        cp.cuda.Device().synchronize()
+
+    def run(self, bundle, spec: dr.DenseSpec, rows: int, stream) -> np.ndarray:
+        out_t = np.uint16 if spec.out_dtype == "bf16" else np.uint32
+        out = self.arena.view("out", out_t, (dr.MAX_ROWS, spec.groups * spec.n))
+        out[:] = _nan(spec.out_dtype)
+        cp.cuda.Device().synchronize()
+        a = self.arena
+        LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                   (a.ptr("x"), a.ptr("w"), a.ptr("s"), a.ptr("res"), a.ptr("out"), a.ptr("ws"),
+                    a.ptr("cnt"), rows)).launch(stream)
+        stream.synchronize()
+        return cp.asnumpy(out)
+
+    def check(self, spec: dr.DenseSpec, rows: int, raw: np.ndarray) -> None:
+        assert np.all(raw[rows:] == _nan(spec.out_dtype)), f"{spec.name}: wrote past row {rows}"
+        got = raw[:rows].view(BF16 if spec.out_dtype == "bf16" else np.float32)
+        got = got.astype(np.float64)
+        exact = self.exact[:rows]
+        if spec.epilogue == "residual":
+            exact = exact + self.res[:rows].astype(np.float64)
+        bound = self.acc_bound[:rows].copy()
+        if spec.out_dtype == "bf16":
+            bound += 2.0**-8 * np.abs(exact) + 2.0**-133
+        assert np.isfinite(got).all(), f"{spec.name} R={rows}: NaN left in the output"
+        bad = np.argwhere(np.abs(got - exact) > bound)
+        assert bad.size == 0, (f"{spec.name} R={rows}: {len(bad)} elements out of bound, first "
+                               f"{tuple(bad[0])}: got {got[tuple(bad[0])]}, exact "
+                               f"{exact[tuple(bad[0])]}, bound {bound[tuple(bad[0])]}")
+
+    def close(self):
+        self.arena.close()
+
+
+def _rows_for(spec: dr.DenseSpec) -> tuple[int, ...]:
+    """Main variants (r8: R <= 8, r32: R > 8) at every R; the other variant and the extra
+    epilogues at a few R (every kernel still runs a multi-pass R)."""
+    if spec.epilogue != "bf16":
+        return (6, 48)
+    return ROWS if spec.row_tiles == 1 else (1, 17, 48, 192)
+
+
+def test_dense_and_wo_a_kernels_match_the_reference(bundle, dev, stream):
+    recs = _records(bundle, "kernels.dense") + _records(bundle, "kernels.wo_a")
+    assert recs, "bundle has no dense kernels"
+    rng = np.random.default_rng()
+    by_shape: dict = {}
+    for rec in recs:
+        spec = _dense_spec(rec)
+        by_shape.setdefault((spec.groups, spec.n, spec.k), []).append(spec)
+    for specs in by_shape.values():
+        case = DenseCase(dev, specs, rng)
+        try:
+            for spec in specs:
+                for rows in _rows_for(spec):
+                    first = case.run(bundle, spec, rows, stream)
+                    case.check(spec, rows, first)
+                    again = case.run(bundle, spec, rows, stream)
+                    assert np.array_equal(first, again), f"{spec.name} R={rows}: not bit-stable"
+        finally:
+            case.close()
+
+
+# ---- lm_head -----------------------------------------------------------------------------------
+
+def _head_case(vocab: int, hidden: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((lr.MAX_ROWS, hidden)).astype(BF16)
+    head = (rng.standard_normal((vocab, hidden)) * hidden**-0.5).astype(BF16)
+    # Planted ties: x row r gets a dominant vocab row, repeated at other indices (same tile half,
+    # another tile): equal weights give bit-equal logits, and the lowest index must win.
+    winners = {}
+    slots = rng.permutation(vocab // 48)           # disjoint 48-row windows, one per planted row
+    for r in range(min(lr.MAX_ROWS, vocab // 48)):
+        base = int(slots[r]) * 48 + int(rng.integers(0, 8))
+        row = (x[r].astype(np.float32) * 0.25).astype(BF16)
+        for v in (base, base + 8, base + 16 * 2 + 3):
+            head[v] = row
+        winners[r] = base
+    return x, head, winners
+
+
+def test_lm_head_logits_and_split_vocab_argmax(bundle, dev, stream):
+    recs = _records(bundle, "kernels.lm_head")
+    assert recs, "bundle has no lm_head kernels"
+    vocab, hidden = recs[0].spec["vocab"], recs[0].spec["hidden"]
+    x, head, winners = _head_case(vocab, hidden, int(np.random.default_rng().integers(1 << 30)))
+    exact = x.astype(np.float64) @ head.astype(np.float64).T
+    bound = lr.logits_tolerance(x, head)
+    offset = 3 * vocab                         # as rank 3 of 4
+    specs = {(r.spec["mode"], r.spec["row_tiles"]): lr.make_spec(vocab, hidden,
+             r.spec["row_tiles"], r.spec["mode"]) for r in recs}
+    reqs = [("x", x.nbytes), ("w", head.nbytes), ("logits", lr.MAX_ROWS * vocab * 4),
+            ("pairs", lr.MAX_ROWS * 8), ("keys", lr.MAX_ROWS * 8),
+            ("cnt", max(s.counters_bytes() for s in specs.values()))]
+    with Arena(dev, reqs) as a:
+        a.view("x", np.uint16)[:] = cp.asarray(x.view(np.uint16).ravel())
+        a.view("w", np.uint16)[:] = cp.asarray(head.view(np.uint16).ravel())
+        a.view("keys", np.uint64)[:] = 0
+        a.view("cnt", np.uint32)[:] = 0
+        logits_v = a.view("logits", np.uint32, (lr.MAX_ROWS, vocab))
+        pairs_v = a.view("pairs", np.int32, (lr.MAX_ROWS, 2))
+
+        def launch(spec, rows, out_name):
+            view = logits_v if out_name == "logits" else pairs_v
+            view[:] = 0x7FC00000 if out_name == "logits" else -1
+            cp.cuda.Device().synchronize()
+            LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                       (a.ptr("x"), a.ptr("w"), a.ptr(out_name), a.ptr("keys"), a.ptr("cnt"),
+                        rows, offset)).launch(stream)
+            stream.synchronize()
+            return cp.asnumpy(view)
+
+        for rt in (1, 4):
+            for rows in ROWS:
+                raw = launch(specs[("logits", rt)], rows, "logits")
+                assert np.all(raw[rows:] == 0x7FC00000), f"logits r{rt} wrote past row {rows}"
+                logits = raw[:rows].view(np.float32)
+                err = np.abs(logits.astype(np.float64) - exact[:rows])
+                assert np.isfinite(logits).all() and np.all(err <= bound[:rows]), \
+                    f"lm_head logits r{rt} R={rows}: max err {err.max()}"
+                pairs = launch(specs[("argmax", rt)], rows, "pairs")
+                assert np.all(pairs[rows:] == -1), f"argmax r{rt} wrote past row {rows}"
+                want = lr.lm_head_argmax_ref(logits, offset)
+                assert np.array_equal(pairs[:rows], want), \
+                    f"lm_head argmax r{rt} R={rows}: first mismatch row " \
+                    f"{int(np.argmax(np.any(pairs[:rows] != want, axis=1)))}"
+                for r, base in winners.items():
+                    if r < rows:
+                        assert pairs[r, 1] == base + offset, f"tie at row {r} not to the lowest"
+                again = launch(specs[("argmax", rt)], rows, "pairs")
+                assert np.array_equal(pairs, again), f"argmax r{rt} R={rows}: not bit-stable"
+        assert not cp.asnumpy(a.view("keys", np.uint64)).any(), "argmax left its keys dirty"
+        assert not cp.asnumpy(a.view("cnt", np.uint32)).any(), "argmax left its counters dirty"
