@@ -26,6 +26,7 @@ FAMILIES = (
     "kernels.rope",
     "kernels.probes",
     "kernels.moe",
+    "kernels.dense", "kernels.wo_a", "kernels.lm_head",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
