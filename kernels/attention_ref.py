@@ -66,6 +66,9 @@ def sparse_mqa(q: np.ndarray, kv: np.ndarray, valid: np.ndarray, sink: np.ndarra
     e = np.exp(logits - m)
     probs = e / (e.sum(axis=2, keepdims=True) + np.exp(sink - m))
     if round_probs:
+        # uncertain: the normalized probabilities are rounded (the official reference's
+        # softmax(...).to(bf16)); a flash-style kernel rounds exp(l - m) and divides o by the fp32
+        # sum instead. The two differ by BF16 rounding only (<= 2^-8 relative per weight).
         probs = to_bf16(probs.astype(np.float32)).astype(np.float64)
     return to_bf16(np.matmul(probs, kv).astype(np.float32)).astype(np.float32)
 

@@ -203,9 +203,11 @@ def index_topk(lw, x: np.ndarray, qr: np.ndarray, rows: RowBatch, caches: KVCach
     spec = lw.spec
     nh, hd = cfg.index_n_heads, cfg.index_head_dim
     q = _linear(qr, lw, "attn.indexer.wq_b").reshape(-1, nh, hd)
+    # uncertain: index queries and keys use the layer's compress RoPE (theta 1.6e5 + YaRN).
     q = bf16_round(_rope(q, rows.positions, rope_for(cfg, spec.ratio)))
     if not exact:
         q = indexer_ref.fp4_quantize_dequantize(q)
+    # uncertain: weights_proj output rounded to BF16 (a BF16 linear), then scaled in fp32.
     w = _linear(x, lw, "attn.indexer.weights_proj.weight") * np.float32((hd * nh) ** -0.5)
     topk = np.full((rows.num_rows, cfg.index_topk), -1, np.int32)
     cands = np.full((rows.num_rows, cfg.candidate_topk_blocks), -1, np.int32)

@@ -80,6 +80,8 @@ class KVCaches:
         order = (np.arange(num_pages) if seed is None
                  else np.random.default_rng(seed).permutation(num_pages))
         tables = order.reshape(max_seqs, pages_per_seq).astype(np.int32)
+        # uncertain: the doc's ring is 128 slots (= window); a 6-row verify or 5-row draft block
+        # must not overwrite window entries its own earlier rows still read, so it holds W + block.
         ring_slots = next_pow2(cfg.sliding_window + max_block_rows)
         ring_rows = next_pow2(max_block_rows + 2)
         entries = num_pages * page_size
