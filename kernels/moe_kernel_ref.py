@@ -424,7 +424,7 @@ def check_topk_ids(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
 
 def routing_lists(topk_ids: np.ndarray, num_experts: int) -> RoutingLists:
     ids = check_topk_ids(topk_ids, num_experts)
-    rows, topk = ids.shape
+    topk = ids.shape[1]
     experts, offsets, counts, pairs = [], [], [], []
     for e in range(num_experts):
         r, s = np.nonzero(ids == e)            # row-major: rows ascending
@@ -476,3 +476,34 @@ def check_spec_rows(spec: MoeSpec, rows: int) -> int:
     if rows > MAX_ROWS:
         raise ValueError(f"{spec.name}: rows={rows} exceeds {MAX_ROWS}")
     return rows
+
+
+def check_routed_close(y: np.ndarray, y_ref: np.ndarray, what: str = "y") -> None:
+    """The kernel's y against the exact-layout reference, every element.
+
+    Tolerance, per element: 2^-7 |ref| + 2^-5 rms(ref row); and 2^-7 relative Frobenius overall.
+    Why: the kernel adds each 128-group's products in the tensor core's order (and w13's K
+    slices in warp order), not NumPy's: h13 and ye then land 1 bf16 ulp (2^-8 relative) away
+    near rounding ties, and a moved h element can flip its E4M3 rounding on re-quantization
+    (one step = 2^-3 relative to that element), so y moves by a few random-sign terms of
+    2^-4 |h_k W2[n,k]|: well under 2^-5 of the row's rms for I >= 96 (tests/test_moe_kernel_cpu
+    checks that a reference with float64 accumulation stays inside this, and a wrong expert not).
+    """
+    y = np.asarray(y, np.float32)
+    if y.shape != y_ref.shape:
+        raise AssertionError(f"{what}: shape {y.shape}, expected {y_ref.shape}")
+    bad = ~np.isfinite(y)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AssertionError(f"{what}: non-finite {y[idx]} at {idx} (NaN poison not overwritten?)")
+    rms = np.sqrt(np.mean(np.square(y_ref.astype(np.float64)), axis=1, keepdims=True))
+    limit = 2.0**-7 * np.abs(y_ref) + 2.0**-5 * rms
+    err = np.abs(y.astype(np.float64) - y_ref)
+    over = err > limit
+    if over.any():
+        idx = tuple(int(i) for i in np.argwhere(over)[0])
+        raise AssertionError(f"{what}: {int(over.sum())} elements out of tolerance; first at {idx}: "
+                             f"{y[idx]} vs {y_ref[idx]} (limit {limit[idx]:.3g})")
+    rel = np.linalg.norm(err) / max(np.linalg.norm(y_ref), 1e-30)
+    if rel > 2.0**-7:
+        raise AssertionError(f"{what}: relative Frobenius error {rel:.3g} > 2^-7")

@@ -1,0 +1,223 @@
+"""kernels/moe_kernel_ref: repack round trips, kernel-order decode, routing lists, specs and ABI,
+the chain's exact reference against kernels/moe_ref, and the GPU test's tolerance."""
+import numpy as np
+import pytest
+
+from kernels import moe_kernel_ref as mk
+from kernels import moe_ref
+from loader import formats as f
+from loader.config import ModelConfig
+
+TINY = mk.MoeShape(16, 6, 256, 96, 10.0)
+
+
+def random_fused(rng, experts, n, k, spread=16):
+    """MXFP4 weights whose scales span `spread` binades, through the fused-E8M0 step (so some
+    groups are re-rounded when spread > 11)."""
+    w = rng.normal(0, 1, (experts, n, k)) * np.exp2(rng.integers(0, spread, (experts, n, k // 32))
+                                                    .repeat(32, axis=2) - spread + 2)
+    packed, scales = f.mxfp4_quantize(w.astype(np.float32) * 0.01)
+    return f.fused_e8m0(packed, scales)
+
+
+def tiny_experts(rng, shape=TINY):
+    w13 = random_fused(rng, shape.num_experts, 2 * shape.inter, shape.hidden)
+    w2 = random_fused(rng, shape.num_experts, shape.hidden, shape.inter)
+    return w13, w2
+
+
+def uniform_routing(rng, rows, experts, topk):
+    return np.stack([rng.choice(experts, topk, replace=False) for _ in range(rows)]).astype(np.int32)
+
+
+def test_repack_round_trips_to_the_fused_e4m3_bytes_and_weights():
+    rng = np.random.default_rng()
+    w13, w2 = tiny_experts(rng)
+    packed = mk.pack_experts(w13, w2, TINY)
+    got13, got2 = mk.unpacked_e4m3(packed, TINY)
+    want13, want2 = mk.reference_e4m3(w13, w2)
+    np.testing.assert_array_equal(got13, want13)
+    np.testing.assert_array_equal(got2, want2)
+    shards = mk.expert_shards(packed, TINY)
+    d13, d2 = f.fused_e8m0_dequantize(w13), f.fused_e8m0_dequantize(w2)
+    for e in range(TINY.num_experts):
+        np.testing.assert_array_equal(shards[e].w13, d13[e])
+        np.testing.assert_array_equal(shards[e].w2, d2[e])
+
+
+def test_repack_at_the_real_rank_shape_and_byte_counts():
+    rng = np.random.default_rng()
+    shape = mk.moe_shape(ModelConfig.preset("v41-flash"), 4)
+    assert (shape.hidden, shape.inter, shape.num_experts) == (5120, 576, 384)
+    assert shape.checkpoint_expert_bytes() == 3_133_440 + 1_566_720   # anchors.md's count
+    assert sum(shape.w13_bytes) == 3_133_440
+    assert sum(shape.w2_bytes) == 1_474_560 + 320 * 5 * 64            # tail group padded
+    one = mk.MoeShape(1, 1, 5120, 576, 10.0)
+    w13 = random_fused(rng, 1, 1152, 5120)
+    w2 = random_fused(rng, 1, 5120, 576)
+    packed = mk.pack_experts(w13, w2, one)
+    assert packed.w13.codes.nbytes + packed.w13.offsets.nbytes == sum(shape.w13_bytes)
+    assert packed.w2.codes.nbytes + packed.w2.offsets.nbytes == sum(shape.w2_bytes)
+    got13, got2 = mk.unpacked_e4m3(packed, one)
+    want13, want2 = mk.reference_e4m3(w13, w2)
+    np.testing.assert_array_equal(got13, want13)
+    np.testing.assert_array_equal(got2, want2)
+
+
+def test_decode_table_is_humming_expansion_for_every_code_and_offset():
+    # One expert, one tile: every (code, offset) pair through the kernel's prmt arithmetic.
+    codes = np.tile(np.arange(16, dtype=np.uint8), (16, 4))          # [16, 64]
+    for offset in range(1, 13):
+        fused = f.FusedE8M0(f.mxfp4_pack(codes)[None], np.full((1, 16, 2), offset, np.uint8),
+                            np.float32([1.0]), np.int32([127]))
+        got = mk.decode_e4m3(mk.pack_sublayer(fused))[0]
+        np.testing.assert_array_equal(got, f.fused_e8m0_e4m3_bytes(fused)[0])
+
+
+def test_pack_rejects_bad_offsets_and_shapes():
+    rng = np.random.default_rng()
+    w13, w2 = tiny_experts(rng)
+    bad = f.FusedE8M0(w13.packed, np.zeros_like(w13.offsets), w13.weight_scale_2, w13.lo)
+    with pytest.raises(ValueError, match="offsets must be in"):
+        mk.pack_sublayer(bad)
+    with pytest.raises(ValueError, match="w13 packed"):
+        mk.pack_experts(w2, w2, TINY)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "one_expert", "distinct"])
+def test_routing_lists_cover_every_pair_once_in_order(kind):
+    rng = np.random.default_rng()
+    rows = {"uniform": 37, "one_expert": 29, "distinct": 2}[kind]
+    if kind == "uniform":
+        ids = uniform_routing(rng, rows, 16, 6)
+    elif kind == "one_expert":
+        ids = np.tile(rng.choice(16, 6, replace=False), (rows, 1)).astype(np.int32)
+    else:
+        ids = rng.permutation(16)[:12].reshape(2, 6).astype(np.int32)
+    lists = mk.routing_lists(ids, 16)
+    assert list(lists.experts) == sorted(set(ids.ravel().tolist()))
+    assert sorted(lists.pairs.tolist()) == list(range(rows * 6))
+    for e, off, cnt in zip(lists.experts, lists.offsets, lists.counts):
+        pairs = lists.pairs[off:off + cnt]
+        assert (ids.ravel()[pairs] == e).all()
+        assert (np.diff(pairs // 6) > 0).all(), "rows ascend within an expert"
+    meta = lists.meta(16)
+    assert meta[0] == len(lists.experts) and meta.shape == (mk.meta_words(16),)
+
+
+def test_routing_rejects_bad_ids():
+    with pytest.raises(ValueError, match="repeats"):
+        mk.routing_lists(np.array([[1, 1, 2, 3, 4, 5]]), 16)
+    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+        mk.routing_lists(np.array([[16, 1, 2, 3, 4, 5]]), 16)
+
+
+def test_fragment_order_is_the_mma_b_layout():
+    order = mk.fragment_order(96)
+    assert sorted(order.tolist()) == list(range(96))
+    # lane t of k-step s reads bytes [8t, 8t+8): b0 = k 4t..4t+3, b1 = k 16+4t..16+4t+3
+    assert order[:8].tolist() == [0, 1, 2, 3, 16, 17, 18, 19]
+    assert order[32 + 24:32 + 32].tolist() == [32 + 12, 32 + 13, 32 + 14, 32 + 15,
+                                               32 + 28, 32 + 29, 32 + 30, 32 + 31]
+    rng = np.random.default_rng()
+    a = moe_ref.round_bf16(rng.normal(0, 3, (5, 96)))
+    q, s = mk.quantize_fragments(a, 128)
+    want_q, want_s = f.quantize_act_fp8(a)
+    inverse = np.empty(128, np.intp)
+    inverse[mk.fragment_order(128)] = np.arange(128)
+    np.testing.assert_array_equal(q[:, inverse][:, :96], want_q.view(np.uint8))
+    assert (q[:, inverse][:, 96:] == 0).all()
+    np.testing.assert_array_equal(s[:, :1], want_s)
+
+
+def test_routed_reference_reads_the_packed_bytes_and_equals_moe_ref():
+    rng = np.random.default_rng()
+    w13, w2 = tiny_experts(rng)
+    packed = mk.pack_experts(w13, w2, TINY)
+    x = moe_ref.round_bf16(rng.normal(0, 1, (7, 256)))
+    ids = uniform_routing(rng, 7, 16, 6)
+    weights = rng.random((7, 6)).astype(np.float32)
+    got = mk.routed_reference(x, ids, weights, packed, TINY)
+    d13, d2 = f.fused_e8m0_dequantize(w13), f.fused_e8m0_dequantize(w2)
+    shards = [moe_ref.ExpertShard(d13[e], d2[e]) for e in range(16)]
+    want = moe_ref.routed_experts(x, moe_ref.RouterOutput(ids.astype(np.int64), weights), shards,
+                                  10.0)
+    np.testing.assert_array_equal(got, want)
+
+
+def _reference_float64_partials(x, ids, weights, shards, limit):
+    """moe_ref's chain with each group partial summed in float64 (another accumulation order)."""
+    def linear(a, w):
+        q, s = f.quantize_act_fp8(a)
+        qf = np.zeros((a.shape[0], s.shape[1] * 128))
+        qf[:, :a.shape[1]] = q.astype(np.float64)
+        wf = np.zeros((w.shape[0], s.shape[1] * 128))
+        wf[:, :w.shape[1]] = w
+        y = np.zeros((a.shape[0], w.shape[0]), np.float32)
+        for j in range(s.shape[1]):
+            part = (qf[:, 128 * j:128 * (j + 1)] @ wf[:, 128 * j:128 * (j + 1)].T).astype(np.float32)
+            y += s[:, j, None] * part
+        return moe_ref.round_bf16(y)
+    out = np.zeros((x.shape[0], 6, x.shape[1]), np.float32)
+    for e in np.unique(ids):
+        r, slot = np.nonzero(ids == e)
+        h13 = linear(x[r], shards[e].w13)
+        inter = shards[e].w2.shape[1]
+        h = moe_ref.round_bf16(moe_ref.swiglu_clamped(h13[:, :inter], h13[:, inter:], limit))
+        out[r, slot] = linear(h, shards[e].w2)
+    y = np.zeros(x.shape, np.float32)
+    for k in range(6):
+        y += weights[:, k:k + 1] * out[:, k]
+    return y
+
+
+def test_gpu_tolerance_accepts_another_summation_order_and_rejects_a_wrong_expert():
+    rng = np.random.default_rng()
+    w13, w2 = tiny_experts(rng)
+    d13, d2 = f.fused_e8m0_dequantize(w13), f.fused_e8m0_dequantize(w2)
+    shards = [moe_ref.ExpertShard(d13[e], d2[e]) for e in range(16)]
+    x = moe_ref.round_bf16(rng.normal(0, 1, (24, 256)))
+    ids = uniform_routing(rng, 24, 16, 6)
+    weights = rng.random((24, 6)).astype(np.float32)
+    routing = moe_ref.RouterOutput(ids.astype(np.int64), weights)
+    want = moe_ref.routed_experts(x, routing, shards, 10.0)
+    mk.check_routed_close(_reference_float64_partials(x, ids, weights, shards, 10.0), want)
+    wrong = ids.copy()
+    wrong[5, 2] = next(e for e in range(16) if e not in ids[5])
+    broken = moe_ref.routed_experts(x, moe_ref.RouterOutput(wrong.astype(np.int64), weights),
+                                    shards, 10.0)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        mk.check_routed_close(broken, want)
+    poisoned = want.copy()
+    poisoned[3, 7] = np.nan
+    with pytest.raises(AssertionError, match="non-finite"):
+        mk.check_routed_close(poisoned, want)
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_specs_grid_and_abi(config):
+    shape = mk.moe_shape(ModelConfig.preset(config), 4)
+    specs = mk.make_specs(shape)
+    assert [s.kind for s in specs] == ["prep", "w13", "w2", "combine"]
+    for spec in specs:
+        d = spec.to_dict()
+        assert d["params"][-1] == ["rows", "u32"]
+        assert all(kind == "u64" for _, kind in d["params"][:-1])
+        for rows in (1, 8, 192):
+            grid = spec.grid(rows)
+            assert 1 <= grid[0] <= max(132 * spec.ctas_per_sm, spec.work_items(192))
+        with pytest.raises(ValueError):
+            spec.grid(193)
+        with pytest.raises(ValueError):
+            spec.grid(0)
+    w13 = specs[1]
+    assert w13.block[0] % 32 == 0 and (shape.k13 // 64) % (2 * w13.block[0] // 32) == 0
+
+
+def test_kernel_signatures_match_the_spec_abi():
+    pytest.importorskip("cutlass")
+    from kernels import build, moe
+    for spec in moe.specs(ModelConfig.preset("tiny"), 4):
+        sig = build.signature_abi(moe.kernel_function(spec))
+        assert [n for n, _ in sig] == [n for n, _ in spec.params]
+        assert all(kind in allowed for (_, allowed), (_, kind) in zip(sig, spec.params))
