@@ -1,0 +1,180 @@
+"""One-shot all-reduce (Lamport, -0.0 sentinel): specs, peer-buffer layout, byte formula, reference.
+
+    plain:     out[r, :] = bf16( sum_s x_s[r, :] )                   s = 0, 1, ..., world-1
+    residual:  out[r, :] = bf16( residual[r, :] + sum_s x_s[r, :] )   (one rounding, fp32 math)
+
+x_s is rank s's BF16 [rows, D] input; the sum is an fp32 left fold in FIXED rank order
+((x_0 + x_1) + x_2) + x_3, so every rank computes the same bits. Before sending, a -0.0 input
+lane becomes +0.0 (-0.0 is the "not arrived" sentinel); the reference does the same.
+
+How (per rank, one launch, no host state):
+- Each rank owns a receive buffer of 2 generations x world slots x max_rows x D bf16, filled with
+  -0.0 (0x8000) once at set-up and shared with its peers over CUDA IPC. `control` (device u32[4]:
+  generation, CTA arrivals, failed, 0) holds the only per-call state.
+- A thread takes 16-byte chunks (8 bf16, grid stride): it pushes its input chunk into slot
+  [gen][rank] of every rank's buffer, then polls its own slots [gen][0..world) until no lane holds
+  0x8000, sums them in rank order, writes out, and resets the slots it read to 0x8000.
+- The last CTA to finish flips the generation. Two generations suffice: a peer can run at most
+  one call ahead (it cannot finish call n+1 before this rank sent its n+1 data, which it does
+  only after finishing call n, slots reset included).
+- A poll that exceeds `timeout_us` (on %globaltimer) stores 1 into status[s] for the silent rank
+  s and into control[2]; every later poll of this rank gives up at once. `status` is host-mapped
+  pinned memory, so the host reads it without synchronizing (collectives/oneshot.py).
+
+PTX ABI: plain    (u64 inp, u64 out, u64 peers, u64 control, u64 status, u32 rank, u32 rows,
+                   u32 timeout_us)
+         residual (u64 inp, u64 residual, u64 out, u64 peers, u64 control, u64 status, u32 rank,
+                   u32 rows, u32 timeout_us)
+peers is a device u64[world] of receive-buffer bases (peers[rank] = own). All buffers 16-byte
+aligned; out may alias residual or inp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.common_ref import (
+    BF16,
+    BF16_PER_VECTOR,
+    H200_NUM_SMS,
+    check_rows,
+    params_dict,
+    persistent_grid,
+    to_bf16,
+)
+
+CTA_THREADS = 256
+MAX_CTAS = 2 * H200_NUM_SMS            # one wave at any register count this kernel uses
+GENERATIONS = 2
+SENTINEL_BITS = 0x8000                 # bf16 -0.0
+CONTROL_WORDS = 4                      # generation, arrivals, failed, unused
+MAX_ROWS = 192
+WORLD_SIZES = (2, 4, 8)
+_COMMON = (("peers", "u64"), ("control", "u64"), ("status", "u64"), ("rank", "u32"),
+           ("rows", "u32"), ("timeout_us", "u32"))
+PARAMS_PLAIN = (("inp", "u64"), ("out", "u64")) + _COMMON
+PARAMS_RESIDUAL = (("inp", "u64"), ("residual", "u64"), ("out", "u64")) + _COMMON
+
+
+@dataclass(frozen=True)
+class OneShotSpec:
+    """One compiled one-shot all-reduce: world size, row width, row capacity, epilogue."""
+
+    name: str
+    world: int
+    width: int
+    max_rows: int
+    epilogue: str                       # "none" | "residual"
+    params: tuple[tuple[str, str], ...]
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.width // BF16_PER_VECTOR
+
+    @property
+    def slot_bytes(self) -> int:
+        """One rank's rows in one generation: max_rows x width bf16."""
+        return self.max_rows * self.width * 2
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The receive buffer each rank shares: generations x world slots."""
+        return GENERATIONS * self.world * self.slot_bytes
+
+    def slot_offset(self, generation: int, source: int) -> int:
+        """Byte offset of the slot that rank `source` fills in generation `generation`."""
+        return (generation * self.world + source) * self.slot_bytes
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > self.max_rows:
+            raise ValueError(f"{self.name}: rows={rows} exceeds the buffer capacity of "
+                             f"{self.max_rows} rows")
+        return persistent_grid(rows * self.chunks_per_row, CTA_THREADS, MAX_CTAS)
+
+    def bytes_moved(self, rows: int) -> int:
+        return oneshot_bytes(rows, self.width, self.world, self.epilogue)
+
+    def to_dict(self) -> dict:
+        return {"family": "allreduce", "name": self.name, "world": self.world,
+                "width": self.width, "max_rows": self.max_rows, "epilogue": self.epilogue,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes, "max_ctas": MAX_CTAS,
+                "generations": GENERATIONS}
+
+
+def make_spec(world: int, width: int, epilogue: str = "none",
+              max_rows: int = MAX_ROWS) -> OneShotSpec:
+    if world not in WORLD_SIZES:
+        raise ValueError(f"one-shot all-reduce: world {world}, expected one of {WORLD_SIZES}")
+    if width <= 0 or width % BF16_PER_VECTOR:
+        raise ValueError(f"one-shot all-reduce: width {width} must be a positive multiple of 8")
+    if not 1 <= max_rows <= MAX_ROWS:
+        raise ValueError(f"one-shot all-reduce: max_rows {max_rows} outside 1..{MAX_ROWS}")
+    if epilogue not in ("none", "residual"):
+        raise ValueError(f"one-shot all-reduce: epilogue {epilogue!r}, expected 'none' or "
+                         "'residual'")
+    params = PARAMS_PLAIN if epilogue == "none" else PARAMS_RESIDUAL
+    suffix = "" if epilogue == "none" else "_residual"
+    return OneShotSpec(f"allreduce_oneshot_w{world}_d{width}{suffix}", world, width, max_rows,
+                       epilogue, params)
+
+
+def oneshot_bytes(rows: int, width: int, world: int, epilogue: str = "none") -> int:
+    """HBM bytes one rank's launch moves: read its input, push world copies (written into the
+    ranks' buffers), read world slots, reset them, write out (+ read the residual)."""
+    row_bytes = rows * width * 2
+    return row_bytes * (1 + 3 * world + 1 + (1 if epilogue == "residual" else 0))
+
+
+def bus_bandwidth_gbps(rows: int, width: int, world: int, us: float) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce: size/time x 2(world-1)/world."""
+    return rows * width * 2 / (us * 1e-6) * 2 * (world - 1) / world / 1e9
+
+
+def sanitize_ref(x: np.ndarray) -> np.ndarray:
+    """-0.0 becomes +0.0 (the bits a rank sends); everything else, NaN included, is unchanged."""
+    bits = np.ascontiguousarray(x, dtype=BF16).view(np.uint16)
+    return np.where(bits == SENTINEL_BITS, np.uint16(0), bits).view(BF16)
+
+
+def _check_inputs(inputs, who: str) -> list[np.ndarray]:
+    xs = [np.asarray(x) for x in inputs]
+    if not xs or any(x.dtype != BF16 or x.ndim != 2 or x.shape != xs[0].shape for x in xs):
+        raise TypeError(f"{who}: one bf16 [rows, D] array per rank expected, got "
+                        f"{[(x.dtype, x.shape) for x in xs]}")
+    return xs
+
+
+def rank_sum_f32(inputs) -> np.ndarray:
+    """fp32 left fold over ranks in rank order, of the sanitized bf16 inputs (what every rank
+    accumulates before its epilogue)."""
+    xs = _check_inputs(inputs, "rank_sum_f32")
+    acc = sanitize_ref(xs[0]).astype(np.float32)
+    for x in xs[1:]:
+        acc = acc + sanitize_ref(x).astype(np.float32)
+    return acc
+
+
+def allreduce_ref(inputs) -> np.ndarray:
+    """Exactly what the plain kernel writes on every rank: bf16(rank-ordered fp32 sum)."""
+    return to_bf16(rank_sum_f32(inputs))
+
+
+def allreduce_residual_ref(inputs, residual: np.ndarray) -> np.ndarray:
+    """Exactly what the residual kernel writes: bf16(float(residual) + rank-ordered fp32 sum)."""
+    acc = rank_sum_f32(inputs)
+    if residual.dtype != BF16 or residual.shape != acc.shape:
+        raise TypeError(f"allreduce_residual_ref: residual must be bf16 {acc.shape}, got "
+                        f"{residual.dtype} {residual.shape}")
+    return to_bf16(residual.astype(np.float32) + acc)
+
+
+def allreduce_f64(inputs, residual: np.ndarray | None = None) -> np.ndarray:
+    """Float64 ground truth (order-free), for the error budget of the fp32 fold."""
+    xs = _check_inputs(inputs, "allreduce_f64")
+    total = sum(x.astype(np.float64) for x in xs)
+    return total if residual is None else total + residual.astype(np.float64)
