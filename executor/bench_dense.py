@@ -1,0 +1,159 @@
+"""Devicecheck benchmarks of the dense W8A16, grouped wo_a and lm_head kernels, Humming beside them.
+
+Registered into `executor.benchmarks.BENCHMARKS` on import (devicecheck must import this module).
+Per shape and R in {1, 5, 6, 8, 17, 48, 192}: the kernel the plan would pick (8 rows per pass at
+R <= 8, 32 above), timed
+- isolated: one launch, L2 flushed before each rep (CUDA-event median);
+- in a PDL chain: a graph of CHAIN launches, each on another copy of the weights (copies cover at
+  least 3x the L2, so weights come from HBM), with the programmatic-serialization attribute, so
+  each kernel's weight prefetch (issued before `griddepcontrol.wait`) overlaps its predecessor's
+  tail; per-launch time = graph time / CHAIN.
+Bytes are the kernel's must-read/write bytes (weights + scales + x + out), % is of 4.8 TB/s.
+Humming W8A16 / cuBLAS lm_head numbers are `docs/anchors.md` table 3c (same H200 model, graphs).
+"""
+from __future__ import annotations
+
+from executor.arena import Arena
+from executor.benchmarks import MB, BenchContext, benchmark, fill_random_bf16, fill_random_u32
+from executor.graphs import Graph
+from executor.launch import LaunchSpec
+
+ROWS = (1, 5, 6, 8, 17, 48, 192)
+QUICK_ROWS = (1, 8, 192)
+CHAIN = 16
+# anchors.md 3c: Humming W8A16 (and cuBLAS bf16 lm_head) CUDA-graph median µs per M.
+HUMMING_US = {
+    "wqa_wkv": {1: 9.50, 6: 9.55, 8: 9.58, 32: 11.42, 192: 18.53},
+    "wq_b": {1: 11.53, 6: 11.48, 8: 12.11, 32: 14.04, 192: 18.49},
+    "wo_b": {1: 10.90, 6: 11.01, 8: 11.05, 32: 12.73, 192: 18.52},
+    "shared_w13": {1: 9.40, 6: 9.42, 8: 9.44, 32: 11.05, 192: 17.54},
+    "shared_w2": {1: 5.26, 6: 5.27, 8: 5.27, 32: 5.31, 192: 12.62},
+    "lm_head": {1: 81.61, 6: 83.89, 8: 84.30, 32: 84.41, 192: 102.13},
+}
+# The epilogue the step plan uses: row-parallel outputs feed the all-reduce in fp32.
+PLAN_EPILOGUE = {"wo_b": "f32", "shared_w2": "f32"}
+
+
+def _label(spec) -> str:
+    if spec.name.startswith("wo_a"):
+        return "wo_a"
+    return spec.name.removeprefix("dense_w8a16_").split("_n")[0]
+
+
+def _copies(weight_bytes: int, l2_bytes: int) -> int:
+    return max(2, -(-3 * l2_bytes // weight_bytes))
+
+
+def _time_both(ctx: BenchContext, launches: list[LaunchSpec], reps: int) -> tuple[float, float]:
+    """(isolated cold µs of launches[0], per-launch µs inside a PDL graph of CHAIN launches)."""
+    iso = ctx.cold_median_us(lambda: launches[0].launch(ctx.stream), reps=reps)
+    with Graph.capture(ctx.stream) as g:
+        for i in range(CHAIN):
+            launches[i % len(launches)].launch(ctx.stream)
+    try:
+        chain = ctx.timer.median_us(lambda: g.launch(ctx.stream), reps=20, warmup=2) / CHAIN
+    finally:
+        g.close()
+    return iso, chain
+
+
+def _report(ctx: BenchContext, name: str, label: str, rows: int, nbytes: int, weight_bytes: int,
+            iso: float, chain: float, target_pct: float | None) -> None:
+    ctx.bandwidth(name, f"R{rows} iso", rows, iso, nbytes)
+    row = ctx.bandwidth(name, f"R{rows} pdl", rows, chain, nbytes)
+    humming = HUMMING_US.get(label, {}).get(rows)
+    if humming is not None:
+        ctx.metric(f"{label} R={rows}: Humming {humming:.2f} us / ours (pdl chain)",
+                   humming / chain, "x", "> 1", humming / chain > 1.0)
+    if target_pct is not None and rows <= 8 and weight_bytes >= 8 * MB:
+        ctx.metric(f"{name} R={rows} pdl chain % of 4.8 TB/s", row.pct_hbm, "%",
+                   f">= {target_pct:.0f}%", row.pct_hbm >= target_pct)
+
+
+def _dense_specs(bundle):
+    from kernels import dense_ref as dr
+    out = []
+    for name in bundle.names():
+        rec = bundle.manifest.kernels[name]
+        if rec.family not in ("kernels.dense", "kernels.wo_a"):
+            continue
+        s = rec.spec
+        spec = dr.DenseSpec(s["name"], s["n"], s["k"], s["groups"], s["row_tiles"],
+                            s["epilogue"], s["split_k"])
+        if spec.epilogue == PLAN_EPILOGUE.get(_label(spec), "bf16"):
+            out.append(spec)
+    return out
+
+
+@benchmark("dense_w8a16")
+def bench_dense(ctx: BenchContext) -> None:
+    """Every W8A16 linear and wo_a of the bundle at every R, isolated and in a PDL chain."""
+    from kernels import dense_ref as dr
+
+    bundle = ctx.bundle_with("dense_w8a16_")
+    if bundle is None:
+        raise LookupError("no bundle has dense_w8a16 kernels")
+    specs = _dense_specs(bundle)
+    shapes = sorted({(s.groups, s.n, s.k) for s in specs})
+    for groups, n, k in shapes:
+        variants = {s.row_tiles: s for s in specs if (s.groups, s.n, s.k) == (groups, n, k)}
+        wbytes = groups * n * k
+        sbytes = groups * (n // 32) * (k // 32)
+        copies = _copies(wbytes, ctx.device.info.l2_bytes)
+        reqs = [(f"w{c}", wbytes) for c in range(copies)] + [(f"s{c}", sbytes)
+                                                             for c in range(copies)]
+        reqs += [("x", dr.MAX_ROWS * groups * k * 2), ("out", dr.MAX_ROWS * groups * n * 4),
+                 ("ws", max([v.workspace_bytes() for v in variants.values()] + [4])),
+                 ("cnt", max([v.counters_bytes() for v in variants.values()] + [4]))]
+        with Arena(ctx.device, reqs) as a:
+            for c in range(copies):
+                fill_random_u32(a, f"w{c}")                  # random e4m3 bytes (some NaN codes:
+                a.view(f"s{c}", "uint8")[:] = 118            # timing only, values unused)
+            fill_random_bf16(a, "x")
+            a.view("cnt", "uint32")[:] = 0
+            for rows in (QUICK_ROWS if ctx.quick else ROWS):
+                spec = variants.get(1 if rows <= 8 else 4) or next(iter(variants.values()))
+                launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                                       (a.ptr("x"), a.ptr(f"w{c}"), a.ptr(f"s{c}"), a.ptr("x"),
+                                        a.ptr("out"), a.ptr("ws"), a.ptr("cnt"), rows))
+                            for c in range(copies)]
+                iso, chain = _time_both(ctx, launches, reps=30 if ctx.quick else 60)
+                _report(ctx, spec.name, _label(spec), rows, spec.bytes_moved(rows),
+                        spec.weight_bytes(), iso, chain, 80.0)
+
+
+@benchmark("lm_head")
+def bench_lm_head(ctx: BenchContext) -> None:
+    """lm_head + split-vocab argmax (and the logits path) at every R, isolated and PDL-chained."""
+    from kernels import lm_head_ref as lr
+
+    bundle = ctx.bundle_with("lm_head_bf16_")
+    if bundle is None:
+        raise LookupError("no bundle has lm_head kernels")
+    recs = [bundle.manifest.kernels[n] for n in bundle.names() if n.startswith("lm_head_bf16_")]
+    specs = {(r.spec["mode"], r.spec["row_tiles"]): lr.make_spec(
+        r.spec["vocab"], r.spec["hidden"], r.spec["row_tiles"], r.spec["mode"]) for r in recs}
+    any_spec = next(iter(specs.values()))
+    wbytes = any_spec.weight_bytes()
+    copies = _copies(wbytes, ctx.device.info.l2_bytes)
+    reqs = [(f"w{c}", wbytes) for c in range(copies)]
+    reqs += [("x", lr.MAX_ROWS * any_spec.hidden * 2), ("out", lr.MAX_ROWS * any_spec.vocab * 4),
+             ("keys", lr.MAX_ROWS * 8), ("cnt", max(s.counters_bytes() for s in specs.values()))]
+    with Arena(ctx.device, reqs) as a:
+        for c in range(copies):
+            fill_random_bf16(a, f"w{c}")
+        fill_random_bf16(a, "x")
+        a.view("keys", "uint64")[:] = 0
+        a.view("cnt", "uint32")[:] = 0
+        for mode in ("argmax", "logits"):
+            for rows in (QUICK_ROWS if ctx.quick else ROWS):
+                if mode == "logits" and rows not in (1, 8, 48):
+                    continue
+                spec = specs[(mode, 1 if rows <= 8 else 4)]
+                launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                                       (a.ptr("x"), a.ptr(f"w{c}"), a.ptr("out"), a.ptr("keys"),
+                                        a.ptr("cnt"), rows, 0)) for c in range(copies)]
+                iso, chain = _time_both(ctx, launches, reps=20 if ctx.quick else 40)
+                _report(ctx, spec.name, "lm_head" if mode == "argmax" else "", rows,
+                        spec.bytes_moved(rows), wbytes, iso, chain,
+                        85.0 if mode == "argmax" else None)
