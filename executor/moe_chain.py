@@ -1,0 +1,163 @@
+"""The routed-MoE kernel chain on device buffers: arena, weight upload, launches; its benchmark.
+
+Used by tests/gpu/test_moe_kernel.py and by `hopdec devicecheck` (benchmark "moe_routed",
+registered when this module is imported from executor/benchmarks.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.arena import Arena
+from executor.launch import LaunchSpec
+from kernels import moe_kernel_ref as mk
+
+# anchors.md table 3a (Humming W4A8 on this H200): M -> (distinct experts, w13+w2 us, chain us).
+HUMMING_W4A8 = {1: (6.0, 26.92, 32.15), 2: (11.8, 37.51, 42.11), 4: (23.2, 53.98, 58.82),
+                6: (34.6, 63.09, 67.85), 8: (46.2, 76.91, 81.92), 16: (84.5, 125.12, 131.17),
+                32: (149.4, 205.39, 213.20), 64: (245.6, 327.97, 332.00),
+                128: (332.0, 447.78, 449.24), 192: (364.3, 493.00, 494.53)}
+BENCH_ROWS = (1, 2, 4, 6, 8, 16, 32, 64, 128, 192)
+
+
+class MoeChain:
+    """Every buffer of one rank's routed MoE (sized for MAX_ROWS) and the four launches."""
+
+    def __init__(self, device, bundle, shape: mk.MoeShape):
+        self.shape = shape
+        self.specs = {s.kind: s for s in mk.make_specs(shape)}
+        self.kernels = {k: bundle.kernel(s.name) for k, s in self.specs.items()}
+        e, r, k = shape.num_experts, mk.MAX_ROWS, shape.topk
+        c13, o13 = shape.w13_bytes
+        c2, o2 = shape.w2_bytes
+        self.per_expert = {"codes13": c13, "offsets13": o13, "codes2": c2, "offsets2": o2}
+        reqs = [(name, e * n) for name, n in self.per_expert.items()]
+        reqs += [("scales13", 4 * e), ("scales2", 4 * e), ("ids", 4 * r * k),
+                 ("route_weights", 4 * r * k), ("x", 2 * r * shape.hidden),
+                 ("meta", 4 * mk.meta_words(e)), ("pairs", 4 * r * k),
+                 ("xq", r * shape.k13), ("xs", 4 * r * shape.groups(shape.k13)),
+                 ("h", 2 * r * k * shape.inter), ("ye", 2 * r * k * shape.hidden),
+                 ("y", 4 * r * shape.hidden)]
+        self.arena = Arena(device, reqs)
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def upload_experts(self, packed: mk.PackedExperts, expert_ids) -> None:
+        """Write packed experts (leading axis = len(expert_ids)) at their expert ids."""
+        import cupy as cp
+        a = self.arena
+        parts = {"codes13": packed.w13.codes, "offsets13": packed.w13.offsets,
+                 "codes2": packed.w2.codes, "offsets2": packed.w2.offsets}
+        for name, arr in parts.items():
+            view = a.view(name, np.uint8, (self.shape.num_experts, self.per_expert[name]))
+            for i, e in enumerate(expert_ids):
+                view[int(e)] = cp.asarray(np.ascontiguousarray(arr[i]).reshape(-1))
+        for name, arr in (("scales13", packed.w13.scales), ("scales2", packed.w2.scales)):
+            view = a.view(name, np.float32, (self.shape.num_experts,))
+            for i, e in enumerate(expert_ids):
+                view[int(e)] = float(arr[i])
+        cp.cuda.Device().synchronize()
+
+    def upload_inputs(self, x_bf16_bits: np.ndarray, topk_ids: np.ndarray,
+                      route_weights: np.ndarray) -> None:
+        import cupy as cp
+        rows, k = topk_ids.shape
+        a = self.arena
+        a.view("x", np.uint16, x_bf16_bits.shape)[...] = cp.asarray(x_bf16_bits)
+        a.view("ids", np.int32, (rows, k))[...] = cp.asarray(topk_ids.astype(np.int32))
+        a.view("route_weights", np.float32, (rows, k))[...] = cp.asarray(
+            route_weights.astype(np.float32))
+        cp.cuda.Device().synchronize()
+
+    def poison_outputs(self) -> None:
+        """NaN in every output and scratch buffer, so an element never written is caught."""
+        import cupy as cp
+        for name in ("h", "ye", "y", "xq", "xs", "pairs"):
+            self.arena.view(name, np.uint8)[...] = 0xFF
+        self.arena.view("meta", np.int32)[...] = -7
+        cp.cuda.Device().synchronize()
+
+    def launches(self, rows: int) -> list[LaunchSpec]:
+        p = self.arena.ptr
+        args = {
+            "prep": (p("ids"), p("x"), p("meta"), p("pairs"), p("xq"), p("xs"), rows),
+            "w13": (p("meta"), p("pairs"), p("xq"), p("xs"), p("codes13"), p("offsets13"),
+                    p("scales13"), p("h"), rows),
+            "w2": (p("meta"), p("pairs"), p("h"), p("codes2"), p("offsets2"), p("scales2"),
+                   p("ye"), rows),
+            "combine": (p("route_weights"), p("ye"), p("y"), rows),
+        }
+        return [LaunchSpec(self.kernels[k], self.specs[k].grid(rows), args[k])
+                for k in ("prep", "w13", "w2", "combine")]
+
+    def download(self, name: str, dtype, shape) -> np.ndarray:
+        return self.arena.view(name, dtype, shape).get()
+
+
+def _fill_random_weights(chain: MoeChain) -> None:
+    """Random FP4 codes and valid offsets (o8 = 8 * [1, 12]) for every expert, on the device."""
+    import cupy as cp
+    a = chain.arena
+    for name in ("codes13", "codes2"):
+        view = a.view(name, np.uint8)
+        view[...] = cp.random.randint(0, 256, size=view.size, dtype=cp.int32).astype(cp.uint8)
+    for name in ("offsets13", "offsets2"):
+        view = a.view(name, np.uint8)
+        view[...] = (8 * cp.random.randint(1, 13, size=view.size, dtype=cp.int32)).astype(cp.uint8)
+    for name in ("scales13", "scales2"):
+        a.view(name, np.float32)[...] = np.float32(2.0**-10)
+    cp.cuda.Device().synchronize()
+
+
+def bench_moe_routed(ctx) -> None:
+    """The routed-MoE chain (prep + w13 + w2 + combine) at R = 1..192, uniform top-k routing over
+    every expert, L2 flushed before each rep; Humming's stock numbers (anchors.md) beside it."""
+    from executor.benchmarks import fill_random_bf16
+    bundle = ctx.bundle_with("moe_w13_")
+    if bundle is None:
+        raise LookupError("no bundle has the moe kernels")
+    rec = next(bundle.manifest.kernels[n] for n in bundle.names() if n.startswith("moe_w13_"))
+    sp = rec.spec
+    shape = mk.MoeShape(sp["num_experts"], sp["topk"], sp["hidden"], sp["inter"],
+                        sp["swiglu_limit"])
+    rng = np.random.default_rng()
+    chain = MoeChain(ctx.device, bundle, shape)
+    try:
+        _fill_random_weights(chain)
+        fill_random_bf16(chain.arena, "x")
+        for rows in BENCH_ROWS[:4] if ctx.quick else BENCH_ROWS:
+            ids = np.stack([rng.choice(shape.num_experts, shape.topk, replace=False)
+                            for _ in range(rows)]).astype(np.int32)
+            weights = rng.random((rows, shape.topk)).astype(np.float32)
+            x_bits = chain.download("x", np.uint16, (rows, shape.hidden))
+            chain.upload_inputs(x_bits, ids, weights)
+            specs = chain.launches(rows)
+
+            def run(specs=specs):
+                for s in specs:
+                    s.launch(ctx.stream)
+            distinct = len(np.unique(ids))
+            us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
+            row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}", rows, us,
+                                mk.moe_bytes(shape, distinct, rows))
+            _report_targets(ctx, rows, us, row, shape)
+    finally:
+        chain.close()
+
+
+def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape) -> None:
+    if shape.hidden != 5120 or rows not in HUMMING_W4A8:
+        return
+    h_distinct, h_pair, _ = HUMMING_W4A8[rows]
+    h_gbps = h_distinct * shape.checkpoint_expert_bytes() / (h_pair * 1e-6) / 1e9
+    ctx.metric(f"moe R={rows}: Humming w13+w2 (anchors.md) {h_pair:.2f} us, {h_gbps:.0f} GB/s; "
+               "ours", us, "us", f"< {h_pair:.1f}", us < h_pair)
+    if rows <= 8:
+        ctx.metric(f"moe R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 4000",
+                   row.gbps >= 4000)
+        if row.pct_stream is not None:
+            ctx.metric(f"moe R={rows}: % of measured streaming read", row.pct_stream, "%",
+                       ">= 90%", row.pct_stream >= 90)
+    elif rows <= 64:
+        ctx.metric(f"moe R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 3800",
+                   row.gbps >= 3800)
