@@ -14,6 +14,7 @@ perf_counter medians over batches.
 """
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -411,3 +412,22 @@ def bench_rope(ctx: BenchContext) -> None:
 
 def result_dicts(ctx: BenchContext) -> tuple[list[dict], list[dict]]:
     return [asdict(r) for r in ctx.bandwidth_rows], [asdict(r) for r in ctx.metric_rows]
+
+
+# Benchmarks that live beside their kernel family's host code, as (name, "module:function"); they
+# run after the runtime ones above and are imported only when run. Adding one is one line here.
+FAMILY_BENCHMARKS = (
+    ("moe_routed", "executor.moe_chain:bench_moe_routed"),
+)
+
+
+def _family_benchmark(target: str) -> Callable[[BenchContext], None]:
+    module, function = target.split(":")
+
+    def run(ctx: BenchContext) -> None:
+        getattr(importlib.import_module(module), function)(ctx)
+    return run
+
+
+for _name, _target in FAMILY_BENCHMARKS:
+    benchmark(_name)(_family_benchmark(_target))

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-bench", action="store_true", help="GPU tests only")
     parser.add_argument("--only", action="append", default=None, help="run only these benchmarks")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and reps")
-    parser.add_argument("--test-timeout", type=int, default=300, help="seconds for pytest")
+    parser.add_argument("--test-timeout", type=int, default=900, help="seconds for pytest")
 
 
 def _bundle_configs(paths: list[Path]) -> dict[str, Path]:
