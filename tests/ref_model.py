@@ -1,0 +1,56 @@
+"""Shared by the reference-step tests: the tiny synthetic checkpoint and models over it, built once."""
+import functools
+import tempfile
+
+import numpy as np
+
+from executor.reference.kvcache import KVCaches
+from executor.reference.rows import RowBatch, RowBlock
+from executor.reference.step import ReferenceModel, decode_step
+from executor.reference.weights import rank_weights_from_checkpoint
+from loader.checkpoint import Checkpoint
+from loader.config import ModelConfig
+from loader.synth import synth
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_checkpoint() -> Checkpoint:
+    out = tempfile.mkdtemp(prefix="hopdec-tiny-")
+    synth(ModelConfig.preset("tiny"), out, seed=0, progress=False)
+    return Checkpoint.open(out, progress=False)
+
+
+@functools.lru_cache(maxsize=8)
+def tiny_model(tp: int, exact: bool = False) -> ReferenceModel:
+    ckpt = tiny_checkpoint()
+    ranks = tuple(rank_weights_from_checkpoint(ckpt, tp, r, humming_experts=not exact)
+                  for r in range(tp))
+    return ReferenceModel(ckpt.config, ranks, exact=exact)
+
+
+def new_caches(model: ReferenceModel, max_seqs: int = 2) -> KVCaches:
+    return KVCaches.allocate(model.cfg, max_seqs=max_seqs, max_context=128, exact=model.exact)
+
+
+def block_step(model, caches, line, start, tokens, seq_tokens, kind=None, pad_to=None):
+    """One step of one sequence's block of `tokens` at positions start..; returns StepOutput."""
+    kind = kind or ("decode" if len(tokens) == 1 else "verify")
+    rows = RowBatch.from_blocks([RowBlock(line, start, tuple(int(t) for t in tokens), kind)],
+                                caches.block_tables, caches.ring_slots, pad_to=pad_to)
+    return decode_step(model, rows, caches, [np.asarray(seq_tokens, np.int64)])
+
+
+def random_prompt(rng, length, vocab=1024):
+    return [int(t) for t in rng.integers(0, vocab - 1, length)]  # vocab - 1: not the noise token
+
+
+def caches_equal(a: KVCaches, b: KVCaches) -> bool:
+    """Every cache array equal (bytes; NaN poison compares equal to NaN poison)."""
+    for name in ("swa", "compressed", "index_keys", "ring", "ring_pos"):
+        da, db = getattr(a, name), getattr(b, name)
+        if da.keys() != db.keys():
+            return False
+        for k in da:
+            if da[k].tobytes() != db[k].tobytes():
+                return False
+    return True
