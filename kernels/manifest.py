@@ -25,6 +25,7 @@ FAMILIES = (
     "kernels.elementwise",
     "kernels.rope",
     "kernels.probes",
+    "kernels.allreduce",
     "kernels.moe",
     "kernels.dense", "kernels.wo_a", "kernels.lm_head",
 )
