@@ -14,7 +14,7 @@ Humming W8A16 / cuBLAS lm_head numbers are `docs/anchors.md` table 3c (same H200
 from __future__ import annotations
 
 from executor.arena import Arena
-from executor.benchmarks import MB, BenchContext, benchmark, fill_random_bf16, fill_random_u32
+from executor.benchmarks import MB, BenchContext, fill_random_bf16, fill_random_u32
 from executor.graphs import Graph
 from executor.launch import LaunchSpec
 
@@ -85,7 +85,6 @@ def _dense_specs(bundle):
     return out
 
 
-@benchmark("dense_w8a16")
 def bench_dense(ctx: BenchContext) -> None:
     """Every W8A16 linear and wo_a of the bundle at every R, isolated and in a PDL chain."""
     from kernels import dense_ref as dr
@@ -122,7 +121,6 @@ def bench_dense(ctx: BenchContext) -> None:
                         spec.weight_bytes(), iso, chain, 80.0)
 
 
-@benchmark("lm_head")
 def bench_lm_head(ctx: BenchContext) -> None:
     """lm_head + split-vocab argmax (and the logits path) at every R, isolated and PDL-chained."""
     from kernels import lm_head_ref as lr

@@ -418,6 +418,8 @@ def result_dicts(ctx: BenchContext) -> tuple[list[dict], list[dict]]:
 # run after the runtime ones above and are imported only when run. Adding one is one line here.
 FAMILY_BENCHMARKS = (
     ("moe_routed", "executor.moe_chain:bench_moe_routed"),
+    ("dense_w8a16", "executor.bench_dense:bench_dense"),
+    ("lm_head", "executor.bench_dense:bench_lm_head"),
 )
 
 

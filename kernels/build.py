@@ -18,6 +18,7 @@ kernel whose key matches the out dir's manifest (and whose cubin is intact) or a
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import hashlib
 import importlib
@@ -76,10 +77,34 @@ def load_config(config: str):
 
 
 def family_sources(module) -> list[Path]:
-    """The family module, its `_ref` sibling and the shared ref helpers: what its cubins depend on."""
+    """Every `kernels/` source the family's cubins depend on: the family module, its `_ref` sibling,
+    the shared ref helpers and, transitively, every `kernels.*` module they import (a family may
+    reuse another family's kernel code, e.g. `wo_a` builds on `dense`)."""
+    root = Path(__file__).parent
     path = Path(inspect.getsourcefile(module))
-    paths = [path, path.with_name(path.stem + "_ref.py"), Path(__file__).with_name("common_ref.py")]
-    return [p for p in paths if p.is_file()]
+    todo = [path, path.with_name(path.stem + "_ref.py"), root / "common_ref.py"]
+    seen: list[Path] = []
+    while todo:
+        p = todo.pop()
+        if p in seen or not p.is_file():
+            continue
+        seen.append(p)
+        todo.extend(root / f"{name}.py" for name in _imported_kernel_modules(p))
+    return sorted(seen)
+
+
+def _imported_kernel_modules(path: Path) -> set[str]:
+    """Names of the `kernels.<name>` modules a source file imports (static, from its AST)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("kernels.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "kernels":
+                names |= {a.name for a in node.names}
+            elif node.module.startswith("kernels."):
+                names.add(node.module.split(".")[1])
+    return names
 
 
 def kernel_key(module, spec, dsl: str) -> str:
