@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", action="append", default=None, help="run only these benchmarks")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and reps")
     parser.add_argument("--test-timeout", type=int, default=900, help="seconds for pytest")
+    parser.add_argument("--tests", action="append", default=None,
+                        help="GPU test files/node ids to run (repeatable; default: all of tests/)")
 
 
 def _bundle_configs(paths: list[Path]) -> dict[str, Path]:
@@ -70,14 +72,15 @@ def environment() -> dict:
     return env
 
 
-def run_gpu_tests(out: Path, bundles: dict[str, Path], timeout: int) -> dict:
+def run_gpu_tests(out: Path, bundles: dict[str, Path], timeout: int,
+                  targets: list[str] | None = None) -> dict:
     junit = out / "junit.xml"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if "tiny" in bundles:
         env["HOPDEC_BUNDLE"] = str(bundles["tiny"])
     if "v41-flash" in bundles:
         env["HOPDEC_BUNDLE_V41"] = str(bundles["v41-flash"])
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rs",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *(targets or ["tests"]), "-q", "-rs",
            "-p", "no:cacheprovider", f"--junitxml={junit}"]
     t0 = time.time()
     try:
@@ -206,7 +209,7 @@ def run(args) -> int:
     except Exception as exc:  # noqa: BLE001
         report["environment"]["device"] = f"unavailable: {exc}"
     if not args.skip_tests:
-        report["tests"] = run_gpu_tests(out, bundles, args.test_timeout)
+        report["tests"] = run_gpu_tests(out, bundles, args.test_timeout, args.tests)
     if not args.skip_bench:
         report["benchmarks"], report["bandwidth"], report["metrics"] = run_benchmarks(
             bundles, args.only, args.quick)
