@@ -113,3 +113,16 @@ def test_bad_inputs_are_named():
         RankWeights(model.cfg, lambda name: None, 4, 4)
     with pytest.raises(ValueError, match="prompt"):
         prefill(model, new_caches(model), 0, [])
+
+
+def test_ngram_lookback_reads_prior_tokens_then_the_block():
+    from executor.reference.rows import RowBatch, RowBlock
+
+    tables = np.zeros((2, 1), np.int32)
+    rows = RowBatch.from_blocks([RowBlock(0, 2, (30, 31, 32), "verify"), RowBlock(1, 0, (40,))],
+                                tables, ring_slots=32)
+    got = step.ngram_lookback(rows, [np.array([10, 11]), np.array([], np.int64)], 4)
+    # Row at position p holds tokens p, p-1, p-2, p-3; before position 0 stays 0 (Engram pads it).
+    assert got.tolist() == [[30, 11, 10, 0], [31, 30, 11, 10], [32, 31, 30, 11], [40, 0, 0, 0]]
+    with pytest.raises(ValueError, match="prior tokens"):
+        step.ngram_lookback(rows, [np.array([10]), np.array([], np.int64)], 4)
