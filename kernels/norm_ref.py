@@ -45,7 +45,9 @@ from kernels.common_ref import (
 WARP = 32
 CTA_THREADS = 128                 # 4 warps: one row of D=5120, or 4..8 narrower rows per CTA
 MAX_VECS_PER_THREAD = 8           # 8 x 16-byte loads in flight per thread per row at most
-CTAS_PER_SM = 2048 // CTA_THREADS  # grid cap: one full wave at the SM thread limit
+REGISTERS_PER_SM = 65536
+MAX_THREADS_PER_SM = 2048
+SMEM_PER_SM = 228 * 1024          # shared memory per SM, 1 KB of it reserved per resident CTA
 WEIGHT_DTYPES = ("bf16", "f32")
 PARAMS = (("x", "u64"), ("weight", "u64"), ("out", "u64"), ("rows", "u32"), ("eps", "f32"))
 
@@ -71,15 +73,31 @@ def row_geometry(width: int) -> tuple[int, int]:
                      f"x <= {MAX_VECS_PER_THREAD} vectors")
 
 
+def default_ctas_per_sm(width: int) -> int:
+    """Resident CTAs per SM the kernel is compiled for (`.minnctapersm`: ptxas caps registers to
+    fit them, and the build fails on a spill rather than run slowly). The grid of a large launch
+    is exactly this many CTAs per SM, so no CTA waits for a second wave. A thread holds two rows
+    of x as packed bf16 (4 registers per vector) plus up to 32 registers of addresses, sums and
+    temporaries: D=5120/1280 -> 72 registers, 7 CTAs; D=512 -> 48, 10; D<=256 -> 40, 12."""
+    _, vecs = row_geometry(width)
+    regs = ceil_div(2 * 4 * vecs + 32, 8) * 8
+    return max(1, min(REGISTERS_PER_SM // (regs * CTA_THREADS), MAX_THREADS_PER_SM // CTA_THREADS))
+
+
 @dataclass(frozen=True)
 class RmsNormSpec:
-    """One compiled RMSNorm kernel: width and weight dtype are baked in."""
+    """One compiled RMSNorm kernel: width, weight dtype and occupancy are baked in.
+
+    A CTA holds `rows_per_cta` thread groups, one row each at a time; groups walk rows with a
+    grid stride and issue the loads of their next row before normalising the current one.
+    """
 
     name: str
     width: int
     weight_dtype: str                       # "bf16" | "f32"
     threads_per_row: int
     vecs_per_thread: int
+    ctas_per_sm: int = 1
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
     smem_bytes: int = 0                     # dynamic shared memory (weight, cross-warp totals)
@@ -90,7 +108,7 @@ class RmsNormSpec:
 
     @property
     def max_ctas(self) -> int:
-        return H200_NUM_SMS * CTAS_PER_SM
+        return H200_NUM_SMS * self.ctas_per_sm
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -102,21 +120,27 @@ class RmsNormSpec:
     def to_dict(self) -> dict:
         return {"family": "norm", "name": self.name, "width": self.width,
                 "weight_dtype": self.weight_dtype, "threads_per_row": self.threads_per_row,
-                "vecs_per_thread": self.vecs_per_thread, "params": params_dict(self.params),
-                "block": list(self.block), "smem_bytes": self.smem_bytes,
-                "rows_per_cta": self.rows_per_cta, "max_ctas": self.max_ctas}
+                "vecs_per_thread": self.vecs_per_thread, "ctas_per_sm": self.ctas_per_sm,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes, "rows_per_cta": self.rows_per_cta,
+                "max_ctas": self.max_ctas}
 
 
-def make_spec(width: int, weight_dtype: str) -> RmsNormSpec:
+def make_spec(width: int, weight_dtype: str, ctas_per_sm: int | None = None) -> RmsNormSpec:
+    """The kernel of (width, weight dtype); `ctas_per_sm` overrides the occupancy (experiments)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"RMSNorm weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
     threads, vecs = row_geometry(width)
     if CTA_THREADS % threads:
         raise ValueError(f"RMSNorm width {width}: {threads} threads per row do not tile a CTA")
+    ctas = default_ctas_per_sm(width) if ctas_per_sm is None else ctas_per_sm
     # Dynamic smem: the weight as fp32, then (rows wider than a warp) 2 slots x warps fp32 totals.
     smem = 4 * width + (2 * 4 * (threads // WARP) if threads > WARP else 0)
-    return RmsNormSpec(f"rmsnorm_bf16_d{width}_w{weight_dtype}", width, weight_dtype, threads, vecs,
-                       smem_bytes=smem)
+    if not 1 <= ctas <= MAX_THREADS_PER_SM // CTA_THREADS or ctas * (smem + 1024) > SMEM_PER_SM:
+        raise ValueError(f"RMSNorm width {width}: {ctas} CTAs per SM of {CTA_THREADS} threads and "
+                         f"{smem} B shared memory do not fit one SM")
+    return RmsNormSpec(f"rmsnorm_bf16_d{width}_w{weight_dtype}", width, weight_dtype, threads,
+                       vecs, ctas, smem_bytes=smem)
 
 
 def norm_widths(cfg) -> tuple[int, ...]:

@@ -8,7 +8,10 @@ Every test draws fresh random inputs. Tolerances, with their arithmetic:
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,6 +108,44 @@ def test_rmsnorm_grid_and_bytes():
     assert spec.bytes_moved(6) == 6 * 5120 * 4 + 5120 * 4
     with pytest.raises(ValueError, match="rows"):
         spec.grid(0)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rmsnorm_persistent_grid_fits_one_wave(width):
+    """The grid cap is ctas_per_sm CTAs on each of the 132 SMs, and that many CTAs fit an SM:
+    threads, registers (two rows of packed bf16 + 32) and shared memory (+1 KB reserved each)."""
+    spec = nr.make_spec(width, "bf16")
+    _, vecs = nr.row_geometry(width)
+    regs = -(-(8 * vecs + 32) // 8) * 8
+    assert spec.max_ctas == cr.H200_NUM_SMS * spec.ctas_per_sm
+    assert spec.ctas_per_sm * nr.CTA_THREADS <= nr.MAX_THREADS_PER_SM
+    assert spec.ctas_per_sm * nr.CTA_THREADS * regs <= nr.REGISTERS_PER_SM
+    assert spec.ctas_per_sm * (spec.smem_bytes + 1024) <= nr.SMEM_PER_SM
+    big = 10 * spec.max_ctas * spec.rows_per_cta
+    assert spec.grid(big) == (spec.max_ctas, 1, 1)
+    assert spec.to_dict()["ctas_per_sm"] == spec.ctas_per_sm
+
+
+def test_rmsnorm_rejects_an_occupancy_that_does_not_fit():
+    with pytest.raises(ValueError, match="do not fit one SM"):
+        nr.make_spec(5120, "bf16", ctas_per_sm=12)        # 12 x 21 KB of shared memory
+    with pytest.raises(ValueError, match="do not fit one SM"):
+        nr.make_spec(128, "bf16", ctas_per_sm=17)         # 17 x 128 threads > 2048
+
+
+def test_rmsnorm_bundle_registers_fit_the_compiled_occupancy():
+    """Every built RMSNorm cubin (HOPDEC_BUNDLE, as `make test` exports) fits ctas_per_sm CTAs per
+    SM with its actual register count: otherwise the persistent grid would run a second wave."""
+    path = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny")) / "manifest.json"
+    if not path.is_file():
+        pytest.skip(f"no kernel bundle at {path.parent} (set HOPDEC_BUNDLE)")
+    kernels = json.loads(path.read_text())["kernels"]
+    norms = {n: k for n, k in kernels.items() if k.get("family") == "kernels.norm"}
+    assert norms, f"{path}: no RMSNorm kernel"
+    for name, k in norms.items():
+        ctas = k["spec"]["ctas_per_sm"]
+        assert ctas * nr.CTA_THREADS * k["registers"] <= nr.REGISTERS_PER_SM, name
+        assert k["spill_bytes"] == 0 and k["local_bytes"] == 0, name
 
 
 # ---- residual add -------------------------------------------------------------------------------

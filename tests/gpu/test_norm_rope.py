@@ -5,6 +5,8 @@ skips its cases with the reason. Every case draws fresh inputs, poisons the outp
 compares every element. Tolerances:
 - RMSNorm: bitwise. The reference replays the kernel's summation order and its IEEE-rounded
   div/sqrt/rcp/mul (see kernels/norm_ref.py); squares of bf16 are exact, so fma == mul + add.
+  Row counts include 2 full grid-stride passes plus a ragged tail, so every group runs the
+  software pipeline (next row's loads in flight while the current one is stored), in place too.
 - residual add: bitwise (one fp32 add, one RNE rounding on both sides).
 - RoPE: the compiler decides which of `x0*c`, `x1*s` it fuses into an fma, so each output carries
   up to 2 fp32 roundings of the products (2**-24 * (|x0| + |x1|) each, with |c|, |s| <= 1), which
@@ -95,12 +97,17 @@ def _rows(width: int):
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
+def _pipelined_rows(spec) -> int:
+    """Rows that make every thread group of the persistent grid take 2 steps, some a third."""
+    return 2 * spec.max_ctas * spec.rows_per_cta + 3
+
+
 @pytest.mark.parametrize("wdtype", nr.WEIGHT_DTYPES)
 def test_rmsnorm_matches_reference_bitwise(dev, stream, setup, wdtype):
     cfg, bundle = setup
     for width in nr.norm_widths(cfg):
         spec = nr.make_spec(width, wdtype)
-        for rows in _rows(width):
+        for rows in _rows(width) + (_pipelined_rows(spec),):
             x = cr.to_bf16(RNG.standard_normal((rows, width)) * RNG.uniform(0.01, 50))
             x[RNG.integers(0, rows)] = 0                       # an all-zero row
             w = RNG.uniform(-2, 2, width).astype(np.float32)
@@ -116,20 +123,25 @@ def test_rmsnorm_matches_reference_bitwise(dev, stream, setup, wdtype):
 
 
 def test_rmsnorm_in_place(dev, stream, setup):
+    """out == x: a group prefetches its own next row while storing the current one, and never
+    reads a row another group writes; checked at one step and at 2-3 steps per group."""
     cfg, bundle = setup
-    spec = nr.make_spec(cfg.hidden_size, "bf16")
-    rows = 17
-    x = cr.to_bf16(RNG.standard_normal((rows, spec.width)))
-    w = cr.to_bf16(RNG.uniform(-2, 2, spec.width))
-    with Arena(dev, [("x", x.nbytes), ("w", w.nbytes)]) as arena:
-        arena.view("x", np.uint8, (x.nbytes,))[...] = cp.asarray(x.view(np.uint8).ravel())
-        arena.view("w", np.uint8, (w.nbytes,))[...] = cp.asarray(w.view(np.uint8).ravel())
-        cp.cuda.Device().synchronize()
-        args = (arena.ptr("x"), arena.ptr("w"), arena.ptr("x"), rows, 1e-20)
-        LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), args).launch(stream)
-        stream.synchronize()
-        y = cp.asnumpy(arena.view("x", np.uint16, (rows, spec.width))).view(cr.BF16)
-    assert np.array_equal(y.view(np.uint16), nr.rmsnorm_ref(x, w, 1e-20).view(np.uint16))
+    for width in nr.norm_widths(cfg):
+        spec = nr.make_spec(width, "bf16")
+        for rows in (17, _pipelined_rows(spec)):
+            x = cr.to_bf16(RNG.standard_normal((rows, spec.width)))
+            w = cr.to_bf16(RNG.uniform(-2, 2, spec.width))
+            with Arena(dev, [("x", x.nbytes), ("w", w.nbytes)]) as arena:
+                arena.view("x", np.uint8, (x.nbytes,))[...] = cp.asarray(x.view(np.uint8).ravel())
+                arena.view("w", np.uint8, (w.nbytes,))[...] = cp.asarray(w.view(np.uint8).ravel())
+                cp.cuda.Device().synchronize()
+                args = (arena.ptr("x"), arena.ptr("w"), arena.ptr("x"), rows, 1e-20)
+                LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), args).launch(stream)
+                stream.synchronize()
+                y = cp.asnumpy(arena.view("x", np.uint16, (rows, spec.width))).view(cr.BF16)
+            want = nr.rmsnorm_ref(x, w, 1e-20)
+            assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (
+                f"{spec.name} in place rows={rows}: {_first_mismatch(y, want)}")
 
 
 # ---- residual add --------------------------------------------------------------------------------
