@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from executor.reference import step as ref_step
+from executor.reference.attention import insert_swa
 from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
 from kernels import head_ref, moe_ref
@@ -71,8 +72,6 @@ def _stage_layers(cfg) -> range:
 def write_context_kv(model: ref_step.ReferenceModel, caches, state_line: int, first_position: int,
                      aux: np.ndarray) -> None:
     """Draft stages' SWA KV at positions first_position.. from the target's aux states [N, 3, D]."""
-    from executor.reference.attention import insert_swa
-
     cfg = model.cfg
     keep = min(aux.shape[0], cfg.sliding_window)  # older positions fall out of every draft window
     first_position += aux.shape[0] - keep

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from executor.reference import attention
 from executor.reference.rows import RowBatch
 from executor.reference.weights import LayerWeights, RankWeights
 from kernels import engram_ref, head_ref, mhc_ref, moe_ref
@@ -166,8 +167,6 @@ def moe_sublayer(model: ReferenceModel, layer: int, x: np.ndarray) -> np.ndarray
 def run_layer(model: ReferenceModel, layer: int, state: StreamState, rows: RowBatch, caches,
               history: np.ndarray | None) -> None:
     """One decoder layer (backbone or DSpark stage) on the streams, in place."""
-    from executor.reference.attention import attention_sublayer_ranks
-
     cfg = model.cfg
     lws = model.layer(layer)
     lw0 = lws[0]
@@ -183,7 +182,8 @@ def run_layer(model: ReferenceModel, layer: int, state: StreamState, rows: RowBa
     x = rms_norm(mhc_ref.hc_collapse(state.streams, state.carried_pre),
                  lw0.vector("attn_norm.weight"), cfg.rms_norm_eps)
     # Per-rank partials; the replicated half (cache writes, top-k, gathers) is computed once.
-    partials = attention_sublayer_ranks(lws, x, rows, caches, cfg, model.tp, exact=model.exact)
+    partials = attention.attention_sublayer_ranks(lws, x, rows, caches, cfg, model.tp,
+                                                  exact=model.exact)
     state.streams = mhc_ref.hc_post(all_reduce(partials), state.streams, attn_coeffs)
     ffn_coeffs = _coefficients(cfg, lw0, "ffn", state, broadcast=False)
     x = rms_norm(mhc_ref.hc_collapse(state.streams, attn_coeffs.pre),
@@ -199,18 +199,11 @@ def finish(model: ReferenceModel, state: StreamState, norm_weight: np.ndarray) -
                     model.cfg.rms_norm_eps)
 
 
-def head_and_argmax(model: ReferenceModel, hidden: np.ndarray,
-                    extra_logits: Sequence[np.ndarray] | None = None
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-rank BF16 head logits (+ an optional per-rank fp32 addend), split-vocab greedy pick.
-
-    Returns (tokens [R], logits [R, V]).
-    """
+def head_and_argmax(model: ReferenceModel, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank BF16 head logits, split-vocab greedy pick: (tokens [R], logits [R, V])."""
     values, indices, shards = [], [], []
-    for r, rank in enumerate(model.ranks):
+    for rank in model.ranks:
         logits = head_ref.head_logits(hidden, rank.head)
-        if extra_logits is not None:
-            logits = logits + extra_logits[r]
         v, i = head_ref.local_argmax(logits, rank.vocab_offset)
         values.append(v)
         indices.append(i)
