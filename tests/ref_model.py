@@ -1,5 +1,7 @@
 """Shared by the reference-step tests: the tiny synthetic checkpoint and models over it, built once."""
+import atexit
 import functools
+import shutil
 import tempfile
 
 import numpy as np
@@ -16,6 +18,7 @@ from loader.synth import synth
 @functools.lru_cache(maxsize=1)
 def tiny_checkpoint() -> Checkpoint:
     out = tempfile.mkdtemp(prefix="hopdec-tiny-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # 87 MB: do not leave it behind
     synth(ModelConfig.preset("tiny"), out, seed=0, progress=False)
     return Checkpoint.open(out, progress=False)
 
