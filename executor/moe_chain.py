@@ -17,15 +17,21 @@ HUMMING_W4A8 = {1: (6.0, 26.92, 32.15), 2: (11.8, 37.51, 42.11), 4: (23.2, 53.98
                 32: (149.4, 205.39, 213.20), 64: (245.6, 327.97, 332.00),
                 128: (332.0, 447.78, 449.24), 192: (364.3, 493.00, 494.53)}
 BENCH_ROWS = (1, 2, 4, 6, 8, 16, 32, 64, 128, 192)
+QUICK_ROWS = (1, 2, 4, 6, 8, 16, 64, 192)
 
 
 class MoeChain:
-    """Every buffer of one rank's routed MoE (sized for MAX_ROWS) and the four launches."""
+    """Every buffer of one rank's routed MoE (sized for MAX_ROWS) and the four launches; the
+    candidate w13 / w2 variants the bundle holds are selectable per launch list."""
 
     def __init__(self, device, bundle, shape: mk.MoeShape):
         self.shape = shape
         self.specs = {s.kind: s for s in mk.make_specs(shape)}
         self.kernels = {k: bundle.kernel(s.name) for k, s in self.specs.items()}
+        names = set(bundle.names())
+        self.variants = {(s.kind, s.variant): s for s in mk.variant_specs(shape)
+                         if s.name in names}
+        self.variant_kernels = {key: bundle.kernel(s.name) for key, s in self.variants.items()}
         e, r, k = shape.num_experts, mk.MAX_ROWS, shape.topk
         c13, o13 = shape.w13_bytes
         c2, o2 = shape.w2_bytes
@@ -77,7 +83,14 @@ class MoeChain:
         self.arena.view("meta", np.int32)[...] = -7
         cp.cuda.Device().synchronize()
 
-    def launches(self, rows: int) -> list[LaunchSpec]:
+    def variant_names(self, kind: str) -> list[str]:
+        """"" (the default) and the candidate variants of kind the bundle holds."""
+        return [""] + [v for k, v in self.variants if k == kind]
+
+    def launches(self, rows: int, w13: str = "", w2: str = "",
+                 kinds=("prep", "w13", "w2", "combine")) -> list[LaunchSpec]:
+        """The chain's launches (w13 / w2 = a variant name, "" the default); `kinds` a prefix of
+        the chain for the benchmark's per-stage breakdown."""
         p = self.arena.ptr
         args = {
             "prep": (p("ids"), p("x"), p("meta"), p("pairs"), p("xq"), p("xs"), rows),
@@ -87,8 +100,17 @@ class MoeChain:
                    p("ye"), rows),
             "combine": (p("route_weights"), p("ye"), p("y"), rows),
         }
-        return [LaunchSpec(self.kernels[k], self.specs[k].grid(rows), args[k])
-                for k in ("prep", "w13", "w2", "combine")]
+        chosen = {"w13": w13, "w2": w2}
+        out = []
+        for k in kinds:
+            key = (k, chosen.get(k, ""))
+            if key[1] and key not in self.variants:
+                raise KeyError(f"no {k} variant {key[1]!r} in the bundle "
+                               f"(have {self.variant_names(k)})")
+            spec = self.variants[key] if key[1] else self.specs[k]
+            kernel = self.variant_kernels[key] if key[1] else self.kernels[k]
+            out.append(LaunchSpec(kernel, spec.grid(rows), args[k]))
+        return out
 
     def download(self, name: str, dtype, shape) -> np.ndarray:
         return self.arena.view(name, dtype, shape).get()
@@ -125,7 +147,7 @@ def bench_moe_routed(ctx) -> None:
     try:
         _fill_random_weights(chain)
         fill_random_bf16(chain.arena, "x")
-        for rows in BENCH_ROWS[:4] if ctx.quick else BENCH_ROWS:
+        for rows in QUICK_ROWS if ctx.quick else BENCH_ROWS:
             ids = np.stack([rng.choice(shape.num_experts, shape.topk, replace=False)
                             for _ in range(rows)]).astype(np.int32)
             weights = rng.random((rows, shape.topk)).astype(np.float32)

@@ -4,21 +4,23 @@ What each kernel computes, the weight layout and the exact reference are in
 `kernels/moe_kernel_ref.py`; the design, the predictions and the measurements in
 `docs/notes/moe-design.md`. In short: routing is device data; `moe_prep` turns the top-k ids into
 the list of distinct experts and their (row, slot) pairs and quantizes x to FP8 once; `moe_w13` and
-`moe_w2` walk (expert, tile) work items with a persistent grid, each warp streaming 16 weight rows
-with 16-byte loads held in registers, expanding FP4 + UE8M0 offset to E4M3 with two `prmt` per 8
-codes, and multiplying with `mma.sync.m16n8k32.e4m3` (weights = M, up to 8 token rows = N);
-`moe_combine` sums the six expert outputs of each row in slot order.
+`moe_w2` walk (expert, tile) work items with a persistent grid, each thread copying its share of
+the next `stages - 1` items' weights into a shared-memory ring with `cp.async` (16-byte codes,
+8-byte offsets; a thread reads back only the bytes it copied, so `cp.async.wait_group` alone
+orders producer and consumer: no barrier, no registers held), expanding FP4 + UE8M0 offset to
+E4M3 with two `prmt` per 8 codes, and multiplying with `mma.sync.m16n8k32.e4m3` (weights = M, up
+to 8 token rows = N); `moe_combine` sums the six expert outputs of each row in slot order.
 
 PDL: every kernel waits (`griddepcontrol.wait`) before reading what its predecessor wrote and then
 triggers its dependents at once, so the next kernel's CTAs are resident early. `moe_w2` uses that:
 before its wait it reads the routing list (written by `moe_prep`, two kernels back, complete before
-`moe_w13` passed its own wait; read with ld.relaxed.gpu so no stale L1 line is used) and loads its
-first work item's weights into registers, overlapping w13's stream.
+`moe_w13` passed its own wait; read with ld.relaxed.gpu so no stale L1 line is used) and fills
+its ring with its first items' weights, overlapping w13's tail.
 
-    prep   |wait|trigger| route (CTA 0) + quantize x (CTAs 1..)      |
-    w13           |wait|trigger| stream w13 of the distinct experts |
-    w2            |prefetch w2 regs|wait|trigger| h -> FP8, mma, ye |
-    combine                        |wait| y = sum_s w * ye          |
+    prep   |wait|trigger| route (CTA 0) + quantize x (CTAs 1..)         |
+    w13           |wait|trigger| ring: stream w13 of the distinct experts |
+    w2            |fill ring|wait|trigger| h -> FP8, mma, ye              |
+    combine                           |wait| y = sum_s w * ye           |
 
 Constraints: pointers 16-byte aligned, rows <= 192, topk ids in [0, E) and distinct per row (a bad
 id is counted in meta[1] and its pair skipped; its ye rows are then not written).
@@ -49,18 +51,6 @@ def _asm(results: int, operands, text: str, constraints: str, kind=None, side_ef
     if results == 1:
         return out
     return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
-
-
-def ld_weights_v4(addr: Int64):
-    """16 bytes of constant weights: non-coherent path, no L1 allocation (streamed once)."""
-    v = _asm(4, [Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,l")
-    return [Int32(x) for x in v]
-
-
-def ld_weights_v2(addr: Int64):
-    v = _asm(2, [Int64(addr)], "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
-    return [Int32(x) for x in v]
 
 
 def ld_v2(addr: Int64, pred: Int32):
@@ -134,6 +124,35 @@ def lds_f32(saddr: Int32):
 def lds_v2(saddr: Int32):
     v = _asm(2, [Int32(saddr)], "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r", side_effects=True)
     return [Int32(x) for x in v]
+
+
+def lds_v4(saddr: Int32):
+    v = _asm(4, [Int32(saddr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+             side_effects=True)
+    return [Int32(x) for x in v]
+
+
+def cp_async_16(saddr: Int32, gaddr: Int64):
+    """16 bytes global -> shared, asynchronously, bypassing L1 (weights are read once)."""
+    _void_asm([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;",
+              "r,l,~{memory}")
+
+
+def cp_async_8(saddr: Int32, gaddr: Int64):
+    _void_asm([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;",
+              "r,l,~{memory}")
+
+
+def cp_async_commit():
+    llvm.inline_asm(None, [], "cp.async.commit_group;", "~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def cp_async_wait(pending: int):
+    """Until at most `pending` of this thread's newest commit groups are still in flight."""
+    llvm.inline_asm(None, [], f"cp.async.wait_group {pending};", "~{memory}",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def atom_or_shared(saddr: Int32, value: Int32):
@@ -329,6 +348,7 @@ class MoePrepSm90:
         its experts' rows in ascending order: deterministic, no float atomics."""
         totals = base + self.bitmap_words * 4          # [warps] scan totals, then the bad count
         bad = totals + self.warps * 4
+        ids_s = bad + 16                               # the ids, read back by list_rows
         i = tidx
         while i < self.bitmap_words:
             sts_u32(base + 4 * i, Int32(0))
@@ -340,6 +360,7 @@ class MoePrepSm90:
         while i < rows * self.topk:
             e = ld_u32(ids + Int64(i) * 4, Int32(1))
             row = i // self.topk
+            sts_u32(ids_s + 4 * i, e)
             if e >= 0 and e < self.experts:
                 atom_or_shared(base + 4 * (e * mk.BITMAP_WORDS + row // 32),
                                Int32(1) << (row % 32))
@@ -360,7 +381,7 @@ class MoePrepSm90:
                 st_u32(meta + 4 * (mk.META_HEADER + entry), e)
                 st_u32(meta + 4 * (mk.META_HEADER + self.experts + entry), pair_off)
                 st_u32(meta + 4 * (mk.META_HEADER + 2 * self.experts + entry), counts[k])
-                self.list_rows(ids, pairs, base, e, pair_off)
+                self.list_rows(ids_s, pairs, base, e, pair_off)
                 entry = entry + 1
                 pair_off = pair_off + counts[k]
         if tidx == mk.PREP_THREADS - 1:
@@ -402,7 +423,9 @@ class MoePrepSm90:
         return before + inclusive - value, total
 
     @cute.jit
-    def list_rows(self, ids: Int64, pairs: Int64, base: Int32, e: Int32, pair_off: Int32):
+    def list_rows(self, ids_s: Int32, pairs: Int64, base: Int32, e: Int32, pair_off: Int32):
+        """Pairs of expert e, rows ascending; the slot from the ids in shared memory (a global
+        read here would cost one round trip per row: 192 serial ones when one expert has all)."""
         n = pair_off
         for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
             bits = lds_u32(base + 4 * (e * mk.BITMAP_WORDS + w))
@@ -411,40 +434,44 @@ class MoePrepSm90:
                 bits = bits & (bits - 1)
                 slot = Int32(0)
                 for s in cutlass.range_constexpr(self.topk):
-                    if ld_u32(ids + Int64(row * self.topk + s) * 4, Int32(1)) == e:
+                    if lds_u32(ids_s + 4 * (row * self.topk + s)) == e:
                         slot = Int32(s)
                 st_u32(pairs + Int64(n) * 4, row * self.topk + slot)
                 n = n + 1
 
 
 @cute.jit
-def group_mma(wreg, oreg, col0: int, gi: int, ksteps: int, b_regs):
-    """fp32 partial of one 128-group: `ksteps` k-steps of the warp's register-held weight tile
-    (columns col0.., offset words of group gi) against the B fragments b_regs[s4]."""
+def group_mma(words, offs, ksteps: int, b_regs):
+    """fp32 partial of one 128-group: `ksteps` k-steps of the warp's weight tile (the lane's code
+    words of the group's two columns, its two offset words) against the B fragments b_regs[s4]."""
     part = [Float32(0.0)] * 4
     for s4 in cutlass.range_constexpr(ksteps):
-        col = col0 + s4 // 2
-        s = s4 % 2
+        col, s = s4 // 2, s4 % 2
         byte_g, byte_g8 = 2 * s4, 2 * s4 + 1
-        a0, a2 = decode_row(wreg[4 * col + 2 * s], oreg[2 * gi + byte_g // 4], byte_g % 4)
-        a1, a3 = decode_row(wreg[4 * col + 2 * s + 1], oreg[2 * gi + byte_g8 // 4], byte_g8 % 4)
+        a0, a2 = decode_row(words[4 * col + 2 * s], offs[byte_g // 4], byte_g % 4)
+        a1, a3 = decode_row(words[4 * col + 2 * s + 1], offs[byte_g8 // 4], byte_g8 % 4)
         part = mma_e4m3([a0, a1, a2, a3], b_regs[s4], part)
     return part
 
 
 class MoeW13Sm90:
-    """moe_w13: (expert, 16-row [gate; up] tile) per CTA, K split over the CTA's warps."""
+    """moe_w13: (expert, 16-row [gate; up] tile) per item, K split over the CTA's warps, the
+    items' weights streamed through a per-thread cp.async ring `spec.stages` deep."""
 
     def __init__(self, spec: mk.MoeSpec):
         self.spec = spec
         s = spec.shape
         self.shape = s
-        self.warps = spec.block[0] // mk.LANES
+        self.threads = spec.block[0]
+        self.warps = self.threads // mk.LANES
         self.cols = s.k13 // mk.COL_K
         self.cols_per_warp = self.cols // self.warps
         self.groups_per_warp = self.cols_per_warp // 2
         self.groups = s.groups(s.k13)
         self.tiles = s.tiles13
+        self.stages = spec.stages
+        self.stage_bytes = mk.ring_stage_bytes(s, "w13")
+        self.offsets_at = self.cols_per_warp * self.threads * 16   # offset words after the codes
 
     @cute.jit
     def __call__(self, meta: cute.Pointer, pairs: cute.Pointer, xq: cute.Pointer,
@@ -453,6 +480,25 @@ class MoeW13Sm90:
         self.kernel(meta, pairs, xq, xs, codes, offsets, scales, h, rows).launch(
             grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
             stream=stream, use_pdl=True)
+
+    @cute.jit
+    def issue(self, stage: Int32, m: Int64, codes: Int64, offsets: Int64, item: Int32,
+              total: Int32, warp: Int32, lane: Int32, tidx: Int32):
+        """cp.async this thread's share of item's weights into a ring stage; one commit group
+        per call (empty past the last item) so wait_group counts stay uniform."""
+        if item < total:
+            e = ld_u32(m + 4 * (mk.META_HEADER + item // self.tiles), Int32(1))
+            tile_id = Int64(e * self.tiles + item % self.tiles)
+            wbase = (codes + (tile_id * self.cols + warp * self.cols_per_warp) * mk.COL_BYTES
+                     + lane * 16)
+            for c in cutlass.range_constexpr(self.cols_per_warp):
+                cp_async_16(stage + (c * self.threads + tidx) * 16, wbase + c * mk.COL_BYTES)
+            obase = (offsets + (tile_id * self.groups + warp * self.groups_per_warp)
+                     * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8)
+            for gi in cutlass.range_constexpr(self.groups_per_warp):
+                cp_async_8(stage + self.offsets_at + (gi * self.threads + tidx) * 8,
+                           obase + gi * mk.GROUP_OFFSET_BYTES)
+        cp_async_commit()
 
     @cute.kernel
     def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, xq: cute.Pointer,
@@ -464,46 +510,48 @@ class MoeW13Sm90:
         warp = tidx // mk.LANES
         lane = tidx % mk.LANES
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
-        wreg = cute.make_rmem_tensor(cute.make_layout(4 * self.cols_per_warp), Int32)
-        oreg = cute.make_rmem_tensor(cute.make_layout(2 * self.groups_per_warp), Int32)
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.stages * self.stage_bytes
         cute.arch.griddepcontrol_wait()          # meta, pairs, xq, xs come from moe_prep
         cute.arch.griddepcontrol_launch_dependents()
         m = _addr(meta)
         e_count = self.shape.num_experts
+        total = ld_u32(m, Int32(1)) * self.tiles
+        for s in cutlass.range_constexpr(self.stages - 1):
+            self.issue(ring + s * self.stage_bytes, m, _addr(codes), _addr(offsets),
+                       bidx + s * gdim, total, warp, lane, tidx)
         item = bidx
-        while item < ld_u32(m, Int32(1)) * self.tiles:
+        it = Int32(0)
+        while item < total:
+            ahead = (it + self.stages - 1) % self.stages
+            self.issue(ring + ahead * self.stage_bytes, m, _addr(codes), _addr(offsets),
+                       item + (self.stages - 1) * gdim, total, warp, lane, tidx)
             j = item // self.tiles
             tile = item % self.tiles
             e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
             first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
             count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
-            tile_id = Int64(e * self.tiles + tile)
-            wbase = (_addr(codes) + (tile_id * self.cols + warp * self.cols_per_warp)
-                     * mk.COL_BYTES + lane * 16)
-            for c in cutlass.range_constexpr(self.cols_per_warp):
-                v = ld_weights_v4(wbase + c * mk.COL_BYTES)
-                for i in cutlass.range_constexpr(4):
-                    wreg[4 * c + i] = v[i]
-            obase = (_addr(offsets) + (tile_id * self.groups + warp * self.groups_per_warp)
-                     * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8)
-            for gi in cutlass.range_constexpr(self.groups_per_warp):
-                v = ld_weights_v2(obase + gi * mk.GROUP_OFFSET_BYTES)
-                oreg[2 * gi] = v[0]
-                oreg[2 * gi + 1] = v[1]
             scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
-            chunk = Int32(0)
+            stage = ring + (it % self.stages) * self.stage_bytes
+            pair_list = _addr(pairs) + Int64(first) * 4
+            # The first chunk's activations are fetched before the weights are awaited.
+            ins = self.chunk_inputs(pair_list, _addr(xq), _addr(xs), count, Int32(0), warp, lane)
+            cp_async_wait(self.stages - 1)
+            self.chunk_math(stage, ins, _addr(h), tile, scale, red, warp, lane, tidx)
+            chunk = Int32(mk.CHUNK_TOKENS)
             while chunk < count:
-                self.chunk(wreg, oreg, _addr(pairs) + Int64(first) * 4, _addr(xq), _addr(xs),
-                           _addr(h), count - chunk, chunk, tile, scale, red, warp, lane)
+                ins = self.chunk_inputs(pair_list, _addr(xq), _addr(xs), count - chunk, chunk,
+                                        warp, lane)
+                self.chunk_math(stage, ins, _addr(h), tile, scale, red, warp, lane, tidx)
                 chunk += mk.CHUNK_TOKENS
             item += gdim
+            it += 1
 
     @cute.jit
-    def chunk(self, wreg, oreg, pair_list: Int64, xq: Int64, xs: Int64, h: Int64, left: Int32,
-              chunk: Int32, tile: Int32, scale: Float32, red: Int32, warp: Int32, lane: Int32):
-        """Up to 8 token rows of one expert: this warp's K slice, then warp 0 sums the slices in
-        warp order and applies the weight scale, bf16, SwiGLU, bf16."""
+    def chunk_inputs(self, pair_list: Int64, xq: Int64, xs: Int64, left: Int32, chunk: Int32,
+                     warp: Int32, lane: Int32):
+        """Up to 8 token rows of one expert: pair ids, B fragments of this warp's K slice and
+        the activation scales of its groups (zeros for absent tokens)."""
         g, t = lane // 4, lane % 4
         topk = self.shape.topk
         vb = Int32(1) if g < left else Int32(0)
@@ -513,18 +561,31 @@ class MoeW13Sm90:
         p0 = ld_u32(pair_list + Int64(chunk + 2 * t) * 4, v0)
         p1 = ld_u32(pair_list + Int64(chunk + 2 * t + 1) * 4, v1)
         xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
-        acc = [Float32(0.0)] * 4
+        b_regs, sc = [], []
         for gi in cutlass.range_constexpr(self.groups_per_warp):
             grp = warp * self.groups_per_warp + gi
-            b_regs = []
-            for s4 in cutlass.range_constexpr(4):
-                b_regs.append(ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb))
-            part = group_mma(wreg, oreg, 2 * gi, gi, 4, b_regs)
-            sc0 = ld_f32(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0)
-            sc1 = ld_f32(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)
+            b_regs.append([ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
+            sc.append((ld_f32(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
+                       ld_f32(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+        return b_regs, sc, p0, p1, v0, v1
+
+    @cute.jit
+    def chunk_math(self, stage: Int32, ins, h: Int64, tile: Int32, scale: Float32, red: Int32,
+                   warp: Int32, lane: Int32, tidx: Int32):
+        """This warp's K slice from the ring stage, then warp 0 sums the slices in warp order
+        and applies the weight scale, bf16, SwiGLU, bf16."""
+        b_regs, sc, p0, p1, v0, v1 = ins
+        g = lane // 4
+        acc = [Float32(0.0)] * 4
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            words = (lds_v4(stage + ((2 * gi) * self.threads + tidx) * 16)
+                     + lds_v4(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
+            offs = lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
+            part = group_mma(words, offs, 4, b_regs[gi])
+            sc0, sc1 = sc[gi]
             acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
                    fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
-        slot = red + 16 * (warp * mk.LANES + lane)
+        slot = red + 16 * tidx
         for i in cutlass.range_constexpr(4):
             sts_f32(slot + 4 * i, acc[i])
         cute.arch.sync_threads()
@@ -546,17 +607,22 @@ class MoeW13Sm90:
 
 
 class MoeW2Sm90:
-    """moe_w2: (expert, 8 tiles of 16 rows of w2) per CTA, one tile per warp, K = I whole."""
+    """moe_w2: (expert, 8 tiles of 16 rows of w2) per item, one tile per warp, K = I whole, the
+    items' weights streamed through a per-thread cp.async ring `spec.stages` deep."""
 
     def __init__(self, spec: mk.MoeSpec):
         self.spec = spec
         s = spec.shape
         self.shape = s
+        self.threads = spec.block[0]
         self.cols = s.k2 // mk.COL_K
         self.groups = s.groups(s.k2)
         self.blocks = s.tiles2 // mk.W2_WARPS
         self.q_bytes = mk.CHUNK_TOKENS * s.k2
         self.s_bytes = mk.CHUNK_TOKENS * self.groups * 4
+        self.stages = spec.stages
+        self.stage_bytes = mk.ring_stage_bytes(s, "w2")
+        self.offsets_at = self.cols * self.threads * 16
 
     def ksteps(self, grp: int) -> int:
         return min(4, (self.shape.k2 - grp * mk.ACT_GROUP) // mk.KSTEP)
@@ -570,19 +636,21 @@ class MoeW2Sm90:
             stream=stream, use_pdl=True)
 
     @cute.jit
-    def load_tile(self, wreg, oreg, codes: Int64, offsets: Int64, e: Int32, block: Int32,
-                  warp: Int32, lane: Int32):
-        tile_id = Int64(e * self.shape.tiles2 + block * mk.W2_WARPS + warp)
-        wbase = codes + tile_id * self.cols * mk.COL_BYTES + lane * 16
-        for c in cutlass.range_constexpr(self.cols):
-            v = ld_weights_v4(wbase + c * mk.COL_BYTES)
-            for i in cutlass.range_constexpr(4):
-                wreg[4 * c + i] = v[i]
-        obase = offsets + tile_id * self.groups * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8
-        for gi in cutlass.range_constexpr(self.groups):
-            v = ld_weights_v2(obase + gi * mk.GROUP_OFFSET_BYTES)
-            oreg[2 * gi] = v[0]
-            oreg[2 * gi + 1] = v[1]
+    def issue(self, stage: Int32, m: Int64, codes: Int64, offsets: Int64, item: Int32,
+              total: Int32, warp: Int32, lane: Int32, tidx: Int32):
+        """cp.async this warp's tile of item into a ring stage; one commit group per call. The
+        expert id is read with ld.relaxed.gpu: this also runs before griddepcontrol.wait."""
+        if item < total:
+            e = ld_relaxed_u32(m + 4 * (mk.META_HEADER + item // self.blocks))
+            tile_id = Int64(e * self.shape.tiles2 + (item % self.blocks) * mk.W2_WARPS + warp)
+            wbase = codes + tile_id * self.cols * mk.COL_BYTES + lane * 16
+            for c in cutlass.range_constexpr(self.cols):
+                cp_async_16(stage + (c * self.threads + tidx) * 16, wbase + c * mk.COL_BYTES)
+            obase = offsets + tile_id * self.groups * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8
+            for gi in cutlass.range_constexpr(self.groups):
+                cp_async_8(stage + self.offsets_at + (gi * self.threads + tidx) * 8,
+                           obase + gi * mk.GROUP_OFFSET_BYTES)
+        cp_async_commit()
 
     @cute.kernel
     def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
@@ -594,41 +662,42 @@ class MoeW2Sm90:
         warp = tidx // mk.LANES
         lane = tidx % mk.LANES
         smem = cutlass.memory.SmemAllocator()
-        sq = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
-        wreg = cute.make_rmem_tensor(cute.make_layout(4 * self.cols), Int32)
-        oreg = cute.make_rmem_tensor(cute.make_layout(2 * self.groups), Int32)
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        sq = ring + self.stages * self.stage_bytes
         m = _addr(meta)
         e_count = self.shape.num_experts
         # Before the wait: moe_prep (two kernels back) has completed, so its routing list is
-        # final; prefetch the first work item's weights while moe_w13 streams.
+        # final; the ring fills while moe_w13 streams.
         total = ld_relaxed_u32(m) * self.blocks
-        item = bidx
-        if item < total:
-            e = ld_relaxed_u32(m + 4 * (mk.META_HEADER + item // self.blocks))
-            self.load_tile(wreg, oreg, _addr(codes), _addr(offsets), e, item % self.blocks,
-                           warp, lane)
+        for s in cutlass.range_constexpr(self.stages - 1):
+            self.issue(ring + s * self.stage_bytes, m, _addr(codes), _addr(offsets),
+                       bidx + s * gdim, total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13
         cute.arch.griddepcontrol_launch_dependents()
+        item = bidx
+        it = Int32(0)
         while item < total:
+            ahead = (it + self.stages - 1) % self.stages
+            self.issue(ring + ahead * self.stage_bytes, m, _addr(codes), _addr(offsets),
+                       item + (self.stages - 1) * gdim, total, warp, lane, tidx)
             j = item // self.blocks
-            e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
             first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
             count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
+            e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
             scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
+            stage = ring + (it % self.stages) * self.stage_bytes
             chunk = Int32(0)
             while chunk < count:
                 self.quantize_chunk(_addr(pairs) + Int64(first) * 4, _addr(h), count - chunk,
                                     chunk, sq, warp, lane)
+                cp_async_wait(self.stages - 1)   # this item's weights (a no-op after chunk 0)
                 cute.arch.sync_threads()
-                self.chunk_mma(wreg, oreg, _addr(ye), tile, scale, sq, lane)
+                self.chunk_mma(stage, _addr(ye), tile, scale, sq, lane, tidx)
                 cute.arch.sync_threads()
                 chunk += mk.CHUNK_TOKENS
             item += gdim
-            if item < total:
-                e = ld_u32(m + 4 * (mk.META_HEADER + item // self.blocks), Int32(1))
-                self.load_tile(wreg, oreg, _addr(codes), _addr(offsets), e,
-                               item % self.blocks, warp, lane)
+            it += 1
 
     @cute.jit
     def quantize_chunk(self, pair_list: Int64, h: Int64, left: Int32, chunk: Int32, sq: Int32,
@@ -651,17 +720,20 @@ class MoeW2Sm90:
             sts_u32(sq + self.q_bytes + self.s_bytes + 4 * warp, pair if valid != 0 else -1)
 
     @cute.jit
-    def chunk_mma(self, wreg, oreg, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
-                  lane: Int32):
+    def chunk_mma(self, stage: Int32, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
+                  lane: Int32, tidx: Int32):
         g, t = lane // 4, lane % 4
         k_pad, hidden = self.shape.k2, self.shape.hidden
         acc = [Float32(0.0)] * 4
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
+            words = [w for c in range(2 * grp, min(2 * grp + 2, self.cols))
+                     for w in lds_v4(stage + (c * self.threads + tidx) * 16)]
+            offs = lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
             b_regs = []
             for s4 in cutlass.range_constexpr(n_steps):
                 b_regs.append(lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
-            part = group_mma(wreg, oreg, 2 * grp, grp, n_steps, b_regs)
+            part = group_mma(words, offs, n_steps, b_regs)
             sc0 = lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
             sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
             acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
@@ -726,8 +798,10 @@ def kernel_function(spec: mk.MoeSpec):
 
 
 def specs(cfg, tp: int) -> list[mk.MoeSpec]:
-    """The four kernels of the routed MoE at this config's rank shape."""
-    return mk.make_specs(mk.moe_shape(cfg, tp))
+    """The four kernels of the routed MoE at this config's rank shape, then the candidate
+    w13 / w2 variants (`mk.variant_specs`) the benchmark measures beside them."""
+    shape = mk.moe_shape(cfg, tp)
+    return mk.make_specs(shape) + mk.variant_specs(shape)
 
 
 def compile_spec(spec: mk.MoeSpec, options: str = "--gpu-arch sm_90a"):

@@ -172,6 +172,8 @@ class MoeSpec:
     block: tuple[int, int, int]
     smem_bytes: int = 0
     ctas_per_sm: int = 2
+    stages: int = 0          # w13 / w2: depth of the per-thread cp.async weight ring
+    variant: str = ""        # "" = the chain's default; else a candidate benchmarked beside it
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -205,6 +207,7 @@ class MoeSpec:
                 "inter": s.inter, "swiglu_limit": s.swiglu_limit,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
+                "stages": self.stages, "variant": self.variant,
                 "layout_source_sha256": _SOURCE_SHA}
 
 
@@ -214,22 +217,59 @@ def w2_smem_bytes(shape: MoeShape) -> int:
 
 
 def prep_smem_bytes(shape: MoeShape) -> int:
-    """Row bitmap per expert + per-warp scan totals + the bad-id count."""
-    return shape.num_experts * BITMAP_WORDS * 4 + (PREP_THREADS // LANES) * 4 + 16
+    """Row bitmap per expert + per-warp scan totals + the bad-id count + the ids themselves."""
+    return (shape.num_experts * BITMAP_WORDS * 4 + (PREP_THREADS // LANES) * 4 + 16
+            + MAX_ROWS * shape.topk * 4)
+
+
+def ring_stage_bytes(shape: MoeShape, kind: str) -> int:
+    """One work item's weights in a CTA's cp.async ring: every lane's 16-byte code words (one per
+    64-K column) and 8-byte offset words (one per 128-group; lanes of one row pair copy the same
+    8 bytes, so each lane reads back only what it copied). w13 (one 16-row tile, K split over
+    the warps) is then 640 B per column whatever the split."""
+    if kind == "w13":
+        cols = shape.k13 // COL_K
+        return cols * COL_BYTES + (cols // 2) * LANES * 8
+    cols = shape.k2 // COL_K
+    return W2_WARPS * (cols * COL_BYTES + shape.groups(shape.k2) * LANES * 8)
+
+
+# (variant, warps wanted (w13), ring stages, CTAs per SM): the default first, then candidates.
+W13_VARIANTS = (("", 8, 4, 1), ("r3", 8, 3, 1), ("r2x2", 8, 2, 2), ("w4r2x2", 4, 2, 2))
+W2_VARIANTS = (("", 4, 1), ("r2x2", 2, 2), ("r3", 3, 1))
+
+
+def _w13_spec(shape: MoeShape, variant: str, warps: int, stages: int, ctas: int) -> MoeSpec:
+    split = min(warps, w13_split(shape))
+    suffix = f"_{variant}" if variant else ""
+    return MoeSpec(f"moe_w13_{shape.tag()}{suffix}", "w13", shape, (split * LANES, 1, 1),
+                   smem_bytes=stages * ring_stage_bytes(shape, "w13") + split * LANES * 16,
+                   ctas_per_sm=ctas, stages=stages, variant=variant)
+
+
+def _w2_spec(shape: MoeShape, variant: str, stages: int, ctas: int) -> MoeSpec:
+    suffix = f"_{variant}" if variant else ""
+    return MoeSpec(f"moe_w2_{shape.tag()}{suffix}", "w2", shape, (W2_WARPS * LANES, 1, 1),
+                   smem_bytes=stages * ring_stage_bytes(shape, "w2") + w2_smem_bytes(shape),
+                   ctas_per_sm=ctas, stages=stages, variant=variant)
 
 
 def make_specs(shape: MoeShape) -> list[MoeSpec]:
+    """The default chain: prep, w13, w2, combine."""
     tag = shape.tag()
-    split = w13_split(shape)
     return [
         MoeSpec(f"moe_prep_{tag}", "prep", shape, (PREP_THREADS, 1, 1),
                 smem_bytes=prep_smem_bytes(shape), ctas_per_sm=2),
-        MoeSpec(f"moe_w13_{tag}", "w13", shape, (split * LANES, 1, 1),
-                smem_bytes=split * LANES * 16, ctas_per_sm=1),
-        MoeSpec(f"moe_w2_{tag}", "w2", shape, (W2_WARPS * LANES, 1, 1),
-                smem_bytes=w2_smem_bytes(shape), ctas_per_sm=2),
+        _w13_spec(shape, *W13_VARIANTS[0]),
+        _w2_spec(shape, *W2_VARIANTS[0]),
         MoeSpec(f"moe_combine_{tag}", "combine", shape, (COMBINE_THREADS, 1, 1)),
     ]
+
+
+def variant_specs(shape: MoeShape) -> list[MoeSpec]:
+    """Candidate w13 / w2 kernels (other ring depths and occupancies), built beside the default."""
+    return ([_w13_spec(shape, *v) for v in W13_VARIANTS[1:]]
+            + [_w2_spec(shape, *v) for v in W2_VARIANTS[1:]])
 
 
 # ---- weight repack ------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ pairs on distinct experts), R in {1, 2, 3, 5, 6, 8, 12, 16, 48, 96, 192}, tiny a
 TP4) shapes, every output and scratch buffer NaN-poisoned before the launch. Checks, in order:
 routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise: div.rn, rcp.rn,
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
-`check_routed_close` states and justifies, and two replays bitwise equal.
+`check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
+variant the bundle holds), and two replays bitwise equal.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
 zero, so a kernel reading a wrong expert is caught.
 """
@@ -107,10 +108,19 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     x = moe_ref.round_bf16(rng.normal(0, 1, (rows, shape.hidden)))
     x_bits = (x.view(np.uint32) >> 16).astype(np.uint16)
     chain.upload_inputs(x_bits, ids, weights)
-    chain.poison_outputs()
-    for spec in chain.launches(rows):
-        spec.launch(stream)
-    stream.synchronize()
+    routing = moe_ref.RouterOutput(ids.astype(np.int64), weights)
+    want = moe_ref.routed_experts(x, routing, shards, shape.swiglu_limit)
+    # Every candidate variant the bundle holds (w13 ones with the default w2, then w2 ones),
+    # each from NaN-poisoned buffers; the default chain last, checked in full below.
+    variants = ([(v, "") for v in chain.variant_names("w13")[1:]]
+                + [("", v) for v in chain.variant_names("w2")[1:]] + [("", "")])
+    for w13, w2 in variants:
+        chain.poison_outputs()
+        for spec in chain.launches(rows, w13=w13, w2=w2):
+            spec.launch(stream)
+        stream.synchronize()
+        y = chain.download("y", np.float32, (rows, shape.hidden))
+        mk.check_routed_close(y, want, f"y ({kind}, R={rows}, w13={w13!r}, w2={w2!r})")
 
     lists = mk.routing_lists(ids, shape.num_experts)
     meta = chain.download("meta", np.int32, (mk.meta_words(shape.num_experts),))
@@ -125,11 +135,6 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     want_q, want_s = mk.quantize_fragments(x, shape.k13)
     np.testing.assert_array_equal(chain.download("xq", np.uint8, want_q.shape), want_q)
     np.testing.assert_array_equal(chain.download("xs", np.float32, want_s.shape), want_s)
-
-    routing = moe_ref.RouterOutput(ids.astype(np.int64), weights)
-    want = moe_ref.routed_experts(x, routing, shards, shape.swiglu_limit)
-    y = chain.download("y", np.float32, (rows, shape.hidden))
-    mk.check_routed_close(y, want, f"y ({kind}, R={rows})")
 
     for spec in chain.launches(rows):       # replay: bit-identical (fixed reduction order)
         spec.launch(stream)
