@@ -1,0 +1,830 @@
+"""Lightning indexer for SM90 in the CuTe DSL: FP4 query prep, FP8 mma scores, radix top-k.
+
+What each kernel computes, the layouts, byte formulas and the reference: `kernels/indexer_kernel_ref.py`;
+design and predictions: `docs/notes/indexer-design.md`. In short:
+- `indexer_prep`: one warp per (row, head) quantizes the 128-d query to E2M1 values (stored as E4M3
+  codes) with a power-of-two scale per 32 dims, in mma B-fragment order; CTA 0 writes the plan.
+- `indexer_scores`: a persistent grid of warps walks 32-key work items; each warp keeps its own
+  ring of SCORE_STAGES items in shared memory filled with 16-byte `cp.async.cg`, builds the A
+  fragments (keys) once per item with conflict-free 4-byte shared loads and reuses them for every
+  row of the unit: 4 k-steps x nh/8 n-tiles of `mma.sync.m16n8k32.e4m3` per tile, the k-step
+  partial times its group scale, then x key scale, ReLU, x w, summed over heads and a 4-lane
+  butterfly; lane c of quad i writes key 4i + c, so a warp stores 32 consecutive scores.
+- `indexer_topk`: one CTA per row: three shared-memory histogram passes (11/11/10 bits) over the
+  allowed items find the k-th largest key, a final pass in item order writes the selection with a
+  block scan (ascending, ties to the lower index), then -1 padding.
+
+PDL: every kernel waits before reading what an earlier kernel wrote and triggers its dependents
+when done. PTX ABI: see `indexer_kernel_ref.*_PARAMS`. Pointers 16-byte aligned (keys: the cache
+base; pages of page_size * 132 bytes), rows <= 256.
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from kernels import indexer_kernel_ref as ik
+
+_F_INF = "0f7F800000"
+
+
+# ---- inline PTX helpers ----------------------------------------------------------------------
+
+def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=False):
+    ty = kind or T.i32()
+    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
+    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
+                          has_side_effects=side_effects, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    if results == 1:
+        return out
+    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
+
+
+def _void(operands, text: str, constraints: str):
+    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def ld_s32(addr: Int64):
+    return Int32(_asm(1, [Int64(addr)], "ld.global.s32 $0, [$1];", "=r,l", side_effects=True))
+
+
+def ld_f32(addr: Int64):
+    return Float32(_asm(1, [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", kind=T.f32(),
+                        side_effects=True))
+
+
+def ld_v2(addr: Int64):
+    v = _asm(2, [Int64(addr)], "ld.global.v2.u32 {$0, $1}, [$2];", "=r,=r,l", side_effects=True)
+    return Int32(v[0]), Int32(v[1])
+
+
+def ld_v2_f32(addr: Int64):
+    v = _asm(2, [Int64(addr)], "ld.global.v2.f32 {$0, $1}, [$2];", "=f,=f,l", kind=T.f32(),
+             side_effects=True)
+    return Float32(v[0]), Float32(v[1])
+
+
+def ld_bf16(addr: Int64):
+    return Float32(_asm(1, [Int64(addr)], "{ .reg .b16 h; ld.global.b16 h, [$1];\n"
+                        "cvt.f32.bf16 $0, h; }", "=f,l", kind=T.f32(), side_effects=True))
+
+
+def st_s32(addr: Int64, value: Int32):
+    _void([Int64(addr), Int32(value)], "st.global.s32 [$0], $1;", "l,r")
+
+
+def st_f32(addr: Int64, value: Float32):
+    _void([Int64(addr), Float32(value)], "st.global.f32 [$0], $1;", "l,f")
+
+
+def sts_s32(saddr: Int32, value: Int32):
+    _void([Int32(saddr), Int32(value)], "st.shared.s32 [$0], $1;", "r,r")
+
+
+def lds_s32(saddr: Int32):
+    return Int32(_asm(1, [Int32(saddr)], "ld.shared.s32 $0, [$1];", "=r,r", side_effects=True))
+
+
+def lds_f32(saddr: Int32):
+    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32(),
+                        side_effects=True))
+
+
+def atom_add_shared(saddr: Int32, value: Int32):
+    _void([Int32(saddr), Int32(value)], "red.shared.add.u32 [$0], $1;", "r,r")
+
+
+def cp_async_16(saddr: Int32, gaddr: Int64, nbytes: Int32):
+    """16 bytes global -> shared, L2 only; nbytes 0 zero-fills (nothing is read)."""
+    _void([Int32(saddr), Int64(gaddr), Int32(nbytes)],
+          "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
+
+
+def cp_async_commit():
+    _void([], "cp.async.commit_group;", "")
+
+
+def cp_async_wait(pending: int):
+    _void([], f"cp.async.wait_group {pending};", "")
+
+
+def syncwarp():
+    _void([], "bar.warp.sync 0xffffffff;", "")
+
+
+def mma_e4m3(a, b):
+    """A(16x32 e4m3) x B(32x8 e4m3) from zero, fp32: mma.sync.aligned.m16n8k32.row.col."""
+    ops = [Int32(x) for x in a] + [Int32(x) for x in b]
+    v = _asm(4, ops, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+             "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+             "{0f00000000, 0f00000000, 0f00000000, 0f00000000};",
+             "=f,=f,=f,=f,r,r,r,r,r,r", kind=T.f32())
+    return [Float32(x) for x in v]
+
+
+def shfl_xor_f32(v: Float32, offset: int):
+    return Float32(_asm(1, [Float32(v)], "shfl.sync.bfly.b32 $0, $1, " + str(offset)
+                        + ", 0x1f, 0xffffffff;", "=f,f", kind=T.f32(), side_effects=True))
+
+
+def shfl_xor_max(v: Float32, offset: int):
+    return Float32(_asm(1, [Float32(v)], "{ .reg .f32 t; shfl.sync.bfly.b32 t, $1, "
+                        + str(offset) + ", 0x1f, 0xffffffff; max.f32 $0, $1, t; }", "=f,f",
+                        kind=T.f32(), side_effects=True))
+
+
+def relu_mul(x: Float32, scale: Float32, w: Float32, acc: Float32):
+    """acc + max(x * scale, 0) * w."""
+    return Float32(_asm(1, [Float32(x), Float32(scale), Float32(w), Float32(acc)],
+                        "{ .reg .f32 t; mul.rn.f32 t, $1, $2; max.f32 t, t, 0f00000000;\n"
+                        "fma.rn.f32 $0, t, $3, $4; }", "=f,f,f,f,f", kind=T.f32()))
+
+
+def ordered_key(score: Float32):
+    """uint32 key ordered as the float (-0 -> +0), as indexer_kernel_ref.ordered_key."""
+    return Int32(_asm(1, [Float32(score)],
+                      "{ .reg .f32 z; .reg .b32 b, m; add.rn.f32 z, $1, 0f00000000;\n"
+                      "mov.b32 b, z; shr.s32 m, b, 31; or.b32 m, m, 0x80000000;\n"
+                      "xor.b32 $0, b, m; }", "=r,f"))
+
+
+def fmax_f32(a: Float32, b: Float32):
+    return Float32(_asm(1, [Float32(a), Float32(b)], "max.f32 $0, $1, $2;", "=f,f,f",
+                        kind=T.f32()))
+
+
+def fabs_max(a: Float32, b: Float32):
+    """max(a, |b|)."""
+    return Float32(_asm(1, [Float32(a), Float32(b)],
+                        "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f",
+                        kind=T.f32()))
+
+
+def imin(a: Int32, b: Int32):
+    return Int32(_asm(1, [Int32(a), Int32(b)], "min.s32 $0, $1, $2;", "=r,r,r"))
+
+
+def select_flags(key: Int32, threshold: Int32, take_all: Int32, allowed: Int32):
+    """(above, tie) of one item: allowed and (take_all or key > T); allowed, not take_all, key == T."""
+    v = _asm(2, [Int32(key), Int32(threshold), Int32(take_all), Int32(allowed)],
+             "{ .reg .pred gt, eq, all, ok; setp.hi.u32 gt, $2, $3; setp.eq.u32 eq, $2, $3;\n"
+             "setp.ne.s32 all, $4, 0; setp.ne.s32 ok, $5, 0;\n"
+             "or.pred gt, gt, all; and.pred gt, gt, ok; not.pred all, all;\n"
+             "and.pred eq, eq, all; and.pred eq, eq, ok;\n"
+             "selp.s32 $0, 1, 0, gt; selp.s32 $1, 1, 0, eq; }", "=r,=r,r,r,r,r")
+    return Int32(v[0]), Int32(v[1])
+
+
+def ushr(a: Int32, shift: int):
+    return Int32(_asm(1, [Int32(a)], f"shr.b32 $0, $1, {shift};", "=r,r"))
+
+
+def fp4_round(y: Float32):
+    """y (|y| <= 6) rounded to the nearest E2M1 value, ties to even, sign kept."""
+    return Float32(_asm(1, [Float32(y)],
+                        "{ .reg .f32 a, s, lo; .reg .b32 b, l, sg; .reg .pred big;\n"
+                        "abs.f32 a, $1; setp.ge.f32 big, a, 0f3F800000;\n"
+                        "mul.rn.f32 s, a, 0f40000000; cvt.rni.f32.f32 s, s;\n"
+                        "mul.rn.f32 lo, s, 0f3F000000;\n"
+                        "mov.b32 b, a; shr.u32 l, b, 22; and.b32 l, l, 1;\n"
+                        "add.u32 b, b, 0x1FFFFF; add.u32 b, b, l; and.b32 b, b, 0xFFC00000;\n"
+                        "mov.b32 l, lo; selp.b32 b, b, l, big;\n"
+                        "mov.b32 sg, $1; and.b32 sg, sg, 0x80000000; or.b32 b, b, sg;\n"
+                        "mov.b32 $0, b; }", "=f,f", kind=T.f32()))
+
+
+def pow2_exponent(amax: Float32, mant_limit: int, top: int):
+    """a with 2^a the smallest power of two >= max(amax, 1e-4) / max_code, where
+    max_code = (1 + mant_limit / 2^23) * 2^top (E2M1: 1.5 * 2^2; E4M3: 1.75 * 2^8)."""
+    return Int32(_asm(1, [Float32(amax)],
+                      "{ .reg .f32 m; .reg .b32 b, e, f; .reg .pred p;\n"
+                      "max.f32 m, $1, 0f38D1B717; mov.b32 b, m;\n"
+                      "shr.u32 e, b, 23; and.b32 f, b, 0x7FFFFF;\n"
+                      f"setp.gt.u32 p, f, {mant_limit};\n"
+                      f"sub.s32 e, e, {127 + top}; @p add.s32 e, e, 1; mov.b32 $0, e; }}",
+                      "=r,f"))
+
+
+def exp2_f32(a: Int32):
+    """2^a as float (a in the normal range)."""
+    return Float32(_asm(1, [Int32(a)], "{ .reg .b32 b; add.s32 b, $1, 127; shl.b32 b, b, 23;\n"
+                        "mov.b32 $0, b; }", "=f,r", kind=T.f32()))
+
+
+def pack_e4m3(x0: Float32, x1: Float32, x2: Float32, x3: Float32):
+    return Int32(_asm(1, [Float32(x0), Float32(x1), Float32(x2), Float32(x3)],
+                      "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+                      "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                      "=r,f,f,f,f"))
+
+
+def bf16_pair(word: Int32):
+    v = _asm(2, [Int32(word)], "{ .reg .b32 t; shl.b32 t, $2, 16; mov.b32 $0, t;\n"
+             "and.b32 t, $2, 0xFFFF0000; mov.b32 $1, t; }", "=f,=f,r", kind=T.f32())
+    return Float32(v[0]), Float32(v[1])
+
+
+def _as_i32(value: int) -> int:
+    """A 32-bit pattern as a Python int in the signed range (so the DSL keeps it Int32)."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _addr(ptr: cute.Pointer) -> Int64:
+    return Int64(ptr.toint())
+
+
+@cute.jit
+def block_scan(value: Int32, totals: Int32, tidx: Int32, warps: cutlass.Constexpr):
+    """(exclusive prefix, total) of one Int32 per thread over the CTA, in thread order.
+    `totals` is a shared scratch of `warps` words; the caller syncs before reusing it."""
+    lane = tidx % ik.LANES
+    warp = tidx // ik.LANES
+    inclusive = value
+    for k in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(inclusive, offset=1 << k)
+        if lane >= (1 << k):
+            inclusive = inclusive + up
+    if lane == ik.LANES - 1:
+        sts_s32(totals + 4 * warp, inclusive)
+    cute.arch.sync_threads()
+    before = Int32(0)
+    total = Int32(0)
+    for w in cutlass.range_constexpr(warps):
+        t = lds_s32(totals + 4 * w)
+        if w < warp:
+            before = before + t
+        total = total + t
+    return before + inclusive - value, total
+
+
+# ---- indexer_prep ----------------------------------------------------------------------------
+
+class IndexerPrepSm90:
+    """CTA 0: the work plan; CTAs 1..: one warp per (row, padded head) quantizes the query."""
+
+    def __init__(self, spec: ik.IndexerSpec):
+        self.spec = spec
+        self.heads = spec.heads
+        self.heads_padded = ik.padded_heads(spec.heads)
+        self.tiles = self.heads_padded // ik.HEADS_PER_TILE
+        self.warps = ik.PREP_THREADS // ik.LANES
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, w_raw: cute.Pointer, positions: cute.Pointer,
+                 seq_index: cute.Pointer, cands: cute.Pointer, qfrag: cute.Pointer,
+                 qscale: cute.Pointer, qw: cute.Pointer, plan: cute.Pointer, rows: Int32,
+                 num_cands: Int32, weight_scale: Float32, stream: cuda.CUstream):
+        self.kernel(q, w_raw, positions, seq_index, cands, qfrag, qscale, qw, plan, rows,
+                    num_cands, weight_scale).launch(
+            grid=[1, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, q: cute.Pointer, w_raw: cute.Pointer, positions: cute.Pointer,
+               seq_index: cute.Pointer, cands: cute.Pointer, qfrag: cute.Pointer,
+               qscale: cute.Pointer, qw: cute.Pointer, plan: cute.Pointer, rows: Int32,
+               num_cands: Int32, weight_scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        cute.arch.griddepcontrol_wait()        # q, w, positions and candidates come from earlier
+        if bidx == 0:
+            self.write_plan(_addr(positions), _addr(seq_index), _addr(cands), _addr(plan),
+                            rows, num_cands, base, tidx)
+        else:
+            self.quantize(_addr(q), _addr(w_raw), _addr(qfrag), _addr(qscale), _addr(qw), rows,
+                          weight_scale, tidx, bidx, gdim)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def quantize(self, q: Int64, w_raw: Int64, qfrag: Int64, qscale: Int64, qw: Int64,
+                 rows: Int32, weight_scale: Float32, tidx: Int32, bidx: Int32, gdim: Int32):
+        lane = tidx % ik.LANES
+        item = (bidx - 1) * self.warps + tidx // ik.LANES
+        while item < rows * self.heads_padded:
+            row = item // self.heads_padded
+            head = item % self.heads_padded
+            x0, x1, x2, x3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+            wv = Float32(0.0)
+            if head < self.heads:
+                src = q + Int64((row * self.heads + head) * ik.INDEX_DIM + 4 * lane) * 2
+                v0, v1 = ld_v2(src)
+                x0, x1 = bf16_pair(v0)
+                x2, x3 = bf16_pair(v1)
+                wv = ld_bf16(w_raw + Int64(row * self.heads + head) * 2) * weight_scale
+            amax = fabs_max(fabs_max(fabs_max(fabs_max(Float32(0.0), x0), x1), x2), x3)
+            for k in cutlass.range_constexpr(3):                 # the 8 lanes of one group
+                amax = shfl_xor_max(amax, 1 << k)
+            a = pow2_exponent(amax, 0x400000, 2)
+            inv = exp2_f32(-a)
+            word = pack_e4m3(fp4_round(x0 * inv), fp4_round(x1 * inv), fp4_round(x2 * inv),
+                             fp4_round(x3 * inv))
+            g = lane // 8
+            t = head // ik.HEADS_PER_TILE
+            n = head % ik.HEADS_PER_TILE
+            frag = ((row * self.tiles + t) * ik.GROUPS + g) * ik.LANES + 4 * n + lane % 4
+            st_s32(qfrag + Int64(frag * 2 + (lane % 8) // 4) * 4, word)
+            if lane % 8 == 0:
+                at = (((row * self.tiles + t) * ik.GROUPS + g) * 4 + n // 2) * 2 + n % 2
+                st_f32(qscale + Int64(at) * 4, exp2_f32(a))
+            if lane == 0:
+                st_f32(qw + Int64(((row * self.tiles + t) * 4 + n // 2) * 2 + n % 2) * 4, wv)
+            item += (gdim - 1) * self.warps
+
+    @cute.jit
+    def write_plan(self, positions: Int64, seq_index: Int64, cands: Int64, plan: Int64,
+                   rows: Int32, num_cands: Int32, base: Int32, tidx: Int32):
+        first = base
+        last = base + 4 * ik.PREP_THREADS
+        totals = last + 4 * ik.PREP_THREADS
+        sts_s32(first + 4 * tidx, Int32(-1))
+        cute.arch.sync_threads()
+        items = Int32(0)
+        row0, nrows, seq, n = Int32(0), Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(self.spec.mode == "dense"):
+            if tidx < rows:
+                s = ld_s32(seq_index + Int64(tidx) * 4)
+                prev = Int32(-1)
+                nxt = Int32(-1)
+                if tidx > 0:
+                    prev = ld_s32(seq_index + Int64(tidx - 1) * 4)
+                if tidx + 1 < rows:
+                    nxt = ld_s32(seq_index + Int64(tidx + 1) * 4)
+                if s >= 0 and prev != s:
+                    sts_s32(first + 4 * s, tidx)
+                if s >= 0 and nxt != s:
+                    sts_s32(last + 4 * s, tidx)
+            cute.arch.sync_threads()
+            if tidx < rows:
+                row0 = lds_s32(first + 4 * tidx)
+                if row0 >= 0:
+                    end = lds_s32(last + 4 * tidx)
+                    nrows = end - row0 + 1
+                    seq = tidx
+                    n = (ld_s32(positions + Int64(end) * 4) + 1) // self.spec.ratio
+                    items = (n + ik.ITEM_KEYS - 1) // ik.ITEM_KEYS
+                else:
+                    row0 = Int32(0)
+        else:
+            if tidx < rows:
+                s = ld_s32(seq_index + Int64(tidx) * 4)
+                if s >= 0:
+                    lo = Int32(0)
+                    hi = num_cands
+                    while lo < hi:                   # candidates: ascending, -1 at the end
+                        mid = (lo + hi) // 2
+                        if ld_s32(cands + Int64(tidx * num_cands + mid) * 4) >= 0:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    row0, nrows, seq = tidx, Int32(1), s
+                    n = (ld_s32(positions + Int64(tidx) * 4) + 1) // self.spec.ratio
+                    items = (lo + ik.CAND_BLOCKS_PER_ITEM - 1) // ik.CAND_BLOCKS_PER_ITEM
+        exclusive, total = block_scan(items, totals, tidx, ik.PREP_THREADS // ik.LANES)
+        if tidx < rows:
+            st_s32(plan + Int64(1 + tidx) * 4, exclusive)
+            info = plan + Int64(2 + rows + 4 * tidx) * 4
+            st_s32(info, row0)
+            st_s32(info + 4, nrows)
+            st_s32(info + 8, seq)
+            st_s32(info + 12, n)
+        if tidx == 0:
+            st_s32(plan, total)
+            st_s32(plan + Int64(1 + rows) * 4, total)
+
+
+# ---- indexer_scores --------------------------------------------------------------------------
+
+class IndexerScoresSm90:
+    """Persistent warps over 32-key items; per-warp cp.async ring; mma.sync e4m3 scores."""
+
+    def __init__(self, spec: ik.IndexerSpec):
+        self.spec = spec
+        self.tiles = ik.padded_heads(spec.heads) // ik.HEADS_PER_TILE
+        self.stage_bytes = ik.ITEM_KEYS * ik.KEY_BYTES
+        self.stages = ik.SCORE_STAGES
+        self.dense = spec.mode == "dense"
+
+    @cute.jit
+    def __call__(self, qfrag: cute.Pointer, qscale: cute.Pointer, qw: cute.Pointer,
+                 plan: cute.Pointer, keys: cute.Pointer, block_tables: cute.Pointer,
+                 cands: cute.Pointer, seq_index: cute.Pointer, scores: cute.Pointer, rows: Int32,
+                 ld: Int32, max_pages: Int32, num_cands: Int32, stream: cuda.CUstream):
+        self.kernel(qfrag, qscale, qw, plan, keys, block_tables, cands, seq_index, scores, rows,
+                    ld, max_pages, num_cands).launch(
+            grid=[self.spec.max_ctas, 1, 1], block=list(self.spec.block),
+            smem=self.spec.smem_bytes, stream=stream, use_pdl=True,
+            min_blocks_per_mp=ik.SCORE_CTAS_PER_SM,
+            preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
+
+    @cute.kernel
+    def kernel(self, qfrag: cute.Pointer, qscale: cute.Pointer, qw: cute.Pointer,
+               plan: cute.Pointer, keys: cute.Pointer, block_tables: cute.Pointer,
+               cands: cute.Pointer, seq_index: cute.Pointer, scores: cute.Pointer, rows: Int32,
+               ld: Int32, max_pages: Int32, num_cands: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        lane = tidx % ik.LANES
+        warp = tidx // ik.LANES
+        ring = base + warp * (self.stages * self.stage_bytes)
+        nwarps = gdim * ik.SCORE_WARPS
+        cute.arch.griddepcontrol_wait()        # the plan, q and the keys come from earlier
+        p = _addr(plan)
+        total = ld_s32(p)
+        item = bidx * ik.SCORE_WARPS + warp
+        for s in cutlass.range_constexpr(self.stages - 1):
+            self.issue(item + s * nwarps, total, ring + s * self.stage_bytes, p, _addr(keys),
+                       _addr(block_tables), _addr(cands), rows, max_pages, num_cands, lane)
+            cp_async_commit()
+        stage = Int32(0)
+        while item < total:
+            ahead = (stage + self.stages - 1) % self.stages
+            self.issue(item + (self.stages - 1) * nwarps, total, ring + ahead * self.stage_bytes,
+                       p, _addr(keys), _addr(block_tables), _addr(cands), rows, max_pages,
+                       num_cands, lane)
+            cp_async_commit()
+            cp_async_wait(self.stages - 1)
+            syncwarp()
+            self.compute(item, ring + stage * self.stage_bytes, p, _addr(qfrag), _addr(qscale),
+                         _addr(qw), _addr(cands), _addr(scores), rows, ld, num_cands, lane)
+            syncwarp()
+            item += nwarps
+            stage = (stage + 1) % self.stages
+        cp_async_wait(0)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def unit_of(self, p: Int64, item: Int32, rows: Int32):
+        """(unit, item within the unit, row0, nrows, seq, entries): the last unit starting <= item."""
+        lo = Int32(0)
+        hi = rows - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ld_s32(p + Int64(1 + mid) * 4) <= item:
+                lo = mid
+            else:
+                hi = mid - 1
+        info = p + Int64(2 + rows + 4 * lo) * 4
+        local = item - ld_s32(p + Int64(1 + lo) * 4)
+        return (local, ld_s32(info), ld_s32(info + 4), ld_s32(info + 8), ld_s32(info + 12))
+
+    @cute.jit
+    def issue(self, item: Int32, total: Int32, stage_addr: Int32, p: Int64, keys: Int64,
+              tables: Int64, cands: Int64, rows: Int32, max_pages: Int32, num_cands: Int32,
+              lane: Int32):
+        """cp.async the 32 key records of `item` into a ring stage (nothing when item >= total)."""
+        if item < total:
+            local, row0, _, seq, n = self.unit_of(p, item, rows)
+            ps = self.spec.page_size
+            page_row = tables + Int64(seq) * Int64(max_pages) * 4
+            if cutlass.const_expr(self.dense):
+                e0 = local * ik.ITEM_KEYS
+                page = ld_s32(page_row + Int64(e0 // ps) * 4)
+                src = keys + (Int64(page) * ps + Int64(e0 % ps)) * ik.KEY_BYTES
+                for j in cutlass.range_constexpr(ik.ceil_div(ik.ITEM_VECTORS, ik.LANES)):
+                    v = lane + j * ik.LANES
+                    if v < ik.ITEM_VECTORS:
+                        size = Int32(0)
+                        if (v * 16) // ik.KEY_BYTES < n - e0:
+                            size = Int32(16)
+                        cp_async_16(stage_addr + 16 * v, src + Int64(16 * v), size)
+            else:
+                per_block = ik.ITEM_VECTORS // ik.CAND_BLOCKS_PER_ITEM       # 66
+                for j in cutlass.range_constexpr(ik.ceil_div(ik.ITEM_VECTORS, ik.LANES)):
+                    v = lane + j * ik.LANES
+                    if v < ik.ITEM_VECTORS:
+                        jb = v // per_block
+                        cb = ld_s32(cands + Int64(row0 * num_cands + local * 4 + jb) * 4)
+                        src = keys
+                        size = Int32(0)
+                        if cb >= 0:
+                            e0 = cb * 8
+                            page = ld_s32(page_row + Int64(e0 // ps) * 4)
+                            src = keys + (Int64(page) * ps + Int64(e0 % ps)) * ik.KEY_BYTES \
+                                + Int64(16 * (v % per_block))
+                            size = Int32(16)
+                        cp_async_16(stage_addr + 16 * v, src, size)
+
+    @cute.jit
+    def compute(self, item: Int32, sa: Int32, p: Int64, qfrag: Int64, qscale: Int64, qw: Int64,
+                cands: Int64, scores: Int64, rows: Int32, ld: Int32, num_cands: Int32,
+                lane: Int32):
+        local, row0, nrows, _, n = self.unit_of(p, item, rows)
+        i = lane // 4
+        c = lane % 4
+        afrag = []                                  # [tile][k-step] -> 4 regs
+        kscale = []                                 # [tile] -> (lo key, hi key)
+        for t in cutlass.range_constexpr(2):
+            lo = sa + 4 * (ik.KEY_WORDS * (4 * i + 2 * t) + c)
+            hi = lo + 4 * ik.KEY_WORDS
+            for kk in cutlass.range_constexpr(ik.GROUPS):
+                afrag.append([lds_s32(lo + 32 * kk), lds_s32(hi + 32 * kk),
+                              lds_s32(lo + 32 * kk + 16), lds_s32(hi + 32 * kk + 16)])
+            kscale.append((lds_f32(lo - 4 * c + 128), lds_f32(hi - 4 * c + 128)))
+        key = 4 * i + c
+        entry = local * ik.ITEM_KEYS + key
+        ok = Int32(0)
+        if cutlass.const_expr(not self.dense):
+            cb = ld_s32(cands + Int64(row0 * num_cands + local * 4 + key // 8) * 4)
+            entry = cb * 8 + key % 8
+            if cb >= 0 and entry < n:
+                ok = Int32(1)
+        else:
+            if entry < n:
+                ok = Int32(1)
+        rr = Int32(0)
+        while rr < nrows:
+            row = row0 + rr
+            part = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]    # t0 lo/hi, t1
+            for nt in cutlass.range_constexpr(self.tiles):
+                acc = [Float32(0.0)] * 8
+                tile_row = row * self.tiles + nt
+                for kk in cutlass.range_constexpr(ik.GROUPS):
+                    frag = (tile_row * ik.GROUPS + kk) * ik.LANES + lane
+                    b0, b1 = ld_v2(qfrag + Int64(frag) * 8)
+                    s0, s1 = ld_v2_f32(qscale + Int64((tile_row * ik.GROUPS + kk) * 4 + c) * 8)
+                    for t in cutlass.range_constexpr(2):
+                        d = mma_e4m3(afrag[t * ik.GROUPS + kk], [b0, b1])
+                        acc[4 * t] = acc[4 * t] + d[0] * s0
+                        acc[4 * t + 1] = acc[4 * t + 1] + d[1] * s1
+                        acc[4 * t + 2] = acc[4 * t + 2] + d[2] * s0
+                        acc[4 * t + 3] = acc[4 * t + 3] + d[3] * s1
+                w0, w1 = ld_v2_f32(qw + Int64(tile_row * 4 + c) * 8)
+                for t in cutlass.range_constexpr(2):
+                    klo, khi = kscale[t]
+                    part[2 * t] = relu_mul(acc[4 * t + 1], klo, w1,
+                                           relu_mul(acc[4 * t], klo, w0, part[2 * t]))
+                    part[2 * t + 1] = relu_mul(acc[4 * t + 3], khi, w1,
+                                               relu_mul(acc[4 * t + 2], khi, w0, part[2 * t + 1]))
+            for j in cutlass.range_constexpr(4):
+                for k in cutlass.range_constexpr(2):
+                    part[j] = part[j] + shfl_xor_f32(part[j], 1 << k)
+            mine = part[0]
+            if c == 1:
+                mine = part[1]
+            if c == 2:
+                mine = part[2]
+            if c == 3:
+                mine = part[3]
+            if ok != 0:
+                st_f32(scores + (Int64(row) * Int64(ld) + Int64(entry)) * 4, mine)
+            rr += 1
+
+
+# ---- indexer_topk ----------------------------------------------------------------------------
+
+class IndexerTopkSm90:
+    """One CTA per row: exact radix select (3 histogram passes) + an ordered output pass."""
+
+    def __init__(self, spec: ik.IndexerSpec):
+        self.spec = spec
+        self.k = spec.topk
+        self.mode = spec.mode
+        self.warps = ik.TOPK_THREADS // ik.LANES
+
+    @cute.jit
+    def __call__(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+                 cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32,
+                 num_cands: Int32, stream: cuda.CUstream):
+        self.kernel(scores, positions, seq_index, cands, out, rows, ld, num_cands).launch(
+            grid=[rows, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+               cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        totals = hist + 4 * ik.TOPK_BINS
+        found = totals + 4 * self.warps
+        cute.arch.griddepcontrol_wait()        # scores (and candidates) come from earlier
+        s = ld_s32(_addr(seq_index) + Int64(row) * 4)
+        n = Int32(0)
+        if s >= 0:
+            n = (ld_s32(_addr(positions) + Int64(row) * 4) + 1) // self.spec.ratio
+        src = _addr(scores) + Int64(row) * Int64(ld) * 4
+        crow = _addr(cands) + Int64(row) * Int64(num_cands) * 4
+        items = n
+        if cutlass.const_expr(self.mode == "candidates"):
+            items = num_cands * self.spec.block_size
+        if cutlass.const_expr(self.mode == "blocks"):
+            items = (n + self.spec.block_size - 1) // self.spec.block_size
+        prefix = Int32(0)
+        mask = Int32(0)
+        need = Int32(self.k)
+        take_all = Int32(0)
+        for pi in cutlass.range_constexpr(len(ik.RADIX_PASSES)):
+            if take_all == 0:
+                prefix, mask, need, take_all = self.radix_pass(
+                    src, crow, n, items, prefix, mask, need, ik.RADIX_PASSES[pi][0],
+                    ik.RADIX_PASSES[pi][1], hist, found, totals, tidx)
+        selected = self.ordered_output(src, crow, n, items, prefix, need, take_all,
+                                       _addr(out) + Int64(row) * self.k * 4, totals, tidx)
+        j = selected + tidx
+        while j < self.k:
+            st_s32(_addr(out) + (Int64(row) * self.k + Int64(j)) * 4, Int32(-1))
+            j += ik.TOPK_THREADS
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def item_key(self, src: Int64, crow: Int64, n: Int32, j: Int32):
+        """(allowed, ordered key, output index) of item j."""
+        allowed = Int32(0)
+        key = Int32(0)
+        index = j
+        if cutlass.const_expr(self.mode == "entries"):
+            allowed = Int32(1)
+            key = ordered_key(ld_f32(src + Int64(j) * 4))
+        if cutlass.const_expr(self.mode == "candidates"):
+            bs = self.spec.block_size
+            cb = ld_s32(crow + Int64(j // bs) * 4)
+            index = cb * bs + j % bs
+            if cb >= 0 and index < n:
+                allowed = Int32(1)
+                key = ordered_key(ld_f32(src + Int64(index) * 4))
+        if cutlass.const_expr(self.mode == "blocks"):
+            bs = self.spec.block_size
+            allowed = Int32(1)
+            best = Float32(-float("inf"))
+            for e in cutlass.range_constexpr(bs):
+                if j * bs + e < n:
+                    best = fmax_f32(best, ld_f32(src + Int64(j * bs + e) * 4))
+            if j == (n - 1) // bs:                 # the row's own block is forced in
+                best = Float32(float("inf"))
+            key = ordered_key(best)
+        return allowed, key, index
+
+    @cute.jit
+    def radix_pass(self, src: Int64, crow: Int64, n: Int32, items: Int32, prefix: Int32,
+                   mask: Int32, need: Int32, shift: cutlass.Constexpr, bits: cutlass.Constexpr,
+                   hist: Int32, found: Int32, totals: Int32, tidx: Int32):
+        nbins = 1 << bits
+        b = tidx
+        while b < ik.TOPK_BINS:
+            sts_s32(hist + 4 * b, Int32(0))
+            b += ik.TOPK_THREADS
+        cute.arch.sync_threads()
+        j = tidx
+        while j < items:
+            allowed, key, _ = self.item_key(src, crow, n, j)
+            if allowed != 0 and (key & mask) == prefix:
+                atom_add_shared(hist + 4 * (ushr(key, shift) & (nbins - 1)), Int32(1))
+            j += ik.TOPK_THREADS
+        cute.arch.sync_threads()
+        # Thread t owns bins 2t, 2t+1; a scan in reversed thread order gives the counts above.
+        per = ik.TOPK_BINS // ik.TOPK_THREADS
+        hi_bin = Int32(0)
+        lo_bin = Int32(0)
+        if per * tidx + 1 < nbins:
+            hi_bin = lds_s32(hist + 4 * (per * tidx + 1))
+        if per * tidx < nbins:
+            lo_bin = lds_s32(hist + 4 * (per * tidx))
+        rev = ik.TOPK_THREADS - 1 - tidx
+        excl, total = self.reverse_scan(lo_bin + hi_bin, rev, totals)
+        above_hi = excl                       # items in bins above 2t+1
+        above_lo = excl + hi_bin
+        if above_hi < need and above_hi + hi_bin >= need:
+            sts_s32(found, per * tidx + 1)
+            sts_s32(found + 4, above_hi)
+        if above_lo < need and above_lo + lo_bin >= need:
+            sts_s32(found, per * tidx)
+            sts_s32(found + 4, above_lo)
+        cute.arch.sync_threads()
+        take_all = Int32(0)
+        new_prefix, new_mask, new_need = prefix, mask, need
+        if cutlass.const_expr(shift == ik.RADIX_PASSES[0][0]):  # noqa: SIM102 - trace-time test
+            if total <= need:
+                take_all = Int32(1)
+        if take_all == 0:
+            d = lds_s32(found)
+            new_need = need - lds_s32(found + 4)
+            new_prefix = prefix | (d << shift)
+            new_mask = mask | Int32(_as_i32((nbins - 1) << shift))
+        cute.arch.sync_threads()
+        return new_prefix, new_mask, new_need, take_all
+
+    @cute.jit
+    def reverse_scan(self, value: Int32, rev: Int32, totals: Int32):
+        """(sum of `value` over threads with a larger tidx, total): a scan in reversed order."""
+        lane = rev % ik.LANES
+        warp = rev // ik.LANES
+        inclusive = value
+        # shuffle_sync_down on tidx == shuffle up in reversed order (lanes reverse inside a warp).
+        for k in cutlass.range_constexpr(5):
+            down = cute.arch.shuffle_sync_down(inclusive, offset=1 << k)
+            if lane >= (1 << k):
+                inclusive = inclusive + down
+        if lane == ik.LANES - 1:
+            sts_s32(totals + 4 * warp, inclusive)
+        cute.arch.sync_threads()
+        before = Int32(0)
+        total = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            t = lds_s32(totals + 4 * w)
+            if w < warp:
+                before = before + t
+            total = total + t
+        cute.arch.sync_threads()
+        return before + inclusive - value, total
+
+    @cute.jit
+    def ordered_output(self, src: Int64, crow: Int64, n: Int32, items: Int32, threshold: Int32,
+                       need: Int32, take_all: Int32, dst: Int64, totals: Int32, tidx: Int32):
+        """Write the selected items in item order; returns how many were written."""
+        per = 4
+        chunk = ik.TOPK_THREADS * per
+        run_above = Int32(0)
+        run_tie = Int32(0)
+        start = Int32(0)
+        while start < items:
+            flags = []
+            packed = Int32(0)
+            for q in cutlass.range_constexpr(per):
+                j = start + tidx * per + q
+                above = Int32(0)
+                tie = Int32(0)
+                index = Int32(0)
+                if j < items:
+                    allowed, key, index = self.item_key(src, crow, n, j)
+                    above, tie = select_flags(key, threshold, take_all, allowed)
+                flags.append((above, tie, index))
+                packed = packed + above + (tie << 16)
+            excl, total = block_scan(packed, totals, tidx, self.warps)
+            a_before = run_above + (excl & 0xFFFF)
+            t_before = run_tie + ushr(excl, 16)
+            for q in cutlass.range_constexpr(per):
+                above, tie, index = flags[q]
+                if above != 0:
+                    st_s32(dst + Int64(a_before + imin(t_before, need)) * 4, index)
+                    a_before = a_before + 1
+                if tie != 0:
+                    if t_before < need:
+                        st_s32(dst + Int64(a_before + t_before) * 4, index)
+                    t_before = t_before + 1
+            run_above = run_above + (total & 0xFFFF)
+            run_tie = run_tie + ushr(total, 16)
+            cute.arch.sync_threads()
+            start += chunk
+        return run_above + imin(run_tie, need)
+
+
+# ---- family protocol -------------------------------------------------------------------------
+
+PAGE_SIZE = 64          # entries per page of the compressed caches and index keys (KVCaches)
+
+_CLASSES = {"prep": IndexerPrepSm90, "scores": IndexerScoresSm90, "topk": IndexerTopkSm90}
+
+
+def kernel_function(spec: ik.IndexerSpec):
+    return _CLASSES[spec.kind].kernel
+
+
+def specs(cfg, tp: int) -> list[ik.IndexerSpec]:
+    """The indexer kernels of one decode step: per (mode, ratio) of the index-source layers."""
+    del tp
+    out, seen = [], set()
+    for layer in cfg.layers:
+        if not layer.has_indexer:
+            continue
+        mode = "candidates" if layer.uses_candidates else "dense"
+        key = (mode, layer.ratio, layer.is_candidate_source)
+        if key in seen:
+            continue
+        seen.add(key)
+        nh = cfg.index_n_heads
+        group = [ik.make_prep_spec(nh, mode, layer.ratio, PAGE_SIZE),
+                 ik.make_scores_spec(nh, mode, layer.ratio, PAGE_SIZE),
+                 ik.make_topk_spec("candidates" if layer.uses_candidates else "entries",
+                                   cfg.index_topk, layer.ratio, cfg.candidate_block_size)]
+        if layer.is_candidate_source:
+            group.append(ik.make_topk_spec("blocks", cfg.candidate_topk_blocks, layer.ratio,
+                                           cfg.candidate_block_size))
+        out += [s for s in group if s.name not in {o.name for o in out}]
+    return out
+
+
+def compile_spec(spec: ik.IndexerSpec, options: str = "--gpu-arch sm_90a"):
+    """cute.compile one indexer kernel with pointer / Int32 / Float32 arguments only."""
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(dtype=Int32):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    kernel = _CLASSES[spec.kind](spec)
+    args = []
+    for _, kind in spec.params:
+        args.append(ptr() if kind == "u64" else Float32(1.0) if kind == "f32" else Int32(1))
+    return cute.compile(kernel, *args, cuda.CUstream(0), options=options)

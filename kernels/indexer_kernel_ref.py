@@ -1,0 +1,360 @@
+"""Indexer kernels (A10-A12): specs, layouts, byte formulas and the NumPy reference of what they compute.
+
+Three kernels per index-source layer (model doc §2.2 A10-A12; `kernels/indexer_ref.py` is the
+model-level oracle, `executor/reference/attention.py:index_topk` composes it):
+
+    indexer_prep    q bf16 [R, nh, 128] (after RoPE) -> FP4 quantize-dequantize per 32 values,
+                    stored as E4M3 codes (every E2M1 value is an E4M3 value) in mma fragment order
+                    + one power-of-two scale per (row, head, group); head weights
+                    w = f32(bf16 weights_proj) * weight_scale; CTA 0 writes the work plan.
+    indexer_scores  score[r, e] = sum_h w[r, h] * ReLU(q[r, h] . K[e]), fp32 [R, ld], over the
+                    132-byte key records (128 FP8 + f32 scale) through the block tables.
+                    dense: one scan per sequence shared by its rows (entries e < n of the sequence);
+                    candidates (reindex layers): per row, only the entries of its candidate blocks.
+    indexer_topk    per row the top-k items (ties to the lower index), ascending, -1 padded:
+                    entries (e < visible), candidate entries, or blocks of 8 (block score = max of
+                    its visible entries, the row's own block forced in) for the candidate source.
+
+Scores: `mma.sync.m16n8k32.e4m3` with keys as A (16 keys x 32 dims) and the query as B (32 dims x
+8 heads): one k-step is exactly one FP4 group, so each k-step's fp32 partial is multiplied by its
+group scale before the next; then x key scale, ReLU, x w[h], summed over heads. The tensor core sums
+32 exact products per k-step with its own (truncating) adder, so scores match `index_scores` within
+`score_tolerance`, not bitwise; the top-k kernel is exact on the scores it is given.
+
+Top-k: exact radix select on the order-preserving 32-bit key of each score (-0 canonicalised to +0):
+three histogram passes (11, 11, 10 bits) find the k-th largest key T and how many items equal to T
+are taken (the lowest indices); a final pass in item order writes the selected indices with a block
+scan, so the output is ascending without a sort. `radix_select_ref` replays it.
+
+Layouts (int32 words unless stated):
+- qfrag  [R, nh/8, 4 groups, 32 lanes, 2 words]: word j of lane l = E4M3 codes of dims
+         32g + 16j + 4(l % 4) .. +3 of head 8t + l // 4 (the B fragment of k-step g, n-tile t).
+- qscale f32 [R, nh/8, 4 groups, 4, 2]: scale of head 8t + 2c + j, group g at [r, t, g, c, j].
+- qw     f32 [R, nh/8, 4, 2]: w of head 8t + 2c + j at [r, t, c, j].
+- plan   [1 + (R + 1) + 4R]: total work items, item prefix per unit, then (row0, rows, seq,
+         entries) per unit; a unit is a sequence (dense) or a row (candidates); an item is 32 keys
+         (dense: entries 32i..32i+31; candidates: candidate blocks 4i..4i+3 of the row).
+Keys in a 32-key item sit at 132-byte stride in shared memory; fragment row m of tile t holds key
+4(m % 8) + 2t + m // 8, which makes every A-fragment shared load bank-conflict free
+(132 B = 33 words, so key 4i lands i*4 banks further on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from kernels import indexer_ref, kvrecord_ref
+from kernels.common_ref import H200_NUM_SMS, ceil_div, check_rows, params_dict
+from loader import formats
+
+INDEX_DIM = kvrecord_ref.INDEX_DIM                 # 128
+KEY_BYTES = kvrecord_ref.INDEX_RECORD_BYTES        # 132
+KEY_WORDS = KEY_BYTES // 4                         # 33
+GROUP = indexer_ref.FP4_GROUP                      # 32 dims = one mma k-step
+GROUPS = INDEX_DIM // GROUP                        # 4
+HEADS_PER_TILE = 8                                 # mma n
+ITEM_KEYS = 32                                     # keys per work item (two m16 tiles)
+ITEM_VECTORS = ITEM_KEYS * KEY_BYTES // 16         # 264 16-byte vectors
+CAND_BLOCKS_PER_ITEM = 4                           # candidate blocks of 8 keys per item
+LANES = 32
+SCORE_WARPS = 4
+SCORE_STAGES = 4                                   # per-warp cp.async ring of 32-key items
+SCORE_CTAS_PER_SM = 2
+PREP_THREADS = 256
+TOPK_THREADS = 1024
+TOPK_BINS = 2048
+RADIX_PASSES = ((21, 11), (10, 11), (0, 10))       # (shift, bits) from the top
+MODES_SCORES = ("dense", "candidates")
+MODES_TOPK = ("entries", "candidates", "blocks")
+
+
+# ---- specs -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IndexerSpec:
+    """One compiled indexer kernel; `kind` is prep | scores | topk, `mode` its variant."""
+
+    name: str
+    kind: str
+    heads: int
+    mode: str
+    ratio: int
+    topk: int                      # k (topk kind), else 0
+    block_size: int                # candidate block size (8)
+    page_size: int                 # entries per cache page
+    params: tuple[tuple[str, str], ...]
+    block: tuple[int, int, int]
+    smem_bytes: int
+
+    @property
+    def max_ctas(self) -> int:
+        return H200_NUM_SMS * SCORE_CTAS_PER_SM
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if self.kind == "prep":
+            warps = PREP_THREADS // LANES
+            return (1 + ceil_div(rows * padded_heads(self.heads), warps), 1, 1)
+        if self.kind == "scores":
+            return (self.max_ctas, 1, 1)
+        return (rows, 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "indexer", "name": self.name, "kind": self.kind, "heads": self.heads,
+                "mode": self.mode, "ratio": self.ratio, "topk": self.topk,
+                "block_size": self.block_size, "page_size": self.page_size,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes}
+
+
+PREP_PARAMS = (("q", "u64"), ("w_raw", "u64"), ("positions", "u64"), ("seq_index", "u64"),
+               ("cands", "u64"), ("qfrag", "u64"), ("qscale", "u64"), ("qw", "u64"),
+               ("plan", "u64"), ("rows", "u32"), ("num_cands", "u32"), ("weight_scale", "f32"))
+SCORES_PARAMS = (("qfrag", "u64"), ("qscale", "u64"), ("qw", "u64"), ("plan", "u64"),
+                 ("keys", "u64"), ("block_tables", "u64"), ("cands", "u64"),
+                 ("seq_index", "u64"), ("scores", "u64"), ("rows", "u32"), ("ld", "u32"),
+                 ("max_pages", "u32"), ("num_cands", "u32"))
+TOPK_PARAMS = (("scores", "u64"), ("positions", "u64"), ("seq_index", "u64"), ("cands", "u64"),
+               ("out", "u64"), ("rows", "u32"), ("ld", "u32"), ("num_cands", "u32"))
+
+
+def score_smem_bytes() -> int:
+    return SCORE_WARPS * SCORE_STAGES * ITEM_KEYS * KEY_BYTES
+
+
+def topk_smem_bytes() -> int:
+    return 4 * (TOPK_BINS + 2 * (TOPK_THREADS // LANES) + 8)
+
+
+def make_prep_spec(heads: int, mode: str, ratio: int, page_size: int) -> IndexerSpec:
+    _check_heads(heads)
+    return IndexerSpec(f"indexer_prep_{mode}_h{heads}_r{ratio}", "prep", heads, mode, ratio, 0,
+                       8, page_size, PREP_PARAMS, (PREP_THREADS, 1, 1), 4 * 3 * PREP_THREADS)
+
+
+def make_scores_spec(heads: int, mode: str, ratio: int, page_size: int) -> IndexerSpec:
+    _check_heads(heads)
+    if mode not in MODES_SCORES:
+        raise ValueError(f"indexer scores mode {mode!r}; expected one of {MODES_SCORES}")
+    if page_size % ITEM_KEYS:
+        raise ValueError(f"indexer: page_size {page_size} must be a multiple of {ITEM_KEYS} so a "
+                         "32-key item never straddles a page")
+    return IndexerSpec(f"indexer_scores_{mode}_h{heads}_r{ratio}_p{page_size}", "scores", heads,
+                       mode, ratio, 0, 8, page_size, SCORES_PARAMS,
+                       (SCORE_WARPS * LANES, 1, 1), score_smem_bytes())
+
+
+def make_topk_spec(mode: str, k: int, ratio: int, block_size: int = 8) -> IndexerSpec:
+    if mode not in MODES_TOPK:
+        raise ValueError(f"indexer top-k mode {mode!r}; expected one of {MODES_TOPK}")
+    if not 1 <= k <= 4096:
+        raise ValueError(f"indexer top-k: k = {k} outside [1, 4096]")
+    return IndexerSpec(f"indexer_topk_{mode}_k{k}_r{ratio}", "topk", 0, mode, ratio, k,
+                       block_size, 0, TOPK_PARAMS, (TOPK_THREADS, 1, 1), topk_smem_bytes())
+
+
+def _check_heads(heads: int) -> None:
+    if heads < 1 or heads > 256:
+        raise ValueError(f"indexer: {heads} index heads; expected 1..256")
+
+
+def padded_heads(heads: int) -> int:
+    """Heads rounded up to whole mma n-tiles of 8; padding heads get q = 0 and w = 0."""
+    return ceil_div(heads, HEADS_PER_TILE) * HEADS_PER_TILE
+
+
+def plan_words(rows: int) -> int:
+    return 1 + (rows + 1) + 4 * rows
+
+
+# ---- byte formulas ---------------------------------------------------------------------------
+
+def scores_bytes(num_entries_per_unit, rows: int, heads: int) -> int:
+    """Bytes the scores kernel must move: every key record of each unit once, q/scales/w per row,
+    the scores it writes (fp32 per row and entry of its unit)."""
+    keys = sum(int(n) for n in num_entries_per_unit) * KEY_BYTES
+    q = rows * padded_heads(heads) * (INDEX_DIM + 4 * GROUPS + 4)
+    return keys + q
+
+
+def topk_bytes(items_per_row, k: int) -> int:
+    """Floor: one read of each row's scores, the k indices written."""
+    return sum(4 * int(n) + 4 * k for n in items_per_row)
+
+
+# ---- references ------------------------------------------------------------------------------
+
+def pow2_exponent(amax: np.ndarray, max_code: float) -> np.ndarray:
+    """Exponent a of the smallest 2^a with max(amax, 1e-4) / 2^a <= max_code (the ceil rule)."""
+    floored = np.maximum(np.asarray(amax, np.float32), np.float32(1e-4))
+    return formats.ue8m0_scale_for_amax(floored, max_code).astype(np.int32) - 127
+
+
+def prep_query(q: np.ndarray, w_raw: np.ndarray, weight_scale: float):
+    """(codes uint8 [R, nh, 128] E4M3, scales f32 [R, nh, 4], w f32 [R, nh]) the prep kernel makes.
+
+    q holds bf16 values (float32 array), w_raw bf16 values; codes * scale is exactly
+    `indexer_ref.fp4_quantize_dequantize(q)`.
+    """
+    r, nh, d = q.shape
+    g = q.astype(np.float32).reshape(r, nh, GROUPS, GROUP)
+    exp = pow2_exponent(np.abs(g).max(axis=-1), indexer_ref.FP4_MAX)          # [R, nh, 4]
+    vals = formats.e2m1_decode(formats.e2m1_encode(np.ldexp(g, -exp[..., None])))
+    codes = vals.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(r, nh, d)
+    scales = np.ldexp(np.float32(1), exp).astype(np.float32)
+    w = (w_raw.astype(np.float32) * np.float32(weight_scale)).astype(np.float32)
+    return codes, scales, w
+
+
+def dequantized_query(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    r, nh, _ = codes.shape
+    vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(r, nh, GROUPS, GROUP)
+    return (vals * scales[..., None]).reshape(r, nh, INDEX_DIM)
+
+
+def pad_heads(x: np.ndarray, fill) -> np.ndarray:
+    """Axis 1 (heads) padded to whole n-tiles of 8 with `fill` (what the prep kernel writes)."""
+    nh = x.shape[1]
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, padded_heads(nh) - nh)
+    return np.pad(x, pad, constant_values=fill)
+
+
+def fragment_order(codes: np.ndarray) -> np.ndarray:
+    """uint8 [R, nh, 128] -> uint8 [R, nh/8, 4, 32, 8]: the qfrag layout (module docstring)."""
+    codes = pad_heads(codes, 0)
+    r, nh, _ = codes.shape
+    c = codes.reshape(r, nh // 8, 8, GROUPS, 2, 4, 4)       # [r, t, n, g, j, quad, byte]
+    return np.ascontiguousarray(c.transpose(0, 1, 3, 2, 5, 4, 6)).reshape(
+        r, nh // 8, GROUPS, LANES, 8)
+
+
+def scale_order(scales: np.ndarray) -> np.ndarray:
+    """f32 [R, nh, 4] -> [R, nh/8, 4, 4, 2] (padding heads: scale 1)."""
+    scales = pad_heads(scales, 1.0)
+    r, nh, _ = scales.shape
+    return np.ascontiguousarray(scales.reshape(r, nh // 8, 4, 2, GROUPS).transpose(0, 1, 4, 2, 3))
+
+
+def weight_order(w: np.ndarray) -> np.ndarray:
+    """f32 [R, nh] -> [R, nh/8, 4, 2] (padding heads: 0)."""
+    w = pad_heads(w, 0.0)
+    r, nh = w.shape
+    return np.ascontiguousarray(w.reshape(r, nh // 8, 4, 2))
+
+
+def visible_counts(positions: np.ndarray, seq_index: np.ndarray, ratio: int) -> np.ndarray:
+    """Entries each row sees: (p + 1) // ratio; 0 for padding rows (sequence -1)."""
+    pos = np.asarray(positions, np.int64)
+    return np.where(np.asarray(seq_index) >= 0, (pos + 1) // ratio, 0)
+
+
+def work_plan(positions, seq_index, ratio: int, mode: str, cands=None) -> np.ndarray:
+    """The int32 plan the prep kernel's CTA 0 writes (layout in the module docstring)."""
+    pos, seq = np.asarray(positions, np.int64), np.asarray(seq_index, np.int64)
+    rows = pos.shape[0]
+    units = np.zeros((rows, 4), np.int64)
+    items = np.zeros(rows, np.int64)
+    for u in range(rows):
+        if mode == "dense":
+            idx = np.flatnonzero(seq == u)
+            if idx.size == 0:
+                continue
+            n = (pos[idx[-1]] + 1) // ratio
+            units[u] = (idx[0], idx.size, u, n)
+            items[u] = ceil_div(int(n), ITEM_KEYS)
+        else:
+            if seq[u] < 0:
+                continue
+            valid = int(np.count_nonzero(np.asarray(cands)[u] >= 0))
+            units[u] = (u, 1, seq[u], (pos[u] + 1) // ratio)
+            items[u] = ceil_div(valid, CAND_BLOCKS_PER_ITEM)
+    prefix = np.concatenate([[0], np.cumsum(items)])
+    return np.concatenate([[prefix[-1]], prefix, units.reshape(-1)]).astype(np.int32)
+
+
+def decoded_keys(cache: np.ndarray, block_table: np.ndarray, n: int, page_size: int):
+    """[n, 128] f32 keys of entries 0..n-1 of one sequence (what the kernel reads)."""
+    e = np.arange(n)
+    phys = block_table[e // page_size].astype(np.int64) * page_size + e % page_size
+    return kvrecord_ref.decode_index_key(cache[phys])
+
+
+def score_tolerance(q: np.ndarray, w: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """[R, N] bound on |kernel - index_scores|: 2^-12 of sum_h |w_h| sum_d |q_hd K_d|.
+
+    The tensor core adds 32 exact products per k-step with an fp32-or-narrower (about 13-14 bit,
+    truncating) adder; the fp32 epilogue adds 4 group partials, 32 heads and a 4-lane butterfly
+    (about 40 roundings of 2^-24 each). 2^-12 of the magnitude covers a 14-bit adder with margin
+    and still catches a wrong key, head, group scale or row (those are O(1) of the magnitude).
+    """
+    mag = np.einsum("rhd,nd->rhn", np.abs(q).astype(np.float64), np.abs(keys).astype(np.float64))
+    return np.einsum("rhn,rh->rn", mag, np.abs(w).astype(np.float64)) * 2.0**-12 + 1e-30
+
+
+def ordered_key(scores: np.ndarray) -> np.ndarray:
+    """uint32 keys ordered as the fp32 scores (-0 as +0): bits ^ (sign ? 0xFFFFFFFF : 0x80000000)."""
+    s = (np.asarray(scores, np.float32) + np.float32(0.0)).view(np.uint32)
+    return np.where(s >> 31, ~s, s | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def radix_select_ref(keys: np.ndarray, k: int) -> tuple[int, int, bool]:
+    """(T, take_equal, take_all) exactly as the kernel's three histogram passes find them."""
+    keys = np.asarray(keys, np.uint32)
+    if keys.size <= k:
+        return 0, 0, True
+    prefix, mask, need = 0, 0, k
+    for shift, bits in RADIX_PASSES:
+        match = (keys & np.uint32(mask)) == np.uint32(prefix)
+        digits = (keys[match] >> np.uint32(shift)) & np.uint32((1 << bits) - 1)
+        hist = np.bincount(digits, minlength=1 << bits)
+        above = np.cumsum(hist[::-1])[::-1] - hist           # count with a larger digit
+        d = int(np.flatnonzero((above < need) & (above + hist >= need))[0])
+        need -= int(above[d])
+        prefix |= d << shift
+        mask |= ((1 << bits) - 1) << shift
+    return prefix, need, False
+
+
+def select_in_order(keys: np.ndarray, k: int) -> np.ndarray:
+    """Item positions the kernel's ordered output pass selects (ascending), -1 padded to k."""
+    t, need, take_all = radix_select_ref(keys, k)
+    if take_all:
+        chosen = np.arange(keys.size)
+    else:
+        above = keys > np.uint32(t)
+        tie = keys == np.uint32(t)
+        tie_rank = np.cumsum(tie) - tie
+        chosen = np.flatnonzero(above | (tie & (tie_rank < need)))
+    out = np.full(k, -1, np.int64)
+    out[:chosen.size] = chosen
+    return out
+
+
+def topk_ref(scores: np.ndarray, positions, seq_index, mode: str, k: int, ratio: int,
+             cands=None, block_size: int = 8) -> np.ndarray:
+    """int32 [R, k]: what indexer_topk writes, from the model-level `indexer_ref` functions.
+
+    entries: the top-k of e < visible; candidates: of e < visible inside the row's candidate
+    blocks; blocks: the candidate blocks (own block = (visible - 1) // block_size, which is the
+    block of the row's position on the ratio-1 candidate source).
+    Only the scores the kernel reads need to be finite; the rest may be poison.
+    """
+    rows, ld = scores.shape
+    vis = visible_counts(positions, seq_index, ratio)
+    out = np.full((rows, k), -1, np.int32)
+    for r in range(rows):
+        n = int(vis[r])
+        if n == 0:
+            continue
+        row = np.where(np.arange(ld) < n, scores[r], np.float32(0))[None, :n]
+        allowed = np.ones((1, n), bool)
+        if mode == "candidates":
+            allowed = indexer_ref.candidate_entry_mask(np.asarray(cands)[r:r + 1], n, block_size)
+        if mode == "blocks":
+            out[r] = indexer_ref.candidate_blocks(row, allowed, np.array([n - 1]), block_size, k)
+        else:
+            out[r] = indexer_ref.topk_entries(row, allowed, k)
+    return out
