@@ -28,6 +28,7 @@ FAMILIES = (
     "kernels.allreduce",
     "kernels.moe",
     "kernels.dense", "kernels.wo_a", "kernels.lm_head",
+    "kernels.indexer",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
