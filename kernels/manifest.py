@@ -29,6 +29,7 @@ FAMILIES = (
     "kernels.moe",
     "kernels.dense", "kernels.wo_a", "kernels.lm_head",
     "kernels.indexer",
+    "kernels.sparse_mqa",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
