@@ -1,0 +1,625 @@
+"""Sparse MQA decode for SM90 in the CuTe DSL: one cluster per row, split entries, exact softmax.
+
+Computes A13 + A14 of one rank (spec, ABI, byte formulas and reference: `kernels/sparse_mqa_ref.py`):
+attention of the rank's 16 heads over a row's SWA window and top-k compressed entries (584-byte
+records, K = V), attention sink, BF16 probabilities, inverse RoPE on the output, BF16 out.
+
+How (grid = (S, R), cluster = (S, 1, 1), 256 threads; S = 8 with top-k, 4 without):
+
+    CTA s of row r:  entries [s*per, s*per + count) of the row's list (SWA, then top-k)
+      A  record addresses (SWA ring slot / block table; masked -> 0, bad -> 1)   q -> smem
+      B  cp.async 8-byte words of every record into smem (masked: zeros; never read)
+      C  QK: mma.sync m16n8k16, A = q (16 heads x 16 dims), B = 8 entries dequantized in registers
+         (e4m3x2 -> f16x2 -> f32 x 2^k -> bf16x2: exact, FP8 x 2^k fits BF16)
+      D  per head (max, sum of exp) of this CTA's entries            -> cluster barrier
+      E  every CTA reads all S (max, sum) through DSMEM in rank order: the row's M, L
+      F  P = bf16(exp(logit - M) / L) (normalized, as the reference rounds)
+      G  PV: mma.sync, A = P (16 heads x 16 entries), B = V bytes -> bf16; warp w owns dims 64w..
+         -> partial o [H, 512] fp32 in smem                            -> cluster barrier
+      H  CTA s sums dims [s*512/S, (s+1)*512/S) of the S partials in rank order (deterministic),
+         bf16, inverse RoPE (dims 448..511, fp32 on the bf16 values), bf16 store -> cluster barrier
+
+Each record is read from memory once per row; nothing outside a row's valid entries is read.
+PDL: `griddepcontrol.wait` comes first (q, the caches and the metadata are all written by the
+step's earlier kernels); `launch_dependents` after the last store.
+
+PTX ABI: (u64 q, u64 out, u64 swa, u64 compressed, u64 topk, u64 block_tables, u64 row_info,
+u64 state_lines, u64 sink, u64 rope_table, u32 rows, u32 pages_per_seq, u32 page_size,
+u32 num_positions). Buffers 16-byte aligned. Launch with the cluster dimension (S, 1, 1): the DSL
+does not bake it into the cubin, so a launch without it is detected (%cluster_nctarank) and writes
+NaN rather than wrong numbers.
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from kernels import sparse_mqa_ref as ref
+
+WARP = 32
+WARPS = ref.CTA_THREADS // WARP
+REC = ref.RECORD_BYTES
+REC_WORDS = REC // 8                # 73 8-byte words per record
+SCALE_OFF = 576                     # 7 UE8M0 bytes
+ROPE_OFF = 448                      # 64 bf16 rope values
+NOPE = 448
+O_ROW_BYTES = ref.HEAD_DIM * 4 + 16  # padded fp32 partial-o row
+SOFTMAX_SCALE = ref.HEAD_DIM ** -0.5
+NEG_INF = float("-inf")
+
+
+# ---- inline PTX ----------------------------------------------------------------------------------
+
+def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=True):
+    ty = kind or T.i32()
+    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
+    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
+                          has_side_effects=side_effects, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    if results == 1:
+        return out
+    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
+
+
+def _void(operands, text: str, constraints: str):
+    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def ldg_s32(addr: Int64) -> Int32:
+    return Int32(_asm(1, [Int64(addr)], "ld.global.s32 $0, [$1];", "=r,l"))
+
+
+def ldg_v4_s32(addr: Int64):
+    v = _asm(4, [Int64(addr)], "ld.global.v4.s32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+    return [Int32(x) for x in v]
+
+
+def ldg_f32(addr: Int64) -> Float32:
+    return Float32(_asm(1, [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", kind=T.f32()))
+
+
+def ldg_v4_f32(addr: Int64):
+    v = _asm(4, [Int64(addr)], "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+             kind=T.f32())
+    return [Float32(x) for x in v]
+
+
+def stg_v2(addr: Int64, a: Int32, b: Int32):
+    _void([Int64(addr), Int32(a), Int32(b)], "st.global.v2.b32 [$0], {$1, $2};", "l,r,r")
+
+
+def lds_u8(saddr: Int32) -> Int32:
+    return Int32(_asm(1, [Int32(saddr)], "ld.shared.u8 $0, [$1];", "=r,r"))
+
+
+def lds_u16(saddr: Int32) -> Int32:
+    return Int32(_asm(1, [Int32(saddr)], "ld.shared.u16 $0, [$1];", "=r,r"))
+
+
+def lds_u32(saddr: Int32) -> Int32:
+    return Int32(_asm(1, [Int32(saddr)], "ld.shared.u32 $0, [$1];", "=r,r"))
+
+
+def lds_s64(saddr: Int32) -> Int64:
+    return Int64(_asm(1, [Int32(saddr)], "ld.shared.s64 $0, [$1];", "=l,r", kind=T.i64()))
+
+
+def lds_f32(saddr: Int32) -> Float32:
+    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32()))
+
+
+def sts_u32(saddr: Int32, v: Int32):
+    _void([Int32(saddr), Int32(v)], "st.shared.u32 [$0], $1;", "r,r")
+
+
+def sts_v2_u32(saddr: Int32, a: Int32, b: Int32):
+    _void([Int32(saddr), Int32(a), Int32(b)], "st.shared.v2.u32 [$0], {$1, $2};", "r,r,r")
+
+
+def sts_s64(saddr: Int32, v: Int64):
+    _void([Int32(saddr), Int64(v)], "st.shared.s64 [$0], $1;", "r,l")
+
+
+def sts_f32(saddr: Int32, v: Float32):
+    _void([Int32(saddr), Float32(v)], "st.shared.f32 [$0], $1;", "r,f")
+
+
+def sts_v2_f32(saddr: Int32, a: Float32, b: Float32):
+    _void([Int32(saddr), Float32(a), Float32(b)], "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f")
+
+
+def cp_async_8(saddr: Int32, gaddr: Int64):
+    _void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;", "r,l")
+
+
+def cp_async_16(saddr: Int32, gaddr: Int64):
+    _void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
+
+
+def cp_async_wait_all():
+    _void([], "cp.async.commit_group;\n\tcp.async.wait_group 0;", "")
+
+
+def cluster_sync():
+    """All threads of every CTA of the cluster; release/acquire orders shared-memory writes."""
+    _void([], "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "")
+
+
+def cluster_nctarank() -> Int32:
+    return Int32(_asm(1, [], "mov.u32 $0, %cluster_nctarank;", "=r"))
+
+
+def ld_cluster_f32(saddr: Int32, rank: int) -> Float32:
+    """f32 at the same shared offset in CTA `rank` of the cluster (DSMEM)."""
+    return Float32(_asm(1, [Int32(saddr)],
+                        "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, " + str(rank) + ";\n"
+                        "ld.shared::cluster.f32 $0, [a]; }", "=f,r", kind=T.f32()))
+
+
+def ld_cluster_v4_f32(saddr: Int32, rank: int):
+    v = _asm(4, [Int32(saddr)],
+             "{ .reg .b32 a; mapa.shared::cluster.u32 a, $4, " + str(rank) + ";\n"
+             "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [a]; }", "=f,=f,=f,=f,r",
+             kind=T.f32())
+    return [Float32(x) for x in v]
+
+
+def e4m3x2_to_bf16x2(pair: Int32, scale_lo: Float32, scale_hi: Float32) -> Int32:
+    """Two e4m3 (low byte = lower k) times their power-of-two scales -> bf16x2 (exact)."""
+    text = ("{ .reg .b16 p, h0, h1; .reg .b32 hh; .reg .f32 f0, f1;\n"
+            "cvt.u16.u32 p, $1;\n cvt.rn.f16x2.e4m3x2 hh, p;\n mov.b32 {h0, h1}, hh;\n"
+            "cvt.f32.f16 f0, h0;\n cvt.f32.f16 f1, h1;\n"
+            "mul.rn.f32 f0, f0, $2;\n mul.rn.f32 f1, f1, $3;\n cvt.rn.bf16x2.f32 $0, f1, f0; }")
+    return Int32(_asm(1, [Int32(pair), Float32(scale_lo), Float32(scale_hi)], text, "=r,r,f,f",
+                      side_effects=False))
+
+
+def ue8m0_to_f32(byte: Int32) -> Float32:
+    """2^(byte - 127) as fp32 bits byte << 23 (0 -> 0.0: zero-filled records stay zero)."""
+    return Float32(_asm(1, [Int32(byte)], "{ .reg .b32 b; shl.b32 b, $1, 23; mov.b32 $0, b; }",
+                        "=f,r", kind=T.f32(), side_effects=False))
+
+
+def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
+    return Int32(_asm(1, [Float32(hi), Float32(lo)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+                      side_effects=False))
+
+
+def round_bf16(x: Float32) -> Float32:
+    return Float32(_asm(1, [Float32(x)],
+                        "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=f,f",
+                        kind=T.f32(), side_effects=False))
+
+
+def mma_bf16_16816(a, b, c):
+    """D = A(16x16 bf16, 4 regs) x B(16x8 bf16, 2 regs) + C(16x8 f32, 4 regs)."""
+    text = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+            "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+    out = _asm(4, list(a) + list(b) + list(c), text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+               kind=T.f32(), side_effects=False)
+    return [Float32(v) for v in out]
+
+
+def shfl_max(x: Float32, offset: int) -> Float32:
+    y = Float32(_asm(1, [Float32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+                     "=f,f", kind=T.f32()))
+    return cutlass.max(x, y)
+
+
+def shfl_add(x: Float32, offset: int) -> Float32:
+    y = Float32(_asm(1, [Float32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+                     "=f,f", kind=T.f32()))
+    return x + y
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+class SparseMqaSm90:
+    """Kernel object for one SparseMqaSpec (config-only __init__, jit launcher, kernel, phases)."""
+
+    def __init__(self, spec: ref.SparseMqaSpec):
+        self.spec = spec
+        self.lay = spec.layout
+        self.S = spec.cluster_ctas
+        self.E = spec.entries_per_cta
+        self.H = spec.heads
+        self.topk = spec.topk
+        self.dims_per_cta = ref.HEAD_DIM // self.S
+        if self.E > ref.CTA_THREADS or self.E % ref.ENTRY_TILE:
+            raise ValueError(f"{spec.name}: {self.E} entries per CTA; need a multiple of "
+                             f"{ref.ENTRY_TILE} <= {ref.CTA_THREADS}")
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, out: cute.Pointer, swa: cute.Pointer,
+                 compressed: cute.Pointer, topk: cute.Pointer, block_tables: cute.Pointer,
+                 row_info: cute.Pointer, state_lines: cute.Pointer, sink: cute.Pointer,
+                 rope_table: cute.Pointer, rows: Int32, pages_per_seq: Int32, page_size: Int32,
+                 num_positions: Int32, stream: cuda.CUstream):
+        self.kernel(q, out, swa, compressed, topk, block_tables, row_info, state_lines, sink,
+                    rope_table, rows, pages_per_seq, page_size, num_positions).launch(
+            grid=[self.S, 1, 1], block=list(self.spec.block), cluster=list(self.spec.cluster),
+            smem=self.spec.smem_bytes, stream=stream, use_pdl=True,
+            min_blocks_per_mp=ref.CTAS_PER_SM,
+            preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
+
+    @cute.kernel
+    def kernel(self, q: cute.Pointer, out: cute.Pointer, swa: cute.Pointer,
+               compressed: cute.Pointer, topk: cute.Pointer, block_tables: cute.Pointer,
+               row_info: cute.Pointer, state_lines: cute.Pointer, sink: cute.Pointer,
+               rope_table: cute.Pointer, rows: Int32, pages_per_seq: Int32, page_size: Int32,
+               num_positions: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        s, r, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
+        cluster_ok = cluster_nctarank() == self.S
+        self._zero_pad_heads(base, tidx)
+        cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
+
+        info = cute.make_rmem_tensor((4,), Int32)
+        info.fill(-1)
+        info[0] = 0
+        if r < rows:
+            words = ldg_v4_s32(row_info.toint() + Int64(r) * 16)
+            for i in cutlass.range_constexpr(4):
+                info[i] = words[i]
+        pos, lo, hi, seq = info[0], info[1], info[2], info[3]
+        # The row's entry count C, this CTA's share [first, first + count), padded to 16.
+        nswa = cutlass.max(hi - lo + 1, 0)
+        bad_row = (lo < 0) | (nswa > self.spec.swa_cols)
+        nswa = cutlass.min(nswa, self.spec.swa_cols)
+        total = Int32(0)
+        line = Int32(0)
+        if seq >= 0:
+            total = nswa + self.topk
+            line = ldg_s32(state_lines.toint() + Int64(seq) * 4)
+        per = ((total + self.S - 1) // self.S + 15) // 16 * 16
+        first = s * per
+        count = cutlass.min(cutlass.max(total - first, 0), per)
+        n_pad = (count + 15) // 16 * 16
+
+        if r < rows:
+            self._load_q(q, base, r, tidx)
+        if tidx < n_pad:
+            addr = self._record_address(swa, compressed, topk, block_tables, r, seq, line, lo,
+                                        nswa, first + tidx, tidx < count, bad_row,
+                                        pages_per_seq, page_size)
+            sts_s64(base + self.lay.addresses + tidx * 8, addr)
+        cute.arch.sync_threads()
+        self._load_records(base, tidx, n_pad)
+        cp_async_wait_all()
+        cute.arch.sync_threads()
+
+        self._logits(base, tidx, n_pad)
+        cute.arch.sync_threads()
+        self._local_stats(base, tidx, n_pad)
+        cluster_sync()                      # every CTA's (max, sum, bad) is visible
+        if tidx < ref.MMA_M:
+            self._row_norm(base, tidx, sink, cluster_ok)
+        cute.arch.sync_threads()
+        self._probs(base, tidx, n_pad)
+        cute.arch.sync_threads()
+        self._pv(base, tidx, n_pad)
+        cluster_sync()                      # every CTA's partial o is visible
+        self._reduce_store(base, tidx, s, r, rows, pos, seq, out, rope_table, num_positions,
+                           cluster_ok)
+        cluster_sync()                      # no CTA leaves while others read its partial o
+        cute.arch.griddepcontrol_launch_dependents()
+
+    # ---- phase A/B: addresses, q and the records ---------------------------------------------
+
+    @cute.jit
+    def _zero_pad_heads(self, base: Int32, tidx: Int32):
+        """q rows H..15 of the mma tile are zero (a model constant: before the PDL wait)."""
+        if cutlass.const_expr(self.H < ref.MMA_M):
+            words = (ref.MMA_M - self.H) * ref.Q_ROW_BYTES // 8
+            for i in cutlass.range_constexpr(0, words, ref.CTA_THREADS):
+                if tidx + i < words:
+                    sts_v2_u32(base + self.lay.q + self.H * ref.Q_ROW_BYTES + (tidx + i) * 8,
+                               Int32(0), Int32(0))
+
+    @cute.jit
+    def _load_q(self, q: cute.Pointer, base: Int32, r: Int32, tidx: Int32):
+        chunks = self.H * ref.HEAD_DIM // 8               # 16-byte chunks of the row's q
+        per_head = ref.HEAD_DIM // 8
+        for i in cutlass.range_constexpr(0, chunks, ref.CTA_THREADS):
+            c = tidx + i
+            if c < chunks:
+                h, k = c // per_head, c % per_head
+                cp_async_16(base + self.lay.q + h * ref.Q_ROW_BYTES + k * 16,
+                            q.toint() + (Int64(r) * self.H * ref.HEAD_DIM + c * 8) * 2)
+
+    @cute.jit
+    def _record_address(self, swa: cute.Pointer, compressed: cute.Pointer, topk: cute.Pointer,
+                        block_tables: cute.Pointer, r: Int32, seq: Int32, line: Int32, lo: Int32,
+                        nswa: Int32, j: Int32, in_range, bad_row, pages_per_seq: Int32,
+                        page_size: Int32) -> Int64:
+        """Global address of entry j of the row: 0 = masked (zeros, -inf), 1 = bad input (NaN)."""
+        addr = Int64(0)
+        if in_range:
+            if bad_row:
+                addr = Int64(1)
+            elif j < nswa:
+                slot = line * self.spec.ring_slots + ((lo + j) & (self.spec.ring_slots - 1))
+                addr = swa.toint() + Int64(slot) * REC
+            else:
+                if cutlass.const_expr(self.topk > 0):
+                    e = ldg_s32(topk.toint() + (Int64(r) * self.topk + Int64(j - nswa)) * 4)
+                    if e >= 0:
+                        page = e // page_size
+                        block = Int32(-1)
+                        if page < pages_per_seq:
+                            block = ldg_s32(block_tables.toint()
+                                            + (Int64(seq) * pages_per_seq + Int64(page)) * 4)
+                        addr = Int64(1)
+                        if block >= 0:
+                            phys = Int64(block) * page_size + Int64(e % page_size)
+                            addr = compressed.toint() + phys * REC
+        return addr
+
+    @cute.jit
+    def _load_records(self, base: Int32, tidx: Int32, n_pad: Int32):
+        """cp.async every 8-byte word of the CTA's records; masked and padding entries get zeros
+        (P is 0 there, and 0 x NaN would still poison the PV product)."""
+        idx = tidx
+        while idx < n_pad * REC_WORDS:
+            i, w = idx // REC_WORDS, idx % REC_WORDS
+            addr = lds_s64(base + self.lay.addresses + i * 8)
+            dst = base + self.lay.records + i * REC + w * 8
+            if addr > 1:
+                cp_async_8(dst, addr + Int64(w * 8))
+            else:
+                sts_v2_u32(dst, Int32(0), Int32(0))
+            idx += ref.CTA_THREADS
+
+    # ---- phase C/D: logits and the CTA's softmax statistics ----------------------------------
+
+    @cute.jit
+    def _q_frag(self, base: Int32, k0: int, g: Int32, t: Int32):
+        qa = base + self.lay.q + g * ref.Q_ROW_BYTES + (k0 + 2 * t) * 2
+        qb = qa + 8 * ref.Q_ROW_BYTES
+        return (lds_u32(qa), lds_u32(qb), lds_u32(qa + 16), lds_u32(qb + 16))
+
+    @cute.jit
+    def _logits(self, base: Int32, tidx: Int32, n_pad: Int32):
+        """logits[h, n] = q[h] . entry[n] / sqrt(512); warp w takes 8-entry tiles w, w + 8, .."""
+        warp, lane = tidx // WARP, tidx % WARP
+        g, t = lane // 4, lane % 4
+        acc = cute.make_rmem_tensor((4,), Float32)
+        tile = warp
+        while tile < n_pad // 8:
+            entry = base + self.lay.records + (tile * 8 + g) * REC
+            acc.fill(0.0)
+            scale = Float32(0.0)
+            for kk in cutlass.range_constexpr(ref.HEAD_DIM // 16):
+                k0 = 16 * kk
+                a = self._q_frag(base, k0, g, t)
+                if cutlass.const_expr(k0 < NOPE):
+                    if cutlass.const_expr(kk % 4 == 0):
+                        scale = ue8m0_to_f32(lds_u8(entry + SCALE_OFF + kk // 4))
+                    b0 = e4m3x2_to_bf16x2(lds_u16(entry + k0 + 2 * t), scale, scale)
+                    b1 = e4m3x2_to_bf16x2(lds_u16(entry + k0 + 8 + 2 * t), scale, scale)
+                else:
+                    off = ROPE_OFF + (k0 - NOPE) * 2 + 4 * t
+                    b0 = lds_u32(entry + off)
+                    b1 = lds_u32(entry + off + 16)
+                d = mma_bf16_16816(a, (b0, b1), [acc[i] for i in range(4)])
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = d[i]
+            n0 = tile * 8 + 2 * t
+            for e in cutlass.range_constexpr(2):
+                valid = lds_s64(base + self.lay.addresses + (n0 + e) * 8) > 1
+                for half in cutlass.range_constexpr(2):
+                    value = Float32(NEG_INF)
+                    if valid:
+                        value = acc[2 * half + e] * Float32(SOFTMAX_SCALE)
+                    h = g + 8 * half
+                    sts_f32(base + self.lay.logits + (h * self.E + n0 + e) * 4, value)
+            tile += WARPS
+
+    @cute.jit
+    def _local_stats(self, base: Int32, tidx: Int32, n_pad: Int32):
+        """(max, sum exp(l - max), bad) per head over this CTA's entries; 16 lanes per head, a
+        fixed butterfly order (deterministic)."""
+        h, j = tidx // 16, tidx % 16
+        row = base + self.lay.logits + h * self.E * 4
+        m = Float32(NEG_INF)
+        bad = Float32(0.0)
+        n = j
+        while n < n_pad:
+            m = cutlass.max(m, lds_f32(row + n * 4))
+            if lds_s64(base + self.lay.addresses + n * 8) == 1:
+                bad = Float32(1.0)
+            n += 16
+        for off in (8, 4, 2, 1):
+            m = shfl_max(m, off)
+            bad = shfl_max(bad, off)
+        total = Float32(0.0)
+        if m > Float32(NEG_INF):
+            n = j
+            while n < n_pad:
+                total = total + cute.math.exp(lds_f32(row + n * 4) - m)
+                n += 16
+        for off in (8, 4, 2, 1):
+            total = shfl_add(total, off)
+        if j == 0:
+            stat = base + self.lay.stats + h * ref.STATS_BYTES
+            sts_v2_f32(stat, m, total)
+            sts_f32(stat + 8, bad)
+
+    # ---- phase E/F: the row's normalizer (DSMEM) and the probabilities ------------------------
+
+    @cute.jit
+    def _row_norm(self, base: Int32, h: Int32, sink: cute.Pointer, cluster_ok):
+        """M = max(sink, every CTA's max), L = exp(sink - M) + sum_s l_s exp(m_s - M), rank order."""
+        sink_h = Float32(0.0)
+        if h < self.H:
+            sink_h = ldg_f32(sink.toint() + Int64(h) * 4)
+        stat = base + self.lay.stats + h * ref.STATS_BYTES
+        big = sink_h
+        norm = Float32(0.0)
+        bad = Float32(1.0)                  # a launch without the cluster shape: NaN out
+        if cluster_ok:
+            bad = Float32(0.0)
+            for rank in cutlass.range_constexpr(self.S):
+                big = cutlass.max(big, ld_cluster_f32(stat, rank))
+                bad = cutlass.max(bad, ld_cluster_f32(stat + 8, rank))
+            norm = cute.math.exp(sink_h - big)
+            for rank in cutlass.range_constexpr(self.S):
+                part = ld_cluster_f32(stat + 4, rank)
+                if part > Float32(0.0):
+                    norm = norm + part * cute.math.exp(ld_cluster_f32(stat, rank) - big)
+        if bad > Float32(0.0):
+            big = Float32(float("nan"))
+        sts_v2_f32(base + self.lay.norm + h * 8, big, norm)
+
+    @cute.jit
+    def _probs(self, base: Int32, tidx: Int32, n_pad: Int32):
+        """P[h, n] = bf16(exp(logit - M) / L) as bf16 pairs; rows >= H and masked entries are 0."""
+        half = n_pad // 2
+        idx = tidx
+        while idx < ref.MMA_M * half:
+            h, n = idx // half, 2 * (idx % half)
+            word = Int32(0)
+            if h < self.H:
+                big = lds_f32(base + self.lay.norm + h * 8)
+                norm = lds_f32(base + self.lay.norm + h * 8 + 4)
+                row = base + self.lay.logits + (h * self.E + n) * 4
+                p0 = cute.math.exp(lds_f32(row) - big) / norm
+                p1 = cute.math.exp(lds_f32(row + 4) - big) / norm
+                word = pack_bf16x2(p0, p1)
+            sts_u32(base + self.lay.probs + h * self.lay.probs_row_bytes + n * 2, word)
+            idx += ref.CTA_THREADS
+
+    # ---- phase G: PV -------------------------------------------------------------------------
+
+    @cute.jit
+    def _p_frag(self, base: Int32, e0: Int32, g: Int32, t: Int32):
+        pa = base + self.lay.probs + g * self.lay.probs_row_bytes + (e0 + 2 * t) * 2
+        pb = pa + 8 * self.lay.probs_row_bytes
+        return (lds_u32(pa), lds_u32(pb), lds_u32(pa + 16), lds_u32(pb + 16))
+
+    @cute.jit
+    def _pv(self, base: Int32, tidx: Int32, n_pad: Int32):
+        """o_s[h, d] = sum over this CTA's entries of P[h, n] V[n, d]; warp w owns dims 64w..64w+63
+        (one scale group; warp 7 the bf16 rope dims). The partial lands in smem over the records."""
+        warp, lane = tidx // WARP, tidx % WARP
+        g, t = lane // 4, lane % 4
+        acc = cute.make_rmem_tensor((4, 8), Float32)
+        acc.fill(0.0)
+        e0 = Int32(0)
+        while e0 < n_pad:
+            a = self._p_frag(base, e0, g, t)
+            ea = base + self.lay.records + (e0 + 2 * t) * REC
+            eb, ec = ea + REC, ea + 8 * REC
+            ed = ec + REC
+            if warp < NOPE // 64:
+                sa = ue8m0_to_f32(lds_u8(ea + SCALE_OFF + warp))
+                sb = ue8m0_to_f32(lds_u8(eb + SCALE_OFF + warp))
+                sc = ue8m0_to_f32(lds_u8(ec + SCALE_OFF + warp))
+                sd = ue8m0_to_f32(lds_u8(ed + SCALE_OFF + warp))
+                for nt in cutlass.range_constexpr(8):
+                    d = warp * 64 + nt * 8 + g
+                    b0 = e4m3x2_to_bf16x2(lds_u8(ea + d) | (lds_u8(eb + d) << 8), sa, sb)
+                    b1 = e4m3x2_to_bf16x2(lds_u8(ec + d) | (lds_u8(ed + d) << 8), sc, sd)
+                    self._mma_into(acc, nt, a, b0, b1)
+            else:
+                for nt in cutlass.range_constexpr(8):
+                    off = ROPE_OFF + (nt * 8 + g) * 2
+                    b0 = lds_u16(ea + off) | (lds_u16(eb + off) << 16)
+                    b1 = lds_u16(ec + off) | (lds_u16(ed + off) << 16)
+                    self._mma_into(acc, nt, a, b0, b1)
+            e0 += ref.ENTRY_TILE
+        cute.arch.sync_threads()            # every warp is done with the records: reuse them
+        for nt in cutlass.range_constexpr(8):
+            d0 = warp * 64 + nt * 8 + 2 * t
+            for half in cutlass.range_constexpr(2):
+                h = g + 8 * half
+                if h < self.H:
+                    sts_v2_f32(base + self.lay.records + h * ref.O_ROW_BYTES + d0 * 4,
+                               acc[2 * half, nt], acc[2 * half + 1, nt])
+
+    @cute.jit
+    def _mma_into(self, acc, nt: int, a, b0: Int32, b1: Int32):
+        d = mma_bf16_16816(a, (b0, b1), [acc[i, nt] for i in range(4)])
+        for i in cutlass.range_constexpr(4):
+            acc[i, nt] = d[i]
+
+    # ---- phase H: cluster reduction, inverse RoPE, store -------------------------------------
+
+    @cute.jit
+    def _reduce_store(self, base: Int32, tidx: Int32, s: Int32, r: Int32, rows: Int32,
+                      pos: Int32, seq: Int32, out: cute.Pointer, rope_table: cute.Pointer,
+                      num_positions: Int32, cluster_ok):
+        """CTA s owns dims [s*512/S, (s+1)*512/S): 4 dims per thread step, S partials in rank
+        order, bf16, inverse RoPE (pairs never straddle a 4-dim chunk), bf16 out."""
+        per_head = self.dims_per_cta // 4
+        chunks = self.H * per_head
+        v = cute.make_rmem_tensor((4,), Float32)
+        for i in cutlass.range_constexpr(0, chunks, ref.CTA_THREADS):
+            c = tidx + i
+            if (c < chunks) & (r < rows):
+                h = c // per_head
+                d = s * self.dims_per_cta + 4 * (c % per_head)
+                src = base + self.lay.records + h * ref.O_ROW_BYTES + d * 4
+                v.fill(float("nan"))
+                if cluster_ok:
+                    v.fill(0.0)
+                    for rank in cutlass.range_constexpr(self.S):
+                        part = ld_cluster_v4_f32(src, rank)
+                        for k in cutlass.range_constexpr(4):
+                            v[k] = v[k] + part[k]
+                for k in cutlass.range_constexpr(4):
+                    v[k] = round_bf16(v[k])
+                if d >= NOPE:
+                    self._inverse_rope(v, d, pos, rope_table, num_positions)
+                if seq < 0:
+                    v.fill(0.0)
+                dst = out.toint() + ((Int64(r) * self.H + h) * ref.HEAD_DIM + d) * 2
+                stg_v2(dst, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]))
+
+    @cute.jit
+    def _inverse_rope(self, v, d: Int32, pos: Int32, rope_table: cute.Pointer,
+                      num_positions: Int32):
+        """Pairs (d, d+1), (d+2, d+3): y0 = x0 c + x1 s, y1 = x1 c - x0 s; a position outside
+        the table gives NaN (never an out-of-bounds read)."""
+        cs = cute.make_rmem_tensor((4,), Float32)
+        cs.fill(float("nan"))
+        if (pos >= 0) & (pos < num_positions):
+            pair = (d - NOPE) // 2
+            row = ldg_v4_f32(rope_table.toint() + (Int64(pos) * 32 + Int64(pair)) * 8)
+            for k in cutlass.range_constexpr(4):
+                cs[k] = row[k]
+        for p in cutlass.range_constexpr(2):
+            x0, x1 = v[2 * p], v[2 * p + 1]
+            c, sn = cs[2 * p], cs[2 * p + 1]
+            v[2 * p] = x0 * c + x1 * sn
+            v[2 * p + 1] = x1 * c - x0 * sn
+
+
+def kernel_function(spec: ref.SparseMqaSpec):
+    """The @cute.kernel whose Python signature the build checks against spec.params."""
+    del spec
+    return SparseMqaSm90.kernel
+
+
+def specs(cfg, tp: int) -> list[ref.SparseMqaSpec]:
+    return ref.sparse_mqa_specs(cfg, tp)
+
+
+def compile_spec(spec: ref.SparseMqaSpec, options: str = "--gpu-arch sm_90a"):
+    """cute.compile one sparse MQA kernel with pointer / Int32 arguments only."""
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(dtype):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    return cute.compile(SparseMqaSm90(spec), ptr(cutlass.BFloat16), ptr(cutlass.BFloat16),
+                        ptr(cutlass.Uint8), ptr(cutlass.Uint8), ptr(Int32), ptr(Int32),
+                        ptr(Int32), ptr(Int32), ptr(Float32), ptr(Float32), Int32(1), Int32(1),
+                        Int32(64), Int32(1), cuda.CUstream(0), options=options)

@@ -1,0 +1,303 @@
+"""Sparse MQA decode (A13 + A14): spec, launch geometry, byte formulas and the reference on cache bytes.
+
+What one launch computes, per row r of a step (model doc §2.2 A13-A14; `kernels/attention_ref.py`):
+
+    entries(r) = SWA positions swa_lo..swa_hi of the row's ring  ++  topk[r, :] (-1 = none),
+                 each one 584-byte record (kernels/kvrecord_ref.py), dequantized: K = V = entry
+    logit[h, n] = q[r, h] . entry[n] / sqrt(512)          (fp32)
+    M_h = max(sink_h, max_n logit);  L_h = sum_n exp(logit - M_h) + exp(sink_h - M_h)
+    P[h, n] = bf16(exp(logit[h, n] - M_h) / L_h)          (normalized, then rounded: the reference's
+                                                            choice, uncertain in attention_ref)
+    o[r, h] = bf16(sum_n P[h, n] * entry[n])  ->  inverse RoPE on dims 448..511 at the row's position
+              (fp32 on the bf16 values, as the reference's A14) -> bf16 out [R, H, 512] (wo_a input)
+
+Inputs (device buffers, all caller-owned; PTX ABI in `PARAMS`):
+    q            bf16  [R, H, 512]   rank's heads, rope dims rotated
+    out          bf16  [R, H, 512]
+    swa          u8    [lines * ring_slots, 584]   the layer's SWA ring
+    compressed   u8    [pages * page_size, 584]    the kv source's compressed cache (topk specs)
+    topk         i32   [R, topk]                   entry ids, -1 padded (topk specs)
+    block_tables i32   [S, pages_per_seq]          pages of each sequence, -1 = none
+    row_info     i32   [R, 4]  (position, swa_lo, swa_hi, seq): `row_info()` builds it from a
+                               RowBatch; seq = -1 marks a padding row (o = 0, nothing read)
+    state_lines  i32   [S]     SWA slot of position x: state_lines[seq] * ring_slots + x % ring_slots
+    sink         f32   [H]
+    rope_table   f32   [num_positions, 32, 2]      the layer's (cos, sin) table (rope_ref)
+
+Bad input shows as NaN in the row's output, never as an out-of-bounds read: a top-k entry on a
+page beyond `pages_per_seq` or on an unallocated (-1) page, an SWA range wider than `swa_cols`,
+a position outside the RoPE table, or a launch without the compiled cluster shape.
+
+Launch geometry: one thread-block cluster of `cluster_ctas` CTAs per row (grid = (cluster_ctas,
+R, 1), cluster = (cluster_ctas, 1, 1)); CTA s takes entries [s * per, (s + 1) * per) of the row,
+per = round_up(ceil(C / cluster_ctas), 16), C = (swa_hi - swa_lo + 1) + topk. The cluster shares
+(max, sum) per head through distributed shared memory, so every CTA rounds the NORMALIZED
+probabilities exactly as the reference does, and each record is read from memory once per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import attention_ref, rope_ref
+from kernels import kvrecord_ref as rec
+from kernels.common_ref import H200_HBM_BYTES_PER_S, ceil_div, check_rows, params_dict, to_bf16
+
+HEAD_DIM = rec.HEAD_DIM
+RECORD_BYTES = rec.KV_RECORD_BYTES
+MMA_M = 16                       # heads per mma tile: the rank's heads, zero-padded to 16
+CTAS_PER_SM = 2                  # minctasm; 3 (85 registers) spilled 16-40 bytes
+CTA_THREADS = 256                # 8 warps: warp w owns output dims 64w..64w+63 in the PV product
+ENTRY_TILE = 16                  # entries per PV k-step; a CTA's share is a multiple of it
+Q_ROW_BYTES = HEAD_DIM * 2 + 16  # padded q row in shared memory (conflict-free fragment loads)
+O_ROW_BYTES = HEAD_DIM * 4 + 16  # padded fp32 partial-o row (DSMEM reduction source)
+STATS_BYTES = 16                 # per head: (max, sum, bad, pad) f32
+CLUSTER_TOPK = 8                 # portable maximum: 640 entries -> 80 per CTA
+CLUSTER_SWA = 4                  # SWA-only layers: <= 133 entries -> 48 per CTA
+DEFAULT_MAX_BLOCK_ROWS = 6       # KVCaches.allocate's default (verify block)
+INFO_FIELDS = 4                  # row_info: position, swa_lo, swa_hi, seq
+
+PARAMS = (("q", "u64"), ("out", "u64"), ("swa", "u64"), ("compressed", "u64"), ("topk", "u64"),
+          ("block_tables", "u64"), ("row_info", "u64"), ("state_lines", "u64"), ("sink", "u64"),
+          ("rope_table", "u64"), ("rows", "u32"), ("pages_per_seq", "u32"), ("page_size", "u32"),
+          ("num_positions", "u32"))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def round_up(n: int, m: int) -> int:
+    return ceil_div(n, m) * m
+
+
+@dataclass(frozen=True)
+class SmemLayout:
+    """Byte offsets of one CTA's dynamic shared memory (the kernel and the tests share them)."""
+
+    records: int          # [entries_per_cta, 584] u8 raw records; later [H, O_ROW_BYTES] partial o
+    addresses: int        # [entries_per_cta] i64 record address; 0 = masked, 1 = bad input
+    q: int                # [16, Q_ROW_BYTES] bf16 rows (rows >= H zero)
+    logits: int           # [16, entries_per_cta] f32
+    probs: int            # [16, probs_row_bytes] bf16
+    stats: int            # [16] (max, sum, bad, pad) f32: what the other CTAs of the cluster read
+    norm: int             # [16] (M, L) f32 pairs of the whole row
+    total: int
+    probs_row_bytes: int
+
+
+def smem_layout(heads: int, entries_per_cta: int) -> SmemLayout:
+    records = max(entries_per_cta * RECORD_BYTES, heads * O_ROW_BYTES)
+    # P rows padded so that the 8 row groups of an mma fragment load hit distinct banks.
+    probs_row = entries_per_cta * 2 + 16
+    off = round_up(records, 16)
+    addresses = off
+    off += entries_per_cta * 8
+    q = off
+    off += MMA_M * Q_ROW_BYTES
+    logits = off
+    off += MMA_M * entries_per_cta * 4
+    probs = off
+    off += MMA_M * probs_row
+    stats = off
+    off += MMA_M * STATS_BYTES
+    norm = off
+    off += MMA_M * 8
+    return SmemLayout(0, addresses, q, logits, probs, stats, norm, round_up(off, 16), probs_row)
+
+
+@dataclass(frozen=True)
+class SparseMqaSpec:
+    """One compiled sparse MQA kernel: heads, window, top-k and the split are baked in."""
+
+    name: str
+    heads: int                 # per rank
+    window: int                # sliding window W
+    swa_cols: int              # most SWA entries a row may see: W (+ the draft block, SWA-only)
+    topk: int                  # 0: SWA-only layer (compressed/topk/block_tables unused)
+    ring_slots: int            # SWA ring slots per state line (power of two)
+    cluster_ctas: int
+    entries_per_cta: int
+    smem_bytes: int
+    params: tuple[tuple[str, str], ...] = PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+
+    @property
+    def cluster(self) -> tuple[int, int, int]:
+        return (self.cluster_ctas, 1, 1)
+
+    @property
+    def max_entries(self) -> int:
+        return self.swa_cols + self.topk
+
+    @property
+    def layout(self) -> SmemLayout:
+        return smem_layout(self.heads, self.entries_per_cta)
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > 65535:
+            raise ValueError(f"{self.name}: {rows} rows exceed grid.y")
+        return (self.cluster_ctas, rows, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "sparse_mqa", "name": self.name, "heads": self.heads,
+                "window": self.window, "swa_cols": self.swa_cols, "topk": self.topk,
+                "ring_slots": self.ring_slots, "cluster": list(self.cluster),
+                "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
+                "block": list(self.block), "smem_bytes": self.smem_bytes}
+
+
+def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int) -> SparseMqaSpec:
+    if not 1 <= heads <= MMA_M:
+        raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
+    if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
+        raise ValueError(f"sparse MQA: ring_slots {ring_slots} must be a power of two >= "
+                         f"window {window} + draft rows {draft_rows}")
+    # Draft rows (W + block entries) run only on SWA-only layers (the reference step refuses them
+    # on compressed layers); a top-k kernel sees causal rows, at most W SWA entries.
+    swa_cols = window if topk else window + draft_rows
+    cluster = CLUSTER_TOPK if topk else CLUSTER_SWA
+    per = round_up(ceil_div(swa_cols + topk, cluster), ENTRY_TILE)
+    layout = smem_layout(heads, per)
+    kind = f"topk{topk}" if topk else "swa"
+    name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
+    return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
+                         layout.total)
+
+
+def sparse_mqa_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
+    """The SWA-only kernel (layers 0, 1 and the DSpark stages) and the SWA + top-k kernel."""
+    heads = cfg.rank_shapes(tp).heads
+    ring = next_pow2(cfg.sliding_window + max_block_rows)
+    draft = cfg.dspark_block_size
+    return [make_spec(heads, cfg.sliding_window, draft, 0, ring),
+            make_spec(heads, cfg.sliding_window, draft, cfg.index_topk, ring)]
+
+
+# ---- row metadata ------------------------------------------------------------------------------
+
+def row_info(rows, window: int) -> np.ndarray:
+    """int32 [R, 4] (position, swa_lo, swa_hi, seq) of a RowBatch (attention_ref block rules).
+
+    Causal rows (decode, verify) see p - W + 1 .. p; draft rows see block_start - W .. block_end.
+    Padding rows get (0, 0, -1, -1).
+    """
+    from executor.reference.rows import KIND_DRAFT
+    info = np.zeros((rows.num_rows, INFO_FIELDS), np.int32)
+    info[:, 2:] = -1
+    for s in range(rows.num_seqs):
+        idx = rows.seq_rows(s)
+        pos = rows.positions[idx]
+        if rows.block_kind[idx[0]] == KIND_DRAFT:
+            lo, hi = np.full_like(pos, pos[0] - window), np.full_like(pos, pos[-1])
+        else:
+            lo, hi = pos - window + 1, pos
+        info[idx] = np.stack([pos, np.maximum(lo, 0), hi, np.full_like(pos, s)], axis=1)
+    return info
+
+
+def split_entries(count: int, cluster_ctas: int) -> int:
+    """Entries per CTA of a row with `count` entries (the last CTAs may get fewer or none)."""
+    return round_up(ceil_div(count, cluster_ctas), ENTRY_TILE) if count > 0 else 0
+
+
+# ---- reference ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gathered:
+    """The records one launch reads, as the reference sees them."""
+
+    kv: np.ndarray         # [R, C, 512] float32 dequantized entries (0 where masked)
+    valid: np.ndarray      # [R, C] bool
+    record_ids: list       # per row: list of (cache name, physical row) actually read
+
+
+def gather(spec: SparseMqaSpec, swa: np.ndarray, compressed: np.ndarray | None,
+           topk: np.ndarray | None, block_tables: np.ndarray, info: np.ndarray,
+           state_lines: np.ndarray, page_size: int) -> Gathered:
+    """Each row's entries from the cache bytes, in the kernel's order (SWA, then top-k).
+
+    Raises ValueError, naming the row, where the kernel writes NaN (bad input); reading a record
+    that was never written (poison: NaN after decoding) is also an error, as in the reference step.
+    """
+    r = info.shape[0]
+    kv = np.zeros((r, spec.max_entries, HEAD_DIM), np.float32)
+    valid = np.zeros((r, spec.max_entries), bool)
+    ids = []
+    for i in range(r):
+        pos, lo, hi, seq = (int(v) for v in info[i])
+        read = []
+        if seq >= 0:
+            n_swa = max(hi - lo + 1, 0)
+            if lo < 0 or n_swa > spec.swa_cols:
+                raise ValueError(f"row {i}: SWA range {lo}..{hi} outside 0.. / wider than "
+                                 f"{spec.swa_cols} entries")
+            line = int(state_lines[seq])
+            slots = line * spec.ring_slots + np.arange(lo, hi + 1) % spec.ring_slots
+            read += [("swa", int(s)) for s in slots]
+            entries = [swa[slots]] if n_swa > 0 else []
+            for j, e in enumerate(topk[i] if spec.topk else ()):
+                if e < 0:
+                    continue
+                page = int(e) // page_size
+                if page >= block_tables.shape[1] or block_tables[seq, page] < 0:
+                    raise ValueError(f"row {i}: top-k entry {int(e)} (slot {j}) is on page "
+                                     f"{page}, outside or unallocated in sequence {seq}'s table")
+                phys = int(block_tables[seq, page]) * page_size + int(e) % page_size
+                read.append(("compressed", phys))
+                entries.append(compressed[phys][None])
+                valid[i, n_swa + j] = True
+            valid[i, :n_swa] = True
+            if entries:
+                decoded = rec.decode_kv_record(np.concatenate(entries))
+                kv[i, valid[i]] = decoded
+        ids.append(read)
+    if not np.isfinite(kv[valid]).all():
+        row = int(np.flatnonzero((~np.isfinite(kv).all(axis=2) & valid).any(axis=1))[0])
+        raise ValueError(f"row {row} attends to a KV record that was never written (poison)")
+    return Gathered(kv, valid, ids)
+
+
+def sparse_mqa_ref(spec: SparseMqaSpec, q: np.ndarray, gathered: Gathered, sink: np.ndarray,
+                   info: np.ndarray, table: rope_ref.RopeTable) -> np.ndarray:
+    """bf16 [R, H, 512]: attention_ref.sparse_mqa, then inverse RoPE (fp32) and bf16, as A13-A14."""
+    o = attention_ref.sparse_mqa(np.asarray(q, np.float32), gathered.kv, gathered.valid,
+                                 np.asarray(sink, np.float32))
+    real = info[:, 3] >= 0
+    positions = np.where(real, info[:, 0], 0)
+    o = rope_ref.apply_rope(o, positions, table, inverse=True)
+    o[~real] = 0.0
+    return to_bf16(o)
+
+
+def sparse_mqa_f64(spec: SparseMqaSpec, q: np.ndarray, gathered: Gathered, sink: np.ndarray,
+                   info: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Float64 ground truth (no roundings at all), for tolerance checks."""
+    o = attention_ref.sparse_mqa_f64(np.asarray(q, np.float64), gathered.kv, gathered.valid,
+                                     np.asarray(sink, np.float64))
+    real = info[:, 3] >= 0
+    o = rope_ref.rope_f64(o, np.where(real, info[:, 0], 0), inv_freq, inverse=True)
+    o[~real] = 0.0
+    return o
+
+
+# ---- bytes and predicted time --------------------------------------------------------------------
+
+def bytes_read(spec: SparseMqaSpec, gathered: Gathered) -> dict:
+    """Bytes one launch moves: `records` as the kernel issues them (each row reads its own entries;
+    a record shared by rows of a verify block is read once per row, the repeats are L2 hits),
+    `unique_records` (the HBM floor: each distinct record once), and the small per-row arrays."""
+    r = len(gathered.record_ids)
+    per_row = sum(len(ids) for ids in gathered.record_ids)
+    unique = len({rid for ids in gathered.record_ids for rid in ids})
+    q_out = 2 * r * spec.heads * HEAD_DIM * 2
+    meta = r * (INFO_FIELDS * 4 + spec.topk * 4)
+    return {"records": per_row * RECORD_BYTES, "unique_records": unique * RECORD_BYTES,
+            "q_out": q_out, "meta": meta,
+            "must_read": unique * RECORD_BYTES + q_out + meta}
+
+
+def hbm_floor_us(nbytes: int) -> float:
+    return nbytes / H200_HBM_BYTES_PER_S * 1e6
