@@ -1,0 +1,182 @@
+"""The indexer kernel chain on device buffers (prep, scores, top-k, candidate blocks); its benchmark.
+
+Used by tests/gpu/test_indexer_publish.py and by `hopdec devicecheck` (benchmark "indexer",
+registered through executor/benchmarks.py FAMILY_BENCHMARKS as "executor.indexer_chain:bench_indexer").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from executor.arena import Arena
+from executor.launch import LaunchSpec
+from kernels import indexer_kernel_ref as ik
+
+BENCH_CONTEXTS = (4096, 65536, 131072)
+BENCH_ROWS = (1, 6, 48)                  # 1 decode row; one verify block; 8 verify blocks
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    """What one chain is sized for: the layer kind and the step's maxima."""
+
+    heads: int
+    ratio: int
+    mode: str                  # "dense" | "candidates"
+    topk: int
+    num_blocks: int            # candidate blocks per row (candidate source / consumers)
+    block_size: int
+    page_size: int
+    max_rows: int
+    max_seqs: int
+    max_entries: int           # per sequence: the scores row stride (ld)
+    candidate_source: bool = False
+
+    @property
+    def pages_per_seq(self) -> int:
+        return ik.ceil_div(self.max_entries, self.page_size)
+
+    @property
+    def tiles(self) -> int:
+        return ik.padded_heads(self.heads) // ik.HEADS_PER_TILE
+
+
+class IndexerChain:
+    """Every buffer of one index-source layer's indexer and its launches."""
+
+    def __init__(self, device, bundle, shape: IndexerShape):
+        self.shape = s = shape
+        topk_mode = "candidates" if s.mode == "candidates" else "entries"
+        self.specs = {"prep": ik.make_prep_spec(s.heads, s.mode, s.ratio, s.page_size),
+                      "scores": ik.make_scores_spec(s.heads, s.mode, s.ratio, s.page_size),
+                      "topk": ik.make_topk_spec(topk_mode, s.topk, s.ratio, s.block_size)}
+        if s.candidate_source:
+            self.specs["blocks"] = ik.make_topk_spec("blocks", s.num_blocks, s.ratio,
+                                                     s.block_size)
+        self.kernels = {k: bundle.kernel(v.name) for k, v in self.specs.items()}
+        r, t, nh = s.max_rows, s.tiles, s.heads
+        pages = s.max_seqs * s.pages_per_seq
+        reqs = [("q", 2 * r * nh * ik.INDEX_DIM, f"bf16 [{r}, {nh}, 128]"),
+                ("w_raw", 2 * r * nh, f"bf16 [{r}, {nh}]"), ("positions", 4 * r),
+                ("seq_index", 4 * r), ("cands", 4 * r * s.num_blocks, "i32 [R, blocks] in"),
+                ("qfrag", 4 * r * t * ik.GROUPS * ik.LANES * 2), ("qscale", 4 * r * t * 32),
+                ("qw", 4 * r * t * 8), ("plan", 4 * ik.plan_words(r)),
+                ("keys", pages * s.page_size * ik.KEY_BYTES, "u8 [pages * page, 132]"),
+                ("block_tables", 4 * s.max_seqs * s.pages_per_seq),
+                ("scores", 4 * r * s.max_entries, f"f32 [{r}, {s.max_entries}]"),
+                ("topk", 4 * r * s.topk), ("blocks_out", 4 * r * s.num_blocks)]
+        self.arena = Arena(device, reqs)
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def upload(self, name: str, array: np.ndarray) -> None:
+        import cupy as cp
+        flat = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        self.arena.view(name, np.uint8, flat.shape)[...] = cp.asarray(flat)
+
+    def download(self, name: str, dtype, shape) -> np.ndarray:
+        return self.arena.view(name, dtype, shape).get()
+
+    def poison(self, *names: str) -> None:
+        for name in names:
+            self.arena.view(name, np.uint8)[...] = 0xFF
+
+    def launches(self, rows: int, weight_scale: float) -> list[LaunchSpec]:
+        s, p = self.shape, self.arena.ptr
+        args = {
+            "prep": (p("q"), p("w_raw"), p("positions"), p("seq_index"), p("cands"), p("qfrag"),
+                     p("qscale"), p("qw"), p("plan"), rows, s.num_blocks, float(weight_scale)),
+            "scores": (p("qfrag"), p("qscale"), p("qw"), p("plan"), p("keys"),
+                       p("block_tables"), p("cands"), p("seq_index"), p("scores"), rows,
+                       s.max_entries, s.pages_per_seq, s.num_blocks),
+            "topk": (p("scores"), p("positions"), p("seq_index"), p("cands"), p("topk"), rows,
+                     s.max_entries, s.num_blocks),
+            "blocks": (p("scores"), p("positions"), p("seq_index"), p("cands"),
+                       p("blocks_out"), rows, s.max_entries, s.num_blocks),
+        }
+        return [LaunchSpec(self.kernels[k], self.specs[k].grid(rows), args[k])
+                for k in self.specs]
+
+
+def random_key_records(rng, n: int) -> np.ndarray:
+    """[n, 132] valid key records of random keys (never NaN bytes)."""
+    from kernels import kvrecord_ref
+    return kvrecord_ref.encode_index_key(rng.standard_normal((n, 128)).astype(np.float32))
+
+
+def layout_rows(rows: int, context: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(positions, seq_index, sequences): 1 decode row, or verify blocks of 6 ending at context."""
+    per = 1 if rows == 1 else 6
+    seqs = ik.ceil_div(rows, per)
+    pos, seq = [], []
+    for q in range(seqs):
+        n = min(per, rows - q * per)
+        pos += list(range(context - n, context))
+        seq += [q] * n
+    return np.array(pos, np.int32), np.array(seq, np.int32), seqs
+
+
+def bench_indexer(ctx) -> None:
+    """Indexer at 4k/64k/128k contexts, R = 1, 6, 48: scores, top-k and the chain, L2 flushed;
+    bytes = the key records each sequence must read once (+ q, scales, w)."""
+    import cupy as cp
+
+    from executor.benchmarks import fill_random_bf16
+    bundle = ctx.bundle_with("indexer_scores_dense_h32")
+    if bundle is None:
+        raise LookupError("no bundle has the v41-flash indexer kernels")
+    rng = np.random.default_rng()
+    contexts = BENCH_CONTEXTS[:1] if ctx.quick else BENCH_CONTEXTS
+    page = 64
+    shape = IndexerShape(32, 1, "dense", 512, 2048, 8, page, max(BENCH_ROWS), 8, max(contexts),
+                         candidate_source=True)
+    chain = IndexerChain(ctx.device, bundle, shape)
+    try:
+        keys = chain.arena.view("keys", np.uint8)
+        n_keys = keys.size // ik.KEY_BYTES
+        chunk = random_key_records(rng, 65536).reshape(-1)
+        for start in range(0, keys.size, chunk.size):
+            stop = min(keys.size, start + chunk.size)
+            keys[start:stop] = cp.asarray(chunk[:stop - start])
+        tables = rng.permutation(n_keys // page)[:shape.max_seqs * shape.pages_per_seq]
+        chain.upload("block_tables", tables.astype(np.int32))
+        fill_random_bf16(chain.arena, "q")
+        fill_random_bf16(chain.arena, "w_raw")
+        for context in contexts:
+            for rows in BENCH_ROWS:
+                _bench_case(ctx, chain, context, rows)
+    finally:
+        chain.close()
+
+
+def _bench_case(ctx, chain: IndexerChain, context: int, rows: int) -> None:
+    pos, seq, seqs = layout_rows(rows, context)
+    chain.upload("positions", pos)
+    chain.upload("seq_index", seq)
+    specs = chain.launches(rows, 0.0156)
+    bytes_scores = ik.scores_bytes([context] * seqs, rows, chain.shape.heads)
+    case = f"T={context // 1024}k S={seqs}"
+    _, scores, topk, blocks = specs
+
+    def run_all():
+        for sp in specs:
+            sp.launch(ctx.stream)
+    for sp in specs:                    # the plan and q must exist before the parts are timed
+        sp.launch(ctx.stream)
+    ctx.stream.synchronize()
+    reps = 20 if ctx.quick else 50
+    us = ctx.cold_median_us(lambda: scores.launch(ctx.stream), reps)
+    row = ctx.bandwidth("indexer_scores_dense_h32", case, rows, us, bytes_scores)
+    if context == 65536:
+        ctx.metric(f"indexer scores R={rows} T=64k: % of 4.8 TB/s", row.pct_hbm, "%", ">= 70",
+                   row.pct_hbm >= 70)
+    us_topk = ctx.cold_median_us(lambda: topk.launch(ctx.stream), reps)
+    ctx.bandwidth("indexer_topk_entries_k512", case, rows, us_topk,
+                  ik.topk_bytes([context] * rows, 512))
+    us_blocks = ctx.cold_median_us(lambda: blocks.launch(ctx.stream), reps)
+    ctx.bandwidth("indexer_topk_blocks_k2048", case, rows, us_blocks,
+                  ik.topk_bytes([context] * rows, 2048))
+    us_chain = ctx.cold_median_us(run_all, reps)
+    ctx.bandwidth("indexer_chain_layer20", case, rows, us_chain, bytes_scores)

@@ -1,0 +1,202 @@
+"""GPU: the indexer chain (prep, scores, top-k, candidate blocks) against its NumPy reference.
+
+Fresh random queries, weights and key records every run, pages of the key cache handed out as a
+permutation and every page no sequence owns filled with 0xFF (NaN keys and scales): a read through a
+wrong block table or past a sequence's entries turns a score NaN. Scores, plan, q fragments and
+top-k outputs are NaN/0xFF poisoned before the launch. Cases: contexts shorter than the window, 1k,
+32k, 128k; R in {1, 5, 6, 12, 48} (decode rows, a draft-sized and verify blocks, several
+sequences) plus padding rows (sequence -1); the candidate-consumer (reindex) chain on the
+candidates the candidate source picked, at contexts longer than the candidate coverage.
+
+Checks: plan and q fragments/scales/weights bitwise (integer work and exact power-of-two scaling);
+scores within `score_tolerance` (2^-12 of sum |w||q||K|: the tensor core's truncating k-step adder
+and ~40 fp32 roundings, see kernels/indexer_kernel_ref.py) and NaN exactly where nothing may be
+written; top-k and candidate blocks bitwise equal to `topk_ref` applied to the kernel's own scores
+(the selection is exact); a replay is bitwise identical.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.indexer_chain import IndexerChain, IndexerShape, random_key_records
+from executor.runtime import Bundle, Device
+from kernels import indexer_kernel_ref as ik
+from kernels import indexer_ref, kvrecord_ref
+from loader import formats
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4"))
+PAGE = 64
+WEIGHT_SCALE = 128 ** -0.5 * 32 ** -0.5
+CASES = [(10, 1), (10, 6), (1000, 1), (1000, 5), (1000, 12), (1000, 48), (4096, 48),
+         (32768, 1), (32768, 6), (32768, 12), (131072, 1), (131072, 6)]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = Device(0)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def bundle(dev):
+    if not (BUNDLE / "manifest.json").is_file():
+        pytest.fail(f"no bundle at {BUNDLE} (python -m kernels.build --config v41-flash --tp 4)")
+    b = Bundle.load(dev, BUNDLE)
+    yield b
+    b.close()
+
+
+def make_rows(rng, context: int, rows: int, padding: int):
+    """Sequences of 1 (R = 1), 5 (a draft-sized block) or 6 rows ending near `context`."""
+    per = 1 if rows == 1 else 5 if rows == 5 else 6
+    pos, seq = [], []
+    q = 0
+    while len(pos) < rows:
+        n = min(per, rows - len(pos))
+        end = max(n, context - int(rng.integers(0, 3)))
+        pos += list(range(end - n, end))
+        seq += [q] * n
+        q += 1
+    pos += [0] * padding
+    seq += [-1] * padding
+    return np.array(pos, np.int32), np.array(seq, np.int32), q
+
+
+def setup_keys(rng, chain: IndexerChain, seqs: int, positions, seq_index, ratio: int):
+    """Random key records on each sequence's pages (permuted), 0xFF everywhere else."""
+    s = chain.shape
+    total_pages = s.max_seqs * s.pages_per_seq
+    tables = rng.permutation(total_pages)[:s.max_seqs * s.pages_per_seq].reshape(
+        s.max_seqs, s.pages_per_seq).astype(np.int32)
+    chain.poison("keys")
+    decoded = []
+    for q in range(seqs):
+        n = (int(positions[seq_index == q].max()) + 1) // ratio
+        recs = random_key_records(rng, n)
+        e = np.arange(n)
+        phys = tables[q, e // PAGE].astype(np.int64) * PAGE + e % PAGE
+        view = chain.arena.view("keys", np.uint8, (total_pages * PAGE, ik.KEY_BYTES))
+        view[cp.asarray(phys)] = cp.asarray(recs)
+        decoded.append(kvrecord_ref.decode_index_key(recs))
+    chain.upload("block_tables", tables)
+    return decoded
+
+
+def run_chain(chain, rows, stream):
+    chain.poison("scores", "topk", "blocks_out", "qfrag", "qscale", "qw", "plan")
+    cp.cuda.Device().synchronize()
+    for spec in chain.launches(rows, WEIGHT_SCALE):
+        spec.launch(stream)
+    stream.synchronize()
+
+
+def check_prep(chain, q, w_raw, positions, seq_index, mode, cands=None):
+    r = q.shape[0]
+    codes, scales, w = ik.prep_query(q, w_raw, WEIGHT_SCALE)
+    t = chain.shape.tiles
+    np.testing.assert_array_equal(
+        chain.download("qfrag", np.uint8, (r, t, 4, 32, 8)), ik.fragment_order(codes))
+    np.testing.assert_array_equal(
+        chain.download("qscale", np.float32, (r, t, 4, 4, 2)), ik.scale_order(scales))
+    np.testing.assert_array_equal(
+        chain.download("qw", np.float32, (r, t, 4, 2)), ik.weight_order(w))
+    plan = chain.download("plan", np.int32, (ik.plan_words(r),))
+    np.testing.assert_array_equal(plan, ik.work_plan(positions, seq_index, chain.shape.ratio,
+                                                     mode, cands))
+    return ik.dequantized_query(codes, scales), w
+
+
+def check_scores(got, qd, w, decoded, positions, seq_index, ratio, allowed_rows=None):
+    """Scores within tolerance where written; NaN (poison) beyond each sequence's entries."""
+    for q, keys in enumerate(decoded):
+        idx = np.flatnonzero(seq_index == q)
+        n = keys.shape[0]
+        want = indexer_ref.index_scores(qd[idx], w[idx], keys)
+        tol = ik.score_tolerance(qd[idx], w[idx], keys)
+        part = got[idx, :n]
+        mask = np.ones_like(part, bool) if allowed_rows is None else allowed_rows[idx, :n]
+        bad = mask & ~(np.abs(part - want) <= tol)
+        assert not bad.any(), (f"sequence {q}: {bad.sum()} scores out of tolerance, first at "
+                               f"{np.argwhere(bad)[0]}: {part[bad][0]} vs {want[bad][0]}")
+        written = mask if allowed_rows is not None else np.ones_like(part, bool)
+        assert np.isnan(part[~written]).all(), f"sequence {q}: a score outside the candidates"
+        assert np.isnan(got[idx, n:]).all(), f"sequence {q}: a score past its {n} entries"
+    pad = seq_index < 0
+    assert np.isnan(got[pad]).all(), "a padding row got scores"
+
+
+def new_chain(dev, bundle, mode, context, rows, candidate_source):
+    return IndexerChain(dev, bundle, IndexerShape(
+        32, 1, mode, 512, 2048, 8, PAGE, rows + 2, rows + 1, max(context, 64),
+        candidate_source=candidate_source))
+
+
+@pytest.mark.parametrize(("context", "rows"), CASES)
+def test_layer20_then_reindex(dev, bundle, context, rows):
+    rng = np.random.default_rng()
+    stream = dev.stream()
+    positions, seq_index, seqs = make_rows(rng, context, rows, padding=2)
+    r = positions.size
+    q = formats.bf16_round(rng.standard_normal((r, 32, 128)).astype(np.float32))
+    w_raw = formats.bf16_round(rng.standard_normal((r, 32)).astype(np.float32))
+    q_bits = (q.view(np.uint32) >> 16).astype(np.uint16)
+    w_bits = (w_raw.view(np.uint32) >> 16).astype(np.uint16)
+
+    dense = new_chain(dev, bundle, "dense", context, rows, True)
+    try:
+        decoded = setup_keys(rng, dense, seqs, positions, seq_index, 1)
+        for name, arr in (("q", q_bits), ("w_raw", w_bits), ("positions", positions),
+                          ("seq_index", seq_index)):
+            dense.upload(name, arr)
+        run_chain(dense, r, stream)
+        qd, w = check_prep(dense, q, w_raw, positions, seq_index, "dense")
+        scores = dense.download("scores", np.float32, (r, dense.shape.max_entries))
+        check_scores(scores, qd, w, decoded, positions, seq_index, 1)
+        topk = dense.download("topk", np.int32, (r, 512))
+        np.testing.assert_array_equal(topk, ik.topk_ref(scores, positions, seq_index, "entries",
+                                                        512, 1))
+        blocks = dense.download("blocks_out", np.int32, (r, 2048))
+        np.testing.assert_array_equal(blocks, ik.topk_ref(scores, positions, seq_index,
+                                                          "blocks", 2048, 1))
+        for spec in dense.launches(r, WEIGHT_SCALE):           # replay: bitwise
+            spec.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(dense.download("topk", np.int32, (r, 512)), topk)
+        np.testing.assert_array_equal(
+            dense.download("scores", np.float32, scores.shape)[~np.isnan(scores)],
+            scores[~np.isnan(scores)])
+        keys_bytes = dense.download("keys", np.uint8, (dense.arena.nbytes("keys"),))
+        tables = dense.download("block_tables", np.int32, (dense.shape.max_seqs,
+                                                           dense.shape.pages_per_seq))
+    finally:
+        dense.close()
+
+    reindex = new_chain(dev, bundle, "candidates", context, rows, False)
+    try:
+        reindex.upload("keys", keys_bytes)
+        reindex.upload("block_tables", tables)
+        q2 = formats.bf16_round(rng.standard_normal((r, 32, 128)).astype(np.float32))
+        for name, arr in (("q", (q2.view(np.uint32) >> 16).astype(np.uint16)),
+                          ("w_raw", w_bits), ("positions", positions),
+                          ("seq_index", seq_index), ("cands", blocks)):
+            reindex.upload(name, arr)
+        run_chain(reindex, r, stream)
+        qd2, w2 = check_prep(reindex, q2, w_raw, positions, seq_index, "candidates", blocks)
+        scores2 = reindex.download("scores", np.float32, (r, reindex.shape.max_entries))
+        n_max = reindex.shape.max_entries
+        inside = indexer_ref.candidate_entry_mask(blocks, n_max, 8) & indexer_ref.visible_mask(
+            ik.visible_counts(positions, seq_index, 1), n_max)
+        check_scores(scores2, qd2, w2, decoded, positions, seq_index, 1, allowed_rows=inside)
+        np.testing.assert_array_equal(
+            reindex.download("topk", np.int32, (r, 512)),
+            ik.topk_ref(scores2, positions, seq_index, "candidates", 512, 1, cands=blocks))
+    finally:
+        reindex.close()
