@@ -227,7 +227,7 @@ def gather(spec: SparseMqaSpec, swa: np.ndarray, compressed: np.ndarray | None,
     valid = np.zeros((r, spec.max_entries), bool)
     ids = []
     for i in range(r):
-        pos, lo, hi, seq = (int(v) for v in info[i])
+        _pos, lo, hi, seq = (int(v) for v in info[i])
         read = []
         if seq >= 0:
             n_swa = max(hi - lo + 1, 0)
@@ -281,6 +281,39 @@ def sparse_mqa_f64(spec: SparseMqaSpec, q: np.ndarray, gathered: Gathered, sink:
     o = rope_ref.rope_f64(o, np.where(real, info[:, 0], 0), inv_freq, inverse=True)
     o[~real] = 0.0
     return o
+
+
+def error_bound(q: np.ndarray, gathered: Gathered, sink: np.ndarray, info: np.ndarray,
+                inv_freq: np.ndarray) -> np.ndarray:
+    """Per-element bound on |kernel - sparse_mqa_ref| (float64 [R, H, 512]).
+
+    Both sides compute the same formula; they differ where an fp32 quantity lands on the other
+    side of a BF16 rounding boundary. Kernel logits are fp32 sums of exact BF16 x BF16 products
+    (mma), exp is ex2.approx: relative errors ~2^-20, so each probability P_n rounds to the same or
+    an adjacent BF16 value on each side: |dP_n| <= 2^-8 P_n in all, i.e. at most
+    2^-8 * sum_n P_n |v_nd| =: 2^-8 A_d on o_d. Each side rounds o once to BF16 (2^-9 |o_d|) and,
+    on dims 448..511, rotates the BF16 pair (x0, x1) by |c|, |s| <= 1 and rounds again, which
+    mixes the pair's errors. Bound: 2^-7 (A_d + |o_d|) (pair summed on rope dims) + 2^-7 |o_rot|
+    + 2^-24, o the float64 result.
+    """
+    kv = np.where(gathered.valid[:, :, None], gathered.kv, 0).astype(np.float64)
+    logits = np.matmul(np.asarray(q, np.float64), kv.transpose(0, 2, 1)) * attention_ref.SOFTMAX_SCALE
+    logits = np.where(gathered.valid[:, None, :], logits, -np.inf)
+    sk = np.asarray(sink, np.float64)[None, :, None]
+    m = np.maximum(logits.max(axis=2, keepdims=True), sk)
+    e = np.exp(logits - m)
+    p = e / (e.sum(axis=2, keepdims=True) + np.exp(sk - m))
+    weight = np.matmul(p, np.abs(kv))                                   # A_d
+    o = np.matmul(p, kv)
+    err = 2.0 ** -7 * (weight + np.abs(o))
+    rope = err[..., -rope_ref.ROPE_DIM:]
+    pair = rope.reshape(*rope.shape[:-1], -1, 2).sum(axis=-1)
+    err[..., -rope_ref.ROPE_DIM:] = np.repeat(pair, 2, axis=-1)
+    real = info[:, 3] >= 0
+    rotated = rope_ref.rope_f64(o, np.where(real, info[:, 0], 0), inv_freq, inverse=True)
+    bound = err + 2.0 ** -7 * np.abs(rotated) + 2.0 ** -24
+    bound[~real] = 0.0
+    return bound
 
 
 # ---- bytes and predicted time --------------------------------------------------------------------
