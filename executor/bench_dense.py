@@ -77,9 +77,7 @@ def _dense_specs(bundle):
         rec = bundle.manifest.kernels[name]
         if rec.family not in ("kernels.dense", "kernels.wo_a"):
             continue
-        s = rec.spec
-        spec = dr.DenseSpec(s["name"], s["n"], s["k"], s["groups"], s["row_tiles"],
-                            s["epilogue"], s["split_k"])
+        spec = dr.DenseSpec.from_dict(rec.spec)
         if spec.epilogue == PLAN_EPILOGUE.get(_label(spec), "bf16"):
             out.append(spec)
     return out

@@ -167,6 +167,8 @@ class DenseW8A16Sm90:
             (WARP, 4, self.row_tiles, CTA_WARPS)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
 
+        # Dependents may start now (they wait for our completion before reading our output).
+        cute.arch.griddepcontrol_launch_dependents()
         # Prologue before the PDL wait: the first PREFETCH chunks of weights and scales.
         for i in cutlass.range_constexpr(PREFETCH):
             self._load_chunk(wbuf, sbuf, i, w_row, s_row, c_begin + warp + i * CTA_WARPS,
@@ -193,8 +195,6 @@ class DenseW8A16Sm90:
             self._reduce_and_store(acc, red, flag, tidx, warp, lane, tile, slice_idx, grp, n0,
                                    p, rows, residual, out, workspace, counters)
             p += 1
-
-        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _load_chunk(self, wbuf, sbuf, i: cutlass.Constexpr, w_row: Int64, s_row: Int64,
@@ -302,10 +302,17 @@ class DenseW8A16Sm90:
                     st_bf16(out.toint() + idx * 2, totals[rt])
 
 
+def kernel_class(spec: DenseSpec):
+    """The kernel object class of a spec's variant (kernels/dense_stream.py for "stream")."""
+    if spec.variant == "stream":
+        from kernels.dense_stream import DenseStreamSm90
+        return DenseStreamSm90
+    return DenseW8A16Sm90
+
+
 def kernel_function(spec: DenseSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    del spec
-    return DenseW8A16Sm90.kernel
+    return kernel_class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[DenseSpec]:
@@ -326,4 +333,4 @@ def compile_dense(kernel_object, spec: DenseSpec, options: str):
 
 
 def compile_spec(spec: DenseSpec, options: str = "--gpu-arch sm_90a"):
-    return compile_dense(DenseW8A16Sm90(spec), spec, options)
+    return compile_dense(kernel_class(spec)(spec), spec, options)

@@ -51,6 +51,10 @@ MAX_SCALE_BYTE = 134                # 2^(s - 7) must stay a finite bf16 (s + 120
 TARGET_CTAS = 2 * H200_NUM_SMS      # split K until a launch has at least this many CTAs
 EPILOGUES = ("bf16", "f32", "residual")
 ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows per pass (R > 8)
+VARIANTS = ("mma", "stream")        # register-prefetch mma kernel; smem-streamed kernel (R <= 8)
+STREAM_WARPS = 8                    # consumer warps of the streamed kernel (+ 1 producer warp)
+STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
+STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
 PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
           ("out", "u64"), ("workspace", "u64"), ("counters", "u64"), ("rows", "u32"))
 
@@ -73,12 +77,58 @@ class DenseSpec:
     row_tiles: int = 1                      # n8 row tiles per pass: 8 * row_tiles rows
     epilogue: str = "bf16"
     split_k: int = 1
-    params: tuple[tuple[str, str], ...] = PARAMS
-    block: tuple[int, int, int] = (CTA_WARPS * WARP, 1, 1)
+    variant: str = "mma"
+    unit_k: int = 0                         # stream: K bytes per unit (one smem stage)
+    ctas: int = 0                           # stream: grid size (one wave)
+    stages: int = 0                         # stream: smem ring depth
+
+    @property
+    def params(self) -> tuple[tuple[str, str], ...]:
+        return PARAMS
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        warps = STREAM_WARPS + 1 if self.variant == "stream" else CTA_WARPS
+        return (warps * WARP, 1, 1)
 
     @property
     def tiles(self) -> int:
         return self.groups * self.n // TILE_N
+
+    # ---- the streamed variant's work split (the kernel computes the same integers) ----------
+    @property
+    def ksteps(self) -> int:
+        return self.k // self.unit_k
+
+    @property
+    def units(self) -> int:
+        """Work units (tile, K step) in tile-major order; CTA c owns a contiguous range."""
+        return self.tiles * self.ksteps
+
+    @property
+    def row_stride(self) -> int:
+        """smem bytes per weight row of a stage: == 64 mod 128, so rows g, g+1 of a quarter-warp
+        16-byte load land in different bank halves."""
+        return self.unit_k + (64 - self.unit_k) % 128
+
+    @property
+    def stage_bytes(self) -> int:
+        return TILE_N * self.row_stride
+
+    def unit_range(self, cta: int) -> tuple[int, int]:
+        return self.units * cta // self.ctas, self.units * (cta + 1) // self.ctas
+
+    def cta_of_unit(self, unit: int) -> int:
+        return ((unit + 1) * self.ctas - 1) // self.units
+
+    def scale_window(self) -> int:
+        """Largest run of scale bytes (whole 32-row scale blocks) one CTA's units touch."""
+        kg, most = self.k // FP8_BLOCK, 0
+        for c in range(self.ctas):
+            u0, u1 = self.unit_range(c)
+            t0, t1 = u0 // self.ksteps, (u1 - 1) // self.ksteps
+            most = max(most, (t1 // 2 - t0 // 2 + 1) * kg)
+        return most
 
     @property
     def rows_per_pass(self) -> int:
@@ -90,6 +140,10 @@ class DenseSpec:
 
     @property
     def smem_bytes(self) -> int:
+        if self.variant == "stream":
+            # ring + scale window + warp partials + full/empty mbarriers + flag + alignment slack
+            return (self.stages * self.stage_bytes + ceil_div(self.scale_window(), 16) * 16
+                    + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 * self.stages + 16 + 256)
         # fp32 partial per warp x row tile x 128 accumulators, plus the last-arrival flag.
         return CTA_WARPS * self.row_tiles * TILE_N * ROW_TILE * 4 + 16
 
@@ -101,19 +155,29 @@ class DenseSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: rows={rows} exceeds MAX_ROWS={MAX_ROWS}")
+        if self.variant == "stream":
+            if rows > ROW_TILE:
+                raise ValueError(f"{self.name}: the streamed kernel takes rows <= {ROW_TILE}, got "
+                                 f"{rows} (use the r32 mma kernel)")
+            return (self.ctas, 1, 1)
         return (self.tiles * self.split_k, 1, 1)
 
     def passes(self, rows: int) -> int:
         return ceil_div(check_rows(rows, self.name), self.rows_per_pass)
 
     def workspace_bytes(self) -> int:
-        """fp32 [max_passes, split_k, tiles, 128 * row_tiles]; 0 without a K split."""
+        """mma: fp32 [max_passes, split_k, tiles, 128 * row_tiles], 0 without a K split;
+        stream: fp32 [ctas, 2, 128] (a CTA's first and last tile, when other CTAs share them)."""
+        if self.variant == "stream":
+            return self.ctas * 2 * TILE_N * ROW_TILE * 4
         if self.split_k == 1:
             return 0
         return self.max_passes * self.split_k * self.tiles * TILE_N * self.rows_per_pass * 4
 
     def counters_bytes(self) -> int:
-        """u32 [max_passes, tiles], zeroed at bind time; 0 without a K split."""
+        """u32 [max_passes, tiles] (stream: [tiles]), zeroed at bind time; 0 without a split."""
+        if self.variant == "stream":
+            return self.tiles * 4
         return 0 if self.split_k == 1 else self.max_passes * self.tiles * 4
 
     def weight_bytes(self) -> int:
@@ -128,14 +192,60 @@ class DenseSpec:
     def to_dict(self) -> dict:
         return {"family": "dense", "name": self.name, "n": self.n, "k": self.k,
                 "groups": self.groups, "row_tiles": self.row_tiles, "epilogue": self.epilogue,
-                "split_k": self.split_k, "params": params_dict(self.params),
+                "split_k": self.split_k, "variant": self.variant, "unit_k": self.unit_k,
+                "ctas": self.ctas, "stages": self.stages, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "tiles": self.tiles,
                 "max_passes": self.max_passes}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> DenseSpec:
+        """The spec a manifest records (`to_dict` output)."""
+        return cls(d["name"], d["n"], d["k"], d["groups"], d["row_tiles"], d["epilogue"],
+                   d["split_k"], d.get("variant", "mma"), d.get("unit_k", 0), d.get("ctas", 0),
+                   d.get("stages", 0))
+
+
+def choose_stream_unit_k(tiles: int, k: int) -> int:
+    """K bytes per streamed unit: best (units balanced over <= 132 CTAs, one wave) x sqrt(the 8
+    consumer warps' share of 64-byte chunks), then the larger unit (fewer barriers)."""
+    def score(unit_k: int) -> tuple[float, int]:
+        units = tiles * (k // unit_k)
+        ctas = min(H200_NUM_SMS, units)
+        balance = units / (ctas * ceil_div(units, ctas))
+        chunks = ceil_div(unit_k, CHUNK_K)
+        fill = chunks / (STREAM_WARPS * ceil_div(chunks, STREAM_WARPS))
+        return (round(balance * fill**0.5, 3), unit_k)
+    cands = [d for d in range(FP8_BLOCK, min(k, STREAM_MAX_UNIT_K) + 1, FP8_BLOCK)
+             if k % d == 0 and (d % CHUNK_K == 0 or d == k)]
+    if not cands:
+        raise ValueError(f"K={k}: no unit of <= {STREAM_MAX_UNIT_K} bytes divides it")
+    return max(cands, key=score)
+
+
+def stream_layout(tiles: int, k: int) -> tuple[int, int, int]:
+    """(unit_k, ctas, stages) of the streamed kernel: the whole CTA slice in the ring when it
+    fits the smem budget (every weight byte in flight before griddepcontrol.wait), else a ring."""
+    unit_k = choose_stream_unit_k(tiles, k)
+    units = tiles * (k // unit_k)
+    ctas = min(H200_NUM_SMS, units)
+    probe = DenseSpec("probe", TILE_N, k, 1, 1, "bf16", 1, "stream", unit_k, 1, 1)
+    fixed = probe.smem_bytes - probe.stage_bytes + k // FP8_BLOCK * 8
+    per_cta = ceil_div(units, ctas)
+    stages = min(per_cta, (STREAM_SMEM_BUDGET - fixed) // probe.stage_bytes)
+    if stages < min(2, per_cta):
+        raise ValueError(f"K={k}: a {unit_k}-byte unit leaves room for {stages} smem stages")
+    return unit_k, ctas, stages
+
 
 def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
-              epilogue: str = "bf16", prefix: str = "dense_w8a16") -> DenseSpec:
-    """Validated spec; the name carries every compile-time choice."""
+              epilogue: str = "bf16", prefix: str = "dense_w8a16",
+              variant: str | None = None) -> DenseSpec:
+    """Validated spec; the name carries every compile-time choice. The default variant is
+    "stream" for 8 rows per pass (R <= 8) and "mma" for 32 rows per pass."""
+    variant = variant or ("stream" if row_tiles == 1 else "mma")
+    if variant not in VARIANTS or (variant == "stream" and row_tiles != 1):
+        raise ValueError(f"{label}: variant {variant!r} with row_tiles {row_tiles}; expected "
+                         f"one of {VARIANTS}, 'stream' only with row_tiles 1")
     if epilogue not in EPILOGUES:
         raise ValueError(f"{label}: epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if row_tiles not in ROW_TILE_CHOICES:
@@ -146,7 +256,10 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     split = choose_split_k(groups * n // TILE_N, k)
     name = f"{prefix}_{label}_n{n}_k{k}" + (f"_g{groups}" if groups > 1 else "")
     name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
-    return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
+    if variant == "mma":
+        return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
+    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k)
+    return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages)
 
 
 def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:

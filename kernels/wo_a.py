@@ -8,15 +8,14 @@ u32 rows), as the dense family.
 """
 from __future__ import annotations
 
-from kernels.dense import DenseW8A16Sm90, compile_dense
+from kernels.dense import compile_dense, kernel_class
 from kernels.dense_ref import DenseSpec
 from kernels.wo_a_ref import wo_a_specs
 
 
 def kernel_function(spec: DenseSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    del spec
-    return DenseW8A16Sm90.kernel
+    return kernel_class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[DenseSpec]:
@@ -24,4 +23,4 @@ def specs(cfg, tp: int) -> list[DenseSpec]:
 
 
 def compile_spec(spec: DenseSpec, options: str = "--gpu-arch sm_90a"):
-    return compile_dense(DenseW8A16Sm90(spec), spec, options)
+    return compile_dense(kernel_class(spec)(spec), spec, options)

@@ -213,6 +213,12 @@ def test_specs_are_valid_and_uniquely_named(config):
     for s in specs:
         d = s.to_dict()
         assert d["name"] == s.name and d["params"] == [list(p) for p in s.params]
+        assert dr.DenseSpec.from_dict(d) == s if isinstance(s, dr.DenseSpec) else True
+        if isinstance(s, dr.DenseSpec) and s.variant == "stream":
+            assert s.grid(8) == s.grid(1) == (s.ctas, 1, 1) and s.ctas <= 132
+            with pytest.raises(ValueError, match="rows <= 8"):
+                s.grid(9)
+            continue
         assert s.grid(1)[0] >= 1 and s.grid(192) == s.grid(1)
         if isinstance(s, dr.DenseSpec):
             assert s.n % dr.TILE_N == 0 and s.split_k >= 1
@@ -222,12 +228,70 @@ def test_specs_are_valid_and_uniquely_named(config):
 
 def test_split_k_fills_the_gpu_for_narrow_layers(v41):
     by_label = {s.name: s for s in dr.dense_specs(v41, 4)}
-    wqa = by_label["dense_w8a16_wqa_wkv_n1792_k5120_r8_bf16"]
-    w13 = by_label["dense_w8a16_shared_w13_n1152_k5120_r8_bf16"]
+    wqa = by_label["dense_w8a16_wqa_wkv_n1792_k5120_r32_bf16"]
+    w13 = by_label["dense_w8a16_shared_w13_n1152_k5120_r32_bf16"]
     for s in (wqa, w13):
         assert s.grid(1)[0] >= 2 * 132 and s.split_k > 1
-        assert s.workspace_bytes() == s.max_passes * s.split_k * s.tiles * 16 * 8 * 4
+        assert s.workspace_bytes() == s.max_passes * s.split_k * s.tiles * 16 * s.rows_per_pass * 4
         assert s.counters_bytes() == s.max_passes * s.tiles * 4
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
+    """The streamed kernel's integer work split (kernels/dense_stream.py computes the same):
+    contiguous unit ranges partition the units, cta_of_unit inverts them, only a CTA's first and
+    last tile can be shared (its two workspace slots), the scale window holds every scale block
+    the CTA reads, the ring fits the smem budget, and small layers are resident in the ring."""
+    cfg = ModelConfig.preset(config)
+    for s in [s for s in dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) if s.variant == "stream"]:
+        assert s.k % s.unit_k == 0 and s.unit_k % 32 == 0 and s.unit_k <= dr.STREAM_MAX_UNIT_K
+        assert s.row_stride % 128 == 64 and s.row_stride >= s.unit_k
+        assert s.smem_bytes <= dr.STREAM_SMEM_BUDGET and 1 <= s.ctas <= 132
+        owner = np.full(s.units, -1)
+        for c in range(s.ctas):
+            u0, u1 = s.unit_range(c)
+            assert u1 > u0 and (owner[u0:u1] == -1).all()
+            owner[u0:u1] = c
+            assert all(s.cta_of_unit(u) == c for u in (u0, u1 - 1))
+            tiles = range(u0 // s.ksteps, (u1 - 1) // s.ksteps + 1)
+            shared = [t for t in tiles if s.cta_of_unit(t * s.ksteps)
+                      != s.cta_of_unit((t + 1) * s.ksteps - 1)]
+            assert set(shared) <= {tiles[0], tiles[-1]}
+            window = (tiles[-1] // 2 - tiles[0] // 2 + 1) * (s.k // 32)
+            assert window <= s.scale_window()
+        assert (owner >= 0).all()
+        per_cta = -(-s.units // s.ctas)
+        if s.weight_bytes() <= 12 * 2**20:
+            assert s.stages >= per_cta, f"{s.name}: slice not resident ({s.stages} < {per_cta})"
+        else:
+            assert s.stages >= 2
+
+
+def test_stream_summation_model_matches_the_product():
+    """NumPy replay of the streamed kernel's order of sums: per CTA, per tile, its units' fp32
+    partials; shared tiles summed in CTA order. Equals x @ W^T within the fp32 bound."""
+    rng = np.random.default_rng()
+    spec = dr.make_spec("model", 96, 640, epilogue="f32")
+    spec = dr.DenseSpec(spec.name, 96, 640, 1, 1, "f32", 1, "stream", 64, 7, 4)  # tiles split
+    w, sc = _weights(rng, 1, 96, 640)
+    x = rng.standard_normal((8, 640)).astype(BF16)
+    wf = fp8_block_dequantize(w[0], sc[0]).astype(np.float32)
+    xf = x.astype(np.float32)
+    partial = {}
+    for c in range(spec.ctas):
+        u0, u1 = spec.unit_range(c)
+        for u in range(u0, u1):
+            t, ks = divmod(u, spec.ksteps)
+            rows, cols = slice(16 * t, 16 * t + 16), slice(ks * 64, ks * 64 + 64)
+            prod = (xf[:, cols] @ wf[rows, cols].T).astype(np.float32)
+            partial[(t, c)] = partial.get((t, c), np.float32(0)) + prod
+    y = np.zeros((8, 96), np.float32)
+    for (t, c) in sorted(partial):
+        y[:, 16 * t:16 * t + 16] += partial[(t, c)]
+    exact = x.astype(np.float64) @ wf.astype(np.float64).T
+    bound = dr.dense_tolerance(x, wf, "f32")
+    assert np.all(np.abs(y - exact) <= bound)
+    assert len({c for (t, c) in partial if t == 0}) > 1, "the model must exercise shared tiles"
 
 
 def test_bad_specs_and_rows_are_rejected():

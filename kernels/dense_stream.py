@@ -1,0 +1,345 @@
+"""Streamed W8A16 GEMV for R <= 8 (SM90, CuTe DSL): weights bulk-copied to smem before the PDL wait.
+
+Same arithmetic as `kernels/dense.py` (e4m3 -> exactly scaled bf16, mma.sync.m16n8k16, fp32
+accumulation, the same K permutation and epilogues); what changes is how the weights arrive:
+- Work: units = (16-row tile, unit_k slice of K) in tile-major order; exactly one wave of
+  `ctas` <= 132 CTAs, CTA c owns units [U*c/C, U*(c+1)/C) (kernels/dense_ref.DenseSpec).
+- A producer warp copies each unit (16 rows x unit_k bytes, one `cp.async.bulk` per row) into a
+  ring of `stages` smem stages, completing on a full mbarrier; it never waits for the previous
+  kernel: when the CTA's whole slice fits the ring (every layer but Engram wkv and main_proj)
+  every weight byte of the launch is requested in the first microsecond, and the kernel triggers
+  its dependents at entry so the NEXT kernel of a PDL chain streams beside this one (<= 104 KB
+  smem: two CTAs per SM).
+- 8 consumer warps load the CTA's scale window (plain loads, before the wait), wait for x
+  (`griddepcontrol.wait`), then split each unit's 64-byte chunks; x for the next unit is loaded
+  while the current one multiplies; each warp frees a stage on its empty mbarrier.
+- A tile's warp partials meet in smem in warp order; a tile shared with other CTAs (at most the
+  first and last of a CTA's range) goes through workspace slot (cta, first/last), summed in CTA
+  order by the last contributor to arrive on the tile's counter, which resets it: deterministic.
+
+PTX ABI: that of the dense family (kernels/dense_ref.PARAMS); weight, scales, x, out 16-aligned.
+"""
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64, Uint8, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from kernels.dense import (
+    _asm,
+    e4m3x4_to_bf16x2x2,
+    ld_bf16_as_f32,
+    ld_f32_gpu,
+    ld_u8,
+    ld_v4,
+    mma_bf16_16816,
+    prmt,
+    scale_bf16x2,
+    st_bf16,
+    st_f32,
+)
+from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N, WARP, DenseSpec
+
+CONSUMERS = STREAM_WARPS * WARP
+RED_THREADS = TILE_N * ROW_TILE          # one thread per accumulator of the 16 x 8 tile
+CONSUMER_BARRIER = 1                     # named barrier of the consumer warps
+
+
+# ---- smem / mbarrier / bulk-copy PTX ------------------------------------------------------------
+
+def _void(operands, text: str, constraints: str) -> None:
+    llvm.inline_asm(None, [op.ir_value() for op in operands], text, constraints,
+                    has_side_effects=True)
+
+
+def mbar_init(addr: Int32, count: int) -> None:
+    _void([addr], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r")
+
+
+def mbar_expect_tx(addr: Int32, nbytes: int) -> None:
+    _void([addr], f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};", "r")
+
+
+def mbar_arrive(addr: Int32) -> None:
+    _void([addr], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r")
+
+
+def mbar_try_wait(addr: Int32, parity: Int32) -> Int32:
+    text = ("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+            "selp.u32 $0, 1, 0, p; }")
+    return Int32(_asm([T.i32()], [addr, parity], text, "=r,r,r")[0])
+
+
+@cute.jit
+def mbar_wait(addr: Int32, parity: Int32):
+    done = mbar_try_wait(addr, parity)
+    while done == 0:
+        done = mbar_try_wait(addr, parity)
+
+
+def bulk_g2s(dst: Int32, src: Int64, nbytes: int, mbar: Int32) -> None:
+    _void([dst, src, mbar], "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+          f"[$0], [$1], {nbytes}, [$2];", "r,l,r")
+
+
+def ld_shared_v4(addr: Int32):
+    words = _asm([T.i32()] * 4, [addr], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
+                 "=r,=r,=r,=r,r")
+    return [Int32(w) for w in words]
+
+
+def ld_shared_u8(addr: Int32) -> Int32:
+    return Int32(_asm([T.i32()], [addr], "ld.shared.u8 $0, [$1];", "=r,r")[0])
+
+
+def st_shared_u8(addr: Int32, value: Int32) -> None:
+    _void([addr, value], "st.shared.u8 [$0], $1;", "r,r")
+
+
+def smem_addr(tensor) -> Int32:
+    return Int32(tensor.iterator.toint())
+
+
+# ---- kernel ------------------------------------------------------------------------------------
+
+class DenseStreamSm90:
+    """Kernel object for one DenseSpec with variant "stream"."""
+
+    def __init__(self, spec: DenseSpec):
+        if spec.variant != "stream":
+            raise ValueError(f"{spec.name}: DenseStreamSm90 needs variant 'stream'")
+        self.spec = spec
+        self.n, self.k, self.groups = spec.n, spec.k, spec.groups
+        self.unit_k, self.ksteps, self.units = spec.unit_k, spec.ksteps, spec.units
+        self.ctas, self.stages = spec.ctas, spec.stages
+        self.row_stride, self.stage_bytes = spec.row_stride, spec.stage_bytes
+        self.chunks = -(-spec.unit_k // CHUNK_K)
+        self.chunks_per_warp = -(-self.chunks // STREAM_WARPS)
+        self.window = -(-spec.scale_window() // 16) * 16
+        self.kg = spec.k // FP8_BLOCK
+        self.tiles_per_group = spec.n // TILE_N
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, weight: cute.Pointer, scales: cute.Pointer,
+                 residual: cute.Pointer, out: cute.Pointer, workspace: cute.Pointer,
+                 counters: cute.Pointer, rows: Int32, stream):
+        self.kernel(x, weight, scales, residual, out, workspace, counters, rows).launch(
+            grid=[self.ctas, 1, 1], block=list(self.spec.block), stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, weight: cute.Pointer, scales: cute.Pointer,
+               residual: cute.Pointer, out: cute.Pointer, workspace: cute.Pointer,
+               counters: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp, lane = tidx // WARP, tidx % WARP
+        u_begin = self.units * cta // self.ctas
+        n_units = self.units * (cta + 1) // self.ctas - u_begin
+
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(self.stages * self.stage_bytes),
+                                    byte_alignment=128)
+        sc = smem.allocate_tensor(Uint8, cute.make_layout(self.window), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARP, 4, STREAM_WARPS)),
+                                   byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * self.stages), byte_alignment=8)
+        flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        ring_a, sc_a, bar_a = smem_addr(ring), smem_addr(sc), smem_addr(bars)
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(self.stages):
+                mbar_init(bar_a + 8 * i, 1)                              # full: producer
+                mbar_init(bar_a + 8 * (self.stages + i), STREAM_WARPS)   # empty: consumers
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        # Let the next kernel's CTAs start (and stream their weights) beside ours.
+        cute.arch.griddepcontrol_launch_dependents()
+
+        if warp == STREAM_WARPS:
+            self._produce(weight, ring_a, bar_a, u_begin, n_units, lane)
+        else:
+            self._consume(x, scales, residual, out, workspace, counters, rows, flag, red,
+                          ring_a, sc_a, bar_a, cta, u_begin, n_units, tidx, warp, lane)
+
+    @cute.jit
+    def _produce(self, weight: cute.Pointer, ring_a: Int32, bar_a: Int32, u_begin: Int32,
+                 n_units: Int32, lane: Int32):
+        """Copy unit j into stage j % stages once the consumers freed it (weights only: no wait)."""
+        j = Int32(0)
+        while j < n_units:
+            i = j % self.stages
+            if j >= self.stages:
+                mbar_wait(bar_a + 8 * (self.stages + i), ((j // self.stages) - 1) & 1)
+            full = bar_a + 8 * i
+            if lane == 0:
+                mbar_expect_tx(full, TILE_N * self.unit_k)
+            cute.arch.sync_warp()
+            if lane < TILE_N:
+                u = u_begin + j
+                tile = u // self.ksteps
+                src = (weight.toint() + Int64(tile * TILE_N + lane) * self.k
+                       + Int64((u % self.ksteps) * self.unit_k))
+                bulk_g2s(ring_a + i * self.stage_bytes + lane * self.row_stride, src,
+                         self.unit_k, full)
+            j += 1
+
+    @cute.jit
+    def _consume(self, x: cute.Pointer, scales: cute.Pointer, residual: cute.Pointer,
+                 out: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer, rows: Int32,
+                 flag, red, ring_a: Int32, sc_a: Int32, bar_a: Int32, cta: Int32,
+                 u_begin: Int32, n_units: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        g, t = lane // 4, lane % 4
+        t_first = u_begin // self.ksteps
+        srow0 = t_first // 2
+        # The CTA's scale window (whole 32-row blocks) into smem: loads first, then stores.
+        win = ((u_begin + n_units - 1) // self.ksteps // 2 - srow0 + 1) * self.kg
+        s_src = scales.toint() + Int64(srow0 * self.kg)
+        per_thread = -(-self.window // CONSUMERS)
+        sbytes = cute.make_rmem_tensor((per_thread,), Int32)
+        for j in cutlass.range_constexpr(per_thread):
+            sbytes[j] = ld_u8(s_src + Int64(cutlass.min(tidx + CONSUMERS * j, win - 1)))
+        for j in cutlass.range_constexpr(per_thread):
+            if tidx + CONSUMERS * j < win:
+                st_shared_u8(sc_a + tidx + CONSUMERS * j, sbytes[j])
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
+
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        xbuf = cute.make_rmem_tensor((8, self.chunks_per_warp, 2), Int32)
+        row = cutlass.min(g, rows - 1)
+        self._load_x(xbuf, 0, x, u_begin, row, warp, t)
+        j = Int32(0)
+        while j < n_units:
+            self._load_x(xbuf, 1, x, u_begin + cutlass.min(j + 1, n_units - 1), row, warp, t)
+            self._unit(acc, xbuf, 0, j, x, out, residual, workspace, counters, rows, flag, red,
+                       ring_a, sc_a, bar_a, cta, u_begin, n_units, srow0, tidx, warp, lane)
+            j += 1
+            if j < n_units:
+                self._load_x(xbuf, 0, x, u_begin + cutlass.min(j + 1, n_units - 1), row, warp,
+                             t)
+                self._unit(acc, xbuf, 1, j, x, out, residual, workspace, counters, rows, flag,
+                           red, ring_a, sc_a, bar_a, cta, u_begin, n_units, srow0, tidx, warp,
+                           lane)
+                j += 1
+
+    @cute.jit
+    def _chunk_k(self, warp: Int32, t: Int32, cj: cutlass.Constexpr):
+        """(offset of this thread's 16 bytes inside the unit, clamped; valid)."""
+        off = (warp + STREAM_WARPS * cj) * CHUNK_K + 16 * t
+        return cutlass.min(off, self.unit_k - 16), off < self.unit_k
+
+    @cute.jit
+    def _load_x(self, xbuf, slot: cutlass.Constexpr, x: cute.Pointer, u: Int32, row: Int32,
+                warp: Int32, t: Int32):
+        """x[row, the K of this thread's chunks of unit u] -> xbuf[:, :, slot] (16 B twice)."""
+        tile = u // self.ksteps
+        grp = tile // self.tiles_per_group
+        k0 = (u % self.ksteps) * self.unit_k
+        base = x.toint() + Int64((row * self.groups * self.k + grp * self.k + k0) * 2)
+        for cj in cutlass.range_constexpr(self.chunks_per_warp):
+            off, _ = self._chunk_k(warp, t, cj)
+            xw = ld_v4(base + Int64(off * 2), False) + ld_v4(base + Int64(off * 2 + 16), False)
+            for w in cutlass.range_constexpr(8):
+                xbuf[w, cj, slot] = xw[w]
+
+    @cute.jit
+    def _unit(self, acc, xbuf, slot: cutlass.Constexpr, j: Int32, x: cute.Pointer,
+              out: cute.Pointer, residual: cute.Pointer, workspace: cute.Pointer,
+              counters: cute.Pointer, rows: Int32, flag, red, ring_a: Int32, sc_a: Int32,
+              bar_a: Int32, cta: Int32, u_begin: Int32, n_units: Int32, srow0: Int32,
+              tidx: Int32, warp: Int32, lane: Int32):
+        """acc += this warp's chunks of unit j; free the stage; finish the tile at its end."""
+        g, t = lane // 4, lane % 4
+        u = u_begin + j
+        tile, kstep = u // self.ksteps, u % self.ksteps
+        i = j % self.stages
+        mbar_wait(bar_a + 8 * i, (j // self.stages) & 1)
+        stage = ring_a + i * self.stage_bytes
+        s_row = sc_a + (tile // 2 - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
+        for cj in cutlass.range_constexpr(self.chunks_per_warp):
+            off, valid = self._chunk_k(warp, t, cj)
+            if (warp + STREAM_WARPS * cj) < self.chunks:
+                lo = ld_shared_v4(stage + g * self.row_stride + off)
+                hi = ld_shared_v4(stage + (g + 8) * self.row_stride + off)
+                scale2 = scale_bf16x2(ld_shared_u8(s_row + off // FP8_BLOCK), valid)
+                for jj in cutlass.range_constexpr(4):
+                    ae0, ao0 = e4m3x4_to_bf16x2x2(lo[jj], scale2)
+                    ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale2)
+                    b = (prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x5410),
+                         prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x7632))
+                    d = mma_bf16_16816((ae0, ae1, ao0, ao1), b, [acc[q] for q in range(4)])
+                    for q in cutlass.range_constexpr(4):
+                        acc[q] = d[q]
+        cute.arch.sync_warp()
+        if lane == 0:
+            mbar_arrive(bar_a + 8 * (self.stages + i))
+        if (kstep == self.ksteps - 1) | (j == n_units - 1):
+            self._finish_tile(acc, tile, out, residual, workspace, counters, rows, flag, red,
+                              cta, tidx, warp, lane)
+            acc.fill(0.0)
+
+    @cute.jit
+    def _finish_tile(self, acc, tile: Int32, out: cute.Pointer, residual: cute.Pointer,
+                     workspace: cute.Pointer, counters: cute.Pointer, rows: Int32, flag, red,
+                     cta: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        """Warp partials (warp order) -> output, or -> workspace + last contributor sums."""
+        for q in cutlass.range_constexpr(4):
+            red[lane, q, warp] = acc[q]
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        q, ln = tidx // WARP, tidx % WARP
+        total = Float32(0.0)
+        if tidx < RED_THREADS:
+            total = red[ln, q, 0]
+            for w in cutlass.range_constexpr(1, STREAM_WARPS):
+                total = total + red[ln, q, w]
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        first_unit = tile * self.ksteps
+        c_lo = ((first_unit + 1) * self.ctas - 1) // self.units
+        c_hi = ((first_unit + self.ksteps) * self.ctas - 1) // self.units
+        if c_lo == c_hi:
+            if tidx < RED_THREADS:
+                self._epilogue(total, q, ln, tile, rows, residual, out)
+        else:
+            ws = workspace.toint()
+            side = Int32(tile != (self.units * cta // self.ctas) // self.ksteps)
+            if tidx < RED_THREADS:
+                st_f32(ws + Int64(((2 * cta + side) * RED_THREADS + tidx) * 4), total)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+            counter = counters + tile
+            if tidx == 0:
+                old = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+                flag[0] = Int32(old == c_hi - c_lo)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+            if flag[0] != 0:
+                cute.arch.fence_acq_rel_gpu()
+                if tidx < RED_THREADS:
+                    total = Float32(0.0)
+                    c = c_lo
+                    while c <= c_hi:                  # CTA order: the same bits every launch
+                        c_side = Int32(tile != (self.units * c // self.ctas) // self.ksteps)
+                        slot = (2 * c + c_side) * RED_THREADS + tidx
+                        total = total + ld_f32_gpu(ws + Int64(slot * 4))
+                        c += 1
+                    self._epilogue(total, q, ln, tile, rows, residual, out)
+                if tidx == 0:
+                    cute.arch.store(counter.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+
+    @cute.jit
+    def _epilogue(self, total: Float32, q: Int32, ln: Int32, tile: Int32, rows: Int32,
+                  residual: cute.Pointer, out: cute.Pointer):
+        """Accumulator q of lane ln is y[row 2*(ln%4) + q%2, column tile*16 + ln/4 + 8*(q/2)]."""
+        n = tile * TILE_N + ln // 4 + 8 * (q // 2)
+        r = 2 * (ln % 4) + q % 2
+        if r < rows:
+            idx = Int64(r * self.groups * self.n + n)
+            if cutlass.const_expr(self.spec.epilogue == "f32"):
+                st_f32(out.toint() + idx * 4, total)
+            elif cutlass.const_expr(self.spec.epilogue == "residual"):
+                res = ld_bf16_as_f32(residual.toint() + idx * 2)
+                st_bf16(out.toint() + idx * 2, total + res)
+            else:
+                st_bf16(out.toint() + idx * 2, total)
