@@ -250,3 +250,34 @@ def test_bad_specs_are_refused():
         ik.make_scores_spec(32, "dense", 1, 48)
     with pytest.raises(ValueError, match="mode"):
         ik.make_topk_spec("sorted", 512, 1)
+
+
+# ---- SWA insert (kernels/kv_publish_ref.py) ----------------------------------------------------
+
+def test_swa_insert_ref_writes_real_rows_only():
+    from kernels import kv_publish_ref as kp
+    from kernels import rope_ref
+    cfg = ModelConfig.preset("tiny")
+    table = rope_ref.RopeTable.plain(cfg, 256)
+    kv = formats.to_bf16(RNG.standard_normal((6, 512)).astype(np.float32))
+    weight = (RNG.random(512) + 0.5).astype(np.float32)
+    positions = RNG.integers(0, 256, 6)
+    slots = np.array([3, 9, -1, 0, 15, -1])
+    cache = np.full((16, 584), 0xFF, np.uint8)
+    kp.swa_insert_ref(cache, kv, weight, 1e-6, table, positions, slots)
+    real = slots >= 0
+    untouched = np.setdiff1d(np.arange(16), slots[real])
+    assert np.all(cache[untouched] == 0xFF)
+    entries = kp.swa_entries(kv[real], weight, 1e-6, table, positions[real])
+    np.testing.assert_array_equal(kvrecord_ref.decode_kv_record(cache[slots[real]])[:, 448:],
+                                  entries[:, 448:])            # rope dims stored as bf16
+    truth = rope_ref.rope_f64(
+        (kv.astype(np.float64) / np.sqrt(np.mean(kv.astype(np.float64) ** 2, 1, keepdims=True)
+                                         + 1e-6) * weight)[real][:, None, :],
+        positions[real], table.inv_freq)[:, 0]
+    # bf16 norm (2^-9 relative) then fp8 (2^-4 of the group's scale): 2^-4 * amax bounds both
+    amax = np.abs(truth).max(axis=1, keepdims=True)
+    got = kvrecord_ref.decode_kv_record(cache[slots[real]])
+    assert np.all(np.abs(got - truth) <= amax * 2.0**-4)
+    with pytest.raises(ValueError, match="beyond"):
+        kp.swa_insert_ref(cache, kv, weight, 1e-6, table, positions, np.full(6, 16))

@@ -200,3 +200,55 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
             ik.topk_ref(scores2, positions, seq_index, "candidates", 512, 1, cands=blocks))
     finally:
         reindex.close()
+
+
+# ---- SWA insert: bytes equal to the reference records ----------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 12, 48, 192])
+def test_swa_insert_writes_reference_bytes(dev, bundle, rows):
+    """Every byte of the cache equals the reference after the launch: the records of real rows,
+    0xFF (poison) everywhere else, so a padding row that wrote, a wrong slot or a stray byte shows.
+    kv is drawn with group scales spread over 2^-20..2^6 so the scale bytes vary."""
+    from executor.arena import Arena
+    from executor.launch import LaunchSpec
+    from kernels import kv_publish_ref as kp
+    from kernels import rope_ref
+    from loader.config import ModelConfig
+
+    rng = np.random.default_rng()
+    cfg = ModelConfig.preset("v41-flash")
+    table = rope_ref.RopeTable.for_ratio(cfg, int(rng.integers(0, 2)), 8192)
+    padding = 2
+    r = rows + padding
+    kv = rng.standard_normal((r, 512)).astype(np.float32)
+    kv *= np.exp2(rng.integers(-20, 7, (r, 8))).repeat(64, axis=1).astype(np.float32)
+    kv = formats.to_bf16(kv)
+    weight = (rng.random(512) * 2).astype(np.float32)
+    positions = rng.integers(0, 8192, r).astype(np.int32)
+    num_slots = 2 * r + 7
+    slots = rng.permutation(num_slots)[:r].astype(np.int64)
+    slots[rng.permutation(r)[:padding]] = -1
+    eps = float(cfg.rms_norm_eps)
+    want = np.full((num_slots, 584), 0xFF, np.uint8)
+    kp.swa_insert_ref(want, kv, weight, eps, table, positions, slots)
+
+    spec = kp.make_swa_spec()
+    reqs = [("kv", 2 * r * 512), ("weight", 4 * 512), ("table", table.nbytes),
+            ("positions", 4 * r), ("slots", 8 * r), ("cache", num_slots * 584)]
+    with Arena(dev, reqs) as arena:
+        for name, arr in (("kv", kv.view(np.uint16)), ("weight", weight),
+                          ("table", table.cos_sin), ("positions", positions), ("slots", slots)):
+            flat = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+            arena.view(name, np.uint8, flat.shape)[...] = cp.asarray(flat)
+        arena.view("cache", np.uint8)[...] = 0xFF
+        cp.cuda.Device().synchronize()
+        stream = dev.stream()
+        LaunchSpec(bundle.kernel(spec.name), spec.grid(r),
+                   (arena.ptr("kv"), arena.ptr("weight"), arena.ptr("table"),
+                    arena.ptr("positions"), arena.ptr("slots"), arena.ptr("cache"), r, 8192,
+                    eps)).launch(stream)
+        stream.synchronize()
+        got = arena.view("cache", np.uint8, (num_slots, 584)).get()
+    diff = np.argwhere(got != want)
+    assert diff.size == 0, (f"{len(diff)} bytes differ; first at record {diff[0][0]} byte "
+                            f"{diff[0][1]}: {got[tuple(diff[0])]:#x} vs {want[tuple(diff[0])]:#x}")
