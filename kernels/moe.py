@@ -67,10 +67,12 @@ def ld_u32(addr: Int64, pred: Int32):
                       "@p ld.global.u32 $0, [$1]; }", "=r,l,r", side_effects=True))
 
 
-def ld_relaxed_u32(addr: Int64):
-    """A word written two kernels back, read before griddepcontrol.wait (never a stale L1 line)."""
-    return Int32(_asm(1, [Int64(addr)], "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l",
-                      side_effects=True))
+def ld_relaxed_u32(addr: Int64, pred: Int32):
+    """A word written two kernels back, read before griddepcontrol.wait (never a stale L1 line);
+    0 where pred == 0."""
+    return Int32(_asm(1, [Int64(addr), Int32(pred)],
+                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
+                      "@p ld.relaxed.gpu.global.u32 $0, [$1]; }", "=r,l,r", side_effects=True))
 
 
 def ld_f32(addr: Int64, pred: Int32):
@@ -482,12 +484,12 @@ class MoeW13Sm90:
             stream=stream, use_pdl=True)
 
     @cute.jit
-    def issue(self, stage: Int32, m: Int64, codes: Int64, offsets: Int64, item: Int32,
+    def issue(self, stage: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
               total: Int32, warp: Int32, lane: Int32, tidx: Int32):
-        """cp.async this thread's share of item's weights into a ring stage; one commit group
-        per call (empty past the last item) so wait_group counts stay uniform."""
+        """cp.async this thread's share of item's weights (expert e, read by the caller with
+        the item's other scalars: one round trip) into a ring stage; one commit group per call
+        (empty past the last item) so wait_group counts stay uniform."""
         if item < total:
-            e = ld_u32(m + 4 * (mk.META_HEADER + item // self.tiles), Int32(1))
             tile_id = Int64(e * self.tiles + item % self.tiles)
             wbase = (codes + (tile_id * self.cols + warp * self.cols_per_warp) * mk.COL_BYTES
                      + lane * 16)
@@ -517,20 +519,26 @@ class MoeW13Sm90:
         m = _addr(meta)
         e_count = self.shape.num_experts
         total = ld_u32(m, Int32(1)) * self.tiles
+        first_items = [bidx + s * gdim for s in range(self.stages - 1)]
+        first_experts = [self.expert_of(m, i, total) for i in first_items]
         for s in cutlass.range_constexpr(self.stages - 1):
-            self.issue(ring + s * self.stage_bytes, m, _addr(codes), _addr(offsets),
-                       bidx + s * gdim, total, warp, lane, tidx)
+            self.issue(ring + s * self.stage_bytes, first_experts[s], _addr(codes),
+                       _addr(offsets), first_items[s], total, warp, lane, tidx)
         item = bidx
         it = Int32(0)
         while item < total:
-            ahead = (it + self.stages - 1) % self.stages
-            self.issue(ring + ahead * self.stage_bytes, m, _addr(codes), _addr(offsets),
-                       item + (self.stages - 1) * gdim, total, warp, lane, tidx)
+            # One round trip for every scalar of this iteration, then the weights of the item
+            # stages-1 ahead go out before this item's pair ids and activations are read.
+            ahead_item = item + (self.stages - 1) * gdim
+            ahead_e = self.expert_of(m, ahead_item, total)
             j = item // self.tiles
             tile = item % self.tiles
             e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
             first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
             count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
+            ahead = (it + self.stages - 1) % self.stages
+            self.issue(ring + ahead * self.stage_bytes, ahead_e, _addr(codes), _addr(offsets),
+                       ahead_item, total, warp, lane, tidx)
             scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
             stage = ring + (it % self.stages) * self.stage_bytes
             pair_list = _addr(pairs) + Int64(first) * 4
@@ -546,6 +554,11 @@ class MoeW13Sm90:
                 chunk += mk.CHUNK_TOKENS
             item += gdim
             it += 1
+
+    @cute.jit
+    def expert_of(self, m: Int64, item: Int32, total: Int32):
+        valid = Int32(1) if item < total else Int32(0)
+        return ld_u32(m + 4 * (mk.META_HEADER + item // self.tiles), valid)
 
     @cute.jit
     def chunk_inputs(self, pair_list: Int64, xq: Int64, xs: Int64, left: Int32, chunk: Int32,
@@ -636,12 +649,17 @@ class MoeW2Sm90:
             stream=stream, use_pdl=True)
 
     @cute.jit
-    def issue(self, stage: Int32, m: Int64, codes: Int64, offsets: Int64, item: Int32,
+    def expert_of(self, m: Int64, item: Int32, total: Int32):
+        """ld.relaxed.gpu: this also runs before griddepcontrol.wait (meta is two kernels old)."""
+        valid = Int32(1) if item < total else Int32(0)
+        return ld_relaxed_u32(m + 4 * (mk.META_HEADER + item // self.blocks), valid)
+
+    @cute.jit
+    def issue(self, stage: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
               total: Int32, warp: Int32, lane: Int32, tidx: Int32):
-        """cp.async this warp's tile of item into a ring stage; one commit group per call. The
-        expert id is read with ld.relaxed.gpu: this also runs before griddepcontrol.wait."""
+        """cp.async this warp's tile of item (expert e) into a ring stage; one commit group per
+        call (empty past the last item)."""
         if item < total:
-            e = ld_relaxed_u32(m + 4 * (mk.META_HEADER + item // self.blocks))
             tile_id = Int64(e * self.shape.tiles2 + (item % self.blocks) * mk.W2_WARPS + warp)
             wbase = codes + tile_id * self.cols * mk.COL_BYTES + lane * 16
             for c in cutlass.range_constexpr(self.cols):
@@ -668,22 +686,26 @@ class MoeW2Sm90:
         e_count = self.shape.num_experts
         # Before the wait: moe_prep (two kernels back) has completed, so its routing list is
         # final; the ring fills while moe_w13 streams.
-        total = ld_relaxed_u32(m) * self.blocks
+        total = ld_relaxed_u32(m, Int32(1)) * self.blocks
+        first_items = [bidx + s * gdim for s in range(self.stages - 1)]
+        first_experts = [self.expert_of(m, i, total) for i in first_items]
         for s in cutlass.range_constexpr(self.stages - 1):
-            self.issue(ring + s * self.stage_bytes, m, _addr(codes), _addr(offsets),
-                       bidx + s * gdim, total, warp, lane, tidx)
+            self.issue(ring + s * self.stage_bytes, first_experts[s], _addr(codes),
+                       _addr(offsets), first_items[s], total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13
         cute.arch.griddepcontrol_launch_dependents()
         item = bidx
         it = Int32(0)
         while item < total:
-            ahead = (it + self.stages - 1) % self.stages
-            self.issue(ring + ahead * self.stage_bytes, m, _addr(codes), _addr(offsets),
-                       item + (self.stages - 1) * gdim, total, warp, lane, tidx)
+            ahead_item = item + (self.stages - 1) * gdim
+            ahead_e = self.expert_of(m, ahead_item, total)
             j = item // self.blocks
             first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
             count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
             e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
+            ahead = (it + self.stages - 1) % self.stages
+            self.issue(ring + ahead * self.stage_bytes, ahead_e, _addr(codes), _addr(offsets),
+                       ahead_item, total, warp, lane, tidx)
             scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             stage = ring + (it % self.stages) * self.stage_bytes

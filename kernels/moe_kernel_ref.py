@@ -235,8 +235,12 @@ def ring_stage_bytes(shape: MoeShape, kind: str) -> int:
 
 
 # (variant, warps wanted (w13), ring stages, CTAs per SM): the default first, then candidates.
-W13_VARIANTS = (("", 8, 4, 1), ("r3", 8, 3, 1), ("r2x2", 8, 2, 2), ("w4r2x2", 4, 2, 2))
-W2_VARIANTS = (("", 4, 1), ("r2x2", 2, 2), ("r3", 3, 1))
+# Round 1 measured (docs/notes/moe-design.md): 2 CTAs/SM beat 3-4 deep rings with 1 CTA/SM,
+# since each item's serial chain (meta -> pair ids -> activations, L2 round trips under load)
+# dominates; the x3 / x4 candidates test whether more CTAs per SM hide it further.
+W13_VARIANTS = (("", 4, 2, 2), ("r2x2", 8, 2, 2), ("r4", 8, 4, 1), ("w4r1x3", 4, 1, 3),
+                ("r1x2", 8, 1, 2))
+W2_VARIANTS = (("", 2, 2), ("r4", 4, 1), ("r1x4", 1, 4))
 
 
 def _w13_spec(shape: MoeShape, variant: str, warps: int, stages: int, ctas: int) -> MoeSpec:
