@@ -73,14 +73,18 @@ class _RankSetup:
                                    timeout_ms=timeout_ms)
         self.width = width
 
+    # cuMemcpyHtoD (pageable) and cuMemsetD16 run on the legacy stream and may return before
+    # the device is done; our non-blocking stream does not wait for it: synchronize the context.
     def put(self, name: str, x: np.ndarray) -> None:
         from executor.cuda import check, driver
         x = np.ascontiguousarray(x)
         check(driver().cuMemcpyHtoD(self.arena.ptr(name), x, x.nbytes))
+        check(driver().cuCtxSynchronize())
 
     def poison(self, name: str) -> None:
         from executor.cuda import check, driver
         check(driver().cuMemsetD16(self.arena.ptr(name), POISON, self.arena.nbytes(name) // 2))
+        check(driver().cuCtxSynchronize())
 
     def get(self, name: str, rows: int) -> np.ndarray:
         from executor.cuda import check, driver

@@ -109,6 +109,8 @@ class OneShotAllReduce:
     def failed_sources(self) -> list[int]:
         """Ranks whose data did not arrive within the timeout in some call so far (no sync:
         a plain read of pinned memory; a call still in flight may not have reported yet)."""
+        if self._host_status is None:
+            raise RuntimeError(f"rank {self.rank}: one-shot all-reduce is closed")
         return [s for s in range(self.world) if self._status_words[s]]
 
     def raise_if_failed(self) -> None:

@@ -101,8 +101,11 @@ def comm(dev):
 
 
 def _put(ptr, x):
+    """Upload and wait: a pageable cuMemcpyHtoD runs on the legacy stream, which our
+    non-blocking streams do not wait for, and may return before the DMA has landed."""
     from executor.cuda import check, driver
     check(driver().cuMemcpyHtoD(ptr, np.ascontiguousarray(x), x.nbytes))
+    check(driver().cuCtxSynchronize())
 
 
 def _get(ptr, shape, dtype):
