@@ -3,7 +3,9 @@
 Constructing a LaunchSpec checks the grid and every argument against the kernel's parameter list
 (count; u64 pointers as non-null ints; u32/i32 ranges; f32 finite-representable) and packs the
 `void*[]` parameter array with ctypes ONCE. `launch(stream)` is then a single
-`cuLaunchKernelEx`, with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION when `pdl`.
+`cuLaunchKernelEx`, with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION when `pdl` and
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION when `cluster` is given (the DSL does not record a cluster
+shape in the cubin, so a cluster kernel's launch must say it).
 """
 from __future__ import annotations
 
@@ -66,9 +68,14 @@ def pack_params(kernel_name: str, params, args):
 class LaunchSpec:
     """One launch of one kernel with fixed arguments: validated and packed at construction."""
 
-    def __init__(self, kernel, grid, args, pdl: bool = True, smem: int | None = None):
+    def __init__(self, kernel, grid, args, pdl: bool = True, smem: int | None = None,
+                 cluster=None):
         self.kernel = kernel
         self.grid = _check_grid(kernel.name, grid)
+        self.cluster = None if cluster is None else _check_grid(kernel.name, cluster)
+        if self.cluster and any(g % c for g, c in zip(self.grid, self.cluster)):
+            raise ValueError(f"kernel {kernel.name!r}: grid {self.grid} is not a multiple of the "
+                             f"cluster {self.cluster}")
         self.args = tuple(args)
         self.pdl = bool(pdl)
         self.smem = kernel.smem_bytes if smem is None else smem
@@ -91,14 +98,20 @@ class LaunchSpec:
         cfg.sharedMemBytes = self.smem
         cfg.hStream = stream_handle
         self._launch_ex = cu.cuLaunchKernelEx
+        ids, attrs = cu.CUlaunchAttributeID, []
         if self.pdl:
             attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-        else:
-            cfg.numAttrs = 0
+            attrs.append(attr)
+        if self.cluster:
+            attr = cu.CUlaunchAttribute()
+            attr.id = ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            dim = attr.value.clusterDim
+            dim.x, dim.y, dim.z = self.cluster
+            attrs.append(attr)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
         return cfg
 
     def launch(self, stream) -> None:
@@ -112,4 +125,4 @@ class LaunchSpec:
 
     def __repr__(self) -> str:
         return (f"LaunchSpec({self.kernel.name}, grid={self.grid}, block={self.kernel.block}, "
-                f"pdl={self.pdl}, args={self.args})")
+                f"pdl={self.pdl}, cluster={self.cluster}, args={self.args})")

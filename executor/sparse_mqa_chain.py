@@ -1,7 +1,7 @@
 """Sparse MQA on device buffers: seeded cases on real cache bytes, a cluster launch, the benchmark.
 
 Used by tests/test_sparse_mqa_cpu.py (cases, host only), tests/gpu/test_sparse_mqa.py and the
-devicecheck benchmark "sparse_mqa" (`bench_sparse_mqa`; add it to FAMILY_BENCHMARKS).
+devicecheck benchmark "sparse_mqa" (`bench_sparse_mqa`).
 
 A case is one launch's inputs built the way the step leaves them: SWA rings and a paged compressed
 cache of 584-byte records, everything unwritten poisoned with 0xFF (NaN records), block tables
@@ -9,16 +9,15 @@ that are random page permutations with -1 for pages past the context, top-k list
 visible entries (-1 padded, a few -1 inside), verify blocks whose rows share most of their
 entries, padding rows. Only the records some row must read are written: any other read is NaN.
 
-The kernel needs a thread-block-cluster launch (`spec.cluster`); executor.launch.LaunchSpec has no
-cluster attribute yet, so `ClusterLaunch` here adds CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION.
+The kernel needs a thread-block-cluster launch: `LaunchSpec(..., cluster=spec.cluster)`.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 
+from executor.launch import LaunchSpec
 from kernels import kvrecord_ref as rec
 from kernels import rope_ref
 from kernels import sparse_mqa_ref as ref
@@ -136,54 +135,6 @@ def make_case(spec: ref.SparseMqaSpec, rng, context: int, blocks: list[str], pad
 
 # ---- device side -----------------------------------------------------------------------------------
 
-class ClusterLaunch:
-    """One launch of a cluster kernel: ABI-checked and packed once, PDL + cluster attributes."""
-
-    def __init__(self, kernel, grid, cluster, args, pdl: bool = True):
-        from executor.launch import pack_params
-        self.kernel, self.grid, self.cluster, self.pdl = kernel, tuple(grid), tuple(cluster), pdl
-        self.args = tuple(args)
-        if self.grid[0] % self.cluster[0]:
-            raise ValueError(f"kernel {kernel.name!r}: grid {grid} is not a multiple of the "
-                             f"cluster {cluster}")
-        self._values, self._array = pack_params(kernel.name, kernel.params, args)
-        self._addr = ctypes.addressof(self._array)
-        self._stream = None
-        self._config = None
-
-    def _build_config(self, stream_handle):
-        from executor.cuda import driver
-        cu = driver()
-        cfg = cu.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.kernel.block
-        cfg.sharedMemBytes = self.kernel.smem_bytes
-        cfg.hStream = stream_handle
-        ids = cu.CUlaunchAttributeID
-        cluster = cu.CUlaunchAttribute()
-        cluster.id = ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        dim = cluster.value.clusterDim
-        dim.x, dim.y, dim.z = self.cluster
-        attrs = [cluster]
-        if self.pdl:
-            pdl = cu.CUlaunchAttribute()
-            pdl.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            pdl.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(pdl)
-        cfg.attrs = attrs
-        cfg.numAttrs = len(attrs)
-        return cfg
-
-    def launch(self, stream) -> None:
-        from executor.cuda import check, driver
-        if stream is not self._stream:
-            self._config = self._build_config(stream.cu_handle)
-            self._stream = stream
-        err, = driver().cuLaunchKernelEx(self._config, self.kernel.function, self._addr, 0)
-        if err != 0:
-            check((err,), call=f"cuLaunchKernelEx[{self.kernel.name}]")
-
-
 ARRAYS = ("q", "out", "swa", "compressed", "topk", "block_tables", "info", "state_lines", "sink",
           "table")
 
@@ -208,8 +159,8 @@ class SparseMqaBuffers:
         a, spec = self.arena, case.spec
         args = tuple(a.ptr(k) for k in ARRAYS) + (
             case.rows, case.block_tables.shape[1], case.page_size, case.table.num_positions)
-        self.launch = ClusterLaunch(bundle.kernel(spec.name), spec.grid(case.rows),
-                                    spec.cluster, args)
+        self.launch = LaunchSpec(bundle.kernel(spec.name), spec.grid(case.rows), args,
+                                 cluster=spec.cluster)
 
     @staticmethod
     def _host(case: Case) -> dict:

@@ -180,6 +180,15 @@ def test_launchspec_rejects_bad_grids(grid):
         LaunchSpec(_fake_kernel(), grid, (1 << 20, 1, 1, 1.0))
 
 
+def test_launchspec_cluster_must_tile_the_grid():
+    args = (1 << 20, 1, 1, 1.0)
+    assert LaunchSpec(_fake_kernel(), (8, 6), args, cluster=(4,)).cluster == (4, 1, 1)
+    with pytest.raises(ValueError, match="not a multiple of the cluster"):
+        LaunchSpec(_fake_kernel(), (6, 2), args, cluster=(4,))
+    with pytest.raises(ValueError, match="out of range"):
+        LaunchSpec(_fake_kernel(), (8,), args, cluster=(0,))
+
+
 def test_launchspec_rejects_smem_beyond_opt_in():
     with pytest.raises(ValueError, match="dynamic shared memory"):
         LaunchSpec(_fake_kernel(), (1,), (1 << 20, 1, 1, 1.0), smem=100_000)
