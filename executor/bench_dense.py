@@ -83,6 +83,12 @@ def _dense_specs(bundle):
     return out
 
 
+def _for_rows(variants, rows: int):
+    """Every variant that takes `rows` rows: 8 rows per pass at R <= 8, else 32 (all variants of
+    a kind, so candidates are measured side by side)."""
+    return [s for s in variants if s.row_tiles == (1 if rows <= 8 else 4)]
+
+
 def bench_dense(ctx: BenchContext) -> None:
     """Every W8A16 linear and wo_a of the bundle at every R, isolated and in a PDL chain."""
     from kernels import dense_ref as dr
@@ -93,15 +99,15 @@ def bench_dense(ctx: BenchContext) -> None:
     specs = _dense_specs(bundle)
     shapes = sorted({(s.groups, s.n, s.k) for s in specs})
     for groups, n, k in shapes:
-        variants = {s.row_tiles: s for s in specs if (s.groups, s.n, s.k) == (groups, n, k)}
+        variants = [s for s in specs if (s.groups, s.n, s.k) == (groups, n, k)]
         wbytes = groups * n * k
         sbytes = groups * (n // 32) * (k // 32)
         copies = _copies(wbytes, ctx.device.info.l2_bytes)
         reqs = [(f"w{c}", wbytes) for c in range(copies)] + [(f"s{c}", sbytes)
                                                              for c in range(copies)]
         reqs += [("x", dr.MAX_ROWS * groups * k * 2), ("out", dr.MAX_ROWS * groups * n * 4),
-                 ("ws", max([v.workspace_bytes() for v in variants.values()] + [4])),
-                 ("cnt", max([v.counters_bytes() for v in variants.values()] + [4]))]
+                 ("ws", max([v.workspace_bytes() for v in variants] + [4])),
+                 ("cnt", max([v.counters_bytes() for v in variants] + [4]))]
         with Arena(ctx.device, reqs) as a:
             for c in range(copies):
                 fill_random_u32(a, f"w{c}")                  # random e4m3 bytes (some NaN codes:
@@ -109,14 +115,14 @@ def bench_dense(ctx: BenchContext) -> None:
             fill_random_bf16(a, "x")
             a.view("cnt", "uint32")[:] = 0
             for rows in (QUICK_ROWS if ctx.quick else ROWS):
-                spec = variants.get(1 if rows <= 8 else 4) or next(iter(variants.values()))
-                launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
-                                       (a.ptr("x"), a.ptr(f"w{c}"), a.ptr(f"s{c}"), a.ptr("x"),
-                                        a.ptr("out"), a.ptr("ws"), a.ptr("cnt"), rows))
-                            for c in range(copies)]
-                iso, chain = _time_both(ctx, launches, reps=30 if ctx.quick else 60)
-                _report(ctx, spec.name, _label(spec), rows, spec.bytes_moved(rows),
-                        spec.weight_bytes(), iso, chain, 80.0)
+                for spec in _for_rows(variants, rows):
+                    launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                                           (a.ptr("x"), a.ptr(f"w{c}"), a.ptr(f"s{c}"),
+                                            a.ptr("x"), a.ptr("out"), a.ptr("ws"), a.ptr("cnt"),
+                                            rows)) for c in range(copies)]
+                    iso, chain = _time_both(ctx, launches, reps=30 if ctx.quick else 60)
+                    _report(ctx, spec.name, _label(spec), rows, spec.bytes_moved(rows),
+                            spec.weight_bytes(), iso, chain, 80.0)
 
 
 def bench_lm_head(ctx: BenchContext) -> None:
@@ -127,14 +133,13 @@ def bench_lm_head(ctx: BenchContext) -> None:
     if bundle is None:
         raise LookupError("no bundle has lm_head kernels")
     recs = [bundle.manifest.kernels[n] for n in bundle.names() if n.startswith("lm_head_bf16_")]
-    specs = {(r.spec["mode"], r.spec["row_tiles"]): lr.make_spec(
-        r.spec["vocab"], r.spec["hidden"], r.spec["row_tiles"], r.spec["mode"]) for r in recs}
-    any_spec = next(iter(specs.values()))
+    specs = [lr.spec_from_dict(r.spec) for r in recs]
+    any_spec = specs[0]
     wbytes = any_spec.weight_bytes()
     copies = _copies(wbytes, ctx.device.info.l2_bytes)
     reqs = [(f"w{c}", wbytes) for c in range(copies)]
     reqs += [("x", lr.MAX_ROWS * any_spec.hidden * 2), ("out", lr.MAX_ROWS * any_spec.vocab * 4),
-             ("keys", lr.MAX_ROWS * 8), ("cnt", max(s.counters_bytes() for s in specs.values()))]
+             ("keys", lr.MAX_ROWS * 8), ("cnt", max(s.counters_bytes() for s in specs))]
     with Arena(ctx.device, reqs) as a:
         for c in range(copies):
             fill_random_bf16(a, f"w{c}")
@@ -145,11 +150,12 @@ def bench_lm_head(ctx: BenchContext) -> None:
             for rows in (QUICK_ROWS if ctx.quick else ROWS):
                 if mode == "logits" and rows not in (1, 8, 48):
                     continue
-                spec = specs[(mode, 1 if rows <= 8 else 4)]
-                launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
-                                       (a.ptr("x"), a.ptr(f"w{c}"), a.ptr("out"), a.ptr("keys"),
-                                        a.ptr("cnt"), rows, 0)) for c in range(copies)]
-                iso, chain = _time_both(ctx, launches, reps=20 if ctx.quick else 40)
-                _report(ctx, spec.name, "lm_head" if mode == "argmax" else "", rows,
-                        spec.bytes_moved(rows), wbytes, iso, chain,
-                        85.0 if mode == "argmax" else None)
+                for spec in _for_rows([s for s in specs if s.mode == mode], rows):
+                    launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                                           (a.ptr("x"), a.ptr(f"w{c}"), a.ptr("out"),
+                                            a.ptr("keys"), a.ptr("cnt"), rows, 0))
+                                for c in range(copies)]
+                    iso, chain = _time_both(ctx, launches, reps=20 if ctx.quick else 40)
+                    _report(ctx, spec.name, "lm_head" if mode == "argmax" else "", rows,
+                            spec.bytes_moved(rows), wbytes, iso, chain,
+                            85.0 if mode == "argmax" else None)

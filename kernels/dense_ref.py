@@ -257,6 +257,7 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     name = f"{prefix}_{label}_n{n}_k{k}" + (f"_g{groups}" if groups > 1 else "")
     name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
     if variant == "mma":
+        name += "_mma" if row_tiles == 1 else ""
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
     unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k)
     return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages)
@@ -290,10 +291,15 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
     return shapes
 
 
+# (row_tiles, variant) of every shape: streamed r8 (R <= 8), mma r32 (R > 8), and the previous
+# mma r8 kept as a measured candidate.
+SPEC_VARIANTS = ((1, "stream"), (1, "mma"), (4, "mma"))
+
+
 def dense_specs(cfg, tp: int) -> list[DenseSpec]:
-    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi)
+    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi, variant=variant)
             for label, (n, k, epis) in dense_shapes(cfg, tp).items()
-            for epi in epis for rt in ROW_TILE_CHOICES]
+            for epi in epis for rt, variant in SPEC_VARIANTS]
 
 
 # ---- reference ---------------------------------------------------------------------------------

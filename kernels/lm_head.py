@@ -1,4 +1,4 @@
-"""BF16 lm_head for SM90 in the CuTe DSL: streaming mma.sync GEMV, split-vocab argmax or fp32 logits.
+"""BF16 lm_head for SM90 in the CuTe DSL: mma.sync GEMV, split-vocab argmax or fp32 logits.
 
 Spec, ABI, reference and the argmax ordering rules: `kernels/lm_head_ref.py`.
 
@@ -129,6 +129,7 @@ class LmHeadSm90:
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         w_base = weight.toint() + Int64(g * self.row_bytes + 16 * t)
 
+        cute.arch.griddepcontrol_launch_dependents()           # they wait for our completion
         for i in cutlass.range_constexpr(self.prefetch):      # before the PDL wait
             self._load_chunk(wbuf, i, w_base, first_tile, i)
         cute.arch.griddepcontrol_wait()                        # x is the final norm's output
@@ -158,7 +159,6 @@ class LmHeadSm90:
                 self._publish(best, cta_best, flag, keys, counters, out, tidx, warp, lane, p,
                               rows, vocab_offset)
             p += 1
-        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _load_chunk(self, wbuf, i: cutlass.Constexpr, w_base: Int64, tile: Int32, c: Int32):
@@ -240,10 +240,17 @@ class LmHeadSm90:
         cute.arch.sync_threads()                  # smem is rewritten by the next pass
 
 
+def kernel_class(spec: LmHeadSpec):
+    """The kernel object class of a spec's variant (kernels/lm_head_stream.py for "stream")."""
+    if spec.variant == "stream":
+        from kernels.lm_head_stream import LmHeadStreamSm90
+        return LmHeadStreamSm90
+    return LmHeadSm90
+
+
 def kernel_function(spec: LmHeadSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    del spec
-    return LmHeadSm90.kernel
+    return kernel_class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[LmHeadSpec]:
@@ -257,6 +264,6 @@ def compile_spec(spec: LmHeadSpec, options: str = "--gpu-arch sm_90a"):
         return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
     out_type = Float32 if spec.mode == "logits" else Int32
-    return cute.compile(LmHeadSm90(spec), ptr(BFloat16), ptr(BFloat16), ptr(out_type),
+    return cute.compile(kernel_class(spec)(spec), ptr(BFloat16), ptr(BFloat16), ptr(out_type),
                         ptr(Int64), ptr(Int32), Int32(1), Int32(0), cuda.CUstream(0),
                         options=options)

@@ -44,6 +44,10 @@ MAX_ROWS = 192
 CTAS_PER_SM = 3              # persistent grid: tiles strided over 3 CTAs per SM
 MODES = ("argmax", "logits")
 ROW_TILE_CHOICES = (1, 4)
+VARIANTS = ("mma", "stream")   # register-prefetch kernel; smem-streamed kernel (R <= 8)
+STREAM_WARPS = 8               # consumer warps of the streamed kernel (+ 1 producer warp)
+STREAM_MAX_UNIT_K = 512        # hidden values per streamed unit (16 rows x 1 KB per stage)
+STREAM_SMEM_BUDGET = 160 * 1024
 PARAMS = (("x", "u64"), ("weight", "u64"), ("out", "u64"), ("keys", "u64"),
           ("counters", "u64"), ("rows", "u32"), ("vocab_offset", "u32"))
 
@@ -57,12 +61,41 @@ class LmHeadSpec:
     hidden: int                             # D
     row_tiles: int = 1
     mode: str = "argmax"
-    params: tuple[tuple[str, str], ...] = PARAMS
-    block: tuple[int, int, int] = (CTA_WARPS * WARP, 1, 1)
+    variant: str = "mma"
+    unit_k: int = 0                         # stream: hidden values per unit (one smem stage)
+    ctas: int = 0                           # stream: grid size (one wave, whole tiles per CTA)
+    stages: int = 0                         # stream: smem ring depth
+
+    @property
+    def params(self) -> tuple[tuple[str, str], ...]:
+        return PARAMS
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        warps = STREAM_WARPS + 1 if self.variant == "stream" else CTA_WARPS
+        return (warps * WARP, 1, 1)
 
     @property
     def tiles(self) -> int:
         return self.vocab // TILE_N
+
+    @property
+    def ksteps(self) -> int:
+        return self.hidden // self.unit_k
+
+    @property
+    def row_stride(self) -> int:
+        """smem bytes per vocab row of a stage, == 64 mod 128 (conflict-free 16-byte reads)."""
+        nbytes = 2 * self.unit_k
+        return nbytes + (64 - nbytes) % 128
+
+    @property
+    def stage_bytes(self) -> int:
+        return TILE_N * self.row_stride
+
+    def tile_range(self, cta: int) -> tuple[int, int]:
+        """Whole tiles per CTA: every logit is summed by the same code path, in the same order."""
+        return self.tiles * cta // self.ctas, self.tiles * (cta + 1) // self.ctas
 
     @property
     def rows_per_pass(self) -> int:
@@ -78,6 +111,10 @@ class LmHeadSpec:
 
     @property
     def smem_bytes(self) -> int:
+        if self.variant == "stream":
+            # ring + warp partials + mbarriers + per-row CTA keys (2 halves) + flag + slack
+            return (self.stages * self.stage_bytes + STREAM_WARPS * TILE_N * ROW_TILE * 4
+                    + 16 * self.stages + ROW_TILE * 2 * 8 + 16 + 256)
         # argmax: a 64-bit key per warp and row of a pass, plus the last-arrival flag.
         return CTA_WARPS * self.rows_per_pass * 8 + 16 if self.mode == "argmax" else 0
 
@@ -85,6 +122,11 @@ class LmHeadSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: rows={rows} exceeds MAX_ROWS={MAX_ROWS}")
+        if self.variant == "stream":
+            if rows > ROW_TILE:
+                raise ValueError(f"{self.name}: the streamed kernel takes rows <= {ROW_TILE}, got "
+                                 f"{rows} (use the r32 kernel)")
+            return (self.ctas, 1, 1)
         return (self.num_ctas, 1, 1)
 
     def keys_bytes(self) -> int:
@@ -103,11 +145,19 @@ class LmHeadSpec:
     def to_dict(self) -> dict:
         return {"family": "lm_head", "name": self.name, "vocab": self.vocab,
                 "hidden": self.hidden, "row_tiles": self.row_tiles, "mode": self.mode,
-                "params": params_dict(self.params), "block": list(self.block),
-                "smem_bytes": self.smem_bytes, "num_ctas": self.num_ctas}
+                "variant": self.variant, "unit_k": self.unit_k, "ctas": self.ctas,
+                "stages": self.stages, "params": params_dict(self.params),
+                "block": list(self.block), "smem_bytes": self.smem_bytes,
+                "num_ctas": self.num_ctas}
 
 
-def make_spec(vocab: int, hidden: int, row_tiles: int = 1, mode: str = "argmax") -> LmHeadSpec:
+def make_spec(vocab: int, hidden: int, row_tiles: int = 1, mode: str = "argmax",
+              variant: str | None = None) -> LmHeadSpec:
+    """Validated spec; default variant "stream" for 8 rows per pass, "mma" for 32."""
+    variant = variant or ("stream" if row_tiles == 1 else "mma")
+    if variant not in VARIANTS or (variant == "stream" and row_tiles != 1):
+        raise ValueError(f"lm_head variant {variant!r} with row_tiles {row_tiles}; expected one "
+                         f"of {VARIANTS}, 'stream' only with row_tiles 1")
     if mode not in MODES:
         raise ValueError(f"lm_head mode {mode!r}; expected one of {MODES}")
     if row_tiles not in ROW_TILE_CHOICES:
@@ -116,13 +166,32 @@ def make_spec(vocab: int, hidden: int, row_tiles: int = 1, mode: str = "argmax")
         raise ValueError(f"lm_head shard [{vocab}, {hidden}]: vocab rows must be a multiple of "
                          f"{TILE_N} and hidden a multiple of {CHUNK_K}")
     name = f"lm_head_bf16_v{vocab}_d{hidden}_r{ROW_TILE * row_tiles}_{mode}"
-    return LmHeadSpec(name, vocab, hidden, row_tiles, mode)
+    if variant == "mma":
+        return LmHeadSpec(name + ("_mma" if row_tiles == 1 else ""), vocab, hidden, row_tiles,
+                          mode)
+    unit_k = max(d for d in range(CHUNK_K, min(hidden, STREAM_MAX_UNIT_K) + 1, CHUNK_K)
+                 if hidden % d == 0)
+    tiles = vocab // TILE_N
+    ctas = min(H200_NUM_SMS, tiles)
+    probe = LmHeadSpec(name, vocab, hidden, 1, mode, variant, unit_k, ctas, 1)
+    fixed = probe.smem_bytes - probe.stage_bytes
+    units_per_cta = ceil_div(tiles, ctas) * (hidden // unit_k)
+    stages = min(units_per_cta, (STREAM_SMEM_BUDGET - fixed) // probe.stage_bytes)
+    return LmHeadSpec(name, vocab, hidden, 1, mode, variant, unit_k, ctas, stages)
 
 
 def lm_head_specs(cfg, tp: int) -> list[LmHeadSpec]:
+    """Streamed r8 (R <= 8), mma r32 (R > 8) and the previous mma r8 as a measured candidate."""
     vocab = cfg.rank_shapes(tp).vocab
-    return [make_spec(vocab, cfg.hidden_size, rt, mode) for mode in MODES
-            for rt in ROW_TILE_CHOICES]
+    return [make_spec(vocab, cfg.hidden_size, rt, mode, variant) for mode in MODES
+            for rt, variant in ((1, "stream"), (1, "mma"), (4, "mma"))]
+
+
+def spec_from_dict(d: dict) -> LmHeadSpec:
+    """The spec a manifest records (`LmHeadSpec.to_dict` output)."""
+    return LmHeadSpec(d["name"], d["vocab"], d["hidden"], d["row_tiles"], d["mode"],
+                      d.get("variant", "mma"), d.get("unit_k", 0), d.get("ctas", 0),
+                      d.get("stages", 0))
 
 
 # ---- reference ---------------------------------------------------------------------------------

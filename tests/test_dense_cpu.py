@@ -8,6 +8,8 @@ selector, permutation or lane mapping fails here, before any GPU run.
 """
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -213,8 +215,9 @@ def test_specs_are_valid_and_uniquely_named(config):
     for s in specs:
         d = s.to_dict()
         assert d["name"] == s.name and d["params"] == [list(p) for p in s.params]
-        assert dr.DenseSpec.from_dict(d) == s if isinstance(s, dr.DenseSpec) else True
-        if isinstance(s, dr.DenseSpec) and s.variant == "stream":
+        from_dict = dr.DenseSpec.from_dict if isinstance(s, dr.DenseSpec) else lr.spec_from_dict
+        assert from_dict(d) == s
+        if s.variant == "stream":
             assert s.grid(8) == s.grid(1) == (s.ctas, 1, 1) and s.ctas <= 132
             with pytest.raises(ValueError, match="rows <= 8"):
                 s.grid(9)
@@ -376,3 +379,17 @@ def test_split_vocab_pick_equals_full_argmax_with_cross_rank_ties():
     picked = pick_across_ranks(values, index)
     assert picked[0] == 5
     np.testing.assert_array_equal(picked, greedy_tokens(x, shards))
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_lm_head_stream_owns_whole_tiles_in_one_wave(config):
+    """Whole vocab tiles per CTA (every logit summed by the same path: ties stay ties), all tiles
+    once, the unit divides the hidden size, the ring fits one CTA's shared memory."""
+    for s in lr.lm_head_specs(ModelConfig.preset(config), 4):
+        if s.variant != "stream":
+            continue
+        ranges = [s.tile_range(c) for c in range(s.ctas)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == s.tiles and s.ctas <= 132
+        assert all(a[1] == b[0] and a[1] > a[0] for a, b in itertools.pairwise(ranges))
+        assert s.hidden % s.unit_k == 0 and s.unit_k % lr.CHUNK_K == 0
+        assert s.row_stride % 128 == 64 and s.smem_bytes <= 227 * 1024 and s.stages >= 1

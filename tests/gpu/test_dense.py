@@ -191,8 +191,10 @@ def test_lm_head_logits_and_split_vocab_argmax(bundle, dev, stream):
     exact = x.astype(np.float64) @ head.astype(np.float64).T
     bound = lr.logits_tolerance(x, head)
     offset = 3 * vocab                         # as rank 3 of 4
-    specs = {(r.spec["mode"], r.spec["row_tiles"]): lr.make_spec(vocab, hidden,
-             r.spec["row_tiles"], r.spec["mode"]) for r in recs}
+    specs = {(r.spec["mode"], r.spec["row_tiles"], r.spec.get("variant", "mma")):
+             lr.spec_from_dict(r.spec) for r in recs}
+    for key, spec in specs.items():
+        assert spec.to_dict() == bundle.manifest.kernels[spec.name].spec, f"{key}: spec differs"
     reqs = [("x", x.nbytes), ("w", head.nbytes), ("logits", lr.MAX_ROWS * vocab * 4),
             ("pairs", lr.MAX_ROWS * 8), ("keys", lr.MAX_ROWS * 8),
             ("cnt", max(s.counters_bytes() for s in specs.values()))]
@@ -214,24 +216,25 @@ def test_lm_head_logits_and_split_vocab_argmax(bundle, dev, stream):
             stream.synchronize()
             return cp.asnumpy(view)
 
-        for rt in (1, 4):
-            for rows in ROWS:
-                raw = launch(specs[("logits", rt)], rows, "logits")
-                assert np.all(raw[rows:] == 0x7FC00000), f"logits r{rt} wrote past row {rows}"
+        for rt, variant in sorted({key[1:] for key in specs}):
+            tag = f"r{8 * rt} {variant}"
+            for rows in (ROWS if variant == "mma" else (1, 5, 6, 8)):
+                raw = launch(specs[("logits", rt, variant)], rows, "logits")
+                assert np.all(raw[rows:] == 0x7FC00000), f"logits {tag} wrote past row {rows}"
                 logits = raw[:rows].view(np.float32)
                 err = np.abs(logits.astype(np.float64) - exact[:rows])
                 assert np.isfinite(logits).all() and np.all(err <= bound[:rows]), \
-                    f"lm_head logits r{rt} R={rows}: max err {err.max()}"
-                pairs = launch(specs[("argmax", rt)], rows, "pairs")
-                assert np.all(pairs[rows:] == -1), f"argmax r{rt} wrote past row {rows}"
+                    f"lm_head logits {tag} R={rows}: max err {err.max()}"
+                pairs = launch(specs[("argmax", rt, variant)], rows, "pairs")
+                assert np.all(pairs[rows:] == -1), f"argmax {tag} wrote past row {rows}"
                 want = lr.lm_head_argmax_ref(logits, offset)
                 assert np.array_equal(pairs[:rows], want), \
-                    f"lm_head argmax r{rt} R={rows}: first mismatch row " \
+                    f"lm_head argmax {tag} R={rows}: first mismatch row " \
                     f"{int(np.argmax(np.any(pairs[:rows] != want, axis=1)))}"
                 for r, base in winners.items():
                     if r < rows:
                         assert pairs[r, 1] == base + offset, f"tie at row {r} not to the lowest"
-                again = launch(specs[("argmax", rt)], rows, "pairs")
-                assert np.array_equal(pairs, again), f"argmax r{rt} R={rows}: not bit-stable"
+                again = launch(specs[("argmax", rt, variant)], rows, "pairs")
+                assert np.array_equal(pairs, again), f"argmax {tag} R={rows}: not bit-stable"
         assert not cp.asnumpy(a.view("keys", np.uint64)).any(), "argmax left its keys dirty"
         assert not cp.asnumpy(a.view("cnt", np.uint32)).any(), "argmax left its counters dirty"
