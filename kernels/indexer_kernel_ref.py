@@ -94,6 +94,9 @@ class IndexerSpec:
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
+        if rows > PREP_THREADS:
+            raise ValueError(f"{self.name}: {rows} rows; the plan (one prep thread per row) "
+                             f"holds at most {PREP_THREADS}")
         if self.kind == "prep":
             warps = PREP_THREADS // LANES
             return (1 + ceil_div(rows * padded_heads(self.heads), warps), 1, 1)
