@@ -87,10 +87,14 @@ class MoeChain:
         """"" (the default) and the candidate variants of kind the bundle holds."""
         return [""] + [v for k, v in self.variants if k == kind]
 
-    def launches(self, rows: int, w13: str = "", w2: str = "",
+    def launches(self, rows: int, w13: str = "", w2: str | None = None,
                  kinds=("prep", "w13", "w2", "combine")) -> list[LaunchSpec]:
-        """The chain's launches (w13 / w2 = a variant name, "" the default); `kinds` a prefix of
+        """The chain's launches (w13 / w2 = a variant name, "" the default; w2 None = chosen by
+        rows: mk.W2_SINGLE_ROW_VARIANT at R = 1 when the bundle has it); `kinds` a prefix of
         the chain for the benchmark's per-stage breakdown."""
+        if w2 is None:
+            single = ("w2", mk.W2_SINGLE_ROW_VARIANT)
+            w2 = single[1] if rows == 1 and single in self.variants else ""
         p = self.arena.ptr
         args = {
             "prep": (p("ids"), p("x"), p("meta"), p("pairs"), p("xq"), p("xs"), rows),

@@ -235,12 +235,13 @@ def ring_stage_bytes(shape: MoeShape, kind: str) -> int:
 
 
 # (variant, warps wanted (w13), ring stages, CTAs per SM): the default first, then candidates.
-# Round 1 measured (docs/notes/moe-design.md): 2 CTAs/SM beat 3-4 deep rings with 1 CTA/SM,
-# since each item's serial chain (meta -> pair ids -> activations, L2 round trips under load)
-# dominates; the x3 / x4 candidates test whether more CTAs per SM hide it further.
-W13_VARIANTS = (("", 4, 2, 2), ("r2x2", 8, 2, 2), ("r4", 8, 4, 1), ("w4r1x3", 4, 1, 3),
-                ("r1x2", 8, 1, 2))
-W2_VARIANTS = (("", 2, 2), ("r4", 4, 1), ("r1x4", 1, 4))
+# Measured (docs/notes/moe-design.md, round 2): each item's serial chain (meta -> pair ids ->
+# activations, L2 round trips under load) dominates, so more CTAs per SM with a one-item ring
+# beat deeper rings: w13 = 4 warps, 1 stage, 3 CTAs/SM; w2 = 1 stage, 4 CTAs/SM. At R = 1 the
+# w2 "r2x2" (2 stages, 2 CTAs/SM) is faster (fewer, fuller CTAs for 240 items): MoeChain picks it.
+W13_VARIANTS = (("", 4, 1, 3),)
+W2_VARIANTS = (("", 1, 4), ("r2x2", 2, 2))
+W2_SINGLE_ROW_VARIANT = "r2x2"
 
 
 def _w13_spec(shape: MoeShape, variant: str, warps: int, stages: int, ctas: int) -> MoeSpec:
