@@ -4,8 +4,9 @@ What each kernel computes, the weight layout and the exact reference are in
 `kernels/moe_kernel_ref.py`; the design, the predictions and the measurements in
 `docs/notes/moe-design.md`. In short: routing is device data; `moe_prep` turns the top-k ids into
 the list of distinct experts and their (row, slot) pairs and quantizes x to FP8 once; `moe_w13` and
-`moe_w2` walk (expert, tile) work items with a persistent grid, each thread copying its share of
-the next `stages - 1` items' weights into a shared-memory ring with `cp.async` (16-byte codes,
+`moe_w2` walk (expert, tile) work items with a persistent grid (several CTAs per SM), each thread
+copying its share of an item's weights, `stages - 1` items ahead of the one it computes (the
+default rings hold one item), into shared memory with `cp.async` (16-byte codes,
 8-byte offsets; a thread reads back only the bytes it copied, so `cp.async.wait_group` alone
 orders producer and consumer: no barrier, no registers held), expanding FP4 + UE8M0 offset to
 E4M3 with two `prmt` per 8 codes, and multiplying with `mma.sync.m16n8k32.e4m3` (weights = M, up
