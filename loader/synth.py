@@ -10,6 +10,11 @@ together). Any tensor can thus be regenerated alone, in any order, by any proces
 Values (chosen so a forward pass stays finite and routes/predicts varied tokens):
 - linear weights ~ N(0, 1/fan_in) before quantization; embed rows ~ N(0, 1) (distinct rows);
   head ~ N(0, 1/D), so logits are O(1);
+- except the sublayer output projections (`attn.wo_b`, the routed and shared experts' `w2`), which
+  are 1/32 of that (OUTPUT_GAIN): with unit-gain residual branches a random 10..43-layer model is
+  chaotic, so a 1-ulp difference (TP1 vs TP4 reduction order) flips a routing near-tie and then the
+  greedy tokens within a few steps; trained models have small branch outputs against the residual
+  stream too. With 1/32 TP1 and TP4 agree over tens of tokens and tokens stay varied;
 - norms 1 + N(0, 0.05^2); router bias and VL bias N(0, 0.01^2); attn_sink N(0, 0.5^2);
 - mHC: fn ~ N(0, 1/(n D)) so mixes are O(1), scale ~ U(0.3, 0.7), base near 0 for pre/post and
   2*I + N(0, 0.1^2) for comb, so Sinkhorn starts from a diagonal-dominant, well-conditioned matrix.
@@ -56,6 +61,15 @@ from loader.schema import BLOCK, Fmt, TensorSpec, checkpoint_schema
 INDEX_NAME = "model.safetensors.index.json"
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MXFP4_CODE_STD = 2.2  # code-unit std of the Gaussian that the E2M1 codes are drawn from
+OUTPUT_GAIN_LOG2 = -5  # output projections at 2^-5 of N(0, 1/fan_in): see the module docstring
+OUTPUT_PROJECTIONS = ("attn.wo_b", "shared_experts.w2")  # plus every routed expert's w2
+
+
+def output_gain(name: str) -> float:
+    """2^OUTPUT_GAIN_LOG2 for a sublayer output projection's weight or scale, else 1."""
+    base = name.rsplit(".", 1)[0]
+    is_output = base.endswith(OUTPUT_PROJECTIONS) or (".experts." in base and base.endswith(".w2"))
+    return 2.0**OUTPUT_GAIN_LOG2 if is_output else 1.0
 FAR_GROUP_RATE = 1 / 512  # scale groups placed 13..21 binades below the level (range > 11)
 
 
@@ -133,9 +147,10 @@ def mxfp4_codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return _CODE_LUT[draws].reshape(shape)  # fancy indexing: ~5x faster than take() here
 
 
-def mxfp4_scales(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
-    """UE8M0 bytes at the level of N(0, 1/fan_in) weights, -1/0/+1 binade spread, a far tail."""
-    level = 127 + round(math.log2(fan_in**-0.5 / MXFP4_CODE_STD))
+def mxfp4_scales(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int,
+                 gain: float = 1.0) -> np.ndarray:
+    """UE8M0 bytes at the level of N(0, gain^2/fan_in) weights, -1/0/+1 binade spread, a far tail."""
+    level = 127 + round(math.log2(gain * fan_in**-0.5 / MXFP4_CODE_STD))
     spread = rng.choice(np.array([-1, 0, 1], np.int16), size=shape, p=[0.25, 0.5, 0.25])
     far = rng.random(shape) < FAR_GROUP_RATE
     far.flat[rng.integers(far.size)] = True  # at least one per tensor: every expert is exercised
@@ -175,7 +190,8 @@ class ValueSource:
         if spec.fmt is Fmt.MXFP4:
             return mxfp4_codes(rng, spec.shape)
         if spec.fmt is Fmt.MXFP4_SCALE:
-            return mxfp4_scales(rng, spec.shape, fan_in=spec.shape[1] * BLOCK)
+            return mxfp4_scales(rng, spec.shape, fan_in=spec.shape[1] * BLOCK,
+                                gain=output_gain(spec.name))
         return _plain_values(spec, rng)
 
     def _fp8_pair(self, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +202,7 @@ class ValueSource:
         n, k = spec.shape
         if spec.fmt is Fmt.FP8_SCALE:
             n, k = n * block_rows, k * BLOCK
-        std = np.float32(1.0 if block_rows == 1 else k**-0.5)
+        std = np.float32(1.0 if block_rows == 1 else k**-0.5 * output_gain(spec.name))
         return fp8_quantize(rng.standard_normal((n, k), dtype=np.float32) * std, block_rows)
 
 

@@ -9,10 +9,9 @@ import numpy as np
 from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.step import ReferenceModel, decode_step
-from executor.reference.weights import RankWeights, rank_weights_from_checkpoint
+from executor.reference.weights import rank_weights_from_checkpoint
 from loader.checkpoint import Checkpoint
 from loader.config import ModelConfig
-from loader.sharding import shard
 from loader.synth import synth
 
 
@@ -25,25 +24,10 @@ def tiny_checkpoint() -> Checkpoint:
 
 
 @functools.lru_cache(maxsize=8)
-def tiny_model(tp: int, exact: bool = False, output_shift: int = 0) -> ReferenceModel:
-    """The tiny model at `tp`; output_shift > 0 divides every sublayer's output projection
-    (`attn.wo_b`, the experts' and shared expert's `w2`) by 2**output_shift through its UE8M0
-    scales (exact), which makes the random model contractive (see test_ref_step)."""
+def tiny_model(tp: int, exact: bool = False) -> ReferenceModel:
+    """The tiny synthetic model at `tp` (its output projections are small: loader.synth)."""
     ckpt = tiny_checkpoint()
-    if not output_shift:
-        ranks = tuple(rank_weights_from_checkpoint(ckpt, tp, r, humming_experts=not exact)
-                      for r in range(tp))
-        return ReferenceModel(ckpt.config, ranks, exact=exact)
-
-    def fetcher(rank):
-        def fetch(name):
-            array = shard(ckpt, ckpt.spec(name), tp, rank)
-            if name.endswith(("attn.wo_b.scale", "w2.scale")):
-                array = (array.view(np.uint8) - np.uint8(output_shift)).view(array.dtype)
-            return array
-        return fetch
-
-    ranks = tuple(RankWeights(ckpt.config, fetcher(r), tp, r, humming_experts=not exact)
+    ranks = tuple(rank_weights_from_checkpoint(ckpt, tp, r, humming_experts=not exact)
                   for r in range(tp))
     return ReferenceModel(ckpt.config, ranks, exact=exact)
 

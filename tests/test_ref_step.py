@@ -138,14 +138,15 @@ def _greedy(model, prompt, count):
 
 @pytest.mark.slow
 def test_tp1_and_tp4_generate_the_same_tokens():
-    """End to end on a contractive variant of the tiny model (exact numerics).
+    """End to end on the tiny synthetic model, exact and stock numerics.
 
     TP changes the arithmetic (per-rank BF16 partials), so TP1 and TP4 agree only as long as no
-    1-ulp difference flips a decision. The plain synthetic model is chaotic (random routing
-    near-ties and O(1) sublayer outputs: TP1/TP4 diverge within 1-4 tokens); with the output
-    projections / 32 no divergence was seen in 120 tokens (3 prompts x 40) in exact numerics.
+    1-ulp difference flips a decision. With unit-gain output projections a random model is chaotic
+    (TP1/TP4 diverged within 1-4 tokens); loader.synth draws them at 1/32, which measured no
+    divergence in 120 tokens (3 prompts x 40) in exact numerics and one at token 38 in stock.
     """
     prompt = random_prompt(np.random.default_rng(), 6)
-    tokens = {tp: _greedy(tiny_model(tp, exact=True, output_shift=5), prompt, 10) for tp in (1, 4)}
-    assert tokens[1] == tokens[4]
+    for exact in (True, False):
+        tokens = {tp: _greedy(tiny_model(tp, exact=exact), prompt, 10) for tp in (1, 4)}
+        assert tokens[1] == tokens[4], f"exact={exact}"
     assert len(set(tokens[1])) > 5

@@ -14,7 +14,14 @@ from loader.checkpoint import INDEX_NAME, Checkpoint
 from loader.config import ModelConfig
 from loader.formats import fp8_block_dequantize, fused_e8m0, mxfp4_unpack
 from loader.schema import Fmt
-from loader.synth import MXFP4_CODE_STD, ValueSource, slice_config, synth
+from loader.synth import (
+    MXFP4_CODE_STD,
+    OUTPUT_GAIN_LOG2,
+    ValueSource,
+    output_gain,
+    slice_config,
+    synth,
+)
 
 
 def _digests(d):
@@ -92,7 +99,7 @@ def test_norms_and_dense_fp8_laws(ck):
     assert abs(norm.mean() - 1) < 0.02 and 0.03 < norm.std() < 0.07
     for base in ("layers.2.attn.wq_b", "layers.2.attn.wo_b", "layers.2.ffn.shared_experts.w2"):
         w = fp8_block_dequantize(ck.get(base + ".weight"), ck.get(base + ".scale"))
-        want = w.shape[1] ** -0.5
+        want = w.shape[1] ** -0.5 * output_gain(base + ".weight")  # wo_b, w2: 2^-5 (small branches)
         # >= 200k samples: the std estimate is within 0.5%; E4M3 rounding adds < 0.2% variance
         assert abs(w.std() / want - 1) < 0.02, base
         assert abs(w.mean()) < 0.01 * want
@@ -122,6 +129,12 @@ def test_mxfp4_codes_and_scales(ck):
             assert 11 < int(scales.max()) - int(scales.min()) <= 24  # fused-E8M0 path is taken
             fused = fused_e8m0(packed, scales)
             assert int(fused.lo) > int(scales.min())
+    # output projections sit 5 binades (OUTPUT_GAIN_LOG2) below the input projections
+    median = {w: np.median(ck.get(f"layers.0.ffn.experts.0.{w}.scale").view(np.uint8)) for w in
+              ("w1", "w2")}
+    fan_in = {"w1": cfg.hidden_size, "w2": cfg.moe_intermediate_size}
+    shift = OUTPUT_GAIN_LOG2 - 0.5 * math.log2(fan_in["w2"] / fan_in["w1"])
+    assert abs((median["w2"] - median["w1"]) - shift) <= 1
 
 
 def _rms(x):
