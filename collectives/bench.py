@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from executor.benchmarks import BenchContext, benchmark
+from executor.benchmarks import BenchContext
 from kernels import allreduce_ref as ref
 
 ROWS = (1, 8, 32, 192)
@@ -149,7 +149,6 @@ def oneshot_single_rank_floor(ctx: BenchContext, rows_list=ROWS) -> None:
             raise RuntimeError(f"single-rank floor: wrong result or a timeout ({list(status)})")
 
 
-@benchmark("collectives")
 def bench_collectives(ctx: BenchContext) -> None:
     """NCCL world 1 and the one-shot all-reduce with 4 processes on this one GPU."""
     rows = ROWS[:2] if ctx.quick else ROWS

@@ -422,6 +422,8 @@ FAMILY_BENCHMARKS = (
     ("dense_w8a16", "executor.bench_dense:bench_dense"),
     ("lm_head", "executor.bench_dense:bench_lm_head"),
     ("sparse_mqa", "executor.sparse_mqa_chain:bench_sparse_mqa"),
+    ("indexer", "executor.indexer_chain:bench_indexer"),
+    ("collectives", "collectives.bench:bench_collectives"),
 )
 
 
