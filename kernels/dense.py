@@ -167,8 +167,6 @@ class DenseW8A16Sm90:
             (WARP, 4, self.row_tiles, CTA_WARPS)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
 
-        # Dependents may start now (they wait for our completion before reading our output).
-        cute.arch.griddepcontrol_launch_dependents()
         # Prologue before the PDL wait: the first PREFETCH chunks of weights and scales.
         for i in cutlass.range_constexpr(PREFETCH):
             self._load_chunk(wbuf, sbuf, i, w_row, s_row, c_begin + warp + i * CTA_WARPS,
@@ -195,6 +193,9 @@ class DenseW8A16Sm90:
             self._reduce_and_store(acc, red, flag, tidx, warp, lane, tile, slice_idx, grp, n0,
                                    p, rows, residual, out, workspace, counters)
             p += 1
+        # Trigger at the end: an early trigger measured slower here (run of 2026-11-29: split-K
+        # and main_proj chains lost 1.4-8 us), as the dependents' prefetch competes with our tail.
+        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _load_chunk(self, wbuf, sbuf, i: cutlass.Constexpr, w_row: Int64, s_row: Int64,

@@ -52,7 +52,8 @@ TARGET_CTAS = 2 * H200_NUM_SMS      # split K until a launch has at least this m
 EPILOGUES = ("bf16", "f32", "residual")
 ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows per pass (R > 8)
 VARIANTS = ("mma", "stream")        # register-prefetch mma kernel; smem-streamed kernel (R <= 8)
-STREAM_WARPS = 8                    # consumer warps of the streamed kernel (+ 1 producer warp)
+STREAM_WARPS = 8                    # warps of the streamed kernel
+TRIGGERS = ("entry", "exit")        # where the streamed kernel triggers its PDL dependents
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
 STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
 PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
@@ -81,6 +82,7 @@ class DenseSpec:
     unit_k: int = 0                         # stream: K bytes per unit (one smem stage)
     ctas: int = 0                           # stream: grid size (one wave)
     stages: int = 0                         # stream: smem ring depth
+    trigger: str = "entry"                  # stream: griddepcontrol.launch_dependents at entry/exit
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -88,8 +90,7 @@ class DenseSpec:
 
     @property
     def block(self) -> tuple[int, int, int]:
-        warps = STREAM_WARPS + 1 if self.variant == "stream" else CTA_WARPS
-        return (warps * WARP, 1, 1)
+        return ((STREAM_WARPS if self.variant == "stream" else CTA_WARPS) * WARP, 1, 1)
 
     @property
     def tiles(self) -> int:
@@ -106,14 +107,13 @@ class DenseSpec:
         return self.tiles * self.ksteps
 
     @property
-    def row_stride(self) -> int:
-        """smem bytes per weight row of a stage: == 64 mod 128, so rows g, g+1 of a quarter-warp
-        16-byte load land in different bank halves."""
-        return self.unit_k + (64 - self.unit_k) % 128
+    def chunks(self) -> int:
+        return ceil_div(self.unit_k, CHUNK_K)
 
     @property
     def stage_bytes(self) -> int:
-        return TILE_N * self.row_stride
+        """A unit in smem: per 64-byte chunk, [row half g / g+8][lane] x 16 B (1 KB)."""
+        return self.chunks * TILE_N * CHUNK_K
 
     def unit_range(self, cta: int) -> tuple[int, int]:
         return self.units * cta // self.ctas, self.units * (cta + 1) // self.ctas
@@ -141,9 +141,9 @@ class DenseSpec:
     @property
     def smem_bytes(self) -> int:
         if self.variant == "stream":
-            # ring + scale window + warp partials + full/empty mbarriers + flag + alignment slack
+            # ring + scale window + warp partials + flag + alignment slack
             return (self.stages * self.stage_bytes + ceil_div(self.scale_window(), 16) * 16
-                    + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 * self.stages + 16 + 256)
+                    + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 + 256)
         # fp32 partial per warp x row tile x 128 accumulators, plus the last-arrival flag.
         return CTA_WARPS * self.row_tiles * TILE_N * ROW_TILE * 4 + 16
 
@@ -193,7 +193,8 @@ class DenseSpec:
         return {"family": "dense", "name": self.name, "n": self.n, "k": self.k,
                 "groups": self.groups, "row_tiles": self.row_tiles, "epilogue": self.epilogue,
                 "split_k": self.split_k, "variant": self.variant, "unit_k": self.unit_k,
-                "ctas": self.ctas, "stages": self.stages, "params": params_dict(self.params),
+                "ctas": self.ctas, "stages": self.stages, "trigger": self.trigger,
+                "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "tiles": self.tiles,
                 "max_passes": self.max_passes}
 
@@ -202,7 +203,7 @@ class DenseSpec:
         """The spec a manifest records (`to_dict` output)."""
         return cls(d["name"], d["n"], d["k"], d["groups"], d["row_tiles"], d["epilogue"],
                    d["split_k"], d.get("variant", "mma"), d.get("unit_k", 0), d.get("ctas", 0),
-                   d.get("stages", 0))
+                   d.get("stages", 0), d.get("trigger", "entry"))
 
 
 def choose_stream_unit_k(tiles: int, k: int) -> int:
@@ -239,7 +240,7 @@ def stream_layout(tiles: int, k: int) -> tuple[int, int, int]:
 
 def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
               epilogue: str = "bf16", prefix: str = "dense_w8a16",
-              variant: str | None = None) -> DenseSpec:
+              variant: str | None = None, trigger: str = "entry") -> DenseSpec:
     """Validated spec; the name carries every compile-time choice. The default variant is
     "stream" for 8 rows per pass (R <= 8) and "mma" for 32 rows per pass."""
     variant = variant or ("stream" if row_tiles == 1 else "mma")
@@ -259,8 +260,12 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if variant == "mma":
         name += "_mma" if row_tiles == 1 else ""
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
+    if trigger not in TRIGGERS:
+        raise ValueError(f"{label}: trigger {trigger!r}; expected one of {TRIGGERS}")
     unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k)
-    return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages)
+    name += "" if trigger == "entry" else "_late"
+    return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
+                     trigger)
 
 
 def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
@@ -293,13 +298,14 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
 
 # (row_tiles, variant) of every shape: streamed r8 (R <= 8), mma r32 (R > 8), and the previous
 # mma r8 kept as a measured candidate.
-SPEC_VARIANTS = ((1, "stream"), (1, "mma"), (4, "mma"))
+SPEC_VARIANTS = ((1, "stream", "entry"), (1, "stream", "exit"), (1, "mma", ""), (4, "mma", ""))
 
 
 def dense_specs(cfg, tp: int) -> list[DenseSpec]:
-    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi, variant=variant)
+    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi, variant=variant,
+                      trigger=trigger or "entry")
             for label, (n, k, epis) in dense_shapes(cfg, tp).items()
-            for epi in epis for rt, variant in SPEC_VARIANTS]
+            for epi in epis for rt, variant, trigger in SPEC_VARIANTS]
 
 
 # ---- reference ---------------------------------------------------------------------------------

@@ -1,18 +1,19 @@
-"""Streamed W8A16 GEMV for R <= 8 (SM90, CuTe DSL): weights bulk-copied to smem before the PDL wait.
+"""Streamed W8A16 GEMV for R <= 8 (SM90, CuTe DSL): weights cp.async'ed to smem before the PDL wait.
 
 Same arithmetic as `kernels/dense.py` (e4m3 -> exactly scaled bf16, mma.sync.m16n8k16, fp32
 accumulation, the same K permutation and epilogues); what changes is how the weights arrive:
 - Work: units = (16-row tile, unit_k slice of K) in tile-major order; exactly one wave of
   `ctas` <= 132 CTAs, CTA c owns units [U*c/C, U*(c+1)/C) (kernels/dense_ref.DenseSpec).
-- A producer warp copies each unit (16 rows x unit_k bytes, one `cp.async.bulk` per row) into a
-  ring of `stages` smem stages, completing on a full mbarrier; it never waits for the previous
-  kernel: when the CTA's whole slice fits the ring (every layer but Engram wkv and main_proj)
-  every weight byte of the launch is requested in the first microsecond, and the kernel triggers
-  its dependents at entry so the NEXT kernel of a PDL chain streams beside this one (<= 104 KB
-  smem: two CTAs per SM).
-- 8 consumer warps load the CTA's scale window (plain loads, before the wait), wait for x
-  (`griddepcontrol.wait`), then split each unit's 64-byte chunks; x for the next unit is loaded
-  while the current one multiplies; each warp frees a stage on its empty mbarrier.
+- Each thread copies exactly the 16-byte weight pieces it will multiply (rows g and g+8 of its
+  64-byte chunks) with `cp.async.cg` into a ring of `stages` smem stages, one commit group per
+  unit; `cp.async.wait_group(stages - 1)` before a unit, the refill right after it. A thread only
+  reads its own pieces: no barrier, no mbarrier in the stream. When the CTA's slice fits the ring
+  (every layer but Engram wkv and main_proj) the whole slice is requested before
+  `griddepcontrol.wait`. (A first version fed the ring with one `cp.async.bulk` per weight row,
+  512-1024 B each: those ran at ~1 copy per 80 cycles per SM, 13 B/clk, slower than registers.)
+- Pieces sit chunk-major, [chunk][row half][lane] x 16 B: a warp's 16-byte reads are
+  conflict-free. The CTA's scale window is loaded with plain loads before the wait, x of the next
+  unit while the current one multiplies.
 - A tile's warp partials meet in smem in warp order; a tile shared with other CTAs (at most the
   first and last of a CTA's range) goes through workspace slot (cta, first/last), summed in CTA
   order by the last contributor to arrive on the tile's counter, which resets it: deterministic.
@@ -43,44 +44,29 @@ from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N
 
 CONSUMERS = STREAM_WARPS * WARP
 RED_THREADS = TILE_N * ROW_TILE          # one thread per accumulator of the 16 x 8 tile
-CONSUMER_BARRIER = 1                     # named barrier of the consumer warps
+CONSUMER_BARRIER = 1                     # named barrier of the CTA's warps
+PIECE = 16                               # bytes per cp.async / ld.shared.v4
+CHUNK_SMEM = 2 * WARP * PIECE            # one 64-byte chunk of 16 rows: [row half][lane] x 16 B
 
 
-# ---- smem / mbarrier / bulk-copy PTX ------------------------------------------------------------
+# ---- smem / cp.async PTX ------------------------------------------------------------------------
 
 def _void(operands, text: str, constraints: str) -> None:
     llvm.inline_asm(None, [op.ir_value() for op in operands], text, constraints,
                     has_side_effects=True)
 
 
-def mbar_init(addr: Int32, count: int) -> None:
-    _void([addr], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r")
+def cp_async_16(dst: Int32, src: Int64) -> None:
+    """16 bytes global -> shared, L2 only (weights are read once)."""
+    _void([dst, src], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
 
 
-def mbar_expect_tx(addr: Int32, nbytes: int) -> None:
-    _void([addr], f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};", "r")
+def cp_async_commit() -> None:
+    llvm.inline_asm(None, [], "cp.async.commit_group;", "", has_side_effects=True)
 
 
-def mbar_arrive(addr: Int32) -> None:
-    _void([addr], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r")
-
-
-def mbar_try_wait(addr: Int32, parity: Int32) -> Int32:
-    text = ("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
-            "selp.u32 $0, 1, 0, p; }")
-    return Int32(_asm([T.i32()], [addr, parity], text, "=r,r,r")[0])
-
-
-@cute.jit
-def mbar_wait(addr: Int32, parity: Int32):
-    done = mbar_try_wait(addr, parity)
-    while done == 0:
-        done = mbar_try_wait(addr, parity)
-
-
-def bulk_g2s(dst: Int32, src: Int64, nbytes: int, mbar: Int32) -> None:
-    _void([dst, src, mbar], "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-          f"[$0], [$1], {nbytes}, [$2];", "r,l,r")
+def cp_async_wait(pending: int) -> None:
+    llvm.inline_asm(None, [], f"cp.async.wait_group {pending};", "", has_side_effects=True)
 
 
 def ld_shared_v4(addr: Int32):
@@ -112,9 +98,8 @@ class DenseStreamSm90:
         self.spec = spec
         self.n, self.k, self.groups = spec.n, spec.k, spec.groups
         self.unit_k, self.ksteps, self.units = spec.unit_k, spec.ksteps, spec.units
-        self.ctas, self.stages = spec.ctas, spec.stages
-        self.row_stride, self.stage_bytes = spec.row_stride, spec.stage_bytes
-        self.chunks = -(-spec.unit_k // CHUNK_K)
+        self.ctas, self.stages, self.stage_bytes = spec.ctas, spec.stages, spec.stage_bytes
+        self.chunks = spec.chunks
         self.chunks_per_warp = -(-self.chunks // STREAM_WARPS)
         self.window = -(-spec.scale_window() // 16) * 16
         self.kg = spec.k // FP8_BLOCK
@@ -134,8 +119,11 @@ class DenseStreamSm90:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP, tidx % WARP
+        g, t = lane // 4, lane % 4
         u_begin = self.units * cta // self.ctas
         n_units = self.units * (cta + 1) // self.ctas - u_begin
+        if cutlass.const_expr(self.spec.trigger == "entry"):
+            cute.arch.griddepcontrol_launch_dependents()   # the next kernel streams beside us
 
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(Uint8, cute.make_layout(self.stages * self.stage_bytes),
@@ -143,56 +131,60 @@ class DenseStreamSm90:
         sc = smem.allocate_tensor(Uint8, cute.make_layout(self.window), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((WARP, 4, STREAM_WARPS)),
                                    byte_alignment=16)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * self.stages), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-        ring_a, sc_a, bar_a = smem_addr(ring), smem_addr(sc), smem_addr(bars)
+        ring_a, sc_a = smem_addr(ring), smem_addr(sc)
+        w_row = weight.toint() + Int64(g) * self.k
 
-        if tidx == 0:
-            for i in cutlass.range_constexpr(self.stages):
-                mbar_init(bar_a + 8 * i, 1)                              # full: producer
-                mbar_init(bar_a + 8 * (self.stages + i), STREAM_WARPS)   # empty: consumers
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        # Let the next kernel's CTAs start (and stream their weights) beside ours.
-        cute.arch.griddepcontrol_launch_dependents()
+        # Weights first (constants: no wait), the whole ring deep, one commit group per unit.
+        for s in cutlass.range_constexpr(self.stages):
+            if s < n_units:
+                self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
+            cp_async_commit()
+        self._load_scales(scales, sc_a, u_begin, n_units, tidx)
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
 
-        if warp == STREAM_WARPS:
-            self._produce(weight, ring_a, bar_a, u_begin, n_units, lane)
-        else:
-            self._consume(x, scales, residual, out, workspace, counters, rows, flag, red,
-                          ring_a, sc_a, bar_a, cta, u_begin, n_units, tidx, warp, lane)
-
-    @cute.jit
-    def _produce(self, weight: cute.Pointer, ring_a: Int32, bar_a: Int32, u_begin: Int32,
-                 n_units: Int32, lane: Int32):
-        """Copy unit j into stage j % stages once the consumers freed it (weights only: no wait)."""
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        xbuf = cute.make_rmem_tensor((8, self.chunks_per_warp, 2), Int32)
+        row = cutlass.min(g, rows - 1)
+        srow0 = u_begin // self.ksteps // 2
+        self._load_x(xbuf, 0, x, u_begin, row, warp, t)
         j = Int32(0)
         while j < n_units:
-            i = j % self.stages
-            if j >= self.stages:
-                mbar_wait(bar_a + 8 * (self.stages + i), ((j // self.stages) - 1) & 1)
-            full = bar_a + 8 * i
-            if lane == 0:
-                mbar_expect_tx(full, TILE_N * self.unit_k)
-            cute.arch.sync_warp()
-            if lane < TILE_N:
-                u = u_begin + j
-                tile = u // self.ksteps
-                src = (weight.toint() + Int64(tile * TILE_N + lane) * self.k
-                       + Int64((u % self.ksteps) * self.unit_k))
-                bulk_g2s(ring_a + i * self.stage_bytes + lane * self.row_stride, src,
-                         self.unit_k, full)
+            self._load_x(xbuf, 1, x, u_begin + cutlass.min(j + 1, n_units - 1), row, warp, t)
+            self._unit(acc, xbuf, 0, j, w_row, out, residual, workspace, counters, rows, flag,
+                       red, ring_a, sc_a, cta, u_begin, n_units, srow0, tidx, warp, lane)
             j += 1
+            if j < n_units:
+                self._load_x(xbuf, 0, x, u_begin + cutlass.min(j + 1, n_units - 1), row, warp,
+                             t)
+                self._unit(acc, xbuf, 1, j, w_row, out, residual, workspace, counters, rows,
+                           flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, tidx, warp,
+                           lane)
+                j += 1
+        if cutlass.const_expr(self.spec.trigger == "exit"):
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def _consume(self, x: cute.Pointer, scales: cute.Pointer, residual: cute.Pointer,
-                 out: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer, rows: Int32,
-                 flag, red, ring_a: Int32, sc_a: Int32, bar_a: Int32, cta: Int32,
-                 u_begin: Int32, n_units: Int32, tidx: Int32, warp: Int32, lane: Int32):
-        g, t = lane // 4, lane % 4
-        t_first = u_begin // self.ksteps
-        srow0 = t_first // 2
-        # The CTA's scale window (whole 32-row blocks) into smem: loads first, then stores.
+    def _issue(self, ring_a: Int32, w_row: Int64, u: Int32, slot: Int32, warp: Int32,
+               lane: Int32, t: Int32):
+        """cp.async this thread's pieces of unit u (rows g, g+8 of its chunks) into `slot`."""
+        tile = u // self.ksteps
+        src = w_row + Int64(tile * TILE_N) * self.k + Int64((u % self.ksteps) * self.unit_k)
+        stage = ring_a + slot * self.stage_bytes + lane * PIECE
+        for cj in cutlass.range_constexpr(self.chunks_per_warp):
+            ch = warp + STREAM_WARPS * cj
+            if ch < self.chunks:
+                off, _ = self._chunk_k(warp, t, cj)
+                cp_async_16(stage + ch * CHUNK_SMEM, src + Int64(off))
+                cp_async_16(stage + ch * CHUNK_SMEM + WARP * PIECE, src + Int64(8 * self.k + off))
+
+    @cute.jit
+    def _load_scales(self, scales: cute.Pointer, sc_a: Int32, u_begin: Int32, n_units: Int32,
+                     tidx: Int32):
+        """The CTA's scale window (whole 32-row blocks) into smem: all loads, then all stores."""
+        srow0 = u_begin // self.ksteps // 2
         win = ((u_begin + n_units - 1) // self.ksteps // 2 - srow0 + 1) * self.kg
         s_src = scales.toint() + Int64(srow0 * self.kg)
         per_thread = -(-self.window // CONSUMERS)
@@ -202,27 +194,6 @@ class DenseStreamSm90:
         for j in cutlass.range_constexpr(per_thread):
             if tidx + CONSUMERS * j < win:
                 st_shared_u8(sc_a + tidx + CONSUMERS * j, sbytes[j])
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
-        cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
-
-        acc = cute.make_rmem_tensor((4,), Float32)
-        acc.fill(0.0)
-        xbuf = cute.make_rmem_tensor((8, self.chunks_per_warp, 2), Int32)
-        row = cutlass.min(g, rows - 1)
-        self._load_x(xbuf, 0, x, u_begin, row, warp, t)
-        j = Int32(0)
-        while j < n_units:
-            self._load_x(xbuf, 1, x, u_begin + cutlass.min(j + 1, n_units - 1), row, warp, t)
-            self._unit(acc, xbuf, 0, j, x, out, residual, workspace, counters, rows, flag, red,
-                       ring_a, sc_a, bar_a, cta, u_begin, n_units, srow0, tidx, warp, lane)
-            j += 1
-            if j < n_units:
-                self._load_x(xbuf, 0, x, u_begin + cutlass.min(j + 1, n_units - 1), row, warp,
-                             t)
-                self._unit(acc, xbuf, 1, j, x, out, residual, workspace, counters, rows, flag,
-                           red, ring_a, sc_a, bar_a, cta, u_begin, n_units, srow0, tidx, warp,
-                           lane)
-                j += 1
 
     @cute.jit
     def _chunk_k(self, warp: Int32, t: Int32, cj: cutlass.Constexpr):
@@ -245,24 +216,25 @@ class DenseStreamSm90:
                 xbuf[w, cj, slot] = xw[w]
 
     @cute.jit
-    def _unit(self, acc, xbuf, slot: cutlass.Constexpr, j: Int32, x: cute.Pointer,
+    def _unit(self, acc, xbuf, slot: cutlass.Constexpr, j: Int32, w_row: Int64,
               out: cute.Pointer, residual: cute.Pointer, workspace: cute.Pointer,
               counters: cute.Pointer, rows: Int32, flag, red, ring_a: Int32, sc_a: Int32,
-              bar_a: Int32, cta: Int32, u_begin: Int32, n_units: Int32, srow0: Int32,
-              tidx: Int32, warp: Int32, lane: Int32):
-        """acc += this warp's chunks of unit j; free the stage; finish the tile at its end."""
-        g, t = lane // 4, lane % 4
+              cta: Int32, u_begin: Int32, n_units: Int32, srow0: Int32, tidx: Int32,
+              warp: Int32, lane: Int32):
+        """acc += this warp's chunks of unit j; refill the stage; finish the tile at its end."""
+        t = lane % 4
         u = u_begin + j
         tile, kstep = u // self.ksteps, u % self.ksteps
         i = j % self.stages
-        mbar_wait(bar_a + 8 * i, (j // self.stages) & 1)
-        stage = ring_a + i * self.stage_bytes
+        cp_async_wait(self.stages - 1)           # this thread's pieces of unit j have landed
+        stage = ring_a + i * self.stage_bytes + lane * PIECE
         s_row = sc_a + (tile // 2 - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
+            ch = warp + STREAM_WARPS * cj
             off, valid = self._chunk_k(warp, t, cj)
-            if (warp + STREAM_WARPS * cj) < self.chunks:
-                lo = ld_shared_v4(stage + g * self.row_stride + off)
-                hi = ld_shared_v4(stage + (g + 8) * self.row_stride + off)
+            if ch < self.chunks:
+                lo = ld_shared_v4(stage + ch * CHUNK_SMEM)
+                hi = ld_shared_v4(stage + ch * CHUNK_SMEM + WARP * PIECE)
                 scale2 = scale_bf16x2(ld_shared_u8(s_row + off // FP8_BLOCK), valid)
                 for jj in cutlass.range_constexpr(4):
                     ae0, ao0 = e4m3x4_to_bf16x2x2(lo[jj], scale2)
@@ -272,9 +244,9 @@ class DenseStreamSm90:
                     d = mma_bf16_16816((ae0, ae1, ao0, ao1), b, [acc[q] for q in range(4)])
                     for q in cutlass.range_constexpr(4):
                         acc[q] = d[q]
-        cute.arch.sync_warp()
-        if lane == 0:
-            mbar_arrive(bar_a + 8 * (self.stages + i))
+        if j + self.stages < n_units:             # the slot is free: this thread read it all
+            self._issue(ring_a, w_row, u + self.stages, i, warp, lane, t)
+        cp_async_commit()
         if (kstep == self.ksteps - 1) | (j == n_units - 1):
             self._finish_tile(acc, tile, out, residual, workspace, counters, rows, flag, red,
                               cta, tidx, warp, lane)

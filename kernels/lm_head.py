@@ -129,7 +129,6 @@ class LmHeadSm90:
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         w_base = weight.toint() + Int64(g * self.row_bytes + 16 * t)
 
-        cute.arch.griddepcontrol_launch_dependents()           # they wait for our completion
         for i in cutlass.range_constexpr(self.prefetch):      # before the PDL wait
             self._load_chunk(wbuf, i, w_base, first_tile, i)
         cute.arch.griddepcontrol_wait()                        # x is the final norm's output
@@ -159,6 +158,7 @@ class LmHeadSm90:
                 self._publish(best, cta_best, flag, keys, counters, out, tidx, warp, lane, p,
                               rows, vocab_offset)
             p += 1
+        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _load_chunk(self, wbuf, i: cutlass.Constexpr, w_base: Int64, tile: Int32, c: Int32):

@@ -45,7 +45,7 @@ CTAS_PER_SM = 3              # persistent grid: tiles strided over 3 CTAs per SM
 MODES = ("argmax", "logits")
 ROW_TILE_CHOICES = (1, 4)
 VARIANTS = ("mma", "stream")   # register-prefetch kernel; smem-streamed kernel (R <= 8)
-STREAM_WARPS = 8               # consumer warps of the streamed kernel (+ 1 producer warp)
+STREAM_WARPS = 8               # warps of the streamed kernel
 STREAM_MAX_UNIT_K = 512        # hidden values per streamed unit (16 rows x 1 KB per stage)
 STREAM_SMEM_BUDGET = 160 * 1024
 PARAMS = (("x", "u64"), ("weight", "u64"), ("out", "u64"), ("keys", "u64"),
@@ -72,8 +72,7 @@ class LmHeadSpec:
 
     @property
     def block(self) -> tuple[int, int, int]:
-        warps = STREAM_WARPS + 1 if self.variant == "stream" else CTA_WARPS
-        return (warps * WARP, 1, 1)
+        return ((STREAM_WARPS if self.variant == "stream" else CTA_WARPS) * WARP, 1, 1)
 
     @property
     def tiles(self) -> int:
@@ -84,14 +83,13 @@ class LmHeadSpec:
         return self.hidden // self.unit_k
 
     @property
-    def row_stride(self) -> int:
-        """smem bytes per vocab row of a stage, == 64 mod 128 (conflict-free 16-byte reads)."""
-        nbytes = 2 * self.unit_k
-        return nbytes + (64 - nbytes) % 128
+    def chunks(self) -> int:
+        return self.unit_k // CHUNK_K
 
     @property
     def stage_bytes(self) -> int:
-        return TILE_N * self.row_stride
+        """A unit in smem: per 32-value chunk, [row half g / g+8][lane] x 16 B (1 KB)."""
+        return TILE_N * self.unit_k * 2
 
     def tile_range(self, cta: int) -> tuple[int, int]:
         """Whole tiles per CTA: every logit is summed by the same code path, in the same order."""
@@ -112,9 +110,9 @@ class LmHeadSpec:
     @property
     def smem_bytes(self) -> int:
         if self.variant == "stream":
-            # ring + warp partials + mbarriers + per-row CTA keys (2 halves) + flag + slack
+            # ring + warp partials + per-row CTA keys (2 halves) + flag + slack
             return (self.stages * self.stage_bytes + STREAM_WARPS * TILE_N * ROW_TILE * 4
-                    + 16 * self.stages + ROW_TILE * 2 * 8 + 16 + 256)
+                    + ROW_TILE * 2 * 8 + 16 + 256)
         # argmax: a 64-bit key per warp and row of a pass, plus the last-arrival flag.
         return CTA_WARPS * self.rows_per_pass * 8 + 16 if self.mode == "argmax" else 0
 

@@ -1,12 +1,12 @@
-"""Streamed BF16 lm_head for R <= 8 (SM90, CuTe DSL): an smem ring fed by bulk copies, fused argmax.
+"""Streamed BF16 lm_head for R <= 8 (SM90, CuTe DSL): a cp.async smem ring, fused argmax.
 
 Same arithmetic and argmax keys as `kernels/lm_head.py`; the weights arrive as in
 `kernels/dense_stream.py`:
 - One wave of `ctas` <= 132 CTAs; CTA c owns WHOLE vocab tiles [T*c/C, T*(c+1)/C), each tile
-  streamed as `ksteps` units of 16 rows x unit_k hidden values (one `cp.async.bulk` per row) into
-  a ring of `stages` smem stages (~160 KB in flight per SM) by a producer warp that never waits
-  for the previous kernel.
-- 8 consumer warps split each unit's 32-value chunks (x of the next unit loaded while the
+  streamed as `ksteps` units of 16 rows x unit_k hidden values into a ring of `stages` smem
+  stages (~150 KB in flight per SM): every thread cp.async's exactly the 16-byte pieces it
+  multiplies, one commit group per unit, so the stream needs no barrier.
+- 8 warps split each unit's 32-value chunks (x of the next unit loaded while the
   current one multiplies); at a tile's end the warp partials meet in smem in warp order. Every
   tile takes this same path and order, so equal vocab rows give bit-equal logits (real ties).
 - logits: fp32 stores. argmax: each of the 128 accumulator threads keeps a running max of its
@@ -23,12 +23,12 @@ from cutlass import Float32, Int32, Int64, Uint8, cute
 
 from kernels.dense import ld_v4, mma_bf16_16816, st_f32
 from kernels.dense_stream import (
-    bulk_g2s,
+    CHUNK_SMEM,
+    PIECE,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
     ld_shared_v4,
-    mbar_arrive,
-    mbar_expect_tx,
-    mbar_init,
-    mbar_wait,
     smem_addr,
 )
 from kernels.lm_head import (
@@ -43,7 +43,7 @@ from kernels.lm_head import (
 )
 from kernels.lm_head_ref import CHUNK_K, ROW_TILE, STREAM_WARPS, TILE_N, WARP, LmHeadSpec
 
-CONSUMERS = STREAM_WARPS * WARP
+CONSUMERS = STREAM_WARPS * WARP          # every thread of the CTA
 RED_THREADS = TILE_N * ROW_TILE
 CONSUMER_BARRIER = 1
 
@@ -57,9 +57,9 @@ class LmHeadStreamSm90:
         self.spec = spec
         self.hidden, self.unit_k, self.ksteps = spec.hidden, spec.unit_k, spec.ksteps
         self.tiles, self.ctas, self.stages = spec.tiles, spec.ctas, spec.stages
-        self.row_stride, self.stage_bytes = spec.row_stride, spec.stage_bytes
-        self.chunks = spec.unit_k // CHUNK_K
+        self.stage_bytes, self.chunks = spec.stage_bytes, spec.chunks
         self.chunks_per_warp = -(-self.chunks // STREAM_WARPS)
+        self.row_bytes = spec.hidden * 2
 
     @cute.jit
     def __call__(self, x: cute.Pointer, weight: cute.Pointer, out: cute.Pointer,
@@ -74,6 +74,7 @@ class LmHeadStreamSm90:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP, tidx % WARP
+        g, t = lane // 4, lane % 4
         t_begin = self.tiles * cta // self.ctas
         u_begin = t_begin * self.ksteps
         n_units = (self.tiles * (cta + 1) // self.ctas - t_begin) * self.ksteps
@@ -83,75 +84,54 @@ class LmHeadStreamSm90:
                                     byte_alignment=128)
         red = smem.allocate_tensor(Float32, cute.make_layout((WARP, 4, STREAM_WARPS)),
                                    byte_alignment=16)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * self.stages), byte_alignment=8)
         cta_best = smem.allocate_tensor(Int64, cute.make_layout((ROW_TILE, 2)),
                                         byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-        ring_a, bar_a = smem_addr(ring), smem_addr(bars)
+        ring_a = smem_addr(ring)
+        w_row = weight.toint() + Int64(g * self.row_bytes)
 
-        if tidx == 0:
-            for i in cutlass.range_constexpr(self.stages):
-                mbar_init(bar_a + 8 * i, 1)
-                mbar_init(bar_a + 8 * (self.stages + i), STREAM_WARPS)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        cute.arch.griddepcontrol_launch_dependents()
+        for s in cutlass.range_constexpr(self.stages):      # before the PDL wait
+            if s < n_units:
+                self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
+            cp_async_commit()
+        cute.arch.griddepcontrol_wait()                      # x is the final norm's output
 
-        if warp == STREAM_WARPS:
-            self._produce(weight, ring_a, bar_a, u_begin, n_units, lane)
-        else:
-            self._consume(x, out, keys, counters, rows, vocab_offset, red, cta_best, flag,
-                          ring_a, bar_a, u_begin, n_units, tidx, warp, lane)
-
-    @cute.jit
-    def _produce(self, weight: cute.Pointer, ring_a: Int32, bar_a: Int32, u_begin: Int32,
-                 n_units: Int32, lane: Int32):
-        j = Int32(0)
-        while j < n_units:
-            i = j % self.stages
-            if j >= self.stages:
-                mbar_wait(bar_a + 8 * (self.stages + i), ((j // self.stages) - 1) & 1)
-            full = bar_a + 8 * i
-            if lane == 0:
-                mbar_expect_tx(full, TILE_N * self.unit_k * 2)
-            cute.arch.sync_warp()
-            if lane < TILE_N:
-                u = u_begin + j
-                src = (weight.toint()
-                       + Int64((u // self.ksteps) * TILE_N + lane) * (self.hidden * 2)
-                       + Int64((u % self.ksteps) * self.unit_k * 2))
-                bulk_g2s(ring_a + i * self.stage_bytes + lane * self.row_stride, src,
-                         self.unit_k * 2, full)
-            j += 1
-
-    @cute.jit
-    def _consume(self, x: cute.Pointer, out: cute.Pointer, keys: cute.Pointer,
-                 counters: cute.Pointer, rows: Int32, vocab_offset: Int32, red, cta_best, flag,
-                 ring_a: Int32, bar_a: Int32, u_begin: Int32, n_units: Int32, tidx: Int32,
-                 warp: Int32, lane: Int32):
-        g, t = lane // 4, lane % 4
-        cute.arch.griddepcontrol_wait()          # x is the final norm's output
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
         best = cute.make_rmem_tensor((1,), Int64)
         best.fill(0)
         xbuf = cute.make_rmem_tensor((4, self.chunks_per_warp, 2), Int32)
-        x_row = x.toint() + Int64(cutlass.min(g, rows - 1) * self.hidden * 2)
+        x_row = x.toint() + Int64(cutlass.min(g, rows - 1) * self.row_bytes)
         self._load_x(xbuf, 0, x_row, u_begin, warp, t)
         j = Int32(0)
         while j < n_units:
             self._load_x(xbuf, 1, x_row, u_begin + cutlass.min(j + 1, n_units - 1), warp, t)
-            self._unit(acc, best, xbuf, 0, j, out, rows, red, ring_a, bar_a, u_begin, n_units,
+            self._unit(acc, best, xbuf, 0, j, w_row, out, rows, red, ring_a, u_begin, n_units,
                        tidx, warp, lane)
             j += 1
             if j < n_units:
                 self._load_x(xbuf, 0, x_row, u_begin + cutlass.min(j + 1, n_units - 1), warp, t)
-                self._unit(acc, best, xbuf, 1, j, out, rows, red, ring_a, bar_a, u_begin,
+                self._unit(acc, best, xbuf, 1, j, w_row, out, rows, red, ring_a, u_begin,
                            n_units, tidx, warp, lane)
                 j += 1
         if cutlass.const_expr(self.spec.mode == "argmax"):
             self._publish(best, cta_best, flag, keys, counters, out, rows, vocab_offset, tidx,
                           warp, lane)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _issue(self, ring_a: Int32, w_row: Int64, u: Int32, slot: Int32, warp: Int32,
+               lane: Int32, t: Int32):
+        """cp.async this thread's pieces of unit u (vocab rows g, g+8 of its chunks)."""
+        src = (w_row + Int64((u // self.ksteps) * TILE_N) * self.row_bytes
+               + Int64((u % self.ksteps) * self.unit_k * 2 + 16 * t))
+        stage = ring_a + slot * self.stage_bytes + lane * PIECE
+        for cj in cutlass.range_constexpr(self.chunks_per_warp):
+            ch = warp + STREAM_WARPS * cj
+            if ch < self.chunks:
+                cp_async_16(stage + ch * CHUNK_SMEM, src + Int64(ch * CHUNK_K * 2))
+                cp_async_16(stage + ch * CHUNK_SMEM + WARP * PIECE,
+                            src + Int64(8 * self.row_bytes + ch * CHUNK_K * 2))
 
     @cute.jit
     def _load_x(self, xbuf, slot: cutlass.Constexpr, x_row: Int64, u: Int32, warp: Int32,
@@ -165,29 +145,28 @@ class LmHeadStreamSm90:
                 xbuf[w, cj, slot] = xw[w]
 
     @cute.jit
-    def _unit(self, acc, best, xbuf, slot: cutlass.Constexpr, j: Int32, out: cute.Pointer,
-              rows: Int32, red, ring_a: Int32, bar_a: Int32, u_begin: Int32, n_units: Int32,
-              tidx: Int32, warp: Int32, lane: Int32):
-        g, t = lane // 4, lane % 4
+    def _unit(self, acc, best, xbuf, slot: cutlass.Constexpr, j: Int32, w_row: Int64,
+              out: cute.Pointer, rows: Int32, red, ring_a: Int32, u_begin: Int32,
+              n_units: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        t = lane % 4
         u = u_begin + j
         i = j % self.stages
-        mbar_wait(bar_a + 8 * i, (j // self.stages) & 1)
-        stage = ring_a + i * self.stage_bytes
+        cp_async_wait(self.stages - 1)
+        stage = ring_a + i * self.stage_bytes + lane * PIECE
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             ch = warp + STREAM_WARPS * cj
             if ch < self.chunks:
-                off = ch * CHUNK_K * 2 + 16 * t
-                wa = ld_shared_v4(stage + g * self.row_stride + off)
-                wb = ld_shared_v4(stage + (g + 8) * self.row_stride + off)
+                wa = ld_shared_v4(stage + ch * CHUNK_SMEM)
+                wb = ld_shared_v4(stage + ch * CHUNK_SMEM + WARP * PIECE)
                 for jj in cutlass.range_constexpr(2):
                     d = mma_bf16_16816((wa[2 * jj], wb[2 * jj], wa[2 * jj + 1], wb[2 * jj + 1]),
                                        (xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot]),
                                        [acc[q] for q in range(4)])
                     for q in cutlass.range_constexpr(4):
                         acc[q] = d[q]
-        cute.arch.sync_warp()
-        if lane == 0:
-            mbar_arrive(bar_a + 8 * (self.stages + i))
+        if j + self.stages < n_units:
+            self._issue(ring_a, w_row, u + self.stages, i, warp, lane, t)
+        cp_async_commit()
         if u % self.ksteps == self.ksteps - 1:
             self._finish_tile(acc, best, u // self.ksteps, out, rows, red, tidx, warp, lane)
             acc.fill(0.0)

@@ -23,7 +23,8 @@ def wo_a_shape(cfg, tp: int) -> tuple[int, int, int]:
 def wo_a_specs(cfg, tp: int) -> list[DenseSpec]:
     groups, n, k = wo_a_shape(cfg, tp)
     return [make_spec("grouped", n, k, groups=groups, row_tiles=rt, prefix="wo_a_fp8",
-                      variant=variant) for rt, variant in SPEC_VARIANTS]
+                      variant=variant, trigger=trigger or "entry")
+            for rt, variant, trigger in SPEC_VARIANTS]
 
 
 def wo_a_ref(spec: DenseSpec, o, weight, scales):
