@@ -53,7 +53,6 @@ EPILOGUES = ("bf16", "f32", "residual")
 ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows per pass (R > 8)
 VARIANTS = ("mma", "stream")        # register-prefetch mma kernel; smem-streamed kernel (R <= 8)
 STREAM_WARPS = 8                    # warps of the streamed kernel
-TRIGGERS = ("entry", "exit")        # where the streamed kernel triggers its PDL dependents
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
 STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
 PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
@@ -82,7 +81,6 @@ class DenseSpec:
     unit_k: int = 0                         # stream: K bytes per unit (one smem stage)
     ctas: int = 0                           # stream: grid size (one wave)
     stages: int = 0                         # stream: smem ring depth
-    trigger: str = "entry"                  # stream: griddepcontrol.launch_dependents at entry/exit
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -193,8 +191,7 @@ class DenseSpec:
         return {"family": "dense", "name": self.name, "n": self.n, "k": self.k,
                 "groups": self.groups, "row_tiles": self.row_tiles, "epilogue": self.epilogue,
                 "split_k": self.split_k, "variant": self.variant, "unit_k": self.unit_k,
-                "ctas": self.ctas, "stages": self.stages, "trigger": self.trigger,
-                "params": params_dict(self.params),
+                "ctas": self.ctas, "stages": self.stages, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "tiles": self.tiles,
                 "max_passes": self.max_passes}
 
@@ -203,7 +200,7 @@ class DenseSpec:
         """The spec a manifest records (`to_dict` output)."""
         return cls(d["name"], d["n"], d["k"], d["groups"], d["row_tiles"], d["epilogue"],
                    d["split_k"], d.get("variant", "mma"), d.get("unit_k", 0), d.get("ctas", 0),
-                   d.get("stages", 0), d.get("trigger", "entry"))
+                   d.get("stages", 0))
 
 
 def choose_stream_unit_k(tiles: int, k: int) -> int:
@@ -240,10 +237,10 @@ def stream_layout(tiles: int, k: int) -> tuple[int, int, int]:
 
 def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
               epilogue: str = "bf16", prefix: str = "dense_w8a16",
-              variant: str | None = None, trigger: str = "entry") -> DenseSpec:
-    """Validated spec; the name carries every compile-time choice. The default variant is
-    "stream" for 8 rows per pass (R <= 8) and "mma" for 32 rows per pass."""
-    variant = variant or ("stream" if row_tiles == 1 else "mma")
+              variant: str | None = None) -> DenseSpec:
+    """Validated spec; the name carries every compile-time choice but the variant (one kernel
+    per name). Default variant: the measured faster one (`default_variant`)."""
+    variant = variant or default_variant(label, row_tiles)
     if variant not in VARIANTS or (variant == "stream" and row_tiles != 1):
         raise ValueError(f"{label}: variant {variant!r} with row_tiles {row_tiles}; expected "
                          f"one of {VARIANTS}, 'stream' only with row_tiles 1")
@@ -258,14 +255,9 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     name = f"{prefix}_{label}_n{n}_k{k}" + (f"_g{groups}" if groups > 1 else "")
     name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
     if variant == "mma":
-        name += "_mma" if row_tiles == 1 else ""
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
-    if trigger not in TRIGGERS:
-        raise ValueError(f"{label}: trigger {trigger!r}; expected one of {TRIGGERS}")
     unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k)
-    name += "" if trigger == "entry" else "_late"
-    return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
-                     trigger)
+    return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages)
 
 
 def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
@@ -296,16 +288,24 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
     return shapes
 
 
-# (row_tiles, variant) of every shape: streamed r8 (R <= 8), mma r32 (R > 8), and the previous
-# mma r8 kept as a measured candidate.
-SPEC_VARIANTS = ((1, "stream", "entry"), (1, "stream", "exit"), (1, "mma", ""), (4, "mma", ""))
+# Layers whose R <= 8 kernel is the streamed one: measured faster inside the PDL chain on the H200
+# (devicecheck --quick, 2026-11-29, us at R=1 / R=8, streamed vs register-prefetch mma):
+# shared w1|w3 6.14/6.49 vs 7.07/7.42, shared w2 2.85/3.21 vs 3.46/3.59, wo_a ("grouped")
+# 7.07/7.47 vs 7.58/8.12, wo_b 7.40/7.83 vs 7.70/7.73. The mma kernel stays faster where a CTA
+# walks more or smaller units: wq_a|wkv 7.74 vs 8.32, wq_b 7.00 vs 8.63, indexer wq_b 5.90 vs
+# 6.44, main_proj 30.4 vs 57.2, Engram wkv 46.8 vs 51.8 (docs/notes/dense-design.md).
+STREAM_LABELS = frozenset({"shared_w13", "shared_w2", "wo_b", "grouped"})
+
+
+def default_variant(label: str, row_tiles: int) -> str:
+    return "stream" if row_tiles == 1 and label in STREAM_LABELS else "mma"
 
 
 def dense_specs(cfg, tp: int) -> list[DenseSpec]:
-    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi, variant=variant,
-                      trigger=trigger or "entry")
+    """8 rows per pass (R <= 8, the measured faster variant) and 32 (R > 8) for every layer."""
+    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi)
             for label, (n, k, epis) in dense_shapes(cfg, tp).items()
-            for epi in epis for rt, variant, trigger in SPEC_VARIANTS]
+            for epi in epis for rt in ROW_TILE_CHOICES]
 
 
 # ---- reference ---------------------------------------------------------------------------------

@@ -122,8 +122,9 @@ class DenseStreamSm90:
         g, t = lane // 4, lane % 4
         u_begin = self.units * cta // self.ctas
         n_units = self.units * (cta + 1) // self.ctas - u_begin
-        if cutlass.const_expr(self.spec.trigger == "entry"):
-            cute.arch.griddepcontrol_launch_dependents()   # the next kernel streams beside us
+        # Trigger at entry: the next kernel's CTAs start beside ours and stream their weights
+        # (measured 1.2-2.9 us per launch faster in the PDL chain than triggering at exit).
+        cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(Uint8, cute.make_layout(self.stages * self.stage_bytes),
@@ -163,8 +164,6 @@ class DenseStreamSm90:
                            flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, tidx, warp,
                            lane)
                 j += 1
-        if cutlass.const_expr(self.spec.trigger == "exit"):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _issue(self, ring_a: Int32, w_row: Int64, u: Int32, slot: Int32, warp: Int32,

@@ -165,8 +165,7 @@ def make_spec(vocab: int, hidden: int, row_tiles: int = 1, mode: str = "argmax",
                          f"{TILE_N} and hidden a multiple of {CHUNK_K}")
     name = f"lm_head_bf16_v{vocab}_d{hidden}_r{ROW_TILE * row_tiles}_{mode}"
     if variant == "mma":
-        return LmHeadSpec(name + ("_mma" if row_tiles == 1 else ""), vocab, hidden, row_tiles,
-                          mode)
+        return LmHeadSpec(name, vocab, hidden, row_tiles, mode)
     unit_k = max(d for d in range(CHUNK_K, min(hidden, STREAM_MAX_UNIT_K) + 1, CHUNK_K)
                  if hidden % d == 0)
     tiles = vocab // TILE_N
@@ -179,10 +178,11 @@ def make_spec(vocab: int, hidden: int, row_tiles: int = 1, mode: str = "argmax",
 
 
 def lm_head_specs(cfg, tp: int) -> list[LmHeadSpec]:
-    """Streamed r8 (R <= 8), mma r32 (R > 8) and the previous mma r8 as a measured candidate."""
+    """Streamed r8 (R <= 8: 79.5 us vs 114.5 us for the mma r8 kernel, measured 2026-11-29) and
+    mma r32 (R > 8)."""
     vocab = cfg.rank_shapes(tp).vocab
-    return [make_spec(vocab, cfg.hidden_size, rt, mode, variant) for mode in MODES
-            for rt, variant in ((1, "stream"), (1, "mma"), (4, "mma"))]
+    return [make_spec(vocab, cfg.hidden_size, rt, mode) for mode in MODES
+            for rt in ROW_TILE_CHOICES]
 
 
 def spec_from_dict(d: dict) -> LmHeadSpec:
