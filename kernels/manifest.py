@@ -28,7 +28,7 @@ FAMILIES = (
     "kernels.allreduce",
     "kernels.moe",
     "kernels.dense", "kernels.wo_a", "kernels.lm_head",
-    "kernels.indexer", "kernels.kv_publish",
+    "kernels.indexer", "kernels.kv_publish", "kernels.compressor",
     "kernels.sparse_mqa",
 )
 MANIFEST_NAME = "manifest.json"
