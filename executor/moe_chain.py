@@ -32,6 +32,11 @@ class MoeChain:
         self.variants = {(s.kind, s.variant): s for s in mk.variant_specs(shape)
                          if s.name in names}
         self.variant_kernels = {key: bundle.kernel(s.name) for key, s in self.variants.items()}
+        # The self-routed chain (xquant, w13sr, w2sr + the default combine), when the bundle has it.
+        self.selfrouted = {(s.kind, s.variant): s for s in mk.selfrouted_specs(shape)
+                           if s.name in names}
+        self.selfrouted_kernels = {key: bundle.kernel(s.name)
+                                   for key, s in self.selfrouted.items()}
         e, r, k = shape.num_experts, mk.MAX_ROWS, shape.topk
         c13, o13 = shape.w13_bytes
         c2, o2 = shape.w2_bytes
@@ -116,6 +121,37 @@ class MoeChain:
             out.append(LaunchSpec(kernel, spec.grid(rows), args[k]))
         return out
 
+    def has_selfrouted(self) -> bool:
+        return {("xquant", ""), ("w13sr", ""), ("w2sr", "")} <= set(self.selfrouted)
+
+    def selfrouted_w2_variants(self) -> list[str]:
+        return [v for k, v in self.selfrouted if k == "w2sr"]
+
+    def launches_selfrouted(self, rows: int, w2: str | None = None) -> list[LaunchSpec]:
+        """xquant -> w13sr -> w2sr -> combine (no moe_prep; kernels/moe_selfroute.py); w2 None =
+        mk.W2SR_SINGLE_ROW_VARIANT at R = 1 when the bundle has it, else the default."""
+        if not self.has_selfrouted():
+            raise KeyError("the bundle has no self-routed MoE chain (moe_xquant_/moe_w13sr_/"
+                           f"moe_w2sr_); it has {sorted(self.selfrouted)}")
+        if w2 is None:
+            single = ("w2sr", mk.W2SR_SINGLE_ROW_VARIANT)
+            w2 = single[1] if rows == 1 and single in self.selfrouted else ""
+        if ("w2sr", w2) not in self.selfrouted:
+            raise KeyError(f"no w2sr variant {w2!r} in the bundle "
+                           f"(have {self.selfrouted_w2_variants()})")
+        p = self.arena.ptr
+        steps = [(("xquant", ""), (p("x"), p("xq"), p("xs"), rows)),
+                 (("w13sr", ""), (p("ids"), p("xq"), p("xs"), p("codes13"), p("offsets13"),
+                                  p("scales13"), p("h"), rows)),
+                 (("w2sr", w2), (p("ids"), p("h"), p("codes2"), p("offsets2"), p("scales2"),
+                                 p("ye"), rows))]
+        out = [LaunchSpec(self.selfrouted_kernels[key], self.selfrouted[key].grid(rows), args)
+               for key, args in steps]
+        combine = self.specs["combine"]
+        out.append(LaunchSpec(self.kernels["combine"], combine.grid(rows),
+                              (p("route_weights"), p("ye"), p("y"), rows)))
+        return out
+
     def download(self, name: str, dtype, shape) -> np.ndarray:
         return self.arena.view(name, dtype, shape).get()
 
@@ -137,7 +173,8 @@ def _fill_random_weights(chain: MoeChain) -> None:
 
 def bench_moe_routed(ctx) -> None:
     """The routed-MoE chain (prep + w13 + w2 + combine) at R = 1..192, uniform top-k routing over
-    every expert, L2 flushed before each rep; Humming's stock numbers (anchors.md) beside it."""
+    every expert, L2 flushed before each rep; the self-routed chain (xquant + w13sr + w2sr +
+    combine, rows labelled "selfrouted") beside it; Humming's stock numbers (anchors.md)."""
     from executor.benchmarks import fill_random_bf16
     bundle = ctx.bundle_with("moe_w13_")
     if bundle is None:
@@ -157,33 +194,35 @@ def bench_moe_routed(ctx) -> None:
             weights = rng.random((rows, shape.topk)).astype(np.float32)
             x_bits = chain.download("x", np.uint16, (rows, shape.hidden))
             chain.upload_inputs(x_bits, ids, weights)
-            specs = chain.launches(rows)
-
-            def run(specs=specs):
-                for s in specs:
-                    s.launch(ctx.stream)
             distinct = len(np.unique(ids))
-            us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
-            row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}", rows, us,
-                                mk.moe_bytes(shape, distinct, rows))
-            _report_targets(ctx, rows, us, row, shape)
+            chains = [("", chain.launches(rows))]
+            if chain.has_selfrouted():
+                chains.append((" selfrouted", chain.launches_selfrouted(rows)))
+            for label, specs in chains:
+                def run(specs=specs):
+                    for s in specs:
+                        s.launch(ctx.stream)
+                us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
+                row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}{label}", rows,
+                                    us, mk.moe_bytes(shape, distinct, rows))
+                _report_targets(ctx, rows, us, row, shape, label)
     finally:
         chain.close()
 
 
-def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape) -> None:
+def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: str) -> None:
     if shape.hidden != 5120 or rows not in HUMMING_W4A8:
         return
     h_distinct, h_pair, _ = HUMMING_W4A8[rows]
     h_gbps = h_distinct * shape.checkpoint_expert_bytes() / (h_pair * 1e-6) / 1e9
-    ctx.metric(f"moe R={rows}: Humming w13+w2 (anchors.md) {h_pair:.2f} us, {h_gbps:.0f} GB/s; "
+    ctx.metric(f"moe{label} R={rows}: Humming w13+w2 (anchors.md) {h_pair:.2f} us, {h_gbps:.0f} GB/s; "
                "ours", us, "us", f"< {h_pair:.1f}", us < h_pair)
     if rows <= 8:
-        ctx.metric(f"moe R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 4000",
+        ctx.metric(f"moe{label} R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 4000",
                    row.gbps >= 4000)
         if row.pct_stream is not None:
-            ctx.metric(f"moe R={rows}: % of measured streaming read", row.pct_stream, "%",
+            ctx.metric(f"moe{label} R={rows}: % of measured streaming read", row.pct_stream, "%",
                        ">= 90%", row.pct_stream >= 90)
     elif rows <= 64:
-        ctx.metric(f"moe R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 3800",
+        ctx.metric(f"moe{label} R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 3800",
                    row.gbps >= 3800)

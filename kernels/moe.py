@@ -815,16 +815,26 @@ _KERNEL_CLASSES = {"prep": MoePrepSm90, "w13": MoeW13Sm90, "w2": MoeW2Sm90,
                    "combine": MoeCombineSm90}
 
 
+def _kernel_class(kind: str):
+    """The default chain's classes here; the self-routed chain's in kernels/moe_selfroute.py
+    (imported late: it builds on this module)."""
+    if kind in _KERNEL_CLASSES:
+        return _KERNEL_CLASSES[kind]
+    from kernels import moe_selfroute
+    return moe_selfroute.KERNEL_CLASSES[kind]
+
+
 def kernel_function(spec: mk.MoeSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    return _KERNEL_CLASSES[spec.kind].kernel
+    return _kernel_class(spec.kind).kernel
 
 
 def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     """The four kernels of the routed MoE at this config's rank shape, then the candidate
-    w13 / w2 variants (`mk.variant_specs`) the benchmark measures beside them."""
+    w13 / w2 variants (`mk.variant_specs`) and the self-routed chain (`mk.selfrouted_specs`)
+    the benchmark measures beside them."""
     shape = mk.moe_shape(cfg, tp)
-    return mk.make_specs(shape) + mk.variant_specs(shape)
+    return mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
 
 
 def compile_spec(spec: mk.MoeSpec, options: str = "--gpu-arch sm_90a"):
@@ -836,4 +846,4 @@ def compile_spec(spec: mk.MoeSpec, options: str = "--gpu-arch sm_90a"):
 
     n_ptrs = len(spec.params) - 1
     args = [ptr() for _ in range(n_ptrs)] + [Int32(1), cuda.CUstream(0)]
-    return cute.compile(_KERNEL_CLASSES[spec.kind](spec), *args, options=options)
+    return cute.compile(_kernel_class(spec.kind)(spec), *args, options=options)

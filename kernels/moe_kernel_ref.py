@@ -146,11 +146,19 @@ PARAMS = {
     "w2": (("meta", "u64"), ("pairs", "u64"), ("h", "u64"), ("codes", "u64"), ("offsets", "u64"),
            ("scales", "u64"), ("ye", "u64"), ("rows", "u32")),
     "combine": (("route_weights", "u64"), ("ye", "u64"), ("y", "u64"), ("rows", "u32")),
+    # The self-routed chain (kernels/moe_selfroute.py): x quantized alone, w13 / w2 rebuild the
+    # routing lists from the ids in shared memory.
+    "xquant": (("x", "u64"), ("xq", "u64"), ("xs", "u64"), ("rows", "u32")),
+    "w13sr": (("topk_ids", "u64"), ("xq", "u64"), ("xs", "u64"), ("codes", "u64"),
+              ("offsets", "u64"), ("scales", "u64"), ("h", "u64"), ("rows", "u32")),
+    "w2sr": (("topk_ids", "u64"), ("h", "u64"), ("codes", "u64"), ("offsets", "u64"),
+             ("scales", "u64"), ("ye", "u64"), ("rows", "u32")),
 }
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
 COMBINE_VEC = 4
+XQUANT_THREADS = 256
 
 
 def w13_split(shape: MoeShape) -> int:
@@ -164,7 +172,8 @@ def w13_split(shape: MoeShape) -> int:
 
 @dataclass(frozen=True)
 class MoeSpec:
-    """One compiled kernel of the MoE chain; `kind` is prep | w13 | w2 | combine."""
+    """One compiled kernel of the MoE chain; `kind` is prep | w13 | w2 | combine, or one of the
+    self-routed chain's xquant | w13sr | w2sr."""
 
     name: str
     kind: str
@@ -185,9 +194,11 @@ class MoeSpec:
         distinct = min(rows * s.topk, s.num_experts)
         if self.kind == "prep":
             return 1 + ceil_div(rows * s.groups(s.k13), PREP_THREADS // LANES)
-        if self.kind == "w13":
+        if self.kind == "xquant":
+            return ceil_div(rows * s.groups(s.k13), XQUANT_THREADS // LANES)
+        if self.kind in ("w13", "w13sr"):
             return distinct * s.tiles13
-        if self.kind == "w2":
+        if self.kind in ("w2", "w2sr"):
             return distinct * ceil_div(s.tiles2, W2_WARPS)
         return ceil_div(rows * s.hidden, COMBINE_THREADS * COMBINE_VEC)
 
@@ -275,6 +286,55 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
     """Candidate w13 / w2 kernels (other ring depths and occupancies), built beside the default."""
     return ([_w13_spec(shape, *v) for v in W13_VARIANTS[1:]]
             + [_w2_spec(shape, *v) for v in W2_VARIANTS[1:]])
+
+
+# The self-routed chain: moe_xquant -> moe_w13sr -> moe_w2sr -> moe_combine (no moe_prep). Each
+# w13sr / w2sr CTA rebuilds the routing lists from the ids in shared memory before its
+# griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
+# w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
+W13SR_VARIANTS = (("", 4, 1, 3),)
+W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2))
+W2SR_SINGLE_ROW_VARIANT = "r2x2"
+
+
+def routing_scratch_bytes(shape: MoeShape) -> int:
+    """Row bitmap per expert + the ids: dead once the lists are built (the ring reuses them)."""
+    return shape.num_experts * BITMAP_WORDS * 4 + MAX_ROWS * shape.topk * 4
+
+
+ROUTING_HEADER = 48     # per-warp scan totals (<= 8 words), the distinct count at byte 32
+
+
+def routing_lists_bytes(shape: MoeShape) -> int:
+    """Header + experts, first pair, pair count [E] + the pairs (+ one chunk of slack: the
+    predicated reads of a chunk's absent tokens stay inside the array)."""
+    return (ROUTING_HEADER + 3 * 4 * shape.num_experts
+            + 4 * (MAX_ROWS * shape.topk + CHUNK_TOKENS))
+
+
+def ring_region_bytes(shape: MoeShape, kind: str, stages: int) -> int:
+    """A self-routed kernel's ring, which first holds the routing scratch."""
+    return max(stages * ring_stage_bytes(shape, kind), routing_scratch_bytes(shape))
+
+
+def selfrouted_specs(shape: MoeShape) -> list[MoeSpec]:
+    """The self-routed chain's kernels: xquant, the w13sr variants, the w2sr variants."""
+    tag = shape.tag()
+    out = [MoeSpec(f"moe_xquant_{tag}", "xquant", shape, (XQUANT_THREADS, 1, 1), ctas_per_sm=8)]
+    for variant, warps, stages, ctas in W13SR_VARIANTS:
+        split = min(warps, w13_split(shape))
+        suffix = f"_{variant}" if variant else ""
+        smem = (ring_region_bytes(shape, "w13", stages) + split * LANES * 16
+                + routing_lists_bytes(shape))
+        out.append(MoeSpec(f"moe_w13sr_{tag}{suffix}", "w13sr", shape, (split * LANES, 1, 1),
+                           smem_bytes=smem, ctas_per_sm=ctas, stages=stages, variant=variant))
+    for variant, stages, ctas in W2SR_VARIANTS:
+        suffix = f"_{variant}" if variant else ""
+        smem = (ring_region_bytes(shape, "w2", stages) + w2_smem_bytes(shape)
+                + routing_lists_bytes(shape))
+        out.append(MoeSpec(f"moe_w2sr_{tag}{suffix}", "w2sr", shape, (W2_WARPS * LANES, 1, 1),
+                           smem_bytes=smem, ctas_per_sm=ctas, stages=stages, variant=variant))
+    return out
 
 
 # ---- weight repack ------------------------------------------------------------------------------

@@ -221,3 +221,32 @@ def test_kernel_signatures_match_the_spec_abi():
         sig = build.signature_abi(moe.kernel_function(spec))
         assert [n for n, _ in sig] == [n for n, _ in spec.params]
         assert all(kind in allowed for (_, allowed), (_, kind) in zip(sig, spec.params))
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_selfrouted_specs_abi_grid_and_shared_memory(config):
+    """xquant / w13sr / w2sr: pointer ABI, grids that cover the items, and shared memory that
+    fits ctas_per_sm CTAs on an SM (228 KB, 1 KB reserved per CTA) with the routing scratch
+    inside the ring and the lists after it."""
+    shape = mk.moe_shape(ModelConfig.preset(config), 4)
+    specs = mk.selfrouted_specs(shape)
+    assert [s.kind for s in specs] == ["xquant", "w13sr", "w2sr", "w2sr"]
+    assert len({s.name for s in specs}) == len(specs)
+    for spec in specs:
+        d = spec.to_dict()
+        assert d["params"][-1] == ["rows", "u32"]
+        assert all(kind == "u64" for _, kind in d["params"][:-1])
+        assert spec.ctas_per_sm * (spec.smem_bytes + 1024) <= 228 * 1024, spec.name
+        for rows in (1, 8, 192):
+            assert 1 <= spec.grid(rows)[0] <= max(132 * spec.ctas_per_sm, spec.work_items(192))
+        with pytest.raises(ValueError):
+            spec.grid(193)
+    xq = specs[0]
+    assert xq.grid(192)[0] * (xq.block[0] // 32) >= 192 * shape.groups(shape.k13)
+    for spec in specs[1:]:
+        kind = spec.kind[:-2]
+        ring = mk.ring_region_bytes(shape, kind, spec.stages)
+        assert ring >= spec.stages * mk.ring_stage_bytes(shape, kind)
+        assert ring >= mk.routing_scratch_bytes(shape)
+        assert spec.smem_bytes >= ring + mk.routing_lists_bytes(shape)
+        assert spec.block[0] // 32 <= 8          # the lists header holds 8 warp totals

@@ -6,7 +6,9 @@ TP4) shapes, every output and scratch buffer NaN-poisoned before the launch. Che
 routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise: div.rn, rcp.rn,
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
-variant the bundle holds), and two replays bitwise equal.
+variant the bundle holds), and two replays bitwise equal; then the self-routed chain
+(kernels/moe_selfroute.py, every w2sr variant) from poisoned buffers: y within tolerance and
+bitwise the default chain's, its quantized x bitwise.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
 zero, so a kernel reading a wrong expert is caught.
 """
@@ -141,3 +143,24 @@ def test_moe_chain_matches_reference(setup, kind, rows):
         spec.launch(stream)
     stream.synchronize()
     np.testing.assert_array_equal(chain.download("y", np.float32, (rows, shape.hidden)), y)
+    _check_selfrouted(chain, stream, rows, shape, x, want, y, f"{kind}, R={rows}")
+
+
+def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
+    """The self-routed chain (xquant, w13sr, w2sr, combine) from NaN-poisoned buffers, every w2sr
+    variant: y within the reference tolerance and bitwise the default chain's y (same bytes, same
+    items, same per-item arithmetic order: only where routing and x quantization happen moved);
+    xq / xs bitwise quantize_act_fp8 in fragment order."""
+    assert chain.has_selfrouted(), "the bundle lacks the self-routed MoE kernels"
+    for w2 in chain.selfrouted_w2_variants():
+        chain.poison_outputs()
+        for spec in chain.launches_selfrouted(rows, w2=w2):
+            spec.launch(stream)
+        stream.synchronize()
+        y = chain.download("y", np.float32, (rows, shape.hidden))
+        label = f"self-routed y ({what}, w2sr={w2!r})"
+        mk.check_routed_close(y, want, label)
+        np.testing.assert_array_equal(y, y_default, err_msg=f"{label} vs the default chain")
+        want_q, want_s = mk.quantize_fragments(x, shape.k13)
+        np.testing.assert_array_equal(chain.download("xq", np.uint8, want_q.shape), want_q)
+        np.testing.assert_array_equal(chain.download("xs", np.float32, want_s.shape), want_s)

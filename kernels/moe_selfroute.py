@@ -1,0 +1,378 @@
+"""Self-routed MoE chain (SM90 CuTe DSL): w13 / w2 that build their routing lists from the ids.
+
+The default chain (`kernels/moe.py`) pays, before any weight byte moves, for `moe_prep` (a launch,
+the ids from HBM, three CTA barriers on one CTA) and then, per work item, for global metadata
+reads (expert -> first pair, count -> pair ids -> activations: dependent L2 round trips of ~1 us
+under load). Here every `moe_w13sr` / `moe_w2sr` CTA reads the <= 192 x k ids itself, builds the
+same lists as `moe_prep` (row bitmap per expert, popcounts, one block scan; rows ascending) in
+shared memory, and issues its first items' weights at once, all before `griddepcontrol.wait`;
+an item's expert, pair count and pair ids are then shared-memory reads. x is quantized by
+`moe_xquant` (no routing dependency: in the model it runs beside the router).
+
+    xquant |wait|trigger| x -> FP8 (one warp per row group)                          |
+    w13sr  |ids -> lists in smem, fill ring|wait|trigger| mma -> h                   |
+    w2sr          |ids -> lists in smem, fill ring|wait|trigger| h -> FP8, mma -> ye |
+    combine (kernels/moe.py, unchanged)                               |wait| y       |
+
+Why reading the ids before the wait is safe: they come from the router, which precedes
+`moe_xquant`; a kernel is launched only once its predecessor's CTAs have all passed their own
+wait (which completed and flushed the kernel before them), so the ids are final; they are read
+with ld.relaxed.gpu (no stale L1 line). The chain order is therefore router -> xquant -> w13sr.
+
+Numerics and work split are the defaults' (the same `chunk_math`, `group_mma`, `chunk_mma`, the
+same weight ring), so y is bitwise the default chain's. Bad ids (outside [0, E)) are skipped: their
+pairs get no h / ye (the default chain counts them in meta[1]; here there is no meta).
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import Int32, Int64, cute
+
+from kernels import moe as mo
+from kernels import moe_kernel_ref as mk
+
+
+def lds_u32_if(saddr: Int32, pred: Int32):
+    """A shared word where pred != 0, else 0."""
+    return Int32(mo._asm(1, [Int32(saddr), Int32(pred)],
+                         "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
+                         "@p ld.shared.u32 $0, [$1]; }", "=r,r,r", side_effects=True))
+
+
+class SmemRouting:
+    """The routing lists of one CTA in shared memory, `moe_prep`'s format without the header:
+    experts ascending, per entry its first pair and pair count, pairs = row * k + slot.
+
+    scratch (the weight ring's space, dead once the lists exist): bitmap [E][6] + the ids.
+    lists: totals [warps] | distinct count (byte 32) | experts [E] | first [E] | count [E] | pairs.
+    """
+
+    def __init__(self, shape: mk.MoeShape, threads: int):
+        self.experts, self.topk = shape.num_experts, shape.topk
+        self.threads = threads
+        self.warps = threads // mk.LANES
+        self.per_thread = mk.ceil_div(self.experts, threads)
+        self.bitmap_words = self.experts * mk.BITMAP_WORDS
+        e4 = 4 * self.experts
+        self.experts_at = mk.ROUTING_HEADER
+        self.first_at = self.experts_at + e4
+        self.count_at = self.first_at + e4
+        self.pairs_at = self.count_at + e4
+
+    @cute.jit
+    def build(self, ids: Int64, rows: Int32, scratch: Int32, lists: Int32, tidx: Int32):
+        """Every thread of the CTA; ends with a barrier (the scratch may be overwritten after)."""
+        ids_s = scratch + self.bitmap_words * 4
+        i = tidx
+        while i < self.bitmap_words:
+            mo.sts_u32(scratch + 4 * i, Int32(0))
+            i += self.threads
+        cute.arch.sync_threads()
+        i = tidx
+        while i < rows * self.topk:
+            e = mo.ld_relaxed_u32(ids + Int64(i) * 4, Int32(1))
+            row = i // self.topk
+            mo.sts_u32(ids_s + 4 * i, e)
+            if e >= 0 and e < self.experts:
+                mo.atom_or_shared(scratch + 4 * (e * mk.BITMAP_WORDS + row // 32),
+                                  Int32(1) << (row % 32))
+            i += self.threads
+        cute.arch.sync_threads()
+        counts = self.count_rows(scratch, tidx)
+        local = Int32(0)
+        for k in cutlass.range_constexpr(self.per_thread):
+            local = local + counts[k] + (Int32(1 << 16) if counts[k] > 0 else Int32(0))
+        exclusive, total = self.block_scan(local, lists, tidx)
+        pair_off = exclusive & 0xFFFF
+        entry = exclusive >> 16
+        for k in cutlass.range_constexpr(self.per_thread):
+            e = tidx * self.per_thread + k
+            if counts[k] > 0:
+                mo.sts_u32(lists + self.experts_at + 4 * entry, e)
+                mo.sts_u32(lists + self.first_at + 4 * entry, pair_off)
+                mo.sts_u32(lists + self.count_at + 4 * entry, counts[k])
+                self.list_rows(ids_s, lists + self.pairs_at, scratch, e, pair_off)
+                entry = entry + 1
+                pair_off = pair_off + counts[k]
+        if tidx == self.threads - 1:
+            mo.sts_u32(lists + 32, total >> 16)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def count_rows(self, bitmap: Int32, tidx: Int32):
+        counts = []
+        for k in cutlass.range_constexpr(self.per_thread):
+            e = tidx * self.per_thread + k
+            c = Int32(0)
+            if e < self.experts:
+                for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
+                    c = c + mo.popc(mo.lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w)))
+            counts.append(c)
+        return counts
+
+    @cute.jit
+    def block_scan(self, value: Int32, totals: Int32, tidx: Int32):
+        """(exclusive prefix, grand total) of one Int32 per thread, in thread order."""
+        lane = tidx % mk.LANES
+        warp = tidx // mk.LANES
+        inclusive = value
+        for k in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(inclusive, offset=1 << k)
+            if lane >= (1 << k):
+                inclusive = inclusive + up
+        if lane == mk.LANES - 1:
+            mo.sts_u32(totals + 4 * warp, inclusive)
+        cute.arch.sync_threads()
+        before = Int32(0)
+        total = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            t = mo.lds_u32(totals + 4 * w)
+            if w < warp:
+                before = before + t
+            total = total + t
+        return before + inclusive - value, total
+
+    @cute.jit
+    def list_rows(self, ids_s: Int32, pairs: Int32, bitmap: Int32, e: Int32, pair_off: Int32):
+        n = pair_off
+        for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
+            bits = mo.lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w))
+            while bits != 0:
+                row = w * 32 + mo.ctz(bits)
+                bits = bits & (bits - 1)
+                slot = Int32(0)
+                for s in cutlass.range_constexpr(self.topk):
+                    if mo.lds_u32(ids_s + 4 * (row * self.topk + s)) == e:
+                        slot = Int32(s)
+                mo.sts_u32(pairs + 4 * n, row * self.topk + slot)
+                n = n + 1
+
+    @cute.jit
+    def distinct(self, lists: Int32):
+        return mo.lds_u32(lists + 32)
+
+    @cute.jit
+    def entry(self, lists: Int32, j: Int32):
+        """(expert, first pair, pair count) of distinct entry j."""
+        return (mo.lds_u32(lists + self.experts_at + 4 * j),
+                mo.lds_u32(lists + self.first_at + 4 * j),
+                mo.lds_u32(lists + self.count_at + 4 * j))
+
+    @cute.jit
+    def expert_of_item(self, lists: Int32, item: Int32, per_expert: int, total: Int32):
+        """The expert of work item `item` (0 past the last item: the caller issues nothing)."""
+        valid = Int32(1) if item < total else Int32(0)
+        j = item // per_expert if item < total else Int32(0)
+        return lds_u32_if(lists + self.experts_at + 4 * j, valid)
+
+
+class MoeXQuantSm90:
+    """moe_xquant: x [R, D] bf16 -> xq (E4M3, fragment order) + xs (f32 per 128), one warp per
+    (row, group), exactly `moe_prep`'s quantizer."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        self.spec = spec
+        s = spec.shape
+        self.hidden, self.k_pad = s.hidden, s.k13
+        self.groups = s.groups(s.k13)
+        self.warps = spec.block[0] // mk.LANES
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer, rows: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(x, xq, xs, rows).launch(grid=[2, 1, 1], block=list(self.spec.block),
+                                            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        cute.arch.griddepcontrol_wait()          # x comes from the previous sublayer
+        cute.arch.griddepcontrol_launch_dependents()
+        lane = tidx % mk.LANES
+        xa, qa, sa = mo._addr(x), mo._addr(xq), mo._addr(xs)
+        item = bidx * self.warps + tidx // mk.LANES
+        while item < rows * self.groups:
+            row = item // self.groups
+            grp = item % self.groups
+            k = grp * mk.ACT_GROUP + 4 * lane
+            w = mo.ld_v2(xa + Int64(row * self.hidden + k) * 2, Int32(1))
+            q, scale = mo.quantize_quad(w[0], w[1])
+            pos = mo.fragment_position(grp * 4 + lane // 8, lane)
+            mo.st_u32(qa + Int64(row) * self.k_pad + pos, q)
+            if lane == 0:
+                mo.st_f32(sa + Int64(row * self.groups + grp) * 4, scale)
+            item += gdim * self.warps
+
+
+class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
+    """moe_w13sr: moe_w13's items and math; routing lists in shared memory, ring filled before
+    the wait, the stage just consumed refilled with the item `stages` ahead."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        super().__init__(spec)
+        self.routing = SmemRouting(spec.shape, self.threads)
+        self.ring_region = mk.ring_region_bytes(spec.shape, "w13", self.stages)
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+                 codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+                 h: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.ring_region
+        lists = red + self.threads * 16
+        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        total = self.routing.distinct(lists) * self.tiles
+        for s in cutlass.range_constexpr(self.stages):
+            first_item = bidx + s * gdim
+            self.issue(ring + s * self.stage_bytes,
+                       self.routing.expert_of_item(lists, first_item, self.tiles, total), mo._addr(codes),
+                       mo._addr(offsets), first_item, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # xq, xs come from moe_xquant
+        cute.arch.griddepcontrol_launch_dependents()
+        item = bidx
+        it = Int32(0)
+        while item < total:
+            e, first, count = self.routing.entry(lists, item // self.tiles)
+            tile = item % self.tiles
+            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            stage = ring + (it % self.stages) * self.stage_bytes
+            pair_list = lists + self.routing.pairs_at + 4 * first
+            ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs), count, Int32(0),
+                                         warp, lane)
+            mo.cp_async_wait(self.stages - 1)
+            self.chunk_math(stage, ins, mo._addr(h), tile, scale, red, warp, lane, tidx)
+            chunk = Int32(mk.CHUNK_TOKENS)
+            while chunk < count:
+                ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs),
+                                             count - chunk, chunk, warp, lane)
+                self.chunk_math(stage, ins, mo._addr(h), tile, scale, red, warp, lane, tidx)
+                chunk += mk.CHUNK_TOKENS
+            # chunk_math ended with a barrier: this stage is free for the item `stages` ahead.
+            refill = item + self.stages * gdim
+            self.issue(stage, self.routing.expert_of_item(lists, refill, self.tiles, total),
+                       mo._addr(codes), mo._addr(offsets), refill, total, warp, lane, tidx)
+            item += gdim
+            it += 1
+
+    @cute.jit
+    def chunk_inputs_smem(self, pair_list: Int32, xq: Int64, xs: Int64, left: Int32,
+                          chunk: Int32, warp: Int32, lane: Int32):
+        """`chunk_inputs` with the pair ids read from the shared-memory list."""
+        g, t = lane // 4, lane % 4
+        topk = self.shape.topk
+        vb = Int32(1) if g < left else Int32(0)
+        rb = lds_u32_if(pair_list + 4 * (chunk + g), vb) // topk
+        v0 = Int32(1) if 2 * t < left else Int32(0)
+        v1 = Int32(1) if 2 * t + 1 < left else Int32(0)
+        p0 = lds_u32_if(pair_list + 4 * (chunk + 2 * t), v0)
+        p1 = lds_u32_if(pair_list + 4 * (chunk + 2 * t + 1), v1)
+        xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
+        b_regs, sc = [], []
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            grp = warp * self.groups_per_warp + gi
+            b_regs.append([mo.ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
+            sc.append((mo.ld_f32(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
+                       mo.ld_f32(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+        return b_regs, sc, p0, p1, v0, v1
+
+
+class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
+    """moe_w2sr: moe_w2's items and math; routing lists in shared memory, ring filled before
+    the wait, the stage just consumed refilled with the item `stages` ahead."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        super().__init__(spec)
+        self.routing = SmemRouting(spec.shape, self.threads)
+        self.ring_region = mk.ring_region_bytes(spec.shape, "w2", self.stages)
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
+                 offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer, rows: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(topk_ids, h, codes, offsets, scales, ye, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
+               offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        sq = ring + self.ring_region
+        lists = sq + mk.w2_smem_bytes(self.shape)
+        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        total = self.routing.distinct(lists) * self.blocks
+        for s in cutlass.range_constexpr(self.stages):
+            first_item = bidx + s * gdim
+            self.issue(ring + s * self.stage_bytes,
+                       self.routing.expert_of_item(lists, first_item, self.blocks, total),
+                       mo._addr(codes), mo._addr(offsets), first_item, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
+        cute.arch.griddepcontrol_launch_dependents()
+        item = bidx
+        it = Int32(0)
+        while item < total:
+            e, first, count = self.routing.entry(lists, item // self.blocks)
+            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            tile = (item % self.blocks) * mk.W2_WARPS + warp
+            stage = ring + (it % self.stages) * self.stage_bytes
+            pair_list = lists + self.routing.pairs_at + 4 * first
+            chunk = Int32(0)
+            while chunk < count:
+                self.quantize_chunk_smem(pair_list, mo._addr(h), count - chunk, chunk, sq, warp,
+                                         lane)
+                mo.cp_async_wait(self.stages - 1)   # this item's weights (no-op after chunk 0)
+                cute.arch.sync_threads()
+                self.chunk_mma(stage, mo._addr(ye), tile, scale, sq, lane, tidx)
+                cute.arch.sync_threads()
+                chunk += mk.CHUNK_TOKENS
+            refill = item + self.stages * gdim
+            self.issue(stage, self.routing.expert_of_item(lists, refill, self.blocks, total),
+                       mo._addr(codes), mo._addr(offsets), refill, total, warp, lane, tidx)
+            item += gdim
+            it += 1
+
+    @cute.jit
+    def quantize_chunk_smem(self, pair_list: Int32, h: Int64, left: Int32, chunk: Int32,
+                            sq: Int32, warp: Int32, lane: Int32):
+        """`quantize_chunk` with the pair id read from the shared-memory list."""
+        inter, k_pad = self.shape.inter, self.shape.k2
+        valid = Int32(1) if warp < left else Int32(0)
+        pair = lds_u32_if(pair_list + 4 * (chunk + warp), valid)
+        for grp in cutlass.range_constexpr(self.groups):
+            k = grp * mk.ACT_GROUP + 4 * lane
+            inside = Int32(1) if k < inter else Int32(0)
+            w = mo.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside)
+            q, scale = mo.quantize_quad(w[0], w[1])
+            if k < k_pad:
+                mo.sts_u32(sq + warp * k_pad + mo.fragment_position(grp * 4 + lane // 8, lane), q)
+            if lane == 0:
+                mo.sts_f32(sq + self.q_bytes + 4 * (warp * self.groups + grp), scale)
+        if lane == 0:
+            mo.sts_u32(sq + self.q_bytes + self.s_bytes + 4 * warp, pair if valid != 0 else -1)
+
+
+KERNEL_CLASSES = {"xquant": MoeXQuantSm90, "w13sr": MoeW13SelfRoutedSm90,
+                  "w2sr": MoeW2SelfRoutedSm90}
