@@ -160,9 +160,13 @@ def pooled_rows(kv_score: np.ndarray, ring: np.ndarray, positions: np.ndarray,
 
 def entry_slots(positions: np.ndarray, seq_index: np.ndarray, rows: np.ndarray,
                 block_tables: np.ndarray, page_size: int, ratio: int) -> np.ndarray:
-    """Physical record row of entry p // r of each publishing row (-1 on an unallocated page)."""
+    """Physical record row of entry p // r of each publishing row; -1 (nothing written) when the
+    page is unallocated (-1) or past the block table (the kernel checks both)."""
     e = np.asarray(positions, np.int64)[rows] // ratio
-    pages = block_tables[np.asarray(seq_index)[rows], e // page_size].astype(np.int64)
+    page_idx = e // page_size
+    inside = page_idx < block_tables.shape[1]
+    pages = np.full(e.shape, -1, np.int64)
+    pages[inside] = block_tables[np.asarray(seq_index)[rows][inside], page_idx[inside]]
     return np.where(pages >= 0, pages * page_size + e % page_size, -1)
 
 

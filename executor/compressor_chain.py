@@ -1,0 +1,156 @@
+"""The compressor chain of one kv-source layer (A2 projection, A7-A9 publish): buffers and launches.
+
+`CompressorChain` owns an arena with every buffer the two kernels touch (x, weights, kv_score,
+ring, positions, sequence tables, RoPE table, record caches) and builds their launches; the GPU
+tests and `bench_compressor` use it. Layouts: `kernels/compressor_kernel_ref.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from executor.arena import Arena
+from executor.launch import LaunchSpec
+from kernels import compressor_kernel_ref as ck
+from kernels import kvrecord_ref, rope_ref
+
+BENCH_ROWS = (1, 6, 48)
+
+
+@dataclass(frozen=True)
+class CompressorShape:
+    ratio: int
+    hidden: int
+    max_rows: int
+    max_seqs: int
+    pages_per_seq: int
+    page_size: int
+    num_pages: int
+    num_positions: int
+
+    def __post_init__(self):
+        if self.ratio not in (1, 2) or self.max_rows < 1 or self.max_seqs < 1:
+            raise ValueError(f"compressor shape {self}: ratio 1 or 2, rows and seqs >= 1")
+
+    @property
+    def slots(self) -> int:
+        return self.num_pages * self.page_size
+
+
+class CompressorChain:
+    """Arena + launches of `compressor_proj_*` then `compressor_publish_*` for one ratio."""
+
+    def __init__(self, device, bundle, shape: CompressorShape):
+        self.shape = shape
+        s = shape
+        self.proj = ck.make_proj_spec(s.ratio, s.hidden)
+        self.pub = ck.make_publish_spec(s.ratio)
+        cols = ck.HEAD_DIM * s.ratio
+        wbytes = self.proj.weight_bytes_per_value
+        reqs = [("x", s.max_rows * s.hidden * 2), ("w", cols * s.hidden * wbytes),
+                ("kv_score", s.max_rows * cols * 4),
+                ("ring", s.max_seqs * ck.RING_ROWS * ck.RING_WIDTH * 4),
+                ("positions", s.max_rows * 4), ("seq_index", s.max_rows * 4),
+                ("state_lines", s.max_seqs * 4), ("block_tables", s.max_seqs * s.pages_per_seq * 4),
+                ("norm_w", ck.HEAD_DIM * 4), ("wk", ck.INDEX_DIM * ck.HEAD_DIM * 2),
+                ("k_norm", ck.INDEX_DIM * 4),
+                ("table", rope_ref.table_bytes(s.num_positions)),
+                ("cache", s.slots * kvrecord_ref.KV_RECORD_BYTES),
+                ("keys", s.slots * kvrecord_ref.INDEX_RECORD_BYTES)]
+        self.arena = Arena(device, reqs)
+        self.kernels = (bundle.kernel(self.proj.name), bundle.kernel(self.pub.name))
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def upload(self, name: str, arr: np.ndarray) -> None:
+        import cupy as cp
+        flat = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        if flat.size > self.arena.nbytes(name):
+            raise ValueError(f"upload {name!r}: {flat.size} bytes, slice holds "
+                             f"{self.arena.nbytes(name)}")
+        self.arena.view(name, np.uint8, flat.shape)[...] = cp.asarray(flat)
+
+    def download(self, name: str, dtype, shape) -> np.ndarray:
+        return self.arena.view(name, dtype, shape).get()
+
+    def fill(self, name: str, byte: int) -> None:
+        self.arena.view(name, np.uint8)[...] = byte
+
+    def launches(self, rows: int, eps: float) -> list[LaunchSpec]:
+        s, a = self.shape, self.arena
+        if not 1 <= rows <= s.max_rows:
+            raise ValueError(f"compressor chain: {rows} rows, allocated for 1..{s.max_rows}")
+        proj = LaunchSpec(self.kernels[0], self.proj.grid(rows),
+                          (a.ptr("x"), a.ptr("w"), a.ptr("kv_score"), rows))
+        names = ("kv_score", "ring", "positions", "seq_index", "state_lines", "block_tables",
+                 "norm_w", "wk", "k_norm", "table", "cache", "keys")
+        pub = LaunchSpec(self.kernels[1], self.pub.grid(rows),
+                         tuple(a.ptr(n) for n in names)
+                         + (rows, s.pages_per_seq, s.page_size, s.num_positions, float(eps)))
+        return [proj, pub]
+
+
+def decode_rows(rows: int, context: int, per_seq: int = 6):
+    """Positions / seq_index of `rows` rows: sequences of up to `per_seq` consecutive positions
+    ending at `context` - 1 (so a 6-row block straddles three odd positions)."""
+    pos, seq = [], []
+    q = 0
+    while len(pos) < rows:
+        n = min(per_seq, rows - len(pos))
+        pos += list(range(context - n, context))
+        seq += [q] * n
+        q += 1
+    return np.array(pos, np.int32), np.array(seq, np.int32), q
+
+
+def bench_compressor(ctx) -> None:
+    """Projection and publish, both ratios, R = 1, 6, 48 (6 rows a sequence), L2 flushed.
+    Bytes: weights once per 8-row tile + x + kv_score (projection); the publish formula of
+    `CompressorSpec.bytes_moved`. Context does not matter to these kernels (4k positions)."""
+    from executor.benchmarks import fill_random_bf16, fill_random_u32
+    bundle = ctx.bundle_with("compressor_proj_r2_k5120")
+    if bundle is None:
+        raise LookupError("no bundle has the v41-flash compressor kernels")
+    rng = np.random.default_rng()
+    reps = 20 if ctx.quick else 50
+    for ratio in (2, 1):
+        shape = CompressorShape(ratio, 5120, max(BENCH_ROWS), 8, 64, 64, 8 * 64, 4096)
+        chain = CompressorChain(ctx.device, bundle, shape)
+        try:
+            fill_random_bf16(chain.arena, "x")
+            if ratio == 2:
+                fill_random_u32(chain.arena, "w")
+                w = chain.arena.view("w", np.uint32)     # finite fp32: random mantissa, 2^-7..2^0
+                w[...] = (w & 0x807FFFFF) | 0x3C000000
+            else:
+                fill_random_bf16(chain.arena, "w")
+            fill_random_bf16(chain.arena, "wk")
+            chain.upload("norm_w", np.ones(ck.HEAD_DIM, np.float32))
+            chain.upload("k_norm", np.ones(ck.INDEX_DIM, np.float32))
+            chain.upload("table", rope_ref.RopeTable.build(
+                "plain", rope_ref.plain_inv_freq(1e4), 4096).cos_sin)
+            chain.upload("state_lines", np.arange(8, dtype=np.int32))
+            chain.upload("block_tables", rng.permutation(8 * 64).astype(np.int32))
+            chain.fill("ring", 0)
+            for rows in BENCH_ROWS:
+                pos, seq, seqs = decode_rows(rows, 4000)
+                chain.upload("positions", pos)
+                chain.upload("seq_index", seq)
+                proj, pub = chain.launches(rows, 1e-6)
+                for sp in (proj, pub):
+                    sp.launch(ctx.stream)
+                ctx.stream.synchronize()
+                case = f"S={seqs}"
+                us = ctx.cold_median_us(lambda sp=proj: sp.launch(ctx.stream), reps)
+                row = ctx.bandwidth(chain.proj.name, case, rows, us, chain.proj.bytes_moved(rows))
+                if ratio == 2 and rows == 6:
+                    ctx.metric("compressor projection r=2 R=6: % of 4.8 TB/s", row.pct_hbm, "%",
+                               ">= 70", row.pct_hbm >= 70)
+                publishing = int(np.sum(pos % ratio == ratio - 1))
+                us = ctx.cold_median_us(lambda sp=pub: sp.launch(ctx.stream), reps)
+                ctx.bandwidth(chain.pub.name, case, rows, us,
+                              chain.pub.bytes_moved(rows, publishing))
+        finally:
+            chain.close()
