@@ -54,7 +54,17 @@ class IndexerChain:
         if s.candidate_source:
             self.specs["blocks"] = ik.make_topk_spec("blocks", s.num_blocks, s.ratio,
                                                      s.block_size)
-        self.kernels = {k: bundle.kernel(v.name) for k, v in self.specs.items()}
+        # The cluster top-k variant (dense layers only), launched by `variant_launches` into its
+        # own outputs so the default's results stay the measured reference.
+        self.variant_specs = {}
+        if s.mode == "dense":
+            self.variant_specs["topkc"] = ik.make_topk_cluster_spec("entries", s.topk, s.ratio,
+                                                                    s.block_size)
+            if s.candidate_source:
+                self.variant_specs["blocksc"] = ik.make_topk_cluster_spec(
+                    "blocks", s.num_blocks, s.ratio, s.block_size)
+        self.kernels = {k: bundle.kernel(v.name)
+                        for k, v in {**self.specs, **self.variant_specs}.items()}
         r, t, nh = s.max_rows, s.tiles, s.heads
         pages = s.max_seqs * s.pages_per_seq
         reqs = [("q", 2 * r * nh * ik.INDEX_DIM, f"bf16 [{r}, {nh}, 128]"),
@@ -65,7 +75,9 @@ class IndexerChain:
                 ("keys", pages * s.page_size * ik.KEY_BYTES, "u8 [pages * page, 132]"),
                 ("block_tables", 4 * s.max_seqs * s.pages_per_seq),
                 ("scores", 4 * r * s.max_entries, f"f32 [{r}, {s.max_entries}]"),
-                ("topk", 4 * r * s.topk), ("blocks_out", 4 * r * s.num_blocks)]
+                ("topk", 4 * r * s.topk), ("blocks_out", 4 * r * s.num_blocks),
+                ("topk_c", 4 * r * s.topk, "cluster variant"),
+                ("blocks_c", 4 * r * s.num_blocks, "cluster variant")]
         self.arena = Arena(device, reqs)
 
     def close(self) -> None:
@@ -98,6 +110,15 @@ class IndexerChain:
         }
         return [LaunchSpec(self.kernels[k], self.specs[k].grid(rows), args[k])
                 for k in self.specs]
+
+    def variant_launches(self, rows: int) -> list[LaunchSpec]:
+        """The cluster top-k variants on the scores `launches` left: topk_c (, blocks_c)."""
+        s, p = self.shape, self.arena.ptr
+        out = {"topkc": "topk_c", "blocksc": "blocks_c"}
+        return [LaunchSpec(self.kernels[k], spec.grid(rows),
+                           (p("scores"), p("positions"), p("seq_index"), p("cands"), p(out[k]),
+                            rows, s.max_entries, s.num_blocks), cluster=spec.cluster)
+                for k, spec in self.variant_specs.items()]
 
 
 def random_key_records(rng, n: int) -> np.ndarray:
@@ -180,3 +201,22 @@ def _bench_case(ctx, chain: IndexerChain, context: int, rows: int) -> None:
                   ik.topk_bytes([context] * rows, 2048))
     us_chain = ctx.cold_median_us(run_all, reps)
     ctx.bandwidth("indexer_chain_layer20", case, rows, us_chain, bytes_scores)
+    _bench_variants(ctx, chain, specs, case, context, rows, reps, bytes_scores)
+
+
+def _bench_variants(ctx, chain, specs, case, context, rows, reps, bytes_scores) -> None:
+    """The cluster top-k variants beside the defaults: each alone, and the chain using them."""
+    topkc, blocksc = chain.variant_launches(rows)
+    variant_chain = specs[:2] + [topkc, blocksc]
+
+    def run_variant_chain():
+        for sp in variant_chain:
+            sp.launch(ctx.stream)
+    us = ctx.cold_median_us(lambda: topkc.launch(ctx.stream), reps)
+    ctx.bandwidth("indexer_topkc_entries_k512_c8", case, rows, us,
+                  ik.topk_bytes([context] * rows, 512))
+    us = ctx.cold_median_us(lambda: blocksc.launch(ctx.stream), reps)
+    ctx.bandwidth("indexer_topkc_blocks_k2048_c8", case, rows, us,
+                  ik.topk_bytes([context] * rows, 2048))
+    us = ctx.cold_median_us(run_variant_chain, reps)
+    ctx.bandwidth("indexer_chain_layer20_topkc", case, rows, us, bytes_scores)

@@ -68,6 +68,12 @@ TOPK_BINS = 2048
 RADIX_PASSES = ((21, 11), (10, 11), (0, 10))       # (shift, bits) from the top
 MODES_SCORES = ("dense", "candidates")
 MODES_TOPK = ("entries", "candidates", "blocks")
+# Cluster top-k (variant): one cluster of TOPKC_CLUSTER CTAs per row, each holding its slice of the
+# row in shared memory (TOPKC_SLICE entries); histograms merged over DSMEM.
+TOPKC_THREADS = 512
+TOPKC_CLUSTER = 8
+TOPKC_SLICE = 16384
+MODES_TOPKC = ("entries", "blocks")
 
 
 # ---- specs -----------------------------------------------------------------------------------
@@ -87,6 +93,11 @@ class IndexerSpec:
     params: tuple[tuple[str, str], ...]
     block: tuple[int, int, int]
     smem_bytes: int
+    cluster_ctas: int = 0          # topkc: CTAs of the row's thread-block cluster
+
+    @property
+    def cluster(self) -> tuple[int, int, int] | None:
+        return (self.cluster_ctas, 1, 1) if self.cluster_ctas else None
 
     @property
     def max_ctas(self) -> int:
@@ -102,6 +113,8 @@ class IndexerSpec:
             return (1 + ceil_div(rows * padded_heads(self.heads), warps), 1, 1)
         if self.kind == "scores":
             return (self.max_ctas, 1, 1)
+        if self.kind == "topkc":
+            return (self.cluster_ctas, rows, 1)
         return (rows, 1, 1)
 
     def to_dict(self) -> dict:
@@ -109,7 +122,7 @@ class IndexerSpec:
                 "mode": self.mode, "ratio": self.ratio, "topk": self.topk,
                 "block_size": self.block_size, "page_size": self.page_size,
                 "params": params_dict(self.params), "block": list(self.block),
-                "smem_bytes": self.smem_bytes}
+                "smem_bytes": self.smem_bytes, "cluster_ctas": self.cluster_ctas}
 
 
 PREP_PARAMS = (("q", "u64"), ("w_raw", "u64"), ("positions", "u64"), ("seq_index", "u64"),
@@ -156,6 +169,39 @@ def make_topk_spec(mode: str, k: int, ratio: int, block_size: int = 8) -> Indexe
         raise ValueError(f"indexer top-k: k = {k} outside [1, 4096]")
     return IndexerSpec(f"indexer_topk_{mode}_k{k}_r{ratio}", "topk", 0, mode, ratio, k,
                        block_size, 0, TOPK_PARAMS, (TOPK_THREADS, 1, 1), topk_smem_bytes())
+
+
+def topkc_smem_layout() -> dict[str, int]:
+    """Byte offsets of the cluster top-k's shared memory: the slice (keys, or raw scores in blocks
+    mode), block keys, two histograms (passes alternate, so a pass never clears a histogram
+    another CTA may still read), scan totals, the found bin, this CTA's (above, tie) counts."""
+    warps = TOPKC_THREADS // LANES
+    sizes = (("slice", 4 * TOPKC_SLICE), ("block_keys", 4 * TOPKC_SLICE // 8),
+             ("hist", 2 * 4 * TOPK_BINS), ("totals", 4 * warps), ("found", 16), ("counts", 16))
+    out, at = {}, 0
+    for name, size in sizes:
+        out[name] = at
+        at += size
+    out["end"] = at
+    return out
+
+
+def make_topk_cluster_spec(mode: str, k: int, ratio: int, block_size: int = 8) -> IndexerSpec:
+    """The cluster top-k variant (entries or blocks): same ABI and output as `make_topk_spec`."""
+    if mode not in MODES_TOPKC:
+        raise ValueError(f"indexer cluster top-k mode {mode!r}; expected one of {MODES_TOPKC}")
+    if not 1 <= k <= 4096:
+        raise ValueError(f"indexer cluster top-k: k = {k} outside [1, 4096]")
+    return IndexerSpec(f"indexer_topkc_{mode}_k{k}_r{ratio}_c{TOPKC_CLUSTER}", "topkc", 0, mode,
+                       ratio, k, block_size, 0, TOPK_PARAMS, (TOPKC_THREADS, 1, 1),
+                       topkc_smem_layout()["end"], TOPKC_CLUSTER)
+
+
+def topkc_slice_items(items: int, mode: str, block_size: int = 8) -> tuple[int, int]:
+    """(items per CTA, how many of them sit in shared memory; the rest are read from global)."""
+    per = ceil_div(items, TOPKC_CLUSTER)
+    cap = TOPKC_SLICE // block_size if mode == "blocks" else TOPKC_SLICE
+    return per, min(per, cap)
 
 
 def _check_heads(heads: int) -> None:
@@ -333,6 +379,44 @@ def select_in_order(keys: np.ndarray, k: int) -> np.ndarray:
         chosen = np.flatnonzero(above | (tie & (tie_rank < need)))
     out = np.full(k, -1, np.int64)
     out[:chosen.size] = chosen
+    return out
+
+
+def cluster_select_ref(keys: np.ndarray, k: int, ctas: int = TOPKC_CLUSTER) -> np.ndarray:
+    """The cluster top-k's algorithm on item keys: per-CTA slice histograms summed (what each CTA
+    reads over DSMEM), then each CTA writes its slice's selections at offsets given by the
+    (above, tie) counts of the CTAs before it. Equal to `select_in_order` by construction."""
+    keys = np.asarray(keys, np.uint32)
+    per = ceil_div(keys.size, ctas) if keys.size else 0
+    slices = [keys[c * per:(c + 1) * per] for c in range(ctas)]
+    prefix, mask, need, take_all = 0, 0, k, False
+    for p, (shift, bits) in enumerate(RADIX_PASSES):
+        hist = np.zeros(1 << bits, np.int64)
+        for part in slices:
+            match = part[(part & np.uint32(mask)) == np.uint32(prefix)]
+            hist += np.bincount((match >> np.uint32(shift)) & np.uint32((1 << bits) - 1),
+                                minlength=1 << bits)
+        if p == 0 and hist.sum() <= need:
+            take_all = True
+            break
+        above = np.cumsum(hist[::-1])[::-1] - hist
+        d = int(np.flatnonzero((above < need) & (above + hist >= need))[0])
+        need -= int(above[d])
+        prefix |= d << shift
+        mask |= ((1 << bits) - 1) << shift
+    out = np.full(k, -1, np.int64)
+    run_above, run_tie = 0, 0
+    for c, part in enumerate(slices):
+        above = np.ones(part.size, bool) if take_all else part > np.uint32(prefix)
+        tie = np.zeros(part.size, bool) if take_all else part == np.uint32(prefix)
+        a_before = run_above + np.cumsum(above) - above
+        t_before = run_tie + np.cumsum(tie) - tie
+        for j in np.flatnonzero(above):
+            out[a_before[j] + min(t_before[j], need)] = c * per + j
+        for j in np.flatnonzero(tie & (t_before < need)):
+            out[a_before[j] + t_before[j]] = c * per + j
+        run_above += int(above.sum())
+        run_tie += int(tie.sum())
     return out
 
 

@@ -178,6 +178,35 @@ def test_radix_select_equals_stable_topk(n, k):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("n,k,ctas", [(1, 16, 8), (17, 16, 8), (1000, 16, 3), (5000, 512, 8),
+                                      (70000, 512, 8), (3000, 2048, 8), (4097, 512, 5)])
+def test_cluster_select_equals_radix_select(n, k, ctas):
+    """The cluster variant's split (per-CTA histograms summed, per-CTA output offsets) selects
+    exactly what the one-CTA radix select does, ties included."""
+    for _ in range(3):
+        keys = ik.ordered_key(_scores_with_ties(n))
+        np.testing.assert_array_equal(ik.cluster_select_ref(keys, k, ctas),
+                                      ik.select_in_order(keys, k))
+
+
+def test_cluster_topk_spec_geometry():
+    spec = ik.make_topk_cluster_spec("blocks", 2048, 1)
+    assert spec.kind == "topkc" and spec.grid(6) == (ik.TOPKC_CLUSTER, 6, 1)
+    assert spec.cluster == (ik.TOPKC_CLUSTER, 1, 1) and spec.to_dict()["cluster_ctas"] == 8
+    lay = ik.topkc_smem_layout()
+    assert lay["hist"] % 16 == 0                   # 16-byte DSMEM loads of 4 bins
+    assert 2 * (spec.smem_bytes + 1024) <= 228 * 1024, "two CTAs per SM"
+    # A 128k-entry row (ratio 1) sits in shared memory in both modes; longer rows spill.
+    for mode in ik.MODES_TOPKC:
+        items = 131072 // 8 if mode == "blocks" else 131072
+        per, held = ik.topkc_slice_items(items, mode)
+        assert held == per
+        per, held = ik.topkc_slice_items(items + 8 * 8, mode)
+        assert held < per
+    with pytest.raises(ValueError, match="mode"):
+        ik.make_topk_cluster_spec("candidates", 512, 1)
+
+
 def test_ordered_key_orders_like_floats():
     s = np.concatenate([RNG.standard_normal(1000).astype(np.float32),
                         np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45], np.float32)])
@@ -243,6 +272,8 @@ def test_specs_of_both_configs():
                 s.grid(0)
         top = [s for s in specs if s.kind == "topk" and s.mode == "entries"]
         assert {s.topk for s in top} == {cfg.index_topk}
+        variants = {(s.mode, s.topk) for s in specs if s.kind == "topkc"}
+        assert variants == {("entries", cfg.index_topk), ("blocks", cfg.candidate_topk_blocks)}
 
 
 def test_bad_specs_are_refused():

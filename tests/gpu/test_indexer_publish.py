@@ -12,7 +12,8 @@ Checks: plan and q fragments/scales/weights bitwise (integer work and exact powe
 scores within `score_tolerance` (2^-12 of sum |w||q||K|: the tensor core's truncating k-step adder
 and ~40 fp32 roundings, see kernels/indexer_kernel_ref.py) and NaN exactly where nothing may be
 written; top-k and candidate blocks bitwise equal to `topk_ref` applied to the kernel's own scores
-(the selection is exact); a replay is bitwise identical.
+(the selection is exact), and the cluster top-k variants bitwise equal to the defaults; a replay is
+bitwise identical.
 """
 from __future__ import annotations
 
@@ -91,9 +92,11 @@ def setup_keys(rng, chain: IndexerChain, seqs: int, positions, seq_index, ratio:
 
 
 def run_chain(chain, rows, stream):
-    chain.poison("scores", "topk", "blocks_out", "qfrag", "qscale", "qw", "plan")
+    """The default chain, then the cluster top-k variants on its scores (dense chains)."""
+    chain.poison("scores", "topk", "blocks_out", "qfrag", "qscale", "qw", "plan", "topk_c",
+                 "blocks_c")
     cp.cuda.Device().synchronize()
-    for spec in chain.launches(rows, WEIGHT_SCALE):
+    for spec in chain.launches(rows, WEIGHT_SCALE) + chain.variant_launches(rows):
         spec.launch(stream)
     stream.synchronize()
 
@@ -166,6 +169,10 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
         blocks = dense.download("blocks_out", np.int32, (r, 2048))
         np.testing.assert_array_equal(blocks, ik.topk_ref(scores, positions, seq_index,
                                                           "blocks", 2048, 1))
+        np.testing.assert_array_equal(dense.download("topk_c", np.int32, (r, 512)), topk,
+                                      err_msg="cluster top-k variant (entries)")
+        np.testing.assert_array_equal(dense.download("blocks_c", np.int32, (r, 2048)), blocks,
+                                      err_msg="cluster top-k variant (blocks)")
         for spec in dense.launches(r, WEIGHT_SCALE):           # replay: bitwise
             spec.launch(stream)
         stream.synchronize()

@@ -1,0 +1,340 @@
+"""Indexer top-k variant for SM90: one thread-block cluster per row, the row read once into shared memory.
+
+The measured default (`kernels/indexer.py:IndexerTopkSm90`, one CTA per row) reads every score from
+L2 four times with one dependent load per thread at a time. This variant (`topkc`, entries and
+blocks modes, same ABI and output) splits a row over a cluster of TOPKC_CLUSTER CTAs:
+
+    load      CTA c of the cluster takes items [c * per, (c + 1) * per): its scores are read once
+              with 8 independent loads in flight per thread into shared memory as ordered keys
+              (blocks mode: raw scores, then the max of each block of 8, own block forced in)
+    select    the three radix passes of the default, on the slice in shared memory; after each
+              pass the cluster syncs and every CTA sums the CTAs' histograms over DSMEM (so all
+              CTAs find the same bin; histograms alternate between two buffers, so clearing one
+              never races a CTA still reading it)
+    output    each CTA counts its (above, tie) items, the cluster syncs, and the CTA writes its
+              selections in item order at offsets given by the counts of the CTAs before it;
+              ties go to the lower index as in the default, so the output is bitwise the same.
+
+Items past TOPKC_SLICE per CTA (contexts over 128k at ratio 1) are read from global memory in
+every pass, as the default does: slower, still exact. Launch with cluster (TOPKC_CLUSTER, 1, 1)
+and grid (TOPKC_CLUSTER, rows, 1); a launch without the cluster shape traps.
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cutlass_dsl import T
+
+from kernels import indexer_kernel_ref as ik
+from kernels.indexer import (
+    IndexerTopkSm90,
+    _addr,
+    _asm,
+    _void,
+    atom_add_shared,
+    block_scan,
+    fmax_f32,
+    imin,
+    ld_s32,
+    lds_f32,
+    lds_s32,
+    ordered_key,
+    select_flags,
+    st_s32,
+    sts_s32,
+    ushr,
+)
+
+LOAD_BATCH = 8           # independent global loads in flight per thread while filling the slice
+
+
+def ld_f32_if(addr: Int64, ok: Int32):
+    """f32 at addr when ok != 0, else 0 (predicated: no branch, so loads batch)."""
+    return Float32(_asm(1, [Int64(addr), Int32(ok)],
+                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
+                        "@p ld.global.f32 $0, [$1]; }", "=f,l,r", kind=T.f32(),
+                        side_effects=True))
+
+
+def ld_cluster_v4(saddr: Int32, rank: Int32):
+    """4 words at the same shared offset in CTA `rank` of the cluster (DSMEM)."""
+    v = _asm(4, [Int32(saddr), Int32(rank)],
+             "{ .reg .b32 a; mapa.shared::cluster.u32 a, $4, $5;\n"
+             "ld.shared::cluster.v4.u32 {$0, $1, $2, $3}, [a]; }", "=r,=r,=r,=r,r,r",
+             side_effects=True)
+    return [Int32(x) for x in v]
+
+
+def ld_cluster_s32(saddr: Int32, rank: Int32):
+    return Int32(_asm(1, [Int32(saddr), Int32(rank)],
+                      "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2;\n"
+                      "ld.shared::cluster.u32 $0, [a]; }", "=r,r,r", side_effects=True))
+
+
+def cluster_sync():
+    """All threads of every CTA of the cluster; release/acquire orders shared-memory accesses."""
+    _void([], "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "")
+
+
+def cluster_nctarank() -> Int32:
+    return Int32(_asm(1, [], "mov.u32 $0, %cluster_nctarank;", "=r"))
+
+
+def trap():
+    _void([], "trap;", "")
+
+
+class IndexerTopkClusterSm90(IndexerTopkSm90):
+    """A cluster of CTAs per row; the slice in shared memory; histograms merged over DSMEM."""
+
+    def __init__(self, spec: ik.IndexerSpec):
+        super().__init__(spec)
+        self.warps = ik.TOPKC_THREADS // ik.LANES
+        self.C = spec.cluster_ctas
+        self.lay = ik.topkc_smem_layout()
+        self.bins_per_thread = ik.TOPK_BINS // ik.TOPKC_THREADS          # 4
+
+    @cute.jit
+    def __call__(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+                 cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32,
+                 num_cands: Int32, stream: cuda.CUstream):
+        self.kernel(scores, positions, seq_index, cands, out, rows, ld, num_cands).launch(
+            grid=[self.C, rows, 1], block=list(self.spec.block), cluster=[self.C, 1, 1],
+            smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+               cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, row, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
+        if cluster_nctarank() != self.C:
+            trap()                             # DSMEM addresses would be wrong: fail loudly
+        cute.arch.griddepcontrol_wait()        # scores come from the scores kernel
+        s = ld_s32(_addr(seq_index) + Int64(row) * 4)
+        n = Int32(0)
+        if s >= 0:
+            n = (ld_s32(_addr(positions) + Int64(row) * 4) + 1) // self.spec.ratio
+        src = _addr(scores) + Int64(row) * Int64(ld) * 4
+        items = n
+        if cutlass.const_expr(self.mode == "blocks"):
+            items = (n + self.spec.block_size - 1) // self.spec.block_size
+        per = (items + self.C - 1) // self.C
+        first = rank * per
+        count = imin(per, items - first)
+        if count < 0:
+            count = Int32(0)
+        cap = Int32(ik.TOPKC_SLICE)
+        if cutlass.const_expr(self.mode == "blocks"):
+            cap = Int32(ik.TOPKC_SLICE // self.spec.block_size)
+        held = imin(count, cap)
+        self.fill_slice(src, n, first, held, base, tidx)
+        cute.arch.sync_threads()
+        prefix = Int32(0)
+        mask = Int32(0)
+        need = Int32(self.k)
+        take_all = Int32(0)
+        for pi in cutlass.range_constexpr(len(ik.RADIX_PASSES)):
+            if take_all == 0:
+                prefix, mask, need, take_all = self.cluster_pass(
+                    src, n, first, count, held, prefix, mask, need, pi, base, tidx)
+        self.write_selection(src, n, first, count, held, prefix, need, take_all,
+                             _addr(out) + Int64(row) * self.k * 4, base, rank, tidx)
+        cluster_sync()                         # no CTA leaves while another reads its counts
+        cute.arch.griddepcontrol_launch_dependents()
+
+    # ---- load --------------------------------------------------------------------------------
+
+    @cute.jit
+    def fill_slice(self, src: Int64, n: Int32, first: Int32, held: Int32, base: Int32,
+                   tidx: Int32):
+        """Items [first, first + held) of the row into shared memory as ordered keys."""
+        slot = base + self.lay["slice"]
+        e0 = first
+        m = held
+        if cutlass.const_expr(self.mode == "blocks"):
+            e0 = first * self.spec.block_size
+            m = imin(held * self.spec.block_size, n - e0)
+        start = Int32(0)
+        while start < m:
+            vals = []
+            for u in cutlass.range_constexpr(LOAD_BATCH):
+                j = start + u * ik.TOPKC_THREADS + tidx
+                ok = Int32(0)
+                if j < m:
+                    ok = Int32(1)
+                vals.append((j, ok, ld_f32_if(src + Int64(e0 + j) * 4, ok)))
+            for u in cutlass.range_constexpr(LOAD_BATCH):
+                j, ok, v = vals[u]
+                if ok != 0:
+                    if cutlass.const_expr(self.mode == "blocks"):
+                        sts_s32(slot + 4 * j, Int32(_asm(1, [Float32(v)], "mov.b32 $0, $1;",
+                                                         "=r,f")))
+                    else:
+                        sts_s32(slot + 4 * j, ordered_key(v))
+            start += LOAD_BATCH * ik.TOPKC_THREADS
+        if cutlass.const_expr(self.mode == "blocks"):
+            cute.arch.sync_threads()
+            bs = self.spec.block_size
+            j = tidx
+            while j < held:
+                best = Float32(-float("inf"))
+                for e in cutlass.range_constexpr(bs):
+                    if j * bs + e < m:
+                        best = fmax_f32(best, lds_f32(slot + 4 * (j * bs + e)))
+                if first + j == (n - 1) // bs:          # the row's own block is forced in
+                    best = Float32(float("inf"))
+                sts_s32(base + self.lay["block_keys"] + 4 * j, ordered_key(best))
+                j += ik.TOPKC_THREADS
+
+    @cute.jit
+    def slice_key(self, src: Int64, n: Int32, first: Int32, held: Int32, j: Int32, base: Int32):
+        """Ordered key of item first + j: from shared memory when held, else from global."""
+        key = Int32(0)
+        if j < held:
+            keys = base + self.lay["slice"]
+            if cutlass.const_expr(self.mode == "blocks"):
+                keys = base + self.lay["block_keys"]
+            key = lds_s32(keys + 4 * j)
+        else:
+            _, key, _ = self.item_key(src, src, n, first + j)
+        return key
+
+    # ---- select ------------------------------------------------------------------------------
+
+    @cute.jit
+    def cluster_pass(self, src: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
+                     prefix: Int32, mask: Int32, need: Int32, pi: cutlass.Constexpr, base: Int32,
+                     tidx: Int32):
+        shift, bits = ik.RADIX_PASSES[pi]
+        nbins = 1 << bits
+        hist = base + self.lay["hist"] + (pi % 2) * 4 * ik.TOPK_BINS
+        found = base + self.lay["found"]
+        per = self.bins_per_thread
+        for q in cutlass.range_constexpr(per):
+            sts_s32(hist + 4 * (per * tidx + q), Int32(0))
+        cute.arch.sync_threads()
+        j = tidx
+        while j < count:
+            key = self.slice_key(src, n, first, held, j, base)
+            if (key & mask) == prefix:
+                atom_add_shared(hist + 4 * (ushr(key, shift) & (nbins - 1)), Int32(1))
+            j += ik.TOPKC_THREADS
+        cluster_sync()                         # every CTA's histogram is complete and visible
+        mine = [Int32(0)] * per                # bins per*t .. per*t+3 summed over the cluster
+        for c in cutlass.range_constexpr(self.C):
+            v = ld_cluster_v4(hist + 4 * per * tidx, Int32(c))
+            for q in cutlass.range_constexpr(per):
+                mine[q] = mine[q] + v[q]
+        total_mine = mine[0] + mine[1] + mine[2] + mine[3]
+        excl, total = self.reverse_scan(total_mine, ik.TOPKC_THREADS - 1 - tidx,
+                                        base + self.lay["totals"])
+        above = excl                           # items in bins above this thread's top bin
+        for qq in cutlass.range_constexpr(per):
+            q = per - 1 - qq
+            if above < need and above + mine[q] >= need:
+                sts_s32(found, per * tidx + q)
+                sts_s32(found + 4, above)
+            above = above + mine[q]
+        cute.arch.sync_threads()
+        take_all = Int32(0)
+        new_prefix, new_mask, new_need = prefix, mask, need
+        if cutlass.const_expr(pi == 0):  # noqa: SIM102 - trace-time test
+            if total <= need:
+                take_all = Int32(1)
+        if take_all == 0:
+            d = lds_s32(found)
+            new_need = need - lds_s32(found + 4)
+            new_prefix = prefix | (d << shift)
+            new_mask = mask | Int32(ik_mask(nbins, shift))
+        cute.arch.sync_threads()
+        return new_prefix, new_mask, new_need, take_all
+
+    # ---- output ------------------------------------------------------------------------------
+
+    @cute.jit
+    def write_selection(self, src: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
+                        threshold: Int32, need: Int32, take_all: Int32, dst: Int64, base: Int32,
+                        rank: Int32, tidx: Int32):
+        totals = base + self.lay["totals"]
+        counts = base + self.lay["counts"]
+        n_above = Int32(0)                     # two scans: a slice may exceed 16-bit counts
+        n_tie = Int32(0)
+        j = tidx
+        while j < count:
+            key = self.slice_key(src, n, first, held, j, base)
+            above, tie = select_flags(key, threshold, take_all, Int32(1))
+            n_above = n_above + above
+            n_tie = n_tie + tie
+            j += ik.TOPKC_THREADS
+        _, total_above = block_scan(n_above, totals, tidx, self.warps)
+        cute.arch.sync_threads()
+        _, total_tie = block_scan(n_tie, totals, tidx, self.warps)
+        if tidx == 0:
+            sts_s32(counts, total_above)
+            sts_s32(counts + 4, total_tie)
+        cluster_sync()                         # every CTA's counts are visible
+        run_above = Int32(0)
+        run_tie = Int32(0)
+        all_above = Int32(0)
+        all_tie = Int32(0)
+        for c in cutlass.range_constexpr(self.C):
+            a = ld_cluster_s32(counts, Int32(c))
+            t = ld_cluster_s32(counts + 4, Int32(c))
+            if c < rank:
+                run_above = run_above + a
+                run_tie = run_tie + t
+            all_above = all_above + a
+            all_tie = all_tie + t
+        self.ordered_slice(src, n, first, count, held, threshold, need, take_all, dst, base,
+                           run_above, run_tie, tidx)
+        selected = all_above + imin(all_tie, need)
+        j = selected + rank * ik.TOPKC_THREADS + tidx
+        while j < self.k:
+            st_s32(dst + Int64(j) * 4, Int32(-1))
+            j += self.C * ik.TOPKC_THREADS
+
+    @cute.jit
+    def ordered_slice(self, src: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
+                      threshold: Int32, need: Int32, take_all: Int32, dst: Int64, base: Int32,
+                      run_above: Int32, run_tie: Int32, tidx: Int32):
+        """This CTA's selections in item order (4 consecutive items per thread per chunk)."""
+        per = 4
+        totals = base + self.lay["totals"]
+        start = Int32(0)
+        while start < count:
+            flags = []
+            packed = Int32(0)
+            for q in cutlass.range_constexpr(per):
+                j = start + tidx * per + q
+                above = Int32(0)
+                tie = Int32(0)
+                if j < count:
+                    key = self.slice_key(src, n, first, held, j, base)
+                    above, tie = select_flags(key, threshold, take_all, Int32(1))
+                flags.append((above, tie, first + j))
+                packed = packed + above + (tie << 16)
+            cute.arch.sync_threads()           # totals: the previous scan's readers are done
+            excl, total = block_scan(packed, totals, tidx, self.warps)
+            a_before = run_above + (excl & 0xFFFF)
+            t_before = run_tie + ushr(excl, 16)
+            for q in cutlass.range_constexpr(per):
+                above, tie, index = flags[q]
+                if above != 0:
+                    st_s32(dst + Int64(a_before + imin(t_before, need)) * 4, index)
+                    a_before = a_before + 1
+                if tie != 0:
+                    if t_before < need:
+                        st_s32(dst + Int64(a_before + t_before) * 4, index)
+                    t_before = t_before + 1
+            run_above = run_above + (total & 0xFFFF)
+            run_tie = run_tie + ushr(total, 16)
+            start += ik.TOPKC_THREADS * per
+
+
+def ik_mask(nbins: int, shift: int) -> int:
+    """(nbins - 1) << shift as a signed 32-bit Python int (so the DSL keeps it Int32)."""
+    value = (nbins - 1) << shift
+    return value - (1 << 32) if value >= 1 << 31 else value

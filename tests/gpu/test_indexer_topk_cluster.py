@@ -1,0 +1,104 @@
+"""GPU: the cluster top-k variant (kernels/indexer_topk_cluster.py) and the default on given scores.
+
+Fresh random scores every run, uploaded directly (no scores kernel), so the selection itself is
+stressed: many exact ties at the threshold (values on a coarse grid, +0 and -0 mixed), all-equal
+rows, plain random rows; rows of different lengths in one launch plus a padding row (sequence -1);
+lengths around k, with fewer entries than k (everything taken), at the slice boundaries of the 8
+CTAs, and past the 131072 entries the slices hold in shared memory (the global-memory fallback).
+Every score past a row's visible entries is poisoned with the largest finite float, so a read past
+the row would be selected and show; the outputs are poisoned with 0xFF. The selection is exact:
+outputs are compared bitwise with `topk_ref` (the model-level `indexer_ref` functions), for the
+entries (k = 512) and blocks (k = 2048 blocks of 8, own block forced in) modes, the variant and the
+default both, and a relaunch is bitwise identical.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.indexer_chain import IndexerChain, IndexerShape
+from executor.launch import LaunchSpec
+from executor.runtime import Bundle, Device
+from kernels import indexer_kernel_ref as ik
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4"))
+POISON = np.float32(np.finfo(np.float32).max)
+# Visible entries of the rows of one case (one launch); 131072 = the in-shared-memory capacity.
+LENGTHS = [(1, 7, 300), (511, 512, 513), (4095, 4096, 4097), (2047 * 8 + 1, 16384, 16385),
+           (65536, 70001, 1000), (131072, 131064, 12345), (140000, 131073, 3),
+           (262145, 5, 200000)]
+DISTS = ["ties", "equal", "normal"]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = Device(0)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def bundle(dev):
+    if not (BUNDLE / "manifest.json").is_file():
+        pytest.fail(f"no bundle at {BUNDLE} (python -m kernels.build --config v41-flash --tp 4)")
+    b = Bundle.load(dev, BUNDLE)
+    yield b
+    b.close()
+
+
+def draw_scores(rng, dist: str, rows: int, ld: int) -> np.ndarray:
+    if dist == "ties":          # 33 values incl. +-0: every threshold bin holds many exact ties
+        s = (rng.integers(-16, 17, (rows, ld)) * 0.25).astype(np.float32)
+        s[rng.random((rows, ld)) < 0.3] = np.float32(-0.0)
+        return s
+    if dist == "equal":
+        return np.full((rows, ld), np.float32(rng.standard_normal()), np.float32)
+    return rng.standard_normal((rows, ld)).astype(np.float32)
+
+
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda v: "-".join(map(str, v)))
+def test_cluster_topk_equals_reference(dev, bundle, lengths, dist):
+    rng = np.random.default_rng()
+    n = np.array(lengths, np.int64)
+    rows = n.size + 1                                      # + one padding row
+    positions = np.append(n - 1, 0).astype(np.int32)       # ratio 1: visible = position + 1
+    seq_index = np.append(np.arange(n.size), -1).astype(np.int32)
+    ld = int(n.max()) + 64
+    chain = IndexerChain(dev, bundle, IndexerShape(32, 1, "dense", 512, 2048, 8, 64, rows, rows,
+                                                   ld, candidate_source=True))
+    try:
+        scores = draw_scores(rng, dist, rows, ld)
+        scores[np.arange(ld)[None, :] >= np.append(n, 0)[:, None]] = POISON
+        chain.upload("scores", scores)
+        chain.upload("positions", positions)
+        chain.upload("seq_index", seq_index)
+        want_topk = ik.topk_ref(scores, positions, seq_index, "entries", 512, 1)
+        want_blocks = ik.topk_ref(scores, positions, seq_index, "blocks", 2048, 1)
+        launches = topk_launches(chain, rows) + chain.variant_launches(rows)
+        stream = dev.stream()
+        for rep in range(2):                               # a relaunch is bitwise identical
+            chain.poison("topk", "blocks_out", "topk_c", "blocks_c")
+            cp.cuda.Device().synchronize()
+            for spec in launches:
+                spec.launch(stream)
+            stream.synchronize()
+            for name, want, k in (("topk", want_topk, 512), ("topk_c", want_topk, 512),
+                                  ("blocks_out", want_blocks, 2048),
+                                  ("blocks_c", want_blocks, 2048)):
+                got = chain.download(name, np.int32, (rows, k))
+                np.testing.assert_array_equal(got, want, err_msg=f"{name} (launch {rep})")
+    finally:
+        chain.close()
+
+
+def topk_launches(chain: IndexerChain, rows: int) -> list[LaunchSpec]:
+    """The default top-k kernels alone (the chain's launches without prep and scores)."""
+    return [sp for sp in chain.launches(rows, 1.0)
+            if sp.kernel.name.startswith("indexer_topk_")]
