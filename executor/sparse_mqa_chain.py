@@ -156,11 +156,15 @@ class SparseMqaBuffers:
             else:
                 view[...] = cp.asarray(np.ascontiguousarray(arr).view(np.uint8).ravel())
         cp.cuda.Device().synchronize()
-        a, spec = self.arena, case.spec
-        args = tuple(a.ptr(k) for k in ARRAYS) + (
+        a = self.arena
+        self.args = tuple(a.ptr(k) for k in ARRAYS) + (
             case.rows, case.block_tables.shape[1], case.page_size, case.table.num_positions)
-        self.launch = LaunchSpec(bundle.kernel(spec.name), spec.grid(case.rows), args,
-                                 cluster=spec.cluster)
+        self.launch = self.launch_of(bundle, case.spec)
+
+    def launch_of(self, bundle, spec: ref.SparseMqaSpec) -> LaunchSpec:
+        """A launch of `spec`'s kernel on these buffers (variants share the case's ABI)."""
+        return LaunchSpec(bundle.kernel(spec.name), spec.grid(self.case.rows), self.args,
+                          cluster=spec.cluster)
 
     @staticmethod
     def _host(case: Case) -> dict:
@@ -188,12 +192,16 @@ TARGET_PCT = 70.0
 
 def bench_sparse_mqa(ctx) -> None:
     """µs (isolated cold and per launch in a PDL graph of CHAIN distinct cases), bytes actually
-    read, GB/s and % of 4.8 TB/s on the must-read bytes, for contexts 4k/64k/128k and R 1/6/48."""
-    from executor.graphs import Graph
+    read, GB/s and % of 4.8 TB/s on the must-read bytes, for contexts 4k/64k/128k and R 1/6/48.
+
+    Every top-k kernel of the bundle runs on the same buffers, side by side: the measured default,
+    the candidates (isolated and chained) and the timing-only ablations (chained; their bytes
+    column is the default's must-read, their outputs are not meaningful)."""
     bundle = ctx.bundle_with("sparse_mqa_topk")
     if bundle is None:
         return
-    spec = next(_spec_from(bundle, n) for n in bundle.names() if n.startswith("sparse_mqa_topk"))
+    specs = _topk_specs(bundle)
+    spec = specs[0]
     rng = np.random.default_rng(7)
     for context in BENCH_CONTEXTS[:1] if ctx.quick else BENCH_CONTEXTS:
         for rows, blocks in BENCH_CASES.items():
@@ -201,30 +209,48 @@ def bench_sparse_mqa(ctx) -> None:
             bufs = [SparseMqaBuffers(ctx.device, bundle, c) for c in cases]
             try:
                 nbytes = ref.bytes_read(spec, cases[0].gathered())
-                iso = ctx.cold_median_us(lambda b=bufs[0]: b.launch.launch(ctx.stream), reps=20)
-                with Graph.capture(ctx.stream) as g:
-                    for b in bufs:
-                        b.launch.launch(ctx.stream)
-                try:
-                    chain = ctx.timer.median_us(lambda: g.launch(ctx.stream), reps=20,
-                                                warmup=2) / CHAIN
-                finally:
-                    g.close()
+                label = f"T{context // 1024}k R{rows}"
+                for variant in specs:
+                    launches = [b.launch_of(bundle, variant) for b in bufs]
+                    if not variant.ablation:
+                        iso = ctx.cold_median_us(lambda x=launches[0]: x.launch(ctx.stream),
+                                                 reps=20)
+                        ctx.bandwidth(variant.name, f"{label} iso", rows, iso,
+                                      nbytes["must_read"])
+                    chain = _chain_us(ctx, launches)
+                    row = ctx.bandwidth(variant.name, f"{label} pdl", rows, chain,
+                                        nbytes["must_read"])
+                    if context == 65536 and rows == 48 and not variant.ablation:
+                        ctx.metric(f"{variant.name} {label} pdl % of 4.8 TB/s", row.pct_hbm, "%",
+                                   f">= {TARGET_PCT:.0f}%", row.pct_hbm >= TARGET_PCT)
             finally:
                 for b in bufs:
                     b.close()
-            label = f"T{context // 1024}k R{rows}"
-            ctx.bandwidth(spec.name, f"{label} iso", rows, iso, nbytes["must_read"])
-            row = ctx.bandwidth(spec.name, f"{label} pdl", rows, chain, nbytes["must_read"])
             ctx.metric(f"{spec.name} {label}: records read per launch (per row / unique)",
                        nbytes["records"] / max(nbytes["unique_records"], 1), "x")
-            if context == 65536 and rows == 48:
-                ctx.metric(f"{spec.name} {label} pdl % of 4.8 TB/s", row.pct_hbm, "%",
-                           f">= {TARGET_PCT:.0f}%", row.pct_hbm >= TARGET_PCT)
+
+
+def _chain_us(ctx, launches) -> float:
+    """µs per launch in one captured graph of the launches (PDL edges between them)."""
+    from executor.graphs import Graph
+    with Graph.capture(ctx.stream) as g:
+        for x in launches:
+            x.launch(ctx.stream)
+    try:
+        return ctx.timer.median_us(lambda: g.launch(ctx.stream), reps=20, warmup=2) / len(launches)
+    finally:
+        g.close()
+
+
+def _topk_specs(bundle) -> list[ref.SparseMqaSpec]:
+    """The bundle's top-k kernels: the measured default first, candidates, then ablations."""
+    specs = [_spec_from(bundle, n) for n in bundle.names() if n.startswith("sparse_mqa_topk")]
+    return sorted(specs, key=lambda s: (s.ablation, s.split != "balanced", s.name))
 
 
 def _spec_from(bundle, name: str) -> ref.SparseMqaSpec:
     s = bundle.manifest.kernels[name].spec
     return ref.SparseMqaSpec(s["name"], s["heads"], s["window"], s["swa_cols"], s["topk"],
                              s["ring_slots"], s["cluster"][0], s["entries_per_cta"],
-                             s["smem_bytes"])
+                             s["smem_bytes"], split=s.get("split", "balanced"),
+                             skip=tuple(s.get("skip", ())))

@@ -230,6 +230,8 @@ class SparseMqaSm90:
         self.H = spec.heads
         self.topk = spec.topk
         self.dims_per_cta = ref.HEAD_DIM // self.S
+        self.skip = frozenset(spec.skip)
+        self.exchange = "exchange" not in self.skip
         if self.E > ref.CTA_THREADS or self.E % ref.ENTRY_TILE:
             raise ValueError(f"{spec.name}: {self.E} entries per CTA; need a multiple of "
                              f"{ref.ENTRY_TILE} <= {ref.CTA_THREADS}")
@@ -261,6 +263,53 @@ class SparseMqaSm90:
         self._zero_pad_heads(base, tidx)
         cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
 
+        if cutlass.const_expr(self.spec.split == "fixed"):
+            pos, seq = self._addresses_fixed(q, swa, compressed, topk, block_tables, row_info,
+                                             state_lines, base, tidx, s, r, rows, pages_per_seq,
+                                             page_size)
+            n_pad = Int32(self.E)
+        else:
+            pos, seq, n_pad = self._addresses_balanced(q, swa, compressed, topk, block_tables,
+                                                       row_info, state_lines, base, tidx, s, r,
+                                                       rows, pages_per_seq, page_size)
+        if cutlass.const_expr("gather" not in self.skip):
+            self._load_records(base, tidx, n_pad)
+        cp_async_wait_all()
+        cute.arch.sync_threads()
+
+        self._logits(base, tidx, n_pad)
+        cute.arch.sync_threads()
+        self._local_stats(base, tidx, n_pad)
+        self._cluster_sync()                # every CTA's (max, sum, bad) is visible
+        if tidx < ref.MMA_M:
+            self._row_norm(base, tidx, sink, cluster_ok)
+        cute.arch.sync_threads()
+        self._probs(base, tidx, n_pad)
+        cute.arch.sync_threads()
+        self._pv(base, tidx, n_pad)
+        self._cluster_sync()                # every CTA's partial o is visible
+        self._reduce_store(base, tidx, s, r, rows, pos, seq, out, rope_table, num_positions,
+                           cluster_ok)
+        self._cluster_sync()                # no CTA leaves while others read its partial o
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _cluster_sync(self):
+        if cutlass.const_expr(self.exchange):
+            cluster_sync()
+        else:                               # ablation: the CTA's own barrier only
+            cute.arch.sync_threads()
+
+    # ---- phase A/B: addresses, q and the records ---------------------------------------------
+
+    @cute.jit
+    def _addresses_balanced(self, q: cute.Pointer, swa: cute.Pointer, compressed: cute.Pointer,
+                            topk: cute.Pointer, block_tables: cute.Pointer,
+                            row_info: cute.Pointer, state_lines: cute.Pointer, base: Int32,
+                            tidx: Int32, s: Int32, r: Int32, rows: Int32, pages_per_seq: Int32,
+                            page_size: Int32):
+        """Split by the row's count: row_info -> top-k id -> block table -> record (4 hops).
+        Leaves the CTA's record addresses in smem; returns (position, seq, padded count)."""
         info = cute.make_rmem_tensor((4,), Int32)
         info.fill(-1)
         info[0] = 0
@@ -291,27 +340,56 @@ class SparseMqaSm90:
                                         pages_per_seq, page_size)
             sts_s64(base + self.lay.addresses + tidx * 8, addr)
         cute.arch.sync_threads()
-        self._load_records(base, tidx, n_pad)
-        cp_async_wait_all()
-        cute.arch.sync_threads()
+        return pos, seq, n_pad
 
-        self._logits(base, tidx, n_pad)
+    @cute.jit
+    def _addresses_fixed(self, q: cute.Pointer, swa: cute.Pointer, compressed: cute.Pointer,
+                         topk: cute.Pointer, block_tables: cute.Pointer, row_info: cute.Pointer,
+                         state_lines: cute.Pointer, base: Int32, tidx: Int32, s: Int32, r: Int32,
+                         rows: Int32, pages_per_seq: Int32, page_size: Int32):
+        """Split fixed by slot: thread t < sw takes SWA slot s*sw + t, thread sw + i top-k slot
+        s*tk + i. The top-k id loads in the same wave as row_info, so the chain is 3 hops
+        (top-k id | row_info -> block table | state line -> record). Returns (position, seq)."""
+        sw, tk = self.spec.swa_share, self.spec.topk_share
+        k = s * tk + (tidx - sw)
+        e = Int32(-1)
+        if (r < rows) & (tidx >= sw) & (tidx < sw + tk) & (k < self.topk):
+            e = ldg_s32(topk.toint() + (Int64(r) * self.topk + Int64(k)) * 4)
+        info = cute.make_rmem_tensor((4,), Int32)
+        info.fill(-1)
+        info[0] = 0
+        if r < rows:
+            words = ldg_v4_s32(row_info.toint() + Int64(r) * 16)
+            for i in cutlass.range_constexpr(4):
+                info[i] = words[i]
+            self._load_q(q, base, r, tidx)
+        pos, lo, hi, seq = info[0], info[1], info[2], info[3]
+        nswa = cutlass.max(hi - lo + 1, 0)
+        bad_row = (lo < 0) | (nswa > self.spec.swa_cols)
+        j = s * sw + tidx
+        addr = Int64(0)
+        if seq >= 0:
+            if bad_row:
+                addr = Int64(1)
+            elif tidx < sw:
+                if j < nswa:
+                    line = ldg_s32(state_lines.toint() + Int64(seq) * 4)
+                    slot = line * self.spec.ring_slots + ((lo + j) & (self.spec.ring_slots - 1))
+                    addr = swa.toint() + Int64(slot) * REC
+            elif e >= 0:
+                page = e // page_size
+                block = Int32(-1)
+                if page < pages_per_seq:
+                    block = ldg_s32(block_tables.toint()
+                                    + (Int64(seq) * pages_per_seq + Int64(page)) * 4)
+                addr = Int64(1)
+                if block >= 0:
+                    addr = compressed.toint() + (Int64(block) * page_size
+                                                 + Int64(e % page_size)) * REC
+        if tidx < self.E:
+            sts_s64(base + self.lay.addresses + tidx * 8, addr)
         cute.arch.sync_threads()
-        self._local_stats(base, tidx, n_pad)
-        cluster_sync()                      # every CTA's (max, sum, bad) is visible
-        if tidx < ref.MMA_M:
-            self._row_norm(base, tidx, sink, cluster_ok)
-        cute.arch.sync_threads()
-        self._probs(base, tidx, n_pad)
-        cute.arch.sync_threads()
-        self._pv(base, tidx, n_pad)
-        cluster_sync()                      # every CTA's partial o is visible
-        self._reduce_store(base, tidx, s, r, rows, pos, seq, out, rope_table, num_positions,
-                           cluster_ok)
-        cluster_sync()                      # no CTA leaves while others read its partial o
-        cute.arch.griddepcontrol_launch_dependents()
-
-    # ---- phase A/B: addresses, q and the records ---------------------------------------------
+        return pos, seq
 
     @cute.jit
     def _zero_pad_heads(self, base: Int32, tidx: Int32):
@@ -341,7 +419,10 @@ class SparseMqaSm90:
                         page_size: Int32) -> Int64:
         """Global address of entry j of the row: 0 = masked (zeros, -inf), 1 = bad input (NaN)."""
         addr = Int64(0)
-        if in_range:
+        if cutlass.const_expr("addr" in self.skip):
+            if in_range:                    # ablation: no dependent loads (bench contexts only)
+                addr = compressed.toint() + Int64(j) * REC
+        elif in_range:
             if bad_row:
                 addr = Int64(1)
             elif j < nswa:
@@ -396,7 +477,7 @@ class SparseMqaSm90:
             entry = base + self.lay.records + (tile * 8 + g) * REC
             acc.fill(0.0)
             scale = Float32(0.0)
-            for kk in cutlass.range_constexpr(ref.HEAD_DIM // 16):
+            for kk in cutlass.range_constexpr(0 if "qk" in self.skip else ref.HEAD_DIM // 16):
                 k0 = 16 * kk
                 a = self._q_frag(base, k0, g, t)
                 if cutlass.const_expr(k0 < NOPE):
@@ -466,14 +547,16 @@ class SparseMqaSm90:
         bad = Float32(1.0)                  # a launch without the cluster shape: NaN out
         if cluster_ok:
             bad = Float32(0.0)
-            for rank in cutlass.range_constexpr(self.S):
+            for rank in cutlass.range_constexpr(self.S if self.exchange else 0):
                 big = cutlass.max(big, ld_cluster_f32(stat, rank))
                 bad = cutlass.max(bad, ld_cluster_f32(stat + 8, rank))
             norm = cute.math.exp(sink_h - big)
-            for rank in cutlass.range_constexpr(self.S):
+            for rank in cutlass.range_constexpr(self.S if self.exchange else 0):
                 part = ld_cluster_f32(stat + 4, rank)
                 if part > Float32(0.0):
                     norm = norm + part * cute.math.exp(ld_cluster_f32(stat, rank) - big)
+            if cutlass.const_expr(not self.exchange):    # ablation: this CTA's own statistics
+                norm = norm + lds_f32(stat + 4)
         if bad > Float32(0.0):
             big = Float32(float("nan"))
         sts_v2_f32(base + self.lay.norm + h * 8, big, norm)
@@ -512,7 +595,7 @@ class SparseMqaSm90:
         g, t = lane // 4, lane % 4
         acc = cute.make_rmem_tensor((4, 8), Float32)
         acc.fill(0.0)
-        e0 = Int32(0)
+        e0 = Int32(n_pad if "pv" in self.skip else 0)      # the pv ablation skips the loop
         while e0 < n_pad:
             a = self._p_frag(base, e0, g, t)
             ea = base + self.lay.records + (e0 + 2 * t) * REC
@@ -570,10 +653,12 @@ class SparseMqaSm90:
                 v.fill(float("nan"))
                 if cluster_ok:
                     v.fill(0.0)
-                    for rank in cutlass.range_constexpr(self.S):
+                    for rank in cutlass.range_constexpr(self.S if self.exchange else 0):
                         part = ld_cluster_v4_f32(src, rank)
                         for k in cutlass.range_constexpr(4):
                             v[k] = v[k] + part[k]
+                    if cutlass.const_expr(not self.exchange):   # ablation: own partial only
+                        v[0] = lds_f32(src)
                 for k in cutlass.range_constexpr(4):
                     v[k] = round_bf16(v[k])
                 if d >= NOPE:
@@ -609,7 +694,8 @@ def kernel_function(spec: ref.SparseMqaSpec):
 
 
 def specs(cfg, tp: int) -> list[ref.SparseMqaSpec]:
-    return ref.sparse_mqa_specs(cfg, tp)
+    """The two measured kernels, then the candidates and ablations (`ref.variant_specs`)."""
+    return ref.sparse_mqa_specs(cfg, tp) + ref.variant_specs(cfg, tp)
 
 
 def compile_spec(spec: ref.SparseMqaSpec, options: str = "--gpu-arch sm_90a"):

@@ -56,6 +56,13 @@ STATS_BYTES = 16                 # per head: (max, sum, bad, pad) f32
 CLUSTER_TOPK = 8                 # portable maximum: 640 entries -> 80 per CTA
 CLUSTER_SWA = 4                  # SWA-only layers: <= 133 entries -> 48 per CTA
 DEFAULT_MAX_BLOCK_ROWS = 6       # KVCaches.allocate's default (verify block)
+SPLITS = ("balanced", "fixed")   # how a row's entries split over the cluster (SparseMqaSpec.split)
+PHASES = ("addr", "gather", "qk", "pv", "exchange")   # what a timing-only ablation may skip
+# Timing-only ablations of the top-k kernel (wrong outputs, never tested for values): each skips
+# phases so that the benchmark can attribute the measured time without hardware counters.
+# addr: no top-k / block-table loads (entry j reads compressed record j: bench contexts only);
+# gather: no record loads; qk / pv: no mma loops; exchange: no DSMEM and no cluster barriers.
+ABLATIONS = (("gather",), ("addr",), ("qk",), ("pv",), ("exchange",), PHASES)
 INFO_FIELDS = 4                  # row_info: position, swa_lo, swa_hi, seq
 
 PARAMS = (("q", "u64"), ("out", "u64"), ("swa", "u64"), ("compressed", "u64"), ("topk", "u64"),
@@ -122,6 +129,24 @@ class SparseMqaSpec:
     smem_bytes: int
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    # balanced: CTA s takes [s * per, ..) of the row's list, per from the row's count (needs
+    # row_info before any top-k load: a 4-hop address chain). fixed: CTA s takes SWA slots
+    # [s * swa_share, ..) and top-k slots [s * topk_share, ..) whatever the row, so the top-k
+    # ids load in the same wave as row_info (3 hops: top-k id -> block table -> record).
+    split: str = "balanced"
+    skip: tuple[str, ...] = ()         # timing-only ablation (ABLATIONS); () for real kernels
+
+    @property
+    def swa_share(self) -> int:
+        return ceil_div(self.swa_cols, self.cluster_ctas)
+
+    @property
+    def topk_share(self) -> int:
+        return ceil_div(self.topk, self.cluster_ctas)
+
+    @property
+    def ablation(self) -> bool:
+        return bool(self.skip)
 
     @property
     def cluster(self) -> tuple[int, int, int]:
@@ -146,10 +171,12 @@ class SparseMqaSpec:
                 "window": self.window, "swa_cols": self.swa_cols, "topk": self.topk,
                 "ring_slots": self.ring_slots, "cluster": list(self.cluster),
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
-                "block": list(self.block), "smem_bytes": self.smem_bytes}
+                "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
+                "skip": list(self.skip)}
 
 
-def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int) -> SparseMqaSpec:
+def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
+              split: str = "balanced", skip: tuple[str, ...] = ()) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -159,12 +186,20 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     # on compressed layers); a top-k kernel sees causal rows, at most W SWA entries.
     swa_cols = window if topk else window + draft_rows
     cluster = CLUSTER_TOPK if topk else CLUSTER_SWA
-    per = round_up(ceil_div(swa_cols + topk, cluster), ENTRY_TILE)
+    if split not in SPLITS or not set(skip) <= set(PHASES) or (split == "fixed" and not topk):
+        raise ValueError(f"sparse MQA: split {split!r} / skip {skip!r}; splits {SPLITS} (fixed "
+                         f"only with top-k), phases {PHASES}")
+    if split == "fixed":
+        per = round_up(ceil_div(swa_cols, cluster) + ceil_div(topk, cluster), ENTRY_TILE)
+    else:
+        per = round_up(ceil_div(swa_cols + topk, cluster), ENTRY_TILE)
     layout = smem_layout(heads, per)
     kind = f"topk{topk}" if topk else "swa"
     name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
+    name += "_fixed" if split == "fixed" else ""
+    name += "_skip_" + "_".join(skip) if skip else ""
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
-                         layout.total)
+                         layout.total, split=split, skip=tuple(skip))
 
 
 def sparse_mqa_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
@@ -174,6 +209,15 @@ def sparse_mqa_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS)
     draft = cfg.dspark_block_size
     return [make_spec(heads, cfg.sliding_window, draft, 0, ring),
             make_spec(heads, cfg.sliding_window, draft, cfg.index_topk, ring)]
+
+
+def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
+    """Beside the measured default top-k kernel: the fixed-split candidate (tested like the
+    default) and the timing-only ablations (`ABLATIONS`) the benchmark reports side by side."""
+    base = sparse_mqa_specs(cfg, tp, max_block_rows)[1]
+    args = (base.heads, base.window, cfg.dspark_block_size, base.topk, base.ring_slots)
+    return ([make_spec(*args, split="fixed")]
+            + [make_spec(*args, skip=skip) for skip in ABLATIONS])
 
 
 # ---- row metadata ------------------------------------------------------------------------------

@@ -171,6 +171,18 @@ def test_bytes_formula_counts_per_row_and_unique_records():
 
 # ---- fp32 emulation of the kernel's split arithmetic -------------------------------------------------
 
+def cta_shares(spec, n_swa: int) -> list[np.ndarray]:
+    """Indices (into the row's SWA-then-top-k list) each CTA of the cluster takes, in its order."""
+    count, S = n_swa + spec.topk, spec.cluster_ctas
+    if spec.split == "fixed":
+        sw, tk = spec.swa_share, spec.topk_share
+        return [np.concatenate([np.arange(s * sw, min(n_swa, (s + 1) * sw)),
+                                n_swa + np.arange(s * tk, min(spec.topk, (s + 1) * tk))])
+                for s in range(S)]
+    per = ref.split_entries(count, S)
+    return [np.arange(s * per, min(count, (s + 1) * per)) for s in range(S)]
+
+
 def emulate_kernel(case) -> np.ndarray:
     """The kernel's arithmetic in NumPy fp32: per-CTA shares, per-CTA (max, sum), rank-order M, L,
     P = bf16(exp(l - M) / L), per-CTA partial o, rank-order sum, bf16, inverse RoPE, bf16.
@@ -182,11 +194,10 @@ def emulate_kernel(case) -> np.ndarray:
         if seq < 0:
             continue
         count = max(hi - lo + 1, 0) + spec.topk
-        per = ref.split_entries(count, spec.cluster_ctas)
         q = case.q[r].astype(np.float64)
         logits = (q @ g.kv[r, :count].T.astype(np.float64)).astype(np.float32)
         logits = np.where(g.valid[r, :count], logits * np.float32(ref.HEAD_DIM ** -0.5), -np.inf)
-        shares = [slice(s * per, min(count, (s + 1) * per)) for s in range(spec.cluster_ctas)]
+        shares = cta_shares(spec, max(hi - lo + 1, 0))
         stats = []
         for sh in shares:
             part = logits[:, sh]
@@ -208,15 +219,22 @@ def emulate_kernel(case) -> np.ndarray:
     return to_bf16(out)
 
 
-@pytest.mark.parametrize("config,topk,context,blocks", [
-    ("tiny", True, 9, ["decode"]), ("tiny", True, 300, ["verify", "verify"]),
-    ("tiny", False, 40, ["draft", "decode"]), ("v41-flash", True, 1000, ["verify"]),
-    ("v41-flash", False, 500, ["draft", "verify"]),
+@pytest.mark.parametrize("config,topk,context,blocks,split", [
+    ("tiny", True, 9, ["decode"], "balanced"), ("tiny", True, 300, ["verify", "verify"], "balanced"),
+    ("tiny", False, 40, ["draft", "decode"], "balanced"),
+    ("v41-flash", True, 1000, ["verify"], "balanced"),
+    ("v41-flash", False, 500, ["draft", "verify"], "balanced"),
+    ("tiny", True, 9, ["decode"], "fixed"), ("tiny", True, 300, ["verify", "verify"], "fixed"),
+    ("v41-flash", True, 100, ["verify"], "fixed"), ("v41-flash", True, 1000, ["verify"], "fixed"),
 ])
-def test_split_arithmetic_is_within_the_bound(config, topk, context, blocks):
+def test_split_arithmetic_is_within_the_bound(config, topk, context, blocks, split):
     """The kernel's fp32 split arithmetic stays inside `error_bound`, and nearly every element
     equals the reference bit for bit (the GPU test asserts the same two things)."""
-    case = make_case(_spec(config, topk), RNG, context, blocks, pad_rows=1)
+    spec = _spec(config, topk)
+    if split == "fixed":
+        spec = ref.variant_specs(ModelConfig.preset(config), 4)[0]
+        assert spec.split == "fixed"
+    case = make_case(spec, RNG, context, blocks, pad_rows=1)
     want = case.reference()
     got = emulate_kernel(case)
     bound = ref.error_bound(case.q, case.gathered(), case.sink, case.info,
@@ -244,3 +262,31 @@ def test_bound_discriminates_a_dropped_entry():
     diff = np.abs(dropped.astype(np.float64) - want.astype(np.float64))
     assert (diff > bound).any()
     assert want.dtype == BF16
+
+
+def test_variant_specs_build_beside_the_default(cfg):
+    """The fixed-split candidate covers every slot within its capacity; ablations are marked and
+    named; no variant shares a name with the measured kernels."""
+    base = _specs(cfg)
+    variants = ref.variant_specs(cfg, 4)
+    fixed = [v for v in variants if not v.ablation]
+    assert [v.split for v in fixed] == ["fixed"]
+    f = fixed[0]
+    assert (f.heads, f.window, f.topk, f.ring_slots, f.swa_cols) == (
+        base[1].heads, base[1].window, base[1].topk, base[1].ring_slots, base[1].swa_cols)
+    assert f.swa_share * f.cluster_ctas >= f.swa_cols and f.topk_share * f.cluster_ctas >= f.topk
+    assert f.swa_share + f.topk_share <= f.entries_per_cta <= ref.CTA_THREADS
+    assert f.entries_per_cta % ref.ENTRY_TILE == 0
+    assert ref.CTAS_PER_SM * (f.smem_bytes + 1024) <= 228 * 1024
+    for n_swa in range(f.swa_cols + 1):                  # every entry in exactly one CTA
+        got = np.sort(np.concatenate(cta_shares(f, n_swa)))
+        assert np.array_equal(got, np.arange(n_swa + f.topk))
+    ablations = [v for v in variants if v.ablation]
+    assert [v.skip for v in ablations] == list(ref.ABLATIONS)
+    assert all("_skip_" in v.name for v in ablations)
+    names = [s.name for s in list(base) + variants]
+    assert len(set(names)) == len(names)
+    with pytest.raises(ValueError, match="split"):
+        ref.make_spec(4, 16, 5, 16, 32, split="other")
+    with pytest.raises(ValueError, match="fixed"):
+        ref.make_spec(4, 16, 5, 0, 32, split="fixed")

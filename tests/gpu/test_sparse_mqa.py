@@ -101,12 +101,23 @@ def _specs(cfg):
     return ref.sparse_mqa_specs(cfg, 4)
 
 
+def _topk_spec(cfg, split: str) -> ref.SparseMqaSpec:
+    """The measured default (balanced split) or the fixed-split candidate of the top-k kernel."""
+    if split == "balanced":
+        return _specs(cfg)[1]
+    return next(s for s in ref.variant_specs(cfg, 4) if s.split == split and not s.ablation)
+
+
+SPLITS = ("balanced", "fixed")
+
+
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("rows", sorted(BLOCKS))
 @pytest.mark.parametrize("context_index", range(4))
-def test_topk_kernel(dev, stream, setup, rows, context_index):
+def test_topk_kernel(dev, stream, setup, rows, context_index, split):
     name, cfg, bundle = setup
     contexts = CONTEXTS[name]
-    spec = _specs(cfg)[1]
+    spec = _topk_spec(cfg, split)
     context = contexts[context_index]
     pad = 2 if rows in (6, 12) else 0
     case = make_case(spec, RNG, context, BLOCKS[rows], pad_rows=pad)
@@ -125,9 +136,10 @@ def test_swa_kernel(dev, stream, setup, blocks, short):
     _check(case, _run(dev, stream, bundle, case))
 
 
-def test_bad_page_poisons_only_its_row(dev, stream, setup):
+@pytest.mark.parametrize("split", SPLITS)
+def test_bad_page_poisons_only_its_row(dev, stream, setup, split):
     _, cfg, bundle = setup
-    spec = _specs(cfg)[1]
+    spec = _topk_spec(cfg, split)
     case = make_case(spec, RNG, 1000, ["verify", "decode"])
     tables = case.block_tables.copy()
     victim = case.topk[6][case.topk[6] >= 0][0]    # the decode row (sequence 1)
@@ -138,9 +150,10 @@ def test_bad_page_poisons_only_its_row(dev, stream, setup):
     assert not np.isnan(got[:6]).any()
 
 
-def test_launch_without_cluster_writes_nan(dev, stream, setup):
+@pytest.mark.parametrize("split", SPLITS)
+def test_launch_without_cluster_writes_nan(dev, stream, setup, split):
     _, cfg, bundle = setup
-    spec = _specs(cfg)[1]
+    spec = _topk_spec(cfg, split)
     case = make_case(spec, RNG, 300, ["decode"])
     bufs = SparseMqaBuffers(dev, bundle, case)
     try:
