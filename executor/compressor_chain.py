@@ -122,7 +122,7 @@ def bench_compressor(ctx) -> None:
             fill_random_bf16(chain.arena, "x")
             if ratio == 2:
                 fill_random_u32(chain.arena, "w")
-                w = chain.arena.view("w", np.uint32)     # finite fp32: random mantissa, 2^-7..2^0
+                w = chain.arena.view("w", np.uint32)     # finite fp32: +-[2^-7, 2^-6)
                 w[...] = (w & 0x807FFFFF) | 0x3C000000
             else:
                 fill_random_bf16(chain.arena, "w")

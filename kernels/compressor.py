@@ -237,7 +237,7 @@ class CompressorPublishSm90:
              seq_index: Int64, row: Int32, seq: Int32, pos: Int32, tidx: Int32):
         """Softmax pooling of (p-1, p) per channel; p-1 from this launch when it is the previous
         row of the sequence, from the ring otherwise."""
-        prev = ring_line + Int64((pos - 1) % ck.RING_ROWS) * (ck.RING_WIDTH * 4)
+        prev = ring_line + Int64((pos - 1) & (ck.RING_ROWS - 1)) * (ck.RING_WIDTH * 4)
         if row > 0:
             pseq = ld_s32(seq_index + Int64(row - 1) * 4)
             ppos = ld_s32(positions + Int64(row - 1) * 4)
