@@ -423,6 +423,7 @@ FAMILY_BENCHMARKS = (
     ("lm_head", "executor.bench_dense:bench_lm_head"),
     ("sparse_mqa", "executor.sparse_mqa_chain:bench_sparse_mqa"),
     ("indexer", "executor.indexer_chain:bench_indexer"),
+    ("compressor", "executor.compressor_chain:bench_compressor"),
     ("collectives", "collectives.bench:bench_collectives"),
 )
 
