@@ -246,7 +246,7 @@ class SparseMqaSm90:
                     rope_table, rows, pages_per_seq, page_size, num_positions).launch(
             grid=[self.S, 1, 1], block=list(self.spec.block), cluster=list(self.spec.cluster),
             smem=self.spec.smem_bytes, stream=stream, use_pdl=True,
-            min_blocks_per_mp=ref.CTAS_PER_SM,
+            min_blocks_per_mp=self.spec.ctas_per_sm,
             preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
 
     @cute.kernel
@@ -593,39 +593,57 @@ class SparseMqaSm90:
         (one scale group; warp 7 the bf16 rope dims). The partial lands in smem over the records."""
         warp, lane = tidx // WARP, tidx % WARP
         g, t = lane // 4, lane % 4
-        acc = cute.make_rmem_tensor((4, 8), Float32)
-        acc.fill(0.0)
-        e0 = Int32(n_pad if "pv" in self.skip else 0)      # the pv ablation skips the loop
-        while e0 < n_pad:
-            a = self._p_frag(base, e0, g, t)
-            ea = base + self.lay.records + (e0 + 2 * t) * REC
-            eb, ec = ea + REC, ea + 8 * REC
-            ed = ec + REC
-            if warp < NOPE // 64:
-                sa = ue8m0_to_f32(lds_u8(ea + SCALE_OFF + warp))
-                sb = ue8m0_to_f32(lds_u8(eb + SCALE_OFF + warp))
-                sc = ue8m0_to_f32(lds_u8(ec + SCALE_OFF + warp))
-                sd = ue8m0_to_f32(lds_u8(ed + SCALE_OFF + warp))
-                for nt in cutlass.range_constexpr(8):
-                    d = warp * 64 + nt * 8 + g
-                    b0 = e4m3x2_to_bf16x2(lds_u8(ea + d) | (lds_u8(eb + d) << 8), sa, sb)
-                    b1 = e4m3x2_to_bf16x2(lds_u8(ec + d) | (lds_u8(ed + d) << 8), sc, sd)
-                    self._mma_into(acc, nt, a, b0, b1)
-            else:
-                for nt in cutlass.range_constexpr(8):
-                    off = ROPE_OFF + (nt * 8 + g) * 2
-                    b0 = lds_u16(ea + off) | (lds_u16(eb + off) << 16)
-                    b1 = lds_u16(ec + off) | (lds_u16(ed + off) << 16)
-                    self._mma_into(acc, nt, a, b0, b1)
-            e0 += ref.ENTRY_TILE
+        passes = self.spec.pv_passes
+        tiles = 8 // passes                 # 8-dim n-tiles of the warp's 64 dims per pass
+        acc = cute.make_rmem_tensor((4, tiles), Float32)
+        for pas in cutlass.range_constexpr(passes):
+            acc.fill(0.0)
+            e0 = Int32(n_pad if "pv" in self.skip else 0)  # the pv ablation skips the loop
+            while e0 < n_pad:
+                a = self._p_frag(base, e0, g, t)
+                ea = base + self.lay.records + (e0 + 2 * t) * REC
+                eb, ec = ea + REC, ea + 8 * REC
+                ed = ec + REC
+                if warp < NOPE // 64:
+                    sa = ue8m0_to_f32(lds_u8(ea + SCALE_OFF + warp))
+                    sb = ue8m0_to_f32(lds_u8(eb + SCALE_OFF + warp))
+                    sc = ue8m0_to_f32(lds_u8(ec + SCALE_OFF + warp))
+                    sd = ue8m0_to_f32(lds_u8(ed + SCALE_OFF + warp))
+                    for nt in cutlass.range_constexpr(tiles):
+                        d = warp * 64 + (pas * tiles + nt) * 8 + g
+                        b0 = e4m3x2_to_bf16x2(lds_u8(ea + d) | (lds_u8(eb + d) << 8), sa, sb)
+                        b1 = e4m3x2_to_bf16x2(lds_u8(ec + d) | (lds_u8(ed + d) << 8), sc, sd)
+                        self._mma_into(acc, nt, a, b0, b1)
+                else:
+                    for nt in cutlass.range_constexpr(tiles):
+                        off = ROPE_OFF + ((pas * tiles + nt) * 8 + g) * 2
+                        b0 = lds_u16(ea + off) | (lds_u16(eb + off) << 16)
+                        b1 = lds_u16(ec + off) | (lds_u16(ed + off) << 16)
+                        self._mma_into(acc, nt, a, b0, b1)
+                e0 += ref.ENTRY_TILE
+            if cutlass.const_expr(pas < passes - 1):
+                # First pass of two: q is dead after QK; its region holds [16, 256] fp32.
+                for nt in cutlass.range_constexpr(tiles):
+                    for half in cutlass.range_constexpr(2):
+                        sts_v2_f32(self._pass0_slot(base, g + 8 * half, warp, nt, t),
+                                   acc[2 * half, nt], acc[2 * half + 1, nt])
         cute.arch.sync_threads()            # every warp is done with the records: reuse them
         for nt in cutlass.range_constexpr(8):
             d0 = warp * 64 + nt * 8 + 2 * t
             for half in cutlass.range_constexpr(2):
                 h = g + 8 * half
                 if h < self.H:
-                    sts_v2_f32(base + self.lay.records + h * ref.O_ROW_BYTES + d0 * 4,
-                               acc[2 * half, nt], acc[2 * half + 1, nt])
+                    dst = base + self.lay.records + h * ref.O_ROW_BYTES + d0 * 4
+                    if cutlass.const_expr(nt >= 8 - tiles):
+                        i = nt - (8 - tiles)
+                        sts_v2_f32(dst, acc[2 * half, i], acc[2 * half + 1, i])
+                    else:                   # this thread's own first-pass values
+                        src = self._pass0_slot(base, h, warp, nt, t)
+                        sts_v2_f32(dst, lds_f32(src), lds_f32(src + 4))
+
+    @cute.jit
+    def _pass0_slot(self, base: Int32, h, warp: Int32, nt: int, t: Int32) -> Int32:
+        return base + self.lay.q + h * (ref.HEAD_DIM // 2 * 4) + (warp * 32 + nt * 8 + 2 * t) * 4
 
     @cute.jit
     def _mma_into(self, acc, nt: int, a, b0: Int32, b1: Int32):

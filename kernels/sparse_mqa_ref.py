@@ -48,6 +48,7 @@ HEAD_DIM = rec.HEAD_DIM
 RECORD_BYTES = rec.KV_RECORD_BYTES
 MMA_M = 16                       # heads per mma tile: the rank's heads, zero-padded to 16
 CTAS_PER_SM = 2                  # minctasm; 3 (85 registers) spilled 16-40 bytes
+SM_SMEM_BYTES = 228 * 1024       # per SM, 1 KB of it reserved per CTA
 CTA_THREADS = 256                # 8 warps: warp w owns output dims 64w..64w+63 in the PV product
 ENTRY_TILE = 16                  # entries per PV k-step; a CTA's share is a multiple of it
 Q_ROW_BYTES = HEAD_DIM * 2 + 16  # padded q row in shared memory (conflict-free fragment loads)
@@ -135,6 +136,9 @@ class SparseMqaSpec:
     # ids load in the same wave as row_info (3 hops: top-k id -> block table -> record).
     split: str = "balanced"
     skip: tuple[str, ...] = ()         # timing-only ablation (ABLATIONS); () for real kernels
+    # CTAs per SM the registers are budgeted for (minctasm). 3 needs <= 80 registers: the PV
+    # product then runs in two passes of 32 dims per warp (16 accumulators instead of 32).
+    ctas_per_sm: int = CTAS_PER_SM
 
     @property
     def swa_share(self) -> int:
@@ -147,6 +151,10 @@ class SparseMqaSpec:
     @property
     def ablation(self) -> bool:
         return bool(self.skip)
+
+    @property
+    def pv_passes(self) -> int:
+        return 1 if self.ctas_per_sm <= CTAS_PER_SM else 2
 
     @property
     def cluster(self) -> tuple[int, int, int]:
@@ -172,11 +180,12 @@ class SparseMqaSpec:
                 "ring_slots": self.ring_slots, "cluster": list(self.cluster),
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
-                "skip": list(self.skip)}
+                "skip": list(self.skip), "ctas_per_sm": self.ctas_per_sm}
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
-              split: str = "balanced", skip: tuple[str, ...] = ()) -> SparseMqaSpec:
+              split: str = "balanced", skip: tuple[str, ...] = (),
+              ctas_per_sm: int = CTAS_PER_SM) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -197,9 +206,13 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     kind = f"topk{topk}" if topk else "swa"
     name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
     name += "_fixed" if split == "fixed" else ""
+    name += f"_x{ctas_per_sm}" if ctas_per_sm != CTAS_PER_SM else ""
     name += "_skip_" + "_".join(skip) if skip else ""
+    if ctas_per_sm not in (CTAS_PER_SM, CTAS_PER_SM + 1) or \
+            ctas_per_sm * (layout.total + 1024) > SM_SMEM_BYTES:
+        raise ValueError(f"{name}: {ctas_per_sm} CTAs per SM of {layout.total} B shared memory")
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
-                         layout.total, split=split, skip=tuple(skip))
+                         layout.total, split=split, skip=tuple(skip), ctas_per_sm=ctas_per_sm)
 
 
 def sparse_mqa_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
@@ -216,8 +229,17 @@ def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
     default) and the timing-only ablations (`ABLATIONS`) the benchmark reports side by side."""
     base = sparse_mqa_specs(cfg, tp, max_block_rows)[1]
     args = (base.heads, base.window, cfg.dspark_block_size, base.topk, base.ring_slots)
-    return ([make_spec(*args, split="fixed")]
+    return ([make_spec(*args, split="fixed"), make_spec(*args, split="fixed", ctas_per_sm=3)]
             + [make_spec(*args, skip=skip) for skip in ABLATIONS])
+
+
+def candidate_specs(cfg, tp: int) -> dict[str, SparseMqaSpec]:
+    """The top-k kernels whose outputs count, by variant: "default" (measured) and candidates."""
+    out = {"default": sparse_mqa_specs(cfg, tp)[1]}
+    for spec in variant_specs(cfg, tp):
+        if not spec.ablation:
+            out[spec.name.removeprefix(out["default"].name + "_")] = spec
+    return out
 
 
 # ---- row metadata ------------------------------------------------------------------------------

@@ -269,9 +269,14 @@ def test_variant_specs_build_beside_the_default(cfg):
     named; no variant shares a name with the measured kernels."""
     base = _specs(cfg)
     variants = ref.variant_specs(cfg, 4)
-    fixed = [v for v in variants if not v.ablation]
-    assert [v.split for v in fixed] == ["fixed"]
-    f = fixed[0]
+    cands = ref.candidate_specs(cfg, 4)
+    assert sorted(cands) == ["default", "fixed", "fixed_x3"] and cands["default"] == base[1]
+    f, x3 = cands["fixed"], cands["fixed_x3"]
+    assert (f.split, x3.split, f.ctas_per_sm, x3.ctas_per_sm) == ("fixed", "fixed", 2, 3)
+    assert (f.pv_passes, x3.pv_passes, f.entries_per_cta) == (1, 2, x3.entries_per_cta)
+    # Three CTAs fit an SM; the first PV pass ([16, 256] fp32) fits in the dead q region.
+    assert 3 * (x3.smem_bytes + 1024) <= ref.SM_SMEM_BYTES
+    assert ref.MMA_M * ref.HEAD_DIM // 2 * 4 <= ref.MMA_M * ref.Q_ROW_BYTES
     assert (f.heads, f.window, f.topk, f.ring_slots, f.swa_cols) == (
         base[1].heads, base[1].window, base[1].topk, base[1].ring_slots, base[1].swa_cols)
     assert f.swa_share * f.cluster_ctas >= f.swa_cols and f.topk_share * f.cluster_ctas >= f.topk
@@ -290,3 +295,5 @@ def test_variant_specs_build_beside_the_default(cfg):
         ref.make_spec(4, 16, 5, 16, 32, split="other")
     with pytest.raises(ValueError, match="fixed"):
         ref.make_spec(4, 16, 5, 0, 32, split="fixed")
+    with pytest.raises(ValueError, match="CTAs per SM"):
+        ref.make_spec(16, 128, 5, 512, 256, ctas_per_sm=4)
