@@ -5,8 +5,9 @@ Specs, byte formulas, the batched reference and the tolerances: `kernels/compres
 Projection: one warp per output column and 8 rows; lane l reads the 16-byte (fp32) or 8-byte (bf16)
 weight chunks l, l + 32, ... of its column (coalesced 512 / 256 B per warp load), multiplies them by
 the rows' bf16 x chunks (L1/L2 hits: every warp of the grid reads the same x) and accumulates with
-fma in fp32; a 5-step xor butterfly finishes, lane 0 stores. Loads are issued 8 chunks ahead of
-their use (unrolled groups) so each warp keeps 4 KB in flight.
+fma in fp32; a 5-step xor butterfly finishes, lane 0 stores. Weight loads come in groups of 8
+chunks, double-buffered (group g+1 requested before group g is used: 8 KB in flight per warp at
+fp32), and the first group is requested before `griddepcontrol.wait`.
 
 Publish: one CTA of 128 threads per row, thread t owns dims 4t..4t+3 (and index-key dim t).
 Ring write, pair pooling (softmax over the pair with ex2.approx), fp32 RMSNorm (two-level sum:
@@ -74,6 +75,10 @@ def st_v4_f32(addr: Int64, v):
           "l,f,f,f,f")
 
 
+def prefetch_l2(addr: Int64):
+    _void([Int64(addr)], "prefetch.global.L2 [$0];", "l")
+
+
 def sts_f32(saddr: Int32, value: Float32):
     _void([Int32(saddr), Float32(value)], "st.shared.f32 [$0], $1;", "r,f")
 
@@ -137,22 +142,23 @@ class CompressorProjSm90:
         d = self.spec.hidden
         wb = self.spec.weight_bytes_per_value
         wrow = _addr(w) + Int64(col) * (d * wb)
+        chunks = d // 128
+        unroll = UNROLL if chunks % UNROLL == 0 else 1
+        # The weights do not depend on earlier kernels: the first group is in flight before the
+        # wait, overlapping the previous kernel's tail (PDL).
+        wv = self.load_weights(wrow, 0, unroll, lane)
         cute.arch.griddepcontrol_wait()        # x comes from the previous kernel
         # Rows past the batch read the last row (valid memory) and are not stored.
         xrow = []
         for i in cutlass.range_constexpr(ck.PROJ_ROW_TILE):
             xrow.append(_addr(x) + Int64(imin(row0 + i, rows - 1)) * (d * 2))
         acc = [Float32(0.0)] * ck.PROJ_ROW_TILE
-        chunks = d // 128
-        unroll = UNROLL if chunks % UNROLL == 0 else 1
-        for g in cutlass.range_constexpr(chunks // unroll):
-            wv = []
-            for u in cutlass.range_constexpr(unroll):
-                c = (g * unroll + u) * LANES + lane
-                if cutlass.const_expr(wb == 4):
-                    wv.append(ld_nc_v4_f32(wrow + Int64(c) * 16))
-                else:
-                    wv.append(bf16x4(wrow + Int64(c) * 8))
+        groups = chunks // unroll
+        for g in cutlass.range_constexpr(groups):
+            # Double buffer: group g+1 is requested before group g is multiplied.
+            nxt = wv
+            if cutlass.const_expr(g + 1 < groups):
+                nxt = self.load_weights(wrow, g + 1, unroll, lane)
             for u in cutlass.range_constexpr(unroll):
                 c = (g * unroll + u) * LANES + lane
                 for i in cutlass.range_constexpr(ck.PROJ_ROW_TILE):
@@ -161,6 +167,7 @@ class CompressorProjSm90:
                     for k in cutlass.range_constexpr(4):
                         a = a + xv[k] * wv[u][k]
                     acc[i] = a
+            wv = nxt
         for i in cutlass.range_constexpr(ck.PROJ_ROW_TILE):
             a = acc[i]
             for k in cutlass.range_constexpr(5):
@@ -168,6 +175,19 @@ class CompressorProjSm90:
             if lane == 0 and row0 + i < rows:
                 st_f32(_addr(out) + (Int64(row0 + i) * self.spec.out_cols + col) * 4, a)
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def load_weights(self, wrow: Int64, g: cutlass.Constexpr, unroll: cutlass.Constexpr,
+                     lane: Int32):
+        """The lane's `unroll` 4-value weight chunks of group g, as floats."""
+        wv = []
+        for u in cutlass.range_constexpr(unroll):
+            c = (g * unroll + u) * LANES + lane
+            if cutlass.const_expr(self.spec.weight_bytes_per_value == 4):
+                wv.append(ld_nc_v4_f32(wrow + Int64(c) * 16))
+            else:
+                wv.append(bf16x4(wrow + Int64(c) * 8))
+        return wv
 
 
 class CompressorPublishSm90:
@@ -197,7 +217,10 @@ class CompressorPublishSm90:
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
-        base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()   # latent [512] + 64 B partials
+        base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()   # latent + partials
+        # wk (128 KB) is read late, in a dependent chain: pull it into L2 while waiting (PDL).
+        for i in cutlass.range_constexpr(ck.INDEX_DIM * ck.HEAD_DIM * 2 // 128 // 128):
+            prefetch_l2(_addr(wk) + Int64((tidx + 128 * i) * 128))
         cute.arch.griddepcontrol_wait()        # kv_score, positions and the tables come earlier
         seq = ld_s32(_addr(seq_index) + Int64(row) * 4)
         if seq >= 0:
@@ -327,7 +350,7 @@ class CompressorPublishSm90:
         for k in cutlass.range_constexpr(16):
             lat.append(lds_f32(base + (16 * lane + k) * 4))
         mine = Float32(0.0)
-        for jj in cutlass.range(LANES, unroll=4):
+        for jj in cutlass.range(LANES, unroll=8):
             j = warp * LANES + jj
             wrow = wk + Int64(j) * (ck.HEAD_DIM * 2) + Int64(lane * 32)
             part = Float32(0.0)
