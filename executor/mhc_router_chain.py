@@ -1,0 +1,153 @@
+"""The mHC step and the MoE router on device buffers: arenas, launches; their benchmark.
+
+Used by tests/gpu/test_mhc_router.py and by `hopdec devicecheck` (benchmark "mhc_router",
+`executor.mhc_router_chain:bench_mhc_router`). The mHC step is two launches: `mhc_pre` (post,
+mixes, Sinkhorn, collapse) and the `kernels.norm` RMSNorm of the collapse.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.arena import Arena
+from executor.launch import LaunchSpec
+from kernels import mhc_kernel_ref as mk
+from kernels import norm_ref as nr
+from kernels import router_ref as rk
+
+BENCH_ROWS = (1, 5, 6, 12, 48, 192)
+QUICK_ROWS = (1, 6, 48, 192)
+
+
+class MhcStep:
+    """Every buffer of one mHC step kernel sized for `max_rows`; counters zeroed once."""
+
+    def __init__(self, device, bundle, spec: mk.MhcPreSpec, max_rows: int = mk.MAX_ROWS,
+                 norm_weight: str = "f32"):
+        self.spec, self.max_rows = spec, max_rows
+        self.kernel = bundle.kernel(spec.name)
+        self.norm_spec = nr.make_spec(spec.width, norm_weight)
+        self.norm_kernel = bundle.kernel(self.norm_spec.name)
+        d, s, m = spec.width, spec.streams, mk.MIX_DIM
+        wbytes = 4 if norm_weight == "f32" else 2
+        self.arena = Arena(device, [
+            ("streams", 2 * max_rows * s * d), ("sub_out", 2 * max_rows * d),
+            ("coeff_prev", 4 * max_rows * m), ("fn", 4 * m * s * d), ("scale", 16),
+            ("base", 4 * m), ("streams_out", 2 * max_rows * s * d), ("x_out", 2 * max_rows * d),
+            ("coeff_out", 4 * max_rows * m), ("mixes", 4 * max_rows * m),
+            ("workspace", mk.workspace_bytes(spec, max_rows)),
+            ("counters", 4 * mk.counter_count(max_rows)), ("norm_weight", wbytes * d),
+            ("x_normed", 2 * max_rows * d)])
+        self.arena.view("counters", np.int32)[...] = 0
+
+    def launch_pre(self, rows: int, norm_eps: float, hc_eps: float,
+                   in_place: bool = False) -> LaunchSpec:
+        p = self.arena.ptr
+        out = "streams" if in_place else "streams_out"
+        args = (p("streams"), p("sub_out"), p("coeff_prev"), p("fn"), p("scale"), p("base"),
+                p(out), p("x_out"), p("coeff_out"), p("mixes"), p("workspace"), p("counters"),
+                rows, norm_eps, hc_eps)
+        return LaunchSpec(self.kernel, self.spec.grid(rows), args, pdl=True)
+
+    def launch_norm(self, rows: int, eps: float) -> LaunchSpec:
+        p = self.arena.ptr
+        return LaunchSpec(self.norm_kernel, self.norm_spec.grid(rows),
+                          (p("x_out"), p("norm_weight"), p("x_normed"), rows, eps), pdl=True)
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+class Router:
+    """Every buffer of the router sized for `max_rows`; counters zeroed once."""
+
+    def __init__(self, device, bundle, spec: rk.RouterSpec, max_rows: int = rk.MAX_ROWS):
+        self.spec, self.max_rows = spec, max_rows
+        self.kernel = bundle.kernel(spec.name)
+        e, d, k = spec.experts, spec.hidden, spec.topk
+        self.arena = Arena(device, [
+            ("x", 2 * max_rows * d), ("weight", 2 * e * d), ("bias", 4 * e),
+            ("logits", 4 * max_rows * e), ("ids", 4 * max_rows * k),
+            ("weights", 4 * max_rows * k), ("counters", 4 * rk.counter_count(max_rows))])
+        self.arena.view("counters", np.int32)[...] = 0
+
+    def launch(self, rows: int) -> LaunchSpec:
+        p = self.arena.ptr
+        args = (p("x"), p("weight"), p("bias"), p("logits"), p("ids"), p("weights"),
+                p("counters"), rows)
+        return LaunchSpec(self.kernel, self.spec.grid(rows), args, pdl=True)
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def upload(arena: Arena, name: str, host: np.ndarray) -> None:
+    import cupy as cp
+    raw = np.ascontiguousarray(host).view(np.uint8).ravel()
+    arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
+
+
+def download(arena: Arena, name: str, dtype, shape) -> np.ndarray:
+    import cupy as cp
+    return cp.asnumpy(arena.view(name, dtype, shape))
+
+
+def poison(arena: Arena, name: str) -> None:
+    """All bytes 0xFF: NaN as bf16 and f32, -1 as int32."""
+    arena.view(name, np.uint8)[...] = 0xFF
+
+
+def _fill_mhc(step: MhcStep, rng) -> None:
+    from executor.benchmarks import fill_random_bf16
+    for name in ("streams", "sub_out"):
+        fill_random_bf16(step.arena, name)
+    s, d, m = step.spec.streams, step.spec.width, mk.MIX_DIM
+    upload(step.arena, "fn", (rng.standard_normal((m, s * d)) / np.sqrt(s * d)).astype(np.float32))
+    upload(step.arena, "scale", np.array([1.0, 1.0, 1.0, 0.0], np.float32))
+    upload(step.arena, "base", rng.uniform(-1, 1, m).astype(np.float32))
+    coeff = np.tile(np.concatenate([np.full(4, 0.25), np.ones(4), np.full(16, 0.25)]),
+                    (step.max_rows, 1)).astype(np.float32)
+    upload(step.arena, "coeff_prev", coeff)
+    upload(step.arena, "norm_weight", np.ones(d, np.float32))
+
+
+def bench_mhc_router(ctx) -> None:
+    """mhc_pre (post mode) alone and followed by its RMSNorm, and the router, at R = 1..192,
+    L2 flushed before each rep; bytes = what must move (fn / gate weight once + activations)."""
+    bundle = ctx.bundle_with("mhc_pre_")
+    if bundle is None or not any(n.startswith("router_") for n in bundle.names()):
+        raise LookupError("no bundle has the mhc_pre and router kernels")
+    rng = np.random.default_rng()
+    pre_name = next(n for n in bundle.names() if n.startswith("mhc_pre_") and "_s4_post" in n)
+    sp = bundle.manifest.kernels[pre_name].spec
+    spec = mk.make_spec(sp["width"], sp["streams"], sp["mode"], sp["sinkhorn_iters"])
+    rname = next(n for n in bundle.names() if n.startswith("router_"))
+    rs = bundle.manifest.kernels[rname].spec
+    rspec = rk.make_spec(rs["hidden"], rs["experts"], rs["topk"], rs["scaling"])
+    step, router = MhcStep(ctx.device, bundle, spec), Router(ctx.device, bundle, rspec)
+    try:
+        _fill_mhc(step, rng)
+        from executor.benchmarks import fill_random_bf16
+        fill_random_bf16(router.arena, "x")
+        fill_random_bf16(router.arena, "weight")
+        upload(router.arena, "bias", rng.uniform(-0.1, 0.1, rspec.experts).astype(np.float32))
+        reps = 20 if ctx.quick else 50
+        for rows in QUICK_ROWS if ctx.quick else BENCH_ROWS:
+            pre = step.launch_pre(rows, 1e-20, 1e-6, in_place=True)
+            norm = step.launch_norm(rows, 1e-20)
+            route = router.launch(rows)
+            us = ctx.cold_median_us(lambda pre=pre: pre.launch(ctx.stream), reps=reps)
+            ctx.bandwidth(spec.name, f"pred {mk.predicted_us(rows, spec.width):.1f} us", rows,
+                          us, spec.bytes_moved(rows))
+
+            def chain(pre=pre, norm=norm):
+                pre.launch(ctx.stream)
+                norm.launch(ctx.stream)
+            us = ctx.cold_median_us(chain, reps=reps)
+            ctx.bandwidth(f"{spec.name}+rmsnorm", "2 launches, PDL", rows, us,
+                          spec.bytes_moved(rows) + nr.rmsnorm_bytes(rows, spec.width, "f32"))
+            us = ctx.cold_median_us(lambda route=route: route.launch(ctx.stream), reps=reps)
+            pred = rk.predicted_us(rows, rspec.hidden, rspec.experts)
+            ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us, rspec.bytes_moved(rows))
+    finally:
+        step.close()
+        router.close()

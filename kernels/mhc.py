@@ -1,0 +1,412 @@
+"""The fused mHC step for SM90 in the CuTe DSL: post, mixes GEMV, Sinkhorn and collapse in one launch.
+
+Spec, packed-coefficient layout, reference and error bounds: `kernels/mhc_kernel_ref.py`.
+
+How (grid = (D / 64 slices, row blocks of 32); 128 threads; 8 threads own a row's 64-wide slice):
+- Before the PDL wait the CTA copies its fn slice, fn[m, j·D + slice] for the 24 m and S streams,
+  into shared memory as fp32 (24.6 KB at S = 4): fn is a model constant, so this 1.97 MB read of
+  the whole grid overlaps the previous kernel's tail.
+- Per row (two passes of 16 rows): a thread loads its 8 d of every stream, applies the previous
+  sublayer's post/comb (mode "post"), rounds X' to BF16 and stores it, writes the collapse with
+  the previous pre, and accumulates its 32 values' contributions to the 24 dot products and Σx².
+  The 8 threads of a row meet in a butterfly; one writes the 25 partials to the workspace.
+- Split-K reduce: every CTA bumps its row block's counter (acq_rel); the last to arrive sums the
+  slices' partials in slice order (the result does not depend on timing), scales by rstd, writes
+  mixes, and turns them into pre/post/comb: a half-warp per row, lane (j, k) holds comb[j, k],
+  row sums over lanes xor 1, 2 and column sums over xor 4, 8 (20 Sinkhorn rounds ~ 1 us). It
+  then resets the counter for the next launch.
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from kernels.mhc_kernel_ref import (
+    CTA_THREADS,
+    HC_MULT,
+    MIX_DIM,
+    PARTIAL_STRIDE,
+    PARTIALS,
+    ROW_GROUPS,
+    ROWS_PER_CTA,
+    SLICE_WIDTH,
+    THREADS_PER_ROW,
+    MhcPreSpec,
+    mhc_specs,
+)
+
+VEC = 8                              # bf16 per 16-byte vector
+
+
+# ---- inline PTX (exact instructions; shared with kernels.router) -------------------------------
+
+def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=True):
+    ty = kind or T.i32()
+    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
+    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
+                          has_side_effects=side_effects, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    if results == 1:
+        return out
+    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
+
+
+def _void(operands, text: str, constraints: str):
+    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def ldg_v4(addr: Int64, constant: bool = False):
+    """16 bytes -> 4 x Int32; `constant` reads through the non-coherent path (weights)."""
+    op = "ld.global.nc.L1::no_allocate.v4.u32" if constant else "ld.global.v4.u32"
+    return [Int32(w) for w in _asm(4, [Int64(addr)], f"{op} {{$0, $1, $2, $3}}, [$4];",
+                                   "=r,=r,=r,=r,l")]
+
+
+def ldg_f32(addr: Int64) -> Float32:
+    return Float32(_asm(1, [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", kind=T.f32()))
+
+
+def ldg_f32_gpu(addr: Int64) -> Float32:
+    """A value another CTA wrote (read after the acquire): at L2, never a stale L1 line."""
+    return Float32(_asm(1, [Int64(addr)], "ld.relaxed.gpu.global.f32 $0, [$1];", "=f,l",
+                        kind=T.f32()))
+
+
+def stg_f32(addr: Int64, v: Float32):
+    _void([Int64(addr), Float32(v)], "st.global.f32 [$0], $1;", "l,f")
+
+
+def stg_s32(addr: Int64, v: Int32):
+    _void([Int64(addr), Int32(v)], "st.global.s32 [$0], $1;", "l,r")
+
+
+def stg_v4(addr: Int64, w):
+    _void([Int64(addr)] + [Int32(x) for x in w], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+          "l,r,r,r,r")
+
+
+def lds_v4_f32(saddr: Int32):
+    v = _asm(4, [Int32(saddr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
+             kind=T.f32())
+    return [Float32(x) for x in v]
+
+
+def lds_f32(saddr: Int32) -> Float32:
+    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32()))
+
+
+def sts_f32(saddr: Int32, v: Float32):
+    _void([Int32(saddr), Float32(v)], "st.shared.f32 [$0], $1;", "r,f")
+
+
+def sts_v4(saddr: Int32, w):
+    _void([Int32(saddr)] + [Int32(x) for x in w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+          "r,r,r,r,r")
+
+
+def lds_s32(saddr: Int32) -> Int32:
+    return Int32(_asm(1, [Int32(saddr)], "ld.shared.s32 $0, [$1];", "=r,r"))
+
+
+def sts_s32(saddr: Int32, v: Int32):
+    _void([Int32(saddr), Int32(v)], "st.shared.s32 [$0], $1;", "r,r")
+
+
+def bf16x2_to_f32(word: Int32):
+    """A packed bf16 pair -> (low, high) as fp32 (exact: bit placement)."""
+    lo = Float32(_asm(1, [Int32(word)], "shl.b32 $0, $1, 16;", "=f,r", kind=T.f32(),
+                      side_effects=False))
+    hi = Float32(_asm(1, [Int32(word)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r", kind=T.f32(),
+                      side_effects=False))
+    return lo, hi
+
+
+def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
+    return Int32(_asm(1, [Float32(hi), Float32(lo)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+                      side_effects=False))
+
+
+def shfl_xor(x, offset: int):
+    """Butterfly exchange over the full warp (every lane must execute it)."""
+    if isinstance(x, Int32):
+        return Int32(_asm(1, [x], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+                          "=r,r"))
+    return Float32(_asm(1, [Float32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, "
+                        "0xffffffff;", "=f,f", kind=T.f32()))
+
+
+def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
+    return Int32(_asm(1, [Int64(addr), Int32(v)], "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
+                      "=r,l,r"))
+
+
+def fence_gpu():
+    _void([], "fence.acq_rel.gpu;", "")
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+class MhcPreSm90:
+    """Kernel object for one MhcPreSpec (config-only __init__, jit launcher, kernel)."""
+
+    def __init__(self, spec: MhcPreSpec):
+        self.spec = spec
+        self.D, self.S = spec.width, spec.streams
+        self.post = spec.mode == "post"
+        self.fn_floats = MIX_DIM * self.S * SLICE_WIDTH
+        self.red_offset = 4 * self.fn_floats                   # bytes: reduced [rows, 32] sums
+        self.flag_offset = self.red_offset + 4 * ROWS_PER_CTA * PARTIAL_STRIDE
+
+    @cute.jit
+    def __call__(self, streams: cute.Pointer, sub_out: cute.Pointer, coeff_prev: cute.Pointer,
+                 fn: cute.Pointer, scale: cute.Pointer, base: cute.Pointer,
+                 streams_out: cute.Pointer, x_out: cute.Pointer, coeff_out: cute.Pointer,
+                 mixes: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+                 rows: Int32, norm_eps: Float32, hc_eps: Float32, stream: cuda.CUstream):
+        self.kernel(streams, sub_out, coeff_prev, fn, scale, base, streams_out, x_out, coeff_out,
+                    mixes, workspace, counters, rows, norm_eps, hc_eps).launch(
+            grid=[self.spec.slices, 1, 1], block=list(self.spec.block), stream=stream,
+            smem=self.spec.smem_bytes, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, streams: cute.Pointer, sub_out: cute.Pointer, coeff_prev: cute.Pointer,
+               fn: cute.Pointer, scale: cute.Pointer, base: cute.Pointer,
+               streams_out: cute.Pointer, x_out: cute.Pointer, coeff_out: cute.Pointer,
+               mixes: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+               rows: Int32, norm_eps: Float32, hc_eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        slice_idx, block_row, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sbase = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
+        self._stage_fn(fn, sbase, slice_idx, tidx)
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_wait()     # streams, sub_out, coeff_prev: earlier kernels
+
+        dv = tidx % THREADS_PER_ROW
+        d0 = slice_idx * SLICE_WIDTH + dv * VEC
+        for p in cutlass.range_constexpr(ROWS_PER_CTA // ROW_GROUPS):
+            row = block_row * ROWS_PER_CTA + p * ROW_GROUPS + tidx // THREADS_PER_ROW
+            self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out, workspace,
+                               sbase, rows, row, slice_idx, d0, dv)
+
+        # Split-K: the last CTA of this row block to arrive reduces it (acq_rel counter).
+        fence_gpu()
+        cute.arch.sync_threads()
+        counter = counters.toint() + Int64(block_row) * 4
+        if tidx == 0:
+            old = atomic_add_acq_rel(counter, Int32(1))
+            sts_s32(sbase + self.flag_offset, Int32(old == self.spec.slices - 1))
+        cute.arch.sync_threads()
+        if lds_s32(sbase + self.flag_offset) != 0:
+            fence_gpu()
+            self._reduce_slices(workspace, sbase, block_row, rows, tidx)
+            cute.arch.sync_threads()
+            self._coefficients(scale, base, coeff_out, mixes, sbase, block_row, rows, tidx,
+                               norm_eps, hc_eps)
+            if tidx == 0:
+                stg_s32(counter, Int32(0))
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _stage_fn(self, fn: cute.Pointer, sbase: Int32, slice_idx: Int32, tidx: Int32):
+        """fn[m, j·D + slice·64 : +64] -> smem [(m·S + j)·64 + w], 16-byte pieces."""
+        pieces_per_line = SLICE_WIDTH // 4
+        total = MIX_DIM * self.S * pieces_per_line
+        for c in cutlass.range_constexpr(0, total, CTA_THREADS):
+            i = tidx + c
+            if i < total:
+                line, piece = i // pieces_per_line, i % pieces_per_line
+                src = fn.toint() + Int64(
+                    (line * self.D + slice_idx * SLICE_WIDTH + piece * 4) * 4)
+                sts_v4(sbase + i * 16, ldg_v4(src, True))
+
+    @cute.jit
+    def _row_partials(self, streams: cute.Pointer, sub_out: cute.Pointer,
+                      coeff_prev: cute.Pointer, streams_out: cute.Pointer, x_out: cute.Pointer,
+                      workspace: cute.Pointer, sbase: Int32, rows: Int32, row: Int32,
+                      slice_idx: Int32, d0: Int32, dv: Int32):
+        """X' (and its store), the collapse, and the row's 25 partials over this thread's 8 d."""
+        r = cutlass.min(row, rows - 1)                 # out-of-range rows load a real row
+        valid = row < rows
+        xs = cute.make_rmem_tensor((self.S, VEC), Float32)
+        for j in cutlass.range_constexpr(self.S):
+            w = ldg_v4(streams.toint() + Int64(((r * self.S + j) * self.D + d0) * 2))
+            for q in cutlass.range_constexpr(4):
+                lo, hi = bf16x2_to_f32(w[q])
+                xs[j, 2 * q] = lo
+                xs[j, 2 * q + 1] = hi
+        crow = coeff_prev.toint() + Int64(r * MIX_DIM * 4)
+        if cutlass.const_expr(self.post):
+            self._apply_post(xs, sub_out, crow, streams_out, r, d0, valid)
+        # Collapse with the previous sublayer's pre (the delayed mHC), rounded to BF16.
+        pre = [ldg_f32(crow + Int64(4 * i)) for i in range(self.S)]
+        packed = []
+        for q in cutlass.range_constexpr(4):
+            pair = []
+            for h in cutlass.range_constexpr(2):
+                acc = pre[0] * xs[0, 2 * q + h]
+                for i in cutlass.range_constexpr(1, self.S):
+                    acc = acc + pre[i] * xs[i, 2 * q + h]
+                pair.append(acc)
+            packed.append(pack_bf16x2(pair[0], pair[1]))
+        if valid:
+            stg_v4(x_out.toint() + Int64((r * self.D + d0) * 2), packed)
+
+        part = cute.make_rmem_tensor((PARTIALS,), Float32)
+        part.fill(0.0)
+        for j in cutlass.range_constexpr(self.S):
+            for e in cutlass.range_constexpr(VEC):
+                part[MIX_DIM] = part[MIX_DIM] + xs[j, e] * xs[j, e]
+        for m in cutlass.range_constexpr(MIX_DIM):
+            for j in cutlass.range_constexpr(self.S):
+                for h in cutlass.range_constexpr(2):
+                    f = lds_v4_f32(sbase + (((m * self.S + j) * SLICE_WIDTH + dv * VEC
+                                             + 4 * h) * 4))
+                    for e in cutlass.range_constexpr(4):
+                        part[m] = part[m] + xs[j, 4 * h + e] * f[e]
+        for v in cutlass.range_constexpr(PARTIALS):
+            total = part[v]
+            for sh in cutlass.range_constexpr(3):
+                total = total + shfl_xor(total, THREADS_PER_ROW >> (sh + 1))
+            part[v] = total
+        if valid & (dv == 0):
+            ws = workspace.toint() + Int64((slice_idx * rows + r) * PARTIAL_STRIDE * 4)
+            for v in cutlass.range_constexpr(PARTIALS):
+                stg_f32(ws + Int64(4 * v), part[v])
+
+    @cute.jit
+    def _apply_post(self, xs, sub_out: cute.Pointer, crow: Int64, streams_out: cute.Pointer,
+                    r: Int32, d0: Int32, valid):
+        """X'_k = bf16(post_k·f + Σ_j comb[j, k]·X_j) in place in xs, and stored."""
+        n = HC_MULT
+        post = [ldg_f32(crow + Int64(4 * (n + k))) for k in range(n)]
+        comb = [ldg_f32(crow + Int64(4 * (2 * n + i))) for i in range(n * n)]
+        fw = ldg_v4(sub_out.toint() + Int64((r * self.D + d0) * 2))
+        f = []
+        for q in cutlass.range_constexpr(4):
+            lo, hi = bf16x2_to_f32(fw[q])
+            f.append(lo)
+            f.append(hi)
+        new = cute.make_rmem_tensor((n, VEC), Float32)
+        for k in cutlass.range_constexpr(n):
+            for e in cutlass.range_constexpr(VEC):
+                acc = post[k] * f[e]
+                for j in cutlass.range_constexpr(n):
+                    acc = acc + comb[j * n + k] * xs[j, e]
+                new[k, e] = acc
+        for k in cutlass.range_constexpr(n):
+            words = []
+            for q in cutlass.range_constexpr(4):
+                words.append(pack_bf16x2(new[k, 2 * q], new[k, 2 * q + 1]))
+            for q in cutlass.range_constexpr(4):
+                lo, hi = bf16x2_to_f32(words[q])       # the BF16 value the stream now holds
+                xs[k, 2 * q] = lo
+                xs[k, 2 * q + 1] = hi
+            if valid:
+                stg_v4(streams_out.toint() + Int64(((r * n + k) * self.D + d0) * 2), words)
+
+    @cute.jit
+    def _reduce_slices(self, workspace: cute.Pointer, sbase: Int32, block_row: Int32,
+                       rows: Int32, tidx: Int32):
+        """red[row, v] = Σ over slices in slice order of the workspace partials (rows of this
+        block only; other entries are left as they are and never read)."""
+        for c in cutlass.range_constexpr(0, ROWS_PER_CTA * PARTIALS, CTA_THREADS):
+            i = tidx + c
+            rl, v = i // PARTIALS, i % PARTIALS
+            row = block_row * ROWS_PER_CTA + rl
+            if i < ROWS_PER_CTA * PARTIALS and row < rows:
+                stride = Int64(rows * PARTIAL_STRIDE * 4)
+                addr = workspace.toint() + Int64((row * PARTIAL_STRIDE + v) * 4)
+                total = ldg_f32_gpu(addr)
+                for s in cutlass.range_constexpr(1, self.spec.slices):
+                    total = total + ldg_f32_gpu(addr + stride * s)
+                sts_f32(sbase + self.red_offset + (rl * PARTIAL_STRIDE + v) * 4, total)
+
+    @cute.jit
+    def _coefficients(self, scale: cute.Pointer, base: cute.Pointer, coeff_out: cute.Pointer,
+                      mixes: cute.Pointer, sbase: Int32, block_row: Int32, rows: Int32,
+                      tidx: Int32, norm_eps: Float32, hc_eps: Float32):
+        """A half-warp per row: lane l holds mixes l (l < 8: pre/post) and 8 + l (comb[l/4, l%4]).
+        Every lane runs every round (full-warp shuffles); rows past the end store nothing."""
+        n = HC_MULT
+        lane, group = tidx % 16, tidx // 16
+        s0 = ldg_f32(scale.toint())
+        s1 = ldg_f32(scale.toint() + Int64(4))
+        s2 = ldg_f32(scale.toint() + Int64(8))
+        b_pp = ldg_f32(base.toint() + Int64(4 * cutlass.min(lane, 2 * n - 1)))
+        b_comb = ldg_f32(base.toint() + Int64(4 * (2 * n + lane)))
+        groups = CTA_THREADS // 16
+        for it in cutlass.range_constexpr(ROWS_PER_CTA // groups):
+            rl = group + it * groups
+            row = block_row * ROWS_PER_CTA + rl
+            valid = row < rows
+            red = sbase + self.red_offset + rl * PARTIAL_STRIDE * 4
+            mean = lds_f32(red + MIX_DIM * 4) / Float32(self.S * self.D)
+            rstd = Float32(1.0) / cute.math.sqrt(mean + norm_eps)
+            m_pp = lds_f32(red + cutlass.min(lane, 2 * n - 1) * 4) * rstd
+            m_comb = lds_f32(red + (2 * n + lane) * 4) * rstd
+            # pre = σ(m·s0 + b) + hc_eps, post = 2σ(m·s1 + b)
+            s_pp = s1
+            if lane < n:
+                s_pp = s0
+            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(m_pp * s_pp + b_pp)))
+            coeff_pp = Float32(2.0) * sig
+            if lane < n:
+                coeff_pp = sig + hc_eps
+            comb = self._sinkhorn(m_comb * s2 + b_comb, hc_eps)
+            out = coeff_out.toint() + Int64(row * MIX_DIM * 4)
+            mix_row = mixes.toint() + Int64(row * MIX_DIM * 4)
+            if valid:
+                stg_f32(out + Int64((2 * n + lane) * 4), comb)
+                stg_f32(mix_row + Int64((2 * n + lane) * 4), m_comb)
+                if lane < 2 * n:
+                    stg_f32(out + Int64(lane * 4), coeff_pp)
+                    stg_f32(mix_row + Int64(lane * 4), m_pp)
+
+    @cute.jit
+    def _sinkhorn(self, logit: Float32, eps: Float32) -> Float32:
+        """Lane (j, k) = (l/4, l%4) of a half-warp: row softmax + eps, column normalise, then
+        (iters - 1) x (row, column) normalisations, each denominator + eps (mhc_ref.sinkhorn)."""
+        mx = cutlass.max(logit, shfl_xor(logit, 1))
+        mx = cutlass.max(mx, shfl_xor(mx, 2))
+        e = cute.math.exp(logit - mx)
+        c = e / self._sum4(e, 1) + eps
+        c = c / (self._sum4(c, 4) + eps)
+        for _ in cutlass.range_constexpr(self.spec.sinkhorn_iters - 1):
+            c = c / (self._sum4(c, 1) + eps)
+            c = c / (self._sum4(c, 4) + eps)
+        return c
+
+    @cute.jit
+    def _sum4(self, v: Float32, stride: cutlass.Constexpr) -> Float32:
+        """Sum over the 4 lanes l ^ {0, stride, 2·stride, 3·stride}: a row (1) or column (4)."""
+        t = v + shfl_xor(v, stride)
+        return t + shfl_xor(t, 2 * stride)
+
+
+def kernel_function(spec: MhcPreSpec):
+    """The @cute.kernel whose Python signature the build checks against spec.params."""
+    del spec
+    return MhcPreSm90.kernel
+
+
+def specs(cfg, tp: int) -> list[MhcPreSpec]:
+    """The mHC step at the hidden width: post (every sublayer), plain (after Engram), broadcast."""
+    del tp
+    return mhc_specs(cfg)
+
+
+def compile_spec(spec: MhcPreSpec, options: str = "--gpu-arch sm_90a"):
+    """cute.compile one mHC step with pointer / Int32 / Float32 arguments only."""
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr():
+        return make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    return cute.compile(MhcPreSm90(spec), *[ptr() for _ in range(12)], Int32(1),
+                        Float32(1e-20), Float32(1e-6), cuda.CUstream(0), options=options)

@@ -1,0 +1,200 @@
+"""The fused mHC step kernel: spec, grid and workspace rules, byte formula, reference and error bounds.
+
+One launch of `mhc_pre` does, for R rows of the residual streams X [R, S, D] (BF16):
+
+  (1) post   X' = bf16(post_prev·f + comb_prevᵀ·X)     (mode "post"; mode "plain" takes X' = X)
+  (2) mixes  mixes = (X'·fnᵀ)·rsqrt(mean(X'²) + eps)   split-K over D, deterministic reduce
+  (3) coeff  pre, post, comb = M2(mixes) with Sinkhorn (the last CTA of each row block)
+  (4) collapse x = bf16(Σ_i pre_prev[i]·X'_i)           (the delayed pre: known before the step)
+
+and the BF16 RMSNorm of x (the `kernels.norm` kernel, bitwise equal to `norm_ref`) follows as a
+second launch: the norm needs the whole row's Σx², a grid-wide dependency of a split-K kernel.
+
+Coefficients travel packed, float32 [R, 24] = pre[0:4] | post[4:8] | comb[8:24] (comb[j, k] at
+8 + 4j + k, row j = the source stream): the kernel reads the previous sublayer's packed
+coefficients (`coeff_prev`: its post/comb for (1), its pre for (4)) and writes this sublayer's.
+S = 1 with mode "plain" is layer 0's broadcast mixes (X = the embedding, fn summed over streams,
+coeff_prev pre = one-hot so x = the embedding).
+
+PTX ABI: (u64 streams, u64 sub_out, u64 coeff_prev, u64 fn, u64 scale, u64 base,
+u64 streams_out, u64 x_out, u64 coeff_out, u64 mixes, u64 workspace, u64 counters, u32 rows,
+f32 norm_eps, f32 hc_eps). streams_out may alias streams (a thread reads and writes the same
+elements); counters (i32 [row blocks]) must be zero before the first launch (the last CTA of a
+row block resets its counter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import mhc_ref
+from kernels.common_ref import ceil_div, check_rows, params_dict
+
+HC_MULT = 4
+MIX_DIM = HC_MULT * HC_MULT + 2 * HC_MULT      # 24
+PARTIALS = MIX_DIM + 1                         # 24 dot products and Σx² per (slice, row)
+PARTIAL_STRIDE = 32                            # floats per (slice, row) in the workspace
+SLICE_WIDTH = 64                               # d values per CTA (8 threads x 8 bf16)
+THREADS_PER_ROW = SLICE_WIDTH // 8
+CTA_THREADS = 128
+ROW_GROUPS = CTA_THREADS // THREADS_PER_ROW    # 16 rows per pass
+ROWS_PER_CTA = 32                              # 2 passes; the row block of one counter
+MAX_ROWS = 256
+MODES = ("post", "plain")
+PARAMS = (("streams", "u64"), ("sub_out", "u64"), ("coeff_prev", "u64"), ("fn", "u64"),
+          ("scale", "u64"), ("base", "u64"), ("streams_out", "u64"), ("x_out", "u64"),
+          ("coeff_out", "u64"), ("mixes", "u64"), ("workspace", "u64"), ("counters", "u64"),
+          ("rows", "u32"), ("norm_eps", "f32"), ("hc_eps", "f32"))
+
+
+@dataclass(frozen=True)
+class MhcPreSpec:
+    """One compiled mHC step: width D, stream count S, mode and Sinkhorn iterations baked in."""
+
+    name: str
+    width: int
+    streams: int
+    mode: str
+    sinkhorn_iters: int
+    params: tuple[tuple[str, str], ...] = PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+
+    @property
+    def slices(self) -> int:
+        return self.width // SLICE_WIDTH
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic smem: the CTA's fn slice (fp32) and the last CTA's reduced [rows, 32] sums."""
+        return 4 * MIX_DIM * self.streams * SLICE_WIDTH + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > MAX_ROWS:
+            raise ValueError(f"{self.name}: {rows} rows; the workspace plan holds {MAX_ROWS}")
+        return (self.slices, ceil_div(rows, ROWS_PER_CTA), 1)
+
+    def bytes_moved(self, rows: int) -> int:
+        return mhc_pre_bytes(rows, self.width, self.streams, self.mode)
+
+    def to_dict(self) -> dict:
+        return {"family": "mhc", "name": self.name, "width": self.width, "streams": self.streams,
+                "mode": self.mode, "sinkhorn_iters": self.sinkhorn_iters,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes, "slices": self.slices,
+                "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH}
+
+
+def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int) -> MhcPreSpec:
+    if mode not in MODES:
+        raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
+    if width <= 0 or width % SLICE_WIDTH:
+        raise ValueError(f"mHC width {width} must be a positive multiple of {SLICE_WIDTH}")
+    if streams not in (1, HC_MULT) or (mode == "post" and streams != HC_MULT):
+        raise ValueError(f"mHC streams {streams} with mode {mode!r}: expected {HC_MULT} "
+                         "(or 1 for the plain broadcast of layer 0)")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
+    return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}", width, streams, mode,
+                      sinkhorn_iters)
+
+
+def mhc_specs(cfg) -> list[MhcPreSpec]:
+    if cfg.hc_mult != HC_MULT or cfg.hc_mix_dim != MIX_DIM:
+        raise ValueError(f"mHC kernels are built for hc_mult {HC_MULT}, config has {cfg.hc_mult}")
+    d, it = cfg.hidden_size, cfg.hc_sinkhorn_iters
+    return [make_spec(d, HC_MULT, "post", it), make_spec(d, HC_MULT, "plain", it),
+            make_spec(d, 1, "plain", it)]
+
+
+def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:
+    return 4 * spec.slices * max_rows * PARTIAL_STRIDE
+
+
+def counter_count(max_rows: int = MAX_ROWS) -> int:
+    return ceil_div(max_rows, ROWS_PER_CTA)
+
+
+def mhc_pre_bytes(rows: int, width: int, streams: int, mode: str) -> int:
+    """fn once; X read; (post) f read and X' written; x written; coefficients in and out."""
+    fn = 4 * MIX_DIM * streams * width
+    per_row = 2 * streams * width + 2 * width + 4 * 2 * MIX_DIM + 4 * MIX_DIM
+    if mode == "post":
+        per_row += 2 * width + 2 * streams * width
+    return fn + rows * per_row
+
+
+def predicted_us(rows: int, width: int = 5120, streams: int = HC_MULT) -> float:
+    """Floor at the measured ~4.3 TB/s stream read, plus ~3 us of launch, reduce and Sinkhorn."""
+    return mhc_pre_bytes(rows, width, streams, "post") / 4.3e6 + 3.0
+
+
+# ---- reference ---------------------------------------------------------------------------------
+
+def pack_coefficients(c: mhc_ref.HcCoefficients) -> np.ndarray:
+    rows = c.pre.shape[0]
+    return np.concatenate([c.pre, c.post, c.comb.reshape(rows, -1)], axis=1).astype(np.float32)
+
+
+def unpack_coefficients(packed: np.ndarray) -> mhc_ref.HcCoefficients:
+    n = HC_MULT
+    if packed.ndim != 2 or packed.shape[1] != MIX_DIM:
+        raise ValueError(f"packed mHC coefficients must be [R, {MIX_DIM}], got {packed.shape}")
+    p = packed.astype(np.float32)
+    return mhc_ref.HcCoefficients(pre=p[:, :n], post=p[:, n:2 * n],
+                                  comb=p[:, 2 * n:].reshape(-1, n, n))
+
+
+@dataclass(frozen=True)
+class MhcPreOutputs:
+    streams: np.ndarray     # X' [R, S, D] BF16
+    x: np.ndarray           # collapse [R, D] BF16 (before the norm)
+    mixes: np.ndarray       # [R, 24] f32
+    coeff: np.ndarray       # packed [R, 24] f32
+
+
+def mhc_pre_ref(mode: str, streams: np.ndarray, sub_out: np.ndarray | None,
+                coeff_prev: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray,
+                norm_eps: float, hc_eps: float, iters: int) -> MhcPreOutputs:
+    """What one launch computes, composed from `mhc_ref` (float64 sums rounded once)."""
+    prev = unpack_coefficients(coeff_prev)
+    if mode == "post":
+        x_new = mhc_ref.hc_post(sub_out, streams, prev)
+    elif mode == "plain":
+        x_new = streams
+    else:
+        raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
+    return finish_ref(x_new, prev.pre[:, :streams.shape[1]], fn, scale, base, norm_eps, hc_eps,
+                      iters)
+
+
+def finish_ref(x_new: np.ndarray, pre_prev: np.ndarray, fn: np.ndarray, scale: np.ndarray,
+               base: np.ndarray, norm_eps: float, hc_eps: float, iters: int) -> MhcPreOutputs:
+    """(2)-(4) from given streams X' (tests pass the kernel's own X', so errors do not chain)."""
+    mixes = mhc_ref.hc_mixes(x_new, fn, norm_eps)
+    coeff = mhc_ref.hc_coefficients(mixes, scale, base, HC_MULT, iters, hc_eps)
+    x = mhc_ref.hc_collapse(x_new, pre_prev)
+    return MhcPreOutputs(streams=x_new, x=x, mixes=mixes, coeff=pack_coefficients(coeff))
+
+
+# ---- error bounds (tests) ----------------------------------------------------------------------
+
+def rounding_bound(exact: np.ndarray, abs_terms: np.ndarray, ops: int) -> np.ndarray:
+    """|bf16(fp32 result) - exact|: half a bf16 ulp of |exact| (2^-9 relative) plus `ops` fp32
+    roundings of the summed magnitudes (2^-24 each), doubled for the ulp step at a binade edge."""
+    return 2.0**-8 * np.abs(exact) + ops * 2.0**-23 * abs_terms
+
+
+def mixes_bound(x_new: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
+    """|mixes_kernel - mixes_f64|: each fp32 sum (the dot and Σx²) is 32 sequential fma per
+    thread, 3 butterfly steps and D/64 sequential slice adds: `ops` roundings of at most 2^-24 of
+    its summed magnitudes. The dot's error is ops·2^-24·Σ|x·fn|; Σx²'s relative error ops·2^-24
+    moves rstd by half that, plus 2^-20 for the divide, sqrt and the final multiplies."""
+    flat = x_new.reshape(x_new.shape[0], -1).astype(np.float64)
+    fn64 = fn.astype(np.float64)
+    abs_dot = np.abs(flat) @ np.abs(fn64).T
+    rstd = 1.0 / np.sqrt(np.mean(flat * flat, axis=1, keepdims=True) + norm_eps)
+    ops = 32 + 3 + x_new.shape[-1] // SLICE_WIDTH + 8
+    u = ops * 2.0**-24
+    return (u * abs_dot + (u + 2.0**-20) * np.abs(flat @ fn64.T)) * rstd

@@ -1,0 +1,287 @@
+"""GPU tests of the fused mHC step (`mhc_pre` + RMSNorm) and the MoE router against their references.
+
+Bundles: HOPDEC_BUNDLE (tiny: D = 256, 16 experts) and HOPDEC_BUNDLE_V41 (D = 5120, 384 experts).
+Every case draws fresh inputs, poisons every output with 0xFF bytes (NaN, id -1), launches through
+the runtime, and compares every element. Downstream quantities are checked against the reference
+fed with the kernel's own upstream outputs (X' for mixes and collapse, mixes for the
+coefficients, logits for the selection), so one rounding difference is judged where it happens.
+
+Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.py):
+- X' and the collapse: fp32 sums of <= 5 products then one bf16 rounding, against the float64
+  value rounded once: |got - exact| <= 2^-8 |exact| + ops·2^-23 Σ|terms| (`rounding_bound`).
+- mixes: fp32 split-K sum vs float64: (32 + 3 + D/64 + 8) roundings of 2^-24 Σ|x·fn|, times rstd,
+  plus 2^-20 relative for the rstd (`mixes_bound`).
+- pre/post: sigmoid of the same fp32 input; libdevice exp (<= 2 ulp) and one division: 4e-6 abs
+  (pre <= 1 + eps, post <= 2: a few fp32 ulps, x10 margin).
+- comb: fp32 Sinkhorn vs NumPy's fp32 Sinkhorn in another summation order. Measured: fp32 vs
+  float64 Sinkhorn differ by <= 2.3e-7 over 200k random 4x4 logits of sd 1..3 (41 normalisations
+  do not amplify errors); 1e-5 abs leaves x20 for the exp and the order. Doubly stochastic check:
+  every column sums to 1 within 1e-5 (the last step is a column normalisation: S/(S + 1e-6)),
+  row sums equal the reference's within 1e-5 (20 rounds do not make rows exactly stochastic).
+- router logits: fp32 vs float64 within `logits_bound`; equal weight rows give bitwise equal
+  logits (fixed summation order). ids: exact against the reference selection on the kernel's own
+  logits, except where two reference selection values are within 2^-17 relative of each other
+  (the kernel's sqrt/log1p/exp may order those differently): there the chosen expert's reference
+  value must equal the reference's slot value within that margin. Ties are constructed: 7 experts
+  with identical weight rows and bias (+8: always on top) make the top 6 the 6 lowest of them.
+- route weights: s_k / (Σ s + 1e-20)·1.5 with the reference scores of the kernel's ids: 2^-17
+  relative (a few ulps of score, a 6-term sum and a division).
+- counters: every row block's counter is back to 0 after the launch (the next launch relies on it).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.mhc_router_chain import MhcStep, Router, download, poison, upload
+from executor.runtime import Bundle, Device
+from kernels import mhc_kernel_ref as mk
+from kernels import mhc_ref
+from kernels import norm_ref as nr
+from kernels import router_ref as rk
+from kernels.common_ref import BF16, to_bf16
+from loader.config import ModelConfig
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+ROWS = (1, 5, 6, 12, 48, 192)
+RNG = np.random.default_rng()
+BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
+           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
+PP_ATOL = 4e-6
+COMB_ATOL = 1e-5
+ROUTE_REL = 2.0**-17
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = Device(0)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module", params=sorted(BUNDLES))
+def setup(request, dev):
+    env, default = BUNDLES[request.param]
+    path = Path(os.environ.get(env, default))
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
+    bundle = Bundle.load(dev, path)
+    yield ModelConfig.preset(request.param), bundle
+    bundle.close()
+
+
+@pytest.fixture(scope="module")
+def stream(dev):
+    return dev.stream()
+
+
+def _within(got, want, bound, what: str) -> None:
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert not np.isnan(got64).any(), f"{what}: unwritten (NaN) elements"
+    bad = np.argwhere(np.abs(got64 - want64) > bound)
+    if len(bad):
+        i = tuple(bad[0])
+        b = bound[i] if np.ndim(bound) else bound
+        raise AssertionError(f"{what}: {len(bad)} elements out of bound, first at {i}: got "
+                             f"{got64[i]!r} want {want64[i]!r} bound {b!r}")
+
+
+# ---- mHC ---------------------------------------------------------------------------------------
+
+def _coefficients(rows: int, streams: int) -> np.ndarray:
+    """A previous sublayer's packed coefficients: M2 of random mixes (post in (0, 2), comb
+    near doubly stochastic, pre > 0)."""
+    mixes = RNG.standard_normal((rows, mk.MIX_DIM)).astype(np.float32)
+    c = mhc_ref.hc_coefficients(mixes, RNG.uniform(0.5, 2, 3).astype(np.float32),
+                                RNG.uniform(-1, 1, mk.MIX_DIM).astype(np.float32), mk.HC_MULT,
+                                20, 1e-6)
+    packed = mk.pack_coefficients(c)
+    if streams == 1:
+        packed[:, :mk.HC_MULT] = mhc_ref.one_hot_pre(rows, mk.HC_MULT)
+    return packed
+
+
+def _mhc_case(dev, stream, bundle, spec, rows: int, cfg, in_place: bool):
+    s, d, m = spec.streams, spec.width, mk.MIX_DIM
+    step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))
+    try:
+        x = to_bf16(RNG.standard_normal((rows, s, d)) * RNG.uniform(0.05, 20))
+        f = to_bf16(RNG.standard_normal((rows, d)) * RNG.uniform(0.05, 20))
+        prev = _coefficients(rows, s)
+        fn = (RNG.standard_normal((m, s * d)) * RNG.uniform(0.3, 3) / np.sqrt(s * d)).astype(
+            np.float32)
+        scale = RNG.uniform(0.5, 2, 3).astype(np.float32)
+        base = RNG.uniform(-1, 1, m).astype(np.float32)
+        w = RNG.uniform(-2, 2, d).astype(np.float32)
+        for name, host in (("streams", x), ("sub_out", f), ("coeff_prev", prev), ("fn", fn),
+                           ("scale", np.append(scale, np.float32(0))), ("base", base),
+                           ("norm_weight", w)):
+            upload(step.arena, name, host)
+        for name in ("streams_out", "x_out", "coeff_out", "mixes", "workspace", "x_normed"):
+            poison(step.arena, name)
+        cp.cuda.Device().synchronize()
+        eps, hc_eps = cfg.rms_norm_eps, cfg.hc_eps
+        step.launch_pre(rows, eps, hc_eps, in_place=in_place).launch(stream)
+        step.launch_norm(rows, eps).launch(stream)
+        stream.synchronize()
+        a = step.arena
+        source = "streams" if in_place or spec.mode == "plain" else "streams_out"
+        got_x_new = download(a, source, BF16, (rows, s, d))
+        got = mk.MhcPreOutputs(streams=got_x_new, x=download(a, "x_out", BF16, (rows, d)),
+                               mixes=download(a, "mixes", np.float32, (rows, m)),
+                               coeff=download(a, "coeff_out", np.float32, (rows, m)))
+        normed = download(a, "x_normed", BF16, (rows, d))
+        counters = download(a, "counters", np.int32, (mk.counter_count(max(ROWS)),))
+    finally:
+        step.close()
+    return x, f, prev, fn, scale, base, w, got, normed, counters
+
+
+def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, counters):
+    tag = f"{spec.name} rows={rows}"
+    s = spec.streams
+    pc = mk.unpack_coefficients(prev)
+    if spec.mode == "post":
+        exact = (pc.post[:, :, None].astype(np.float64) * f.astype(np.float64)[:, None, :]
+                 + np.einsum("rjk,rjd->rkd", pc.comb.astype(np.float64), x.astype(np.float64)))
+        terms = (np.abs(pc.post)[:, :, None] * np.abs(f.astype(np.float64))[:, None, :]
+                 + np.einsum("rjk,rjd->rkd", np.abs(pc.comb).astype(np.float64),
+                             np.abs(x.astype(np.float64))))
+        _within(got.streams, exact, mk.rounding_bound(exact, terms, 5), f"{tag}: X'")
+    else:
+        assert np.array_equal(got.streams.view(np.uint16), x.view(np.uint16)), f"{tag}: X changed"
+    want = mk.finish_ref(got.streams, pc.pre[:, :s], fn, scale, base, cfg.rms_norm_eps,
+                         cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    xn = got.streams.astype(np.float64)
+    collapse = np.einsum("rn,rnd->rd", pc.pre[:, :s].astype(np.float64), xn)
+    cterms = np.einsum("rn,rnd->rd", np.abs(pc.pre[:, :s]).astype(np.float64), np.abs(xn))
+    _within(got.x, collapse, mk.rounding_bound(collapse, cterms, s + 1), f"{tag}: collapse")
+    _within(got.mixes, want.mixes, mk.mixes_bound(got.streams, fn, cfg.rms_norm_eps),
+            f"{tag}: mixes")
+    # Coefficients from the kernel's own mixes.
+    ref = mk.pack_coefficients(mhc_ref.hc_coefficients(
+        got.mixes, scale, base, mk.HC_MULT, cfg.hc_sinkhorn_iters, cfg.hc_eps))
+    _within(got.coeff[:, :8], ref[:, :8], PP_ATOL, f"{tag}: pre/post")
+    _within(got.coeff[:, 8:], ref[:, 8:], COMB_ATOL, f"{tag}: comb")
+    comb = got.coeff[:, 8:].reshape(rows, 4, 4).astype(np.float64)
+    _within(comb.sum(axis=1), np.ones((rows, 4)), 1e-5, f"{tag}: comb column sums")
+    ref_rows = ref[:, 8:].reshape(rows, 4, 4).astype(np.float64).sum(axis=2)
+    _within(comb.sum(axis=2), ref_rows, 1e-5, f"{tag}: comb row sums")
+    # The RMSNorm of the kernel's collapse is the norm family's, bit for bit.
+    want_norm = nr.rmsnorm_ref(got.x, w, cfg.rms_norm_eps)
+    assert np.array_equal(normed.view(np.uint16), want_norm.view(np.uint16)), f"{tag}: rmsnorm"
+    assert not counters.any(), f"{tag}: counters not reset: {counters}"
+
+
+@pytest.mark.parametrize("mode", ["post", "plain", "broadcast"])
+def test_mhc_pre_matches_reference(dev, stream, setup, mode):
+    cfg, bundle = setup
+    streams = 1 if mode == "broadcast" else mk.HC_MULT
+    spec = mk.make_spec(cfg.hidden_size, streams, "post" if mode == "post" else "plain",
+                        cfg.hc_sinkhorn_iters)
+    for rows in ROWS:
+        in_place = mode == "post" and rows % 2 == 0
+        out = _mhc_case(dev, stream, bundle, spec, rows, cfg, in_place)
+        _check_mhc(spec, cfg, rows, *out)
+
+
+def test_mhc_pre_relaunch_reuses_counters(dev, stream, setup):
+    """Two launches on the same counters (the second after the first resets them) both reduce."""
+    cfg, bundle = setup
+    spec = mk.make_spec(cfg.hidden_size, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters)
+    step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))
+    try:
+        rows, s, d = 48, spec.streams, spec.width
+        x = to_bf16(RNG.standard_normal((rows, s, d)))
+        upload(step.arena, "streams", x)
+        upload(step.arena, "sub_out", to_bf16(RNG.standard_normal((rows, d))))
+        upload(step.arena, "coeff_prev", _coefficients(rows, s))
+        upload(step.arena, "fn", (RNG.standard_normal((mk.MIX_DIM, s * d)) / np.sqrt(s * d))
+               .astype(np.float32))
+        upload(step.arena, "scale", np.array([1, 1, 1, 0], np.float32))
+        upload(step.arena, "base", RNG.uniform(-1, 1, mk.MIX_DIM).astype(np.float32))
+        results = []
+        for _ in range(2):
+            poison(step.arena, "mixes")
+            cp.cuda.Device().synchronize()
+            step.launch_pre(rows, cfg.rms_norm_eps, cfg.hc_eps).launch(stream)
+            stream.synchronize()
+            results.append(download(step.arena, "mixes", np.float32, (rows, mk.MIX_DIM)))
+        assert not np.isnan(results[1]).any(), "second launch: mixes unwritten"
+        assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32)), \
+            "the split-K reduce is not deterministic across launches"
+    finally:
+        step.close()
+
+
+# ---- router ------------------------------------------------------------------------------------
+
+def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
+    e, d = spec.experts, spec.hidden
+    router = Router(dev, bundle, spec, max_rows=max(ROWS))
+    try:
+        x = to_bf16(RNG.standard_normal((rows, d)) * RNG.uniform(0.1, 3))
+        weight = to_bf16(RNG.standard_normal((e, d)) * RNG.uniform(0.3, 3) / np.sqrt(d))
+        bias = RNG.uniform(-0.3, 0.3, e).astype(np.float32)
+        group = None
+        if ties:
+            group = np.sort(RNG.choice(e, 7, replace=False))
+            weight[group] = weight[group[0]]
+            bias[group] = np.float32(8.0)
+        for name, host in (("x", x), ("weight", weight), ("bias", bias)):
+            upload(router.arena, name, host)
+        for name in ("logits", "ids", "weights"):
+            poison(router.arena, name)
+        cp.cuda.Device().synchronize()
+        router.launch(rows).launch(stream)
+        stream.synchronize()
+        a = router.arena
+        logits = download(a, "logits", np.float32, (rows, e))
+        ids = download(a, "ids", np.int32, (rows, spec.topk))
+        weights = download(a, "weights", np.float32, (rows, spec.topk))
+        counters = download(a, "counters", np.int32, (rk.counter_count(max(ROWS)),))
+    finally:
+        router.close()
+    return x, weight, bias, group, logits, ids, weights, counters
+
+
+def _check_router(spec, rows, x, weight, bias, group, logits, ids, weights, counters):
+    tag = f"{spec.name} rows={rows}"
+    _within(logits, rk.logits_f64(x, weight), rk.logits_bound(x, weight), f"{tag}: logits")
+    want = rk.select_from_logits(logits, bias, spec.topk, spec.scaling)
+    assert ((ids >= 0) & (ids < spec.experts)).all(), f"{tag}: ids out of range: {ids}"
+    assert all(len(set(r)) == spec.topk for r in ids.tolist()), f"{tag}: repeated ids"
+    sel = want.selection.astype(np.float64)
+    ordered = -np.sort(-sel, axis=1)[:, :spec.topk + 1]
+    margin = ROUTE_REL * np.abs(ordered).max(axis=1, keepdims=True)
+    gaps = ordered[:, :-1] - ordered[:, 1:]
+    clear = (gaps > margin) & np.concatenate([np.ones((rows, 1), bool),
+                                              gaps[:, :-1] > margin], axis=1)
+    bad = clear & (ids != want.ids)
+    assert not bad.any(), (f"{tag}: ids differ where the reference margin is clear: rows "
+                           f"{np.argwhere(bad)[:4].tolist()}, got {ids[bad][:4]} want "
+                           f"{want.ids[bad][:4]}")
+    got_sel = np.take_along_axis(sel, ids.astype(np.int64), axis=1)
+    _within(got_sel, ordered[:, :spec.topk], np.broadcast_to(margin, got_sel.shape),
+            f"{tag}: chosen selection values")
+    if group is not None:
+        assert (logits[:, group] == logits[:, group[:1]]).all(), f"{tag}: equal rows, unequal logits"
+        assert (ids == group[:spec.topk]).all(), f"{tag}: ties not broken to the lower index"
+    scores = np.sqrt(np.logaddexp(0.0, logits.astype(np.float64)))
+    chosen = np.take_along_axis(scores, ids.astype(np.int64), axis=1)
+    exp_w = chosen / (chosen.sum(axis=1, keepdims=True) + 1e-20) * spec.scaling
+    _within(weights, exp_w, ROUTE_REL * np.abs(exp_w) + 1e-30, f"{tag}: route weights")
+    assert not counters.any(), f"{tag}: counters not reset: {counters}"
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_router_matches_reference(dev, stream, setup, ties):
+    cfg, bundle = setup
+    spec = rk.router_specs(cfg)[0]
+    for rows in ROWS:
+        _check_router(spec, rows, *_router_case(dev, stream, bundle, spec, rows, ties))

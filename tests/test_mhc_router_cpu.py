@@ -1,0 +1,259 @@
+"""CPU tests of the mHC step and router kernels' specs, references, and NumPy models of their
+lane-level data movement (split-K slicing, the half-warp Sinkhorn, the warp arg-max top-k).
+
+The models replay in fp32 what kernels/mhc.py and kernels/router.py do lane by lane; a wrong
+slice offset, lane mapping or tie rule fails here before any GPU run.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import mhc_kernel_ref as mk
+from kernels import mhc_ref, moe_ref
+from kernels import router_ref as rk
+from kernels.common_ref import to_bf16
+from loader.config import ModelConfig
+
+RNG = np.random.default_rng()
+CONFIGS = ("tiny", "v41-flash")
+
+
+# ---- specs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_mhc_specs_and_bytes(config):
+    cfg = ModelConfig.preset(config)
+    specs = mk.mhc_specs(cfg)
+    assert [s.name for s in specs] == [f"mhc_pre_d{cfg.hidden_size}_s4_post",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain",
+                                       f"mhc_pre_d{cfg.hidden_size}_s1_plain"]
+    post = specs[0]
+    assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
+    assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)
+    assert post.smem_bytes <= 48 * 1024        # no opt-in needed
+    fn_bytes = 4 * 24 * 4 * cfg.hidden_size
+    assert post.bytes_moved(1) - fn_bytes == (2 * 4 + 2 + 2 + 2 * 4) * cfg.hidden_size + 4 * 72
+    if config == "v41-flash":
+        assert fn_bytes == 1_966_080                 # the 1.97 MB of fn per sublayer
+    for bad_rows in (0, mk.MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="rows"):
+            post.grid(bad_rows)
+
+
+def test_mhc_spec_validation():
+    with pytest.raises(ValueError, match="mode"):
+        mk.make_spec(256, 4, "pre", 20)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mk.make_spec(200, 4, "post", 20)
+    with pytest.raises(ValueError, match="streams"):
+        mk.make_spec(256, 1, "post", 20)
+    with pytest.raises(ValueError, match="Sinkhorn"):
+        mk.make_spec(256, 4, "post", 0)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_router_specs_and_bytes(config):
+    cfg = ModelConfig.preset(config)
+    spec, = rk.router_specs(cfg)
+    assert spec.name == f"router_e{cfg.n_routed_experts}_d{cfg.hidden_size}_k6"
+    assert spec.grid(6) == (cfg.n_routed_experts // 2, 1, 1)
+    assert spec.grid(192) == (cfg.n_routed_experts // 2, 6, 1)
+    assert spec.threads * spec.vecs_per_thread * 8 == cfg.hidden_size
+    if config == "v41-flash":
+        assert spec.bytes_moved(0) - 4 * 384 == 3_932_160   # the 3.9 MB BF16 gate per layer
+    with pytest.raises(ValueError, match="rows"):
+        spec.grid(rk.MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        rk.make_spec(200, 16, 6, 1.5)
+    with pytest.raises(ValueError, match="even expert count"):
+        rk.make_spec(256, 15, 6, 1.5)
+
+
+# ---- mHC reference and kernel models -------------------------------------------------------------
+
+def _inputs(rows: int, width: int):
+    x = to_bf16(RNG.standard_normal((rows, 4, width)) * RNG.uniform(0.1, 10))
+    f = to_bf16(RNG.standard_normal((rows, width)))
+    mixes = RNG.standard_normal((rows, 24)).astype(np.float32)
+    prev = mhc_ref.hc_coefficients(mixes, np.ones(3, np.float32),
+                                   RNG.uniform(-1, 1, 24).astype(np.float32), 4, 20, 1e-6)
+    fn = (RNG.standard_normal((24, 4 * width)) / np.sqrt(4 * width)).astype(np.float32)
+    return x, f, prev, fn
+
+
+def test_pack_unpack_round_trip():
+    _, _, prev, _ = _inputs(7, 64)
+    back = mk.unpack_coefficients(mk.pack_coefficients(prev))
+    for a, b in ((prev.pre, back.pre), (prev.post, back.post), (prev.comb, back.comb)):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="24"):
+        mk.unpack_coefficients(np.zeros((2, 23), np.float32))
+
+
+def test_mhc_pre_ref_is_the_step_composition():
+    """post -> mixes -> coefficients, collapse with the previous pre: as executor/reference/step
+    composes mhc_ref (apply_pending, _coefficients, hc_collapse with the carried pre)."""
+    rows, width = 5, 128
+    x, f, prev, fn = _inputs(rows, width)
+    scale = RNG.uniform(0.5, 2, 3).astype(np.float32)
+    base = RNG.uniform(-1, 1, 24).astype(np.float32)
+    out = mk.mhc_pre_ref("post", x, f, mk.pack_coefficients(prev), fn, scale, base, 1e-20,
+                         1e-6, 20)
+    x_new = mhc_ref.hc_post(f, x, prev)
+    mixes = mhc_ref.hc_mixes(x_new, fn, 1e-20)
+    coeff = mhc_ref.hc_coefficients(mixes, scale, base, 4, 20, 1e-6)
+    assert np.array_equal(out.streams.view(np.uint16), x_new.view(np.uint16))
+    assert np.array_equal(out.mixes, mixes)
+    assert np.array_equal(out.coeff, mk.pack_coefficients(coeff))
+    assert np.array_equal(out.x.view(np.uint16),
+                          mhc_ref.hc_collapse(x_new, prev.pre).view(np.uint16))
+    plain = mk.mhc_pre_ref("plain", x, None, mk.pack_coefficients(prev), fn, scale, base,
+                           1e-20, 1e-6, 20)
+    assert np.array_equal(plain.mixes, mhc_ref.hc_mixes(x, fn, 1e-20))
+
+
+def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+    """fp32 model of the kernel's sum: thread (slice, dv) sums its 8 d of every stream in order
+    (squares first, then per m: stream j, d), 8 lanes meet in a butterfly (xor 4, 2, 1), the last
+    CTA adds slices in slice order, then mixes = dot · 1/sqrt(Σx²/(S·D) + eps)."""
+    rows, s, d = x_new.shape
+    x = x_new.astype(np.float32).reshape(rows, s, d // 64, 8, 8)     # [r, j, slice, dv, e]
+    f = fn.astype(np.float32).reshape(24, s, d // 64, 8, 8)
+    part = np.zeros((rows, d // 64, 8, 25), np.float32)
+    for j in range(s):
+        for e in range(8):
+            part[..., 24] += x[:, j, :, :, e] * x[:, j, :, :, e]
+    for m in range(24):
+        for j in range(s):
+            for e in range(8):
+                part[..., m] += x[:, j, :, :, e] * f[m, j, :, :, e][None]
+    lanes = np.arange(8)
+    for off in (4, 2, 1):
+        part = part + part[:, :, lanes ^ off]
+    part = part[:, :, 0]                                               # [r, slice, 25]
+    total = part[:, 0]
+    for sl in range(1, d // 64):
+        total = total + part[:, sl]
+    rstd = np.float32(1) / np.sqrt(total[:, 24] / np.float32(s * d) + np.float32(eps))
+    return (total[:, :24] * rstd[:, None]).astype(np.float32)
+
+
+@pytest.mark.parametrize("width", [256, 5120])
+def test_split_k_slicing_covers_every_element_within_the_bound(width):
+    rows = 3
+    x, _, _, fn = _inputs(rows, width)
+    got = split_k_mixes(x, fn, 1e-20)
+    want = mhc_ref.hc_mixes(x, fn, 1e-20)
+    bound = mk.mixes_bound(x, fn, 1e-20)
+    assert (np.abs(got.astype(np.float64) - want) <= bound).all()
+    # A slicing error (one slice dropped) is far outside the bound.
+    x_bad = x.copy()
+    x_bad[:, :, 64:128] = 0
+    assert (np.abs(split_k_mixes(x_bad, fn, 1e-20) - want) > bound).any()
+
+
+def half_warp_sinkhorn(logits: np.ndarray, iters: int, eps: float) -> np.ndarray:
+    """fp32 model of `_sinkhorn`: lane l of a half-warp holds comb[l // 4, l % 4]; row sums are
+    the butterfly over lanes xor 1, 2, column sums over xor 4, 8: (a + b) + (c + d)."""
+    lanes = np.arange(16)
+    v = logits.astype(np.float32).reshape(-1, 16)
+    eps = np.float32(eps)
+
+    def sum4(a, stride):
+        t = a + a[:, lanes ^ stride]
+        return t + t[:, lanes ^ (2 * stride)]
+
+    mx = np.maximum(v, v[:, lanes ^ 1])
+    mx = np.maximum(mx, mx[:, lanes ^ 2])
+    e = np.exp(v - mx)
+    c = e / sum4(e, 1) + eps
+    c = c / (sum4(c, 4) + eps)
+    for _ in range(iters - 1):
+        c = c / (sum4(c, 1) + eps)
+        c = c / (sum4(c, 4) + eps)
+    return c.reshape(-1, 4, 4)
+
+
+def test_half_warp_sinkhorn_lane_mapping():
+    logits = (RNG.standard_normal((2000, 4, 4)) * RNG.uniform(0.5, 3)).astype(np.float32)
+    got = half_warp_sinkhorn(logits, 20, 1e-6)
+    want = mhc_ref.sinkhorn(logits, 20, 1e-6)
+    assert np.abs(got - want).max() <= 1e-5           # the GPU test's COMB_ATOL
+    assert np.abs(got.sum(axis=1) - 1).max() <= 1e-5  # columns (source j summed) are stochastic
+    # A transposed lane mapping normalises the wrong axis last: detected.
+    wrong = half_warp_sinkhorn(logits.transpose(0, 2, 1), 20, 1e-6).transpose(0, 2, 1)
+    assert np.abs(wrong - want).max() > 1e-3
+
+
+# ---- router reference and the warp top-k model ---------------------------------------------------
+
+def test_select_from_logits_matches_moe_ref_route():
+    rows, d, e = 9, 256, 16
+    x = to_bf16(RNG.standard_normal((rows, d)))
+    w = to_bf16(RNG.standard_normal((e, d)) / 16)
+    bias = RNG.uniform(-0.3, 0.3, e).astype(np.float32)
+    want = moe_ref.route(x, w, bias, 6, 1.5)
+    got = rk.select_from_logits(moe_ref.matmul_t(x, w), bias, 6, 1.5)
+    assert np.array_equal(got.ids, want.experts)
+    assert np.array_equal(got.weights, want.weights)
+
+
+def warp_topk(selection: np.ndarray, k: int) -> np.ndarray:
+    """Model of `_select`: lane l holds experts l + 32c; per round the lane-local best (strict >,
+    ascending c), then a butterfly keeping (larger value, or equal value and lower index)."""
+    rows, e = selection.shape
+    per_lane = -(-e // 32)
+    padded = np.full((rows, 32 * per_lane), -np.inf, np.float32)
+    padded[:, :e] = selection
+    sel = padded.reshape(rows, per_lane, 32).copy()                  # [r, c, lane]
+    out = np.zeros((rows, k), np.int64)
+    lanes = np.arange(32)
+    for slot in range(k):
+        best_v, best_i = sel[:, 0].copy(), np.broadcast_to(lanes, (rows, 32)).copy()
+        for c in range(1, per_lane):
+            better = sel[:, c] > best_v
+            best_v = np.where(better, sel[:, c], best_v)
+            best_i = np.where(better, lanes + 32 * c, best_i)
+        for off in (16, 8, 4, 2, 1):
+            ov, oi = best_v[:, lanes ^ off], best_i[:, lanes ^ off]
+            take = (ov > best_v) | ((ov == best_v) & (oi < best_i))
+            best_v, best_i = np.where(take, ov, best_v), np.where(take, oi, best_i)
+        assert (best_i == best_i[:, :1]).all()                      # every lane agrees
+        out[:, slot] = best_i[:, 0]
+        sel[np.arange(rows), best_i[:, 0] // 32, best_i[:, 0] % 32] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize("experts", [16, 384])
+def test_warp_topk_ties_to_lower_index(experts):
+    rows = 200
+    # Few distinct values: many exact ties, at the top-6 boundary too.
+    sel = RNG.integers(0, 5, (rows, experts)).astype(np.float32)
+    want = np.argsort(-sel, axis=1, kind="stable")[:, :6]
+    assert np.array_equal(warp_topk(sel, 6), want)
+    sel = RNG.standard_normal((rows, experts)).astype(np.float32)
+    assert np.array_equal(warp_topk(sel, 6), np.argsort(-sel, axis=1, kind="stable")[:, :6])
+
+
+def test_logits_bound_holds_for_a_kernel_order_sum():
+    """fp32 sum in the kernel's order (thread vectors in order, butterfly, warps in order)."""
+    rows, d, e = 4, 5120, 8
+    x = to_bf16(RNG.standard_normal((rows, d)) * 3)
+    w = to_bf16(RNG.standard_normal((e, d)) / 70)
+    t = 128
+    prod = (x.astype(np.float32)[:, None, :] * w.astype(np.float32)[None]).reshape(
+        rows, e, d // 8 // t, t, 8)                                  # [r, e, i, thread, elem]
+    acc = np.zeros((rows, e, t), np.float32)
+    for i in range(prod.shape[2]):
+        for k in range(8):
+            acc = acc + prod[:, :, i, :, k]
+    acc = acc.reshape(rows, e, 4, 32)
+    lanes = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., lanes ^ off]
+    total = acc[..., 0, 0]
+    for warp in range(1, 4):
+        total = total + acc[..., warp, 0]
+    err = np.abs(total - rk.logits_f64(x, w))
+    assert (err <= rk.logits_bound(x, w)).all()
