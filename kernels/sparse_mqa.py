@@ -137,6 +137,10 @@ def cp_async_8(saddr: Int32, gaddr: Int64):
     _void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;", "r,l")
 
 
+def cp_async_4(saddr: Int32, gaddr: Int64):
+    _void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l")
+
+
 def cp_async_16(saddr: Int32, gaddr: Int64):
     _void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
 
@@ -232,6 +236,7 @@ class SparseMqaSm90:
         self.dims_per_cta = ref.HEAD_DIM // self.S
         self.skip = frozenset(spec.skip)
         self.exchange = "exchange" not in self.skip
+        self.consts = self.lay.consts >= 0      # sink and RoPE row prefetched into smem
         if self.E > ref.CTA_THREADS or self.E % ref.ENTRY_TILE:
             raise ValueError(f"{spec.name}: {self.E} entries per CTA; need a multiple of "
                              f"{ref.ENTRY_TILE} <= {ref.CTA_THREADS}")
@@ -261,12 +266,14 @@ class SparseMqaSm90:
         base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
         cluster_ok = cluster_nctarank() == self.S
         self._zero_pad_heads(base, tidx)
+        if cutlass.const_expr(self.consts):     # a weight, not written by the step: before the wait
+            self._prefetch_sink(base, tidx, sink)
         cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
 
         if cutlass.const_expr(self.spec.split == "fixed"):
             pos, seq = self._addresses_fixed(q, swa, compressed, topk, block_tables, row_info,
-                                             state_lines, base, tidx, s, r, rows, pages_per_seq,
-                                             page_size)
+                                             state_lines, rope_table, base, tidx, s, r, rows,
+                                             pages_per_seq, page_size, num_positions)
             n_pad = Int32(self.E)
         else:
             pos, seq, n_pad = self._addresses_balanced(q, swa, compressed, topk, block_tables,
@@ -345,11 +352,13 @@ class SparseMqaSm90:
     @cute.jit
     def _addresses_fixed(self, q: cute.Pointer, swa: cute.Pointer, compressed: cute.Pointer,
                          topk: cute.Pointer, block_tables: cute.Pointer, row_info: cute.Pointer,
-                         state_lines: cute.Pointer, base: Int32, tidx: Int32, s: Int32, r: Int32,
-                         rows: Int32, pages_per_seq: Int32, page_size: Int32):
+                         state_lines: cute.Pointer, rope_table: cute.Pointer, base: Int32,
+                         tidx: Int32, s: Int32, r: Int32, rows: Int32, pages_per_seq: Int32,
+                         page_size: Int32, num_positions: Int32):
         """Split fixed by slot: thread t < sw takes SWA slot s*sw + t, thread sw + i top-k slot
         s*tk + i. The top-k id loads in the same wave as row_info, so the chain is 3 hops
-        (top-k id | row_info -> block table | state line -> record). Returns (position, seq)."""
+        (top-k id | row_info -> block table | state line -> record); the row's RoPE row is
+        prefetched with the second wave. Returns (position, seq)."""
         sw, tk = self.spec.swa_share, self.spec.topk_share
         k = s * tk + (tidx - sw)
         e = Int32(-1)
@@ -364,6 +373,9 @@ class SparseMqaSm90:
                 info[i] = words[i]
             self._load_q(q, base, r, tidx)
         pos, lo, hi, seq = info[0], info[1], info[2], info[3]
+        if (tidx < 16) & (pos >= 0) & (pos < num_positions):    # 256 B: 16 x 16 B
+            cp_async_16(base + self.lay.consts + ref.MMA_M * 4 + tidx * 16,
+                        rope_table.toint() + Int64(pos) * 256 + tidx * 16)
         nswa = cutlass.max(hi - lo + 1, 0)
         bad_row = (lo < 0) | (nswa > self.spec.swa_cols)
         j = s * sw + tidx
@@ -390,6 +402,11 @@ class SparseMqaSm90:
             sts_s64(base + self.lay.addresses + tidx * 8, addr)
         cute.arch.sync_threads()
         return pos, seq
+
+    @cute.jit
+    def _prefetch_sink(self, base: Int32, tidx: Int32, sink: cute.Pointer):
+        if tidx < self.H:
+            cp_async_4(base + self.lay.consts + tidx * 4, sink.toint() + Int64(tidx) * 4)
 
     @cute.jit
     def _zero_pad_heads(self, base: Int32, tidx: Int32):
@@ -540,7 +557,10 @@ class SparseMqaSm90:
         """M = max(sink, every CTA's max), L = exp(sink - M) + sum_s l_s exp(m_s - M), rank order."""
         sink_h = Float32(0.0)
         if h < self.H:
-            sink_h = ldg_f32(sink.toint() + Int64(h) * 4)
+            if cutlass.const_expr(self.consts):
+                sink_h = lds_f32(base + self.lay.consts + h * 4)
+            else:
+                sink_h = ldg_f32(sink.toint() + Int64(h) * 4)
         stat = base + self.lay.stats + h * ref.STATS_BYTES
         big = sink_h
         norm = Float32(0.0)
@@ -680,14 +700,14 @@ class SparseMqaSm90:
                 for k in cutlass.range_constexpr(4):
                     v[k] = round_bf16(v[k])
                 if d >= NOPE:
-                    self._inverse_rope(v, d, pos, rope_table, num_positions)
+                    self._inverse_rope(v, base, d, pos, rope_table, num_positions)
                 if seq < 0:
                     v.fill(0.0)
                 dst = out.toint() + ((Int64(r) * self.H + h) * ref.HEAD_DIM + d) * 2
                 stg_v2(dst, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]))
 
     @cute.jit
-    def _inverse_rope(self, v, d: Int32, pos: Int32, rope_table: cute.Pointer,
+    def _inverse_rope(self, v, base: Int32, d: Int32, pos: Int32, rope_table: cute.Pointer,
                       num_positions: Int32):
         """Pairs (d, d+1), (d+2, d+3): y0 = x0 c + x1 s, y1 = x1 c - x0 s; a position outside
         the table gives NaN (never an out-of-bounds read)."""
@@ -695,9 +715,13 @@ class SparseMqaSm90:
         cs.fill(float("nan"))
         if (pos >= 0) & (pos < num_positions):
             pair = (d - NOPE) // 2
-            row = ldg_v4_f32(rope_table.toint() + (Int64(pos) * 32 + Int64(pair)) * 8)
-            for k in cutlass.range_constexpr(4):
-                cs[k] = row[k]
+            if cutlass.const_expr(self.consts):     # prefetched in phase A
+                for k in cutlass.range_constexpr(4):
+                    cs[k] = lds_f32(base + self.lay.consts + ref.MMA_M * 4 + pair * 8 + k * 4)
+            else:
+                row = ldg_v4_f32(rope_table.toint() + (Int64(pos) * 32 + Int64(pair)) * 8)
+                for k in cutlass.range_constexpr(4):
+                    cs[k] = row[k]
         for p in cutlass.range_constexpr(2):
             x0, x1 = v[2 * p], v[2 * p + 1]
             c, sn = cs[2 * p], cs[2 * p + 1]

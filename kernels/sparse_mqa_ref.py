@@ -54,6 +54,7 @@ ENTRY_TILE = 16                  # entries per PV k-step; a CTA's share is a mul
 Q_ROW_BYTES = HEAD_DIM * 2 + 16  # padded q row in shared memory (conflict-free fragment loads)
 O_ROW_BYTES = HEAD_DIM * 4 + 16  # padded fp32 partial-o row (DSMEM reduction source)
 STATS_BYTES = 16                 # per head: (max, sum, bad, pad) f32
+CONSTS_BYTES = MMA_M * 4 + 32 * 2 * 4   # sink [16] f32 + one RoPE table row [32, 2] f32
 CLUSTER_TOPK = 8                 # portable maximum: 640 entries -> 80 per CTA
 CLUSTER_SWA = 4                  # SWA-only layers: <= 133 entries -> 48 per CTA
 DEFAULT_MAX_BLOCK_ROWS = 6       # KVCaches.allocate's default (verify block)
@@ -93,9 +94,11 @@ class SmemLayout:
     norm: int             # [16] (M, L) f32 pairs of the whole row
     total: int
     probs_row_bytes: int
+    consts: int = -1      # fixed split only: [16] f32 sink, then the row's RoPE row [32, 2] f32,
+                          # prefetched off the critical path (-1: none, read from global late)
 
 
-def smem_layout(heads: int, entries_per_cta: int) -> SmemLayout:
+def smem_layout(heads: int, entries_per_cta: int, consts: bool = False) -> SmemLayout:
     records = max(entries_per_cta * RECORD_BYTES, heads * O_ROW_BYTES)
     # P rows padded so that the 8 row groups of an mma fragment load hit distinct banks.
     probs_row = entries_per_cta * 2 + 16
@@ -112,7 +115,10 @@ def smem_layout(heads: int, entries_per_cta: int) -> SmemLayout:
     off += MMA_M * STATS_BYTES
     norm = off
     off += MMA_M * 8
-    return SmemLayout(0, addresses, q, logits, probs, stats, norm, round_up(off, 16), probs_row)
+    const_off = off if consts else -1
+    off += CONSTS_BYTES if consts else 0
+    return SmemLayout(0, addresses, q, logits, probs, stats, norm, round_up(off, 16), probs_row,
+                      const_off)
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,7 @@ class SparseMqaSpec:
 
     @property
     def layout(self) -> SmemLayout:
-        return smem_layout(self.heads, self.entries_per_cta)
+        return smem_layout(self.heads, self.entries_per_cta, self.split == "fixed")
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -202,7 +208,7 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
         per = round_up(ceil_div(swa_cols, cluster) + ceil_div(topk, cluster), ENTRY_TILE)
     else:
         per = round_up(ceil_div(swa_cols + topk, cluster), ENTRY_TILE)
-    layout = smem_layout(heads, per)
+    layout = smem_layout(heads, per, split == "fixed")
     kind = f"topk{topk}" if topk else "swa"
     name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
     name += "_fixed" if split == "fixed" else ""

@@ -58,7 +58,7 @@ def test_v41_shapes():
 
 
 def test_smem_layout_is_disjoint_aligned_and_conflict_free(cfg):
-    for spec in _specs(cfg):
+    for spec in list(_specs(cfg)) + ref.variant_specs(cfg, 4):
         lay = spec.layout
         regions = [(lay.records, max(spec.entries_per_cta * ref.RECORD_BYTES,
                                      spec.heads * ref.O_ROW_BYTES)),
@@ -67,6 +67,9 @@ def test_smem_layout_is_disjoint_aligned_and_conflict_free(cfg):
                    (lay.logits, ref.MMA_M * spec.entries_per_cta * 4),
                    (lay.probs, ref.MMA_M * lay.probs_row_bytes),
                    (lay.stats, ref.MMA_M * ref.STATS_BYTES), (lay.norm, ref.MMA_M * 8)]
+        assert (lay.consts >= 0) == (spec.split == "fixed")
+        if lay.consts >= 0:
+            regions.append((lay.consts, ref.CONSTS_BYTES))
         regions.sort()
         for (a, n), (b, _) in itertools.pairwise(regions):
             assert a + n <= b
