@@ -54,6 +54,7 @@ class SmemRouting:
         self.warps = threads // mk.LANES
         self.per_thread = mk.ceil_div(self.experts, threads)
         self.bitmap_words = self.experts * mk.BITMAP_WORDS
+        self.ids_per_thread = mk.ceil_div(mk.MAX_ROWS * self.topk, threads)
         e4 = 4 * self.experts
         self.experts_at = mk.ROUTING_HEADER
         self.first_at = self.experts_at + e4
@@ -69,15 +70,21 @@ class SmemRouting:
             mo.sts_u32(scratch + 4 * i, Int32(0))
             i += self.threads
         cute.arch.sync_threads()
-        i = tidx
-        while i < rows * self.topk:
-            e = mo.ld_relaxed_u32(ids + Int64(i) * 4, Int32(1))
-            row = i // self.topk
-            mo.sts_u32(ids_s + 4 * i, e)
-            if e >= 0 and e < self.experts:
-                mo.atom_or_shared(scratch + 4 * (e * mk.BITMAP_WORDS + row // 32),
-                                  Int32(1) << (row % 32))
-            i += self.threads
+        # Every id this thread handles is loaded before the first is used: one round trip,
+        # not one per id (the loads are volatile asm and stay in source order).
+        n = rows * self.topk
+        got = [mo.ld_relaxed_u32(ids + Int64(tidx + c * self.threads) * 4,
+                                 Int32(1) if tidx + c * self.threads < n else Int32(0))
+               for c in range(self.ids_per_thread)]
+        for c in cutlass.range_constexpr(self.ids_per_thread):
+            i = tidx + c * self.threads
+            e = got[c]
+            if i < n:
+                row = i // self.topk
+                mo.sts_u32(ids_s + 4 * i, e)
+                if e >= 0 and e < self.experts:
+                    mo.atom_or_shared(scratch + 4 * (e * mk.BITMAP_WORDS + row // 32),
+                                      Int32(1) << (row % 32))
         cute.arch.sync_threads()
         counts = self.count_rows(scratch, tidx)
         local = Int32(0)
@@ -357,14 +364,20 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
     @cute.jit
     def quantize_chunk_smem(self, pair_list: Int32, h: Int64, left: Int32, chunk: Int32,
                             sq: Int32, warp: Int32, lane: Int32):
-        """`quantize_chunk` with the pair id read from the shared-memory list."""
+        """`quantize_chunk` with the pair id read from the shared-memory list and every group's
+        h loaded before the first is quantized: one L2 round trip per chunk, not one per group
+        (the loads and shuffles are volatile asm, so the compiler keeps them in source order)."""
         inter, k_pad = self.shape.inter, self.shape.k2
         valid = Int32(1) if warp < left else Int32(0)
         pair = lds_u32_if(pair_list + 4 * (chunk + warp), valid)
+        loaded = []
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             inside = Int32(1) if k < inter else Int32(0)
-            w = mo.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside)
+            loaded.append(mo.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside))
+        for grp in cutlass.range_constexpr(self.groups):
+            k = grp * mk.ACT_GROUP + 4 * lane
+            w = loaded[grp]
             q, scale = mo.quantize_quad(w[0], w[1])
             if k < k_pad:
                 mo.sts_u32(sq + warp * k_pad + mo.fragment_position(grp * 4 + lane // 8, lane), q)
