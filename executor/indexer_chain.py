@@ -54,8 +54,9 @@ class IndexerChain:
         if s.candidate_source:
             self.specs["blocks"] = ik.make_topk_spec("blocks", s.num_blocks, s.ratio,
                                                      s.block_size)
-        # The cluster top-k variant (dense layers only), launched by `variant_launches` into its
-        # own outputs so the default's results stay the measured reference.
+        # The cluster top-k variants (dense layers only), launched by `variant_launches` into
+        # their own outputs so the defaults' results stay the measured reference: entries and
+        # blocks alone (topk_c, blocks_c) and both from one read (topk_b, blocks_b).
         self.variant_specs = {}
         if s.mode == "dense":
             self.variant_specs["topkc"] = ik.make_topk_cluster_spec("entries", s.topk, s.ratio,
@@ -63,6 +64,8 @@ class IndexerChain:
             if s.candidate_source:
                 self.variant_specs["blocksc"] = ik.make_topk_cluster_spec(
                     "blocks", s.num_blocks, s.ratio, s.block_size)
+                self.variant_specs["bothc"] = ik.make_topk_cluster_spec(
+                    "both", s.topk, s.ratio, s.block_size, s.num_blocks)
         self.kernels = {k: bundle.kernel(v.name)
                         for k, v in {**self.specs, **self.variant_specs}.items()}
         r, t, nh = s.max_rows, s.tiles, s.heads
@@ -77,7 +80,9 @@ class IndexerChain:
                 ("scores", 4 * r * s.max_entries, f"f32 [{r}, {s.max_entries}]"),
                 ("topk", 4 * r * s.topk), ("blocks_out", 4 * r * s.num_blocks),
                 ("topk_c", 4 * r * s.topk, "cluster variant"),
-                ("blocks_c", 4 * r * s.num_blocks, "cluster variant")]
+                ("blocks_c", 4 * r * s.num_blocks, "cluster variant"),
+                ("topk_b", 4 * r * s.topk, "cluster variant, both"),
+                ("blocks_b", 4 * r * s.num_blocks, "cluster variant, both")]
         self.arena = Arena(device, reqs)
 
     def close(self) -> None:
@@ -111,14 +116,16 @@ class IndexerChain:
         return [LaunchSpec(self.kernels[k], self.specs[k].grid(rows), args[k])
                 for k in self.specs]
 
-    def variant_launches(self, rows: int) -> list[LaunchSpec]:
-        """The cluster top-k variants on the scores `launches` left: topk_c (, blocks_c)."""
+    def variant_launches(self, rows: int) -> dict[str, LaunchSpec]:
+        """The cluster top-k variants on the scores `launches` left, by key (topkc, blocksc,
+        bothc); each writes only the output(s) of its mode."""
         s, p = self.shape, self.arena.ptr
-        out = {"topkc": "topk_c", "blocksc": "blocks_c"}
-        return [LaunchSpec(self.kernels[k], spec.grid(rows),
-                           (p("scores"), p("positions"), p("seq_index"), p("cands"), p(out[k]),
-                            rows, s.max_entries, s.num_blocks), cluster=spec.cluster)
-                for k, spec in self.variant_specs.items()]
+        out = {"topkc": ("topk_c", "blocks_c"), "blocksc": ("topk_c", "blocks_c"),
+               "bothc": ("topk_b", "blocks_b")}
+        return {k: LaunchSpec(self.kernels[k], spec.grid(rows),
+                              (p("scores"), p("positions"), p("seq_index"), p(out[k][0]),
+                               p(out[k][1]), rows, s.max_entries), cluster=spec.cluster)
+                for k, spec in self.variant_specs.items()}
 
 
 def random_key_records(rng, n: int) -> np.ndarray:
@@ -206,17 +213,21 @@ def _bench_case(ctx, chain: IndexerChain, context: int, rows: int) -> None:
 
 def _bench_variants(ctx, chain, specs, case, context, rows, reps, bytes_scores) -> None:
     """The cluster top-k variants beside the defaults: each alone, and the chain using them."""
-    topkc, blocksc = chain.variant_launches(rows)
-    variant_chain = specs[:2] + [topkc, blocksc]
-
-    def run_variant_chain():
-        for sp in variant_chain:
-            sp.launch(ctx.stream)
-    us = ctx.cold_median_us(lambda: topkc.launch(ctx.stream), reps)
-    ctx.bandwidth("indexer_topkc_entries_k512_c8", case, rows, us,
-                  ik.topk_bytes([context] * rows, 512))
-    us = ctx.cold_median_us(lambda: blocksc.launch(ctx.stream), reps)
-    ctx.bandwidth("indexer_topkc_blocks_k2048_c8", case, rows, us,
-                  ik.topk_bytes([context] * rows, 2048))
-    us = ctx.cold_median_us(run_variant_chain, reps)
-    ctx.bandwidth("indexer_chain_layer20_topkc", case, rows, us, bytes_scores)
+    v = chain.variant_launches(rows)
+    chains = {"indexer_chain_layer20_topkc": specs[:2] + [v["topkc"], v["blocksc"]],
+              "indexer_chain_layer20_bothc": specs[:2] + [v["bothc"]]}
+    one_read = sum(4 * context + 4 * 512 + 4 * 2048 for _ in range(rows))
+    for name, key, nbytes in (
+            ("indexer_topkc_entries_k512_c8", "topkc", ik.topk_bytes([context] * rows, 512)),
+            ("indexer_topkc_blocks_k2048_c8", "blocksc", ik.topk_bytes([context] * rows, 2048)),
+            ("indexer_topkc_both_k512_b2048_c8", "bothc", one_read)):
+        us = ctx.cold_median_us(lambda sp=v[key]: sp.launch(ctx.stream), reps)
+        ctx.bandwidth(name, case, rows, us, nbytes)
+    for name, launches in chains.items():
+        def run(launches=launches):
+            for sp in launches:
+                sp.launch(ctx.stream)
+        us = ctx.cold_median_us(run, reps)
+        ctx.bandwidth(name, case, rows, us, bytes_scores)
+        if context == 65536 and rows == 6:
+            ctx.metric(f"{name} R=6 T=64k", us, "us")

@@ -824,6 +824,9 @@ def specs(cfg, tp: int) -> list[ik.IndexerSpec]:
                                            cfg.candidate_block_size))
             group.append(ik.make_topk_cluster_spec("blocks", cfg.candidate_topk_blocks,
                                                    layer.ratio, cfg.candidate_block_size))
+            group.append(ik.make_topk_cluster_spec("both", cfg.index_topk, layer.ratio,
+                                                   cfg.candidate_block_size,
+                                                   cfg.candidate_topk_blocks))
         out += [s for s in group if s.name not in {o.name for o in out}]
     return out
 

@@ -69,11 +69,12 @@ RADIX_PASSES = ((21, 11), (10, 11), (0, 10))       # (shift, bits) from the top
 MODES_SCORES = ("dense", "candidates")
 MODES_TOPK = ("entries", "candidates", "blocks")
 # Cluster top-k (variant): one cluster of TOPKC_CLUSTER CTAs per row, each holding its slice of the
-# row in shared memory (TOPKC_SLICE entries); histograms merged over DSMEM.
+# row in shared memory (TOPKC_SLICE entries, whole blocks of 8); histograms merged over DSMEM.
+# Mode "both" selects the entries and the candidate blocks from one read of the row.
 TOPKC_THREADS = 512
 TOPKC_CLUSTER = 8
 TOPKC_SLICE = 16384
-MODES_TOPKC = ("entries", "blocks")
+MODES_TOPKC = ("entries", "blocks", "both")
 
 
 # ---- specs -----------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class IndexerSpec:
     block: tuple[int, int, int]
     smem_bytes: int
     cluster_ctas: int = 0          # topkc: CTAs of the row's thread-block cluster
+    topk_blocks: int = 0           # topkc "both": k of the candidate blocks (topk: of entries)
 
     @property
     def cluster(self) -> tuple[int, int, int] | None:
@@ -122,7 +124,8 @@ class IndexerSpec:
                 "mode": self.mode, "ratio": self.ratio, "topk": self.topk,
                 "block_size": self.block_size, "page_size": self.page_size,
                 "params": params_dict(self.params), "block": list(self.block),
-                "smem_bytes": self.smem_bytes, "cluster_ctas": self.cluster_ctas}
+                "smem_bytes": self.smem_bytes, "cluster_ctas": self.cluster_ctas,
+                "topk_blocks": self.topk_blocks}
 
 
 PREP_PARAMS = (("q", "u64"), ("w_raw", "u64"), ("positions", "u64"), ("seq_index", "u64"),
@@ -134,6 +137,8 @@ SCORES_PARAMS = (("qfrag", "u64"), ("qscale", "u64"), ("qw", "u64"), ("plan", "u
                  ("max_pages", "u32"), ("num_cands", "u32"))
 TOPK_PARAMS = (("scores", "u64"), ("positions", "u64"), ("seq_index", "u64"), ("cands", "u64"),
                ("out", "u64"), ("rows", "u32"), ("ld", "u32"), ("num_cands", "u32"))
+TOPKC_PARAMS = (("scores", "u64"), ("positions", "u64"), ("seq_index", "u64"),
+                ("out_entries", "u64"), ("out_blocks", "u64"), ("rows", "u32"), ("ld", "u32"))
 
 
 def score_smem_bytes() -> int:
@@ -186,22 +191,40 @@ def topkc_smem_layout() -> dict[str, int]:
     return out
 
 
-def make_topk_cluster_spec(mode: str, k: int, ratio: int, block_size: int = 8) -> IndexerSpec:
-    """The cluster top-k variant (entries or blocks): same ABI and output as `make_topk_spec`."""
+def make_topk_cluster_spec(mode: str, k: int, ratio: int, block_size: int = 8,
+                           k_blocks: int = 0) -> IndexerSpec:
+    """The cluster top-k variant: entries (k into out_entries), blocks (k into out_blocks) or
+    both (k entries and k_blocks blocks from one read of the row). Outputs as `topk_ref`."""
     if mode not in MODES_TOPKC:
         raise ValueError(f"indexer cluster top-k mode {mode!r}; expected one of {MODES_TOPKC}")
-    if not 1 <= k <= 4096:
-        raise ValueError(f"indexer cluster top-k: k = {k} outside [1, 4096]")
-    return IndexerSpec(f"indexer_topkc_{mode}_k{k}_r{ratio}_c{TOPKC_CLUSTER}", "topkc", 0, mode,
-                       ratio, k, block_size, 0, TOPK_PARAMS, (TOPKC_THREADS, 1, 1),
-                       topkc_smem_layout()["end"], TOPKC_CLUSTER)
+    for what, value in (("k", k), ("k_blocks", k_blocks if mode == "both" else 1)):
+        if not 1 <= value <= 4096:
+            raise ValueError(f"indexer cluster top-k: {what} = {value} outside [1, 4096]")
+    if TOPKC_SLICE % block_size:
+        raise ValueError(f"indexer cluster top-k: block size {block_size} must divide "
+                         f"{TOPKC_SLICE}")
+    tail = f"_b{k_blocks}" if mode == "both" else ""
+    return IndexerSpec(f"indexer_topkc_{mode}_k{k}{tail}_r{ratio}_c{TOPKC_CLUSTER}", "topkc", 0,
+                       mode, ratio, k, block_size, 0, TOPKC_PARAMS, (TOPKC_THREADS, 1, 1),
+                       topkc_smem_layout()["end"], TOPKC_CLUSTER,
+                       k_blocks if mode == "both" else 0)
 
 
-def topkc_slice_items(items: int, mode: str, block_size: int = 8) -> tuple[int, int]:
-    """(items per CTA, how many of them sit in shared memory; the rest are read from global)."""
-    per = ceil_div(items, TOPKC_CLUSTER)
-    cap = TOPKC_SLICE // block_size if mode == "blocks" else TOPKC_SLICE
-    return per, min(per, cap)
+def topkc_slices(n: int, block_size: int = 8, ctas: int = TOPKC_CLUSTER):
+    """Per CTA of a row with n visible entries: (first block, blocks, blocks held in shared
+    memory, first entry, entries, entries held). Slices are whole blocks, so one read serves the
+    entries and the blocks selections; items past TOPKC_SLICE entries are read from global."""
+    nb = ceil_div(n, block_size)
+    per = ceil_div(nb, ctas)
+    out = []
+    for c in range(ctas):
+        first = c * per
+        count = max(0, min(per, nb - first))
+        held = min(count, TOPKC_SLICE // block_size)
+        e0 = first * block_size
+        count_e = max(0, min(count * block_size, n - e0))
+        out.append((first, count, held, e0, count_e, min(count_e, held * block_size)))
+    return out
 
 
 def _check_heads(heads: int) -> None:
@@ -382,13 +405,13 @@ def select_in_order(keys: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def cluster_select_ref(keys: np.ndarray, k: int, ctas: int = TOPKC_CLUSTER) -> np.ndarray:
-    """The cluster top-k's algorithm on item keys: per-CTA slice histograms summed (what each CTA
-    reads over DSMEM), then each CTA writes its slice's selections at offsets given by the
-    (above, tie) counts of the CTAs before it. Equal to `select_in_order` by construction."""
+def cluster_select_ref(keys: np.ndarray, k: int, starts) -> np.ndarray:
+    """The cluster top-k's algorithm on item keys cut into slices at `starts` (one per CTA):
+    per-CTA histograms summed (what each CTA reads over DSMEM), then each CTA writes its slice's
+    selections at offsets given by the (above, tie) counts of the CTAs before it."""
     keys = np.asarray(keys, np.uint32)
-    per = ceil_div(keys.size, ctas) if keys.size else 0
-    slices = [keys[c * per:(c + 1) * per] for c in range(ctas)]
+    bounds = list(starts) + [keys.size]
+    slices = [keys[bounds[c]:bounds[c + 1]] for c in range(len(starts))]
     prefix, mask, need, take_all = 0, 0, k, False
     for p, (shift, bits) in enumerate(RADIX_PASSES):
         hist = np.zeros(1 << bits, np.int64)
@@ -412,9 +435,9 @@ def cluster_select_ref(keys: np.ndarray, k: int, ctas: int = TOPKC_CLUSTER) -> n
         a_before = run_above + np.cumsum(above) - above
         t_before = run_tie + np.cumsum(tie) - tie
         for j in np.flatnonzero(above):
-            out[a_before[j] + min(t_before[j], need)] = c * per + j
+            out[a_before[j] + min(t_before[j], need)] = bounds[c] + j
         for j in np.flatnonzero(tie & (t_before < need)):
-            out[a_before[j] + t_before[j]] = c * per + j
+            out[a_before[j] + t_before[j]] = bounds[c] + j
         run_above += int(above.sum())
         run_tie += int(tie.sum())
     return out

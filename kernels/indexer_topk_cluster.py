@@ -1,12 +1,13 @@
 """Indexer top-k variant for SM90: one thread-block cluster per row, the row read once into shared memory.
 
 The measured default (`kernels/indexer.py:IndexerTopkSm90`, one CTA per row) reads every score from
-L2 four times with one dependent load per thread at a time. This variant (`topkc`, entries and
-blocks modes, same ABI and output) splits a row over a cluster of TOPKC_CLUSTER CTAs:
+L2 four times with one dependent load per thread at a time. This variant (`topkc`; modes entries,
+blocks, and both = the layer-20 pair from one read; output as the default's) splits a row over a
+cluster of TOPKC_CLUSTER CTAs:
 
-    load      CTA c of the cluster takes items [c * per, (c + 1) * per): its scores are read once
-              with 8 independent loads in flight per thread into shared memory as ordered keys
-              (blocks mode: raw scores, then the max of each block of 8, own block forced in)
+    load      CTA c of the cluster takes blocks [c * per, (c + 1) * per) of 8 entries: their scores
+              are read once, 8 independent loads in flight per thread, into shared memory; block
+              keys (max of the block's visible entries, own block forced in) are made from them
     select    the three radix passes of the default, on the slice in shared memory; after each
               pass the cluster syncs and every CTA sums the CTAs' histograms over DSMEM (so all
               CTAs find the same bin; histograms alternate between two buffers, so clearing one
@@ -17,7 +18,8 @@ blocks modes, same ABI and output) splits a row over a cluster of TOPKC_CLUSTER 
 
 Items past TOPKC_SLICE per CTA (contexts over 128k at ratio 1) are read from global memory in
 every pass, as the default does: slower, still exact. Launch with cluster (TOPKC_CLUSTER, 1, 1)
-and grid (TOPKC_CLUSTER, rows, 1); a launch without the cluster shape traps.
+and grid (TOPKC_CLUSTER, rows, 1); a launch without the cluster shape traps. Slices:
+`indexer_kernel_ref.topkc_slices`; the algorithm: `indexer_kernel_ref.cluster_select_ref`.
 """
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ from kernels import indexer_kernel_ref as ik
 from kernels.indexer import (
     IndexerTopkSm90,
     _addr,
+    _as_i32,
     _asm,
     _void,
     atom_add_shared,
     block_scan,
     fmax_f32,
     imin,
+    ld_f32,
     ld_s32,
     lds_f32,
     lds_s32,
@@ -92,20 +96,21 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         super().__init__(spec)
         self.warps = ik.TOPKC_THREADS // ik.LANES
         self.C = spec.cluster_ctas
+        self.bs = spec.block_size
         self.lay = ik.topkc_smem_layout()
         self.bins_per_thread = ik.TOPK_BINS // ik.TOPKC_THREADS          # 4
 
     @cute.jit
     def __call__(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
-                 cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32,
-                 num_cands: Int32, stream: cuda.CUstream):
-        self.kernel(scores, positions, seq_index, cands, out, rows, ld, num_cands).launch(
+                 out_entries: cute.Pointer, out_blocks: cute.Pointer, rows: Int32, ld: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(scores, positions, seq_index, out_entries, out_blocks, rows, ld).launch(
             grid=[self.C, rows, 1], block=list(self.spec.block), cluster=[self.C, 1, 1],
             smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
-               cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32):
+               out_entries: cute.Pointer, out_blocks: cute.Pointer, rows: Int32, ld: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -118,96 +123,112 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         if s >= 0:
             n = (ld_s32(_addr(positions) + Int64(row) * 4) + 1) // self.spec.ratio
         src = _addr(scores) + Int64(row) * Int64(ld) * 4
-        items = n
-        if cutlass.const_expr(self.mode == "blocks"):
-            items = (n + self.spec.block_size - 1) // self.spec.block_size
-        per = (items + self.C - 1) // self.C
+        # This CTA's slice (as ik.topkc_slices): whole blocks; entries clipped to the row.
+        nb = (n + self.bs - 1) // self.bs
+        per = (nb + self.C - 1) // self.C
         first = rank * per
-        count = imin(per, items - first)
+        count = imin(per, nb - first)
         if count < 0:
             count = Int32(0)
-        cap = Int32(ik.TOPKC_SLICE)
-        if cutlass.const_expr(self.mode == "blocks"):
-            cap = Int32(ik.TOPKC_SLICE // self.spec.block_size)
-        held = imin(count, cap)
-        self.fill_slice(src, n, first, held, base, tidx)
+        held = imin(count, Int32(ik.TOPKC_SLICE // self.bs))
+        e0 = first * self.bs
+        count_e = imin(count * self.bs, n - e0)
+        if count_e < 0:
+            count_e = Int32(0)
+        held_e = imin(count_e, held * self.bs)
+        self.fill_slice(src, n, first, held, e0, held_e, base, tidx)
         cute.arch.sync_threads()
-        prefix = Int32(0)
-        mask = Int32(0)
-        need = Int32(self.k)
-        take_all = Int32(0)
-        for pi in cutlass.range_constexpr(len(ik.RADIX_PASSES)):
-            if take_all == 0:
-                prefix, mask, need, take_all = self.cluster_pass(
-                    src, n, first, count, held, prefix, mask, need, pi, base, tidx)
-        self.write_selection(src, n, first, count, held, prefix, need, take_all,
-                             _addr(out) + Int64(row) * self.k * 4, base, rank, tidx)
+        if cutlass.const_expr(self.mode != "blocks"):
+            self.select("entries", self.k, src, n, e0, count_e, held_e,
+                        _addr(out_entries) + Int64(row) * self.k * 4, base, rank, tidx, 0)
+        if cutlass.const_expr(self.mode != "entries"):
+            kb = self.k if self.mode == "blocks" else self.spec.topk_blocks
+            self.select("blocks", kb, src, n, first, count, held,
+                        _addr(out_blocks) + Int64(row) * kb * 4, base, rank, tidx, 1)
         cluster_sync()                         # no CTA leaves while another reads its counts
         cute.arch.griddepcontrol_launch_dependents()
 
     # ---- load --------------------------------------------------------------------------------
 
     @cute.jit
-    def fill_slice(self, src: Int64, n: Int32, first: Int32, held: Int32, base: Int32,
-                   tidx: Int32):
-        """Items [first, first + held) of the row into shared memory as ordered keys."""
+    def fill_slice(self, src: Int64, n: Int32, first: Int32, held: Int32, e0: Int32,
+                   held_e: Int32, base: Int32, tidx: Int32):
+        """Raw scores of entries [e0, e0 + held_e) into shared memory; block keys of the held
+        blocks when this kernel selects blocks."""
         slot = base + self.lay["slice"]
-        e0 = first
-        m = held
-        if cutlass.const_expr(self.mode == "blocks"):
-            e0 = first * self.spec.block_size
-            m = imin(held * self.spec.block_size, n - e0)
         start = Int32(0)
-        while start < m:
+        while start < held_e:
             vals = []
             for u in cutlass.range_constexpr(LOAD_BATCH):
                 j = start + u * ik.TOPKC_THREADS + tidx
                 ok = Int32(0)
-                if j < m:
+                if j < held_e:
                     ok = Int32(1)
                 vals.append((j, ok, ld_f32_if(src + Int64(e0 + j) * 4, ok)))
             for u in cutlass.range_constexpr(LOAD_BATCH):
                 j, ok, v = vals[u]
                 if ok != 0:
-                    if cutlass.const_expr(self.mode == "blocks"):
-                        sts_s32(slot + 4 * j, Int32(_asm(1, [Float32(v)], "mov.b32 $0, $1;",
-                                                         "=r,f")))
-                    else:
-                        sts_s32(slot + 4 * j, ordered_key(v))
+                    sts_s32(slot + 4 * j, Int32(_asm(1, [Float32(v)], "mov.b32 $0, $1;", "=r,f")))
             start += LOAD_BATCH * ik.TOPKC_THREADS
-        if cutlass.const_expr(self.mode == "blocks"):
+        if cutlass.const_expr(self.mode != "entries"):
             cute.arch.sync_threads()
-            bs = self.spec.block_size
             j = tidx
             while j < held:
                 best = Float32(-float("inf"))
-                for e in cutlass.range_constexpr(bs):
-                    if j * bs + e < m:
-                        best = fmax_f32(best, lds_f32(slot + 4 * (j * bs + e)))
-                if first + j == (n - 1) // bs:          # the row's own block is forced in
+                for e in cutlass.range_constexpr(self.bs):
+                    if j * self.bs + e < held_e:
+                        best = fmax_f32(best, lds_f32(slot + 4 * (j * self.bs + e)))
+                if first + j == (n - 1) // self.bs:     # the row's own block is forced in
                     best = Float32(float("inf"))
                 sts_s32(base + self.lay["block_keys"] + 4 * j, ordered_key(best))
                 j += ik.TOPKC_THREADS
 
     @cute.jit
-    def slice_key(self, src: Int64, n: Int32, first: Int32, held: Int32, j: Int32, base: Int32):
+    def slice_key(self, sub: cutlass.Constexpr, src: Int64, n: Int32, first: Int32, held: Int32,
+                  j: Int32, base: Int32):
         """Ordered key of item first + j: from shared memory when held, else from global."""
         key = Int32(0)
         if j < held:
-            keys = base + self.lay["slice"]
-            if cutlass.const_expr(self.mode == "blocks"):
-                keys = base + self.lay["block_keys"]
-            key = lds_s32(keys + 4 * j)
+            if cutlass.const_expr(sub == "entries"):
+                key = ordered_key(lds_f32(base + self.lay["slice"] + 4 * j))
+            else:
+                key = lds_s32(base + self.lay["block_keys"] + 4 * j)
         else:
-            _, key, _ = self.item_key(src, src, n, first + j)
+            if cutlass.const_expr(sub == "entries"):
+                key = ordered_key(ld_f32(src + Int64(first + j) * 4))
+            else:
+                b = first + j
+                best = Float32(-float("inf"))
+                for e in cutlass.range_constexpr(self.bs):
+                    if b * self.bs + e < n:
+                        best = fmax_f32(best, ld_f32(src + Int64(b * self.bs + e) * 4))
+                if b == (n - 1) // self.bs:
+                    best = Float32(float("inf"))
+                key = ordered_key(best)
         return key
 
     # ---- select ------------------------------------------------------------------------------
 
     @cute.jit
-    def cluster_pass(self, src: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
-                     prefix: Int32, mask: Int32, need: Int32, pi: cutlass.Constexpr, base: Int32,
-                     tidx: Int32):
+    def select(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64, n: Int32,
+               first: Int32, count: Int32, held: Int32, dst: Int64, base: Int32, rank: Int32,
+               tidx: Int32, run: cutlass.Constexpr):
+        """Top-k of one item kind over the cluster's slices, written to dst (the row's k words)."""
+        prefix = Int32(0)
+        mask = Int32(0)
+        need = Int32(k)
+        take_all = Int32(0)
+        for pi in cutlass.range_constexpr(len(ik.RADIX_PASSES)):
+            if take_all == 0:
+                prefix, mask, need, take_all = self.cluster_pass(
+                    sub, src, n, first, count, held, prefix, mask, need, pi, base, tidx)
+        self.write_selection(sub, k, src, n, first, count, held, prefix, need, take_all, dst,
+                             base, rank, tidx, run)
+
+    @cute.jit
+    def cluster_pass(self, sub: cutlass.Constexpr, src: Int64, n: Int32, first: Int32,
+                     count: Int32, held: Int32, prefix: Int32, mask: Int32, need: Int32,
+                     pi: cutlass.Constexpr, base: Int32, tidx: Int32):
         shift, bits = ik.RADIX_PASSES[pi]
         nbins = 1 << bits
         hist = base + self.lay["hist"] + (pi % 2) * 4 * ik.TOPK_BINS
@@ -218,7 +239,7 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         cute.arch.sync_threads()
         j = tidx
         while j < count:
-            key = self.slice_key(src, n, first, held, j, base)
+            key = self.slice_key(sub, src, n, first, held, j, base)
             if (key & mask) == prefix:
                 atom_add_shared(hist + 4 * (ushr(key, shift) & (nbins - 1)), Int32(1))
             j += ik.TOPKC_THREADS
@@ -228,7 +249,9 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
             v = ld_cluster_v4(hist + 4 * per * tidx, Int32(c))
             for q in cutlass.range_constexpr(per):
                 mine[q] = mine[q] + v[q]
-        total_mine = mine[0] + mine[1] + mine[2] + mine[3]
+        total_mine = mine[0]
+        for q in cutlass.range_constexpr(1, per):
+            total_mine = total_mine + mine[q]
         excl, total = self.reverse_scan(total_mine, ik.TOPKC_THREADS - 1 - tidx,
                                         base + self.lay["totals"])
         above = excl                           # items in bins above this thread's top bin
@@ -248,23 +271,24 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
             d = lds_s32(found)
             new_need = need - lds_s32(found + 4)
             new_prefix = prefix | (d << shift)
-            new_mask = mask | Int32(ik_mask(nbins, shift))
+            new_mask = mask | Int32(_as_i32((nbins - 1) << shift))
         cute.arch.sync_threads()
         return new_prefix, new_mask, new_need, take_all
 
     # ---- output ------------------------------------------------------------------------------
 
     @cute.jit
-    def write_selection(self, src: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
-                        threshold: Int32, need: Int32, take_all: Int32, dst: Int64, base: Int32,
-                        rank: Int32, tidx: Int32):
+    def write_selection(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64, n: Int32,
+                        first: Int32, count: Int32, held: Int32, threshold: Int32, need: Int32,
+                        take_all: Int32, dst: Int64, base: Int32, rank: Int32, tidx: Int32,
+                        run: cutlass.Constexpr):
         totals = base + self.lay["totals"]
-        counts = base + self.lay["counts"]
+        counts = base + self.lay["counts"] + 8 * run
         n_above = Int32(0)                     # two scans: a slice may exceed 16-bit counts
         n_tie = Int32(0)
         j = tidx
         while j < count:
-            key = self.slice_key(src, n, first, held, j, base)
+            key = self.slice_key(sub, src, n, first, held, j, base)
             above, tie = select_flags(key, threshold, take_all, Int32(1))
             n_above = n_above + above
             n_tie = n_tie + tie
@@ -288,18 +312,18 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
                 run_tie = run_tie + t
             all_above = all_above + a
             all_tie = all_tie + t
-        self.ordered_slice(src, n, first, count, held, threshold, need, take_all, dst, base,
+        self.ordered_slice(sub, src, n, first, count, held, threshold, need, take_all, dst, base,
                            run_above, run_tie, tidx)
         selected = all_above + imin(all_tie, need)
         j = selected + rank * ik.TOPKC_THREADS + tidx
-        while j < self.k:
+        while j < k:
             st_s32(dst + Int64(j) * 4, Int32(-1))
             j += self.C * ik.TOPKC_THREADS
 
     @cute.jit
-    def ordered_slice(self, src: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
-                      threshold: Int32, need: Int32, take_all: Int32, dst: Int64, base: Int32,
-                      run_above: Int32, run_tie: Int32, tidx: Int32):
+    def ordered_slice(self, sub: cutlass.Constexpr, src: Int64, n: Int32, first: Int32,
+                      count: Int32, held: Int32, threshold: Int32, need: Int32, take_all: Int32,
+                      dst: Int64, base: Int32, run_above: Int32, run_tie: Int32, tidx: Int32):
         """This CTA's selections in item order (4 consecutive items per thread per chunk)."""
         per = 4
         totals = base + self.lay["totals"]
@@ -312,7 +336,7 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
                 above = Int32(0)
                 tie = Int32(0)
                 if j < count:
-                    key = self.slice_key(src, n, first, held, j, base)
+                    key = self.slice_key(sub, src, n, first, held, j, base)
                     above, tie = select_flags(key, threshold, take_all, Int32(1))
                 flags.append((above, tie, first + j))
                 packed = packed + above + (tie << 16)
@@ -332,9 +356,3 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
             run_above = run_above + (total & 0xFFFF)
             run_tie = run_tie + ushr(total, 16)
             start += ik.TOPKC_THREADS * per
-
-
-def ik_mask(nbins: int, shift: int) -> int:
-    """(nbins - 1) << shift as a signed 32-bit Python int (so the DSL keeps it Int32)."""
-    value = (nbins - 1) << shift
-    return value - (1 << 32) if value >= 1 << 31 else value

@@ -181,30 +181,46 @@ def test_radix_select_equals_stable_topk(n, k):
 @pytest.mark.parametrize("n,k,ctas", [(1, 16, 8), (17, 16, 8), (1000, 16, 3), (5000, 512, 8),
                                       (70000, 512, 8), (3000, 2048, 8), (4097, 512, 5)])
 def test_cluster_select_equals_radix_select(n, k, ctas):
-    """The cluster variant's split (per-CTA histograms summed, per-CTA output offsets) selects
-    exactly what the one-CTA radix select does, ties included."""
+    """The cluster variant's split (per-CTA histograms summed, per-CTA output offsets, slices of
+    whole blocks as the kernel cuts them) selects exactly what the one-CTA radix select does."""
+    slices = ik.topkc_slices(n, 8, ctas)
     for _ in range(3):
         keys = ik.ordered_key(_scores_with_ties(n))
-        np.testing.assert_array_equal(ik.cluster_select_ref(keys, k, ctas),
+        starts = [min(e0, n) for _, _, _, e0, _, _ in slices]
+        np.testing.assert_array_equal(ik.cluster_select_ref(keys, k, starts),
                                       ik.select_in_order(keys, k))
+        nb = -(-n // 8)
+        bkeys = ik.ordered_key(RNG.standard_normal(nb).astype(np.float32))
+        starts = [min(first, nb) for first, _, _, _, _, _ in slices]
+        np.testing.assert_array_equal(ik.cluster_select_ref(bkeys, k, starts),
+                                      ik.select_in_order(bkeys, k))
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 1000, 131072, 131073, 300001])
+def test_cluster_slices_cover_the_row_once(n):
+    slices = ik.topkc_slices(n)
+    blocks = [b for first, count, _, _, _, _ in slices for b in range(first, first + count)]
+    entries = [e for _, _, _, e0, count_e, _ in slices for e in range(e0, e0 + count_e)]
+    assert blocks == list(range(-(-n // 8))) and entries == list(range(n))
+    for first, count, held, e0, count_e, held_e in slices:
+        assert held == min(count, ik.TOPKC_SLICE // 8) and held_e <= ik.TOPKC_SLICE
+        assert held_e == min(count_e, 8 * held)
+    held_all = all(held == count for _, count, held, _, _, _ in slices)
+    assert held_all == (n <= 131072), "a 128k-entry row is held in shared memory, no more"
 
 
 def test_cluster_topk_spec_geometry():
-    spec = ik.make_topk_cluster_spec("blocks", 2048, 1)
+    spec = ik.make_topk_cluster_spec("both", 512, 1, 8, 2048)
     assert spec.kind == "topkc" and spec.grid(6) == (ik.TOPKC_CLUSTER, 6, 1)
     assert spec.cluster == (ik.TOPKC_CLUSTER, 1, 1) and spec.to_dict()["cluster_ctas"] == 8
+    assert spec.topk == 512 and spec.topk_blocks == 2048
     lay = ik.topkc_smem_layout()
     assert lay["hist"] % 16 == 0                   # 16-byte DSMEM loads of 4 bins
     assert 2 * (spec.smem_bytes + 1024) <= 228 * 1024, "two CTAs per SM"
-    # A 128k-entry row (ratio 1) sits in shared memory in both modes; longer rows spill.
-    for mode in ik.MODES_TOPKC:
-        items = 131072 // 8 if mode == "blocks" else 131072
-        per, held = ik.topkc_slice_items(items, mode)
-        assert held == per
-        per, held = ik.topkc_slice_items(items + 8 * 8, mode)
-        assert held < per
     with pytest.raises(ValueError, match="mode"):
         ik.make_topk_cluster_spec("candidates", 512, 1)
+    with pytest.raises(ValueError, match="k_blocks"):
+        ik.make_topk_cluster_spec("both", 512, 1, 8, 0)
 
 
 def test_ordered_key_orders_like_floats():
@@ -272,8 +288,10 @@ def test_specs_of_both_configs():
                 s.grid(0)
         top = [s for s in specs if s.kind == "topk" and s.mode == "entries"]
         assert {s.topk for s in top} == {cfg.index_topk}
-        variants = {(s.mode, s.topk) for s in specs if s.kind == "topkc"}
-        assert variants == {("entries", cfg.index_topk), ("blocks", cfg.candidate_topk_blocks)}
+        variants = {(s.mode, s.topk, s.topk_blocks) for s in specs if s.kind == "topkc"}
+        assert variants == {("entries", cfg.index_topk, 0),
+                            ("blocks", cfg.candidate_topk_blocks, 0),
+                            ("both", cfg.index_topk, cfg.candidate_topk_blocks)}
 
 
 def test_bad_specs_are_refused():

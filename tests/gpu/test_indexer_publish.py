@@ -94,9 +94,9 @@ def setup_keys(rng, chain: IndexerChain, seqs: int, positions, seq_index, ratio:
 def run_chain(chain, rows, stream):
     """The default chain, then the cluster top-k variants on its scores (dense chains)."""
     chain.poison("scores", "topk", "blocks_out", "qfrag", "qscale", "qw", "plan", "topk_c",
-                 "blocks_c")
+                 "blocks_c", "topk_b", "blocks_b")
     cp.cuda.Device().synchronize()
-    for spec in chain.launches(rows, WEIGHT_SCALE) + chain.variant_launches(rows):
+    for spec in chain.launches(rows, WEIGHT_SCALE) + list(chain.variant_launches(rows).values()):
         spec.launch(stream)
     stream.synchronize()
 
@@ -173,6 +173,10 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
                                       err_msg="cluster top-k variant (entries)")
         np.testing.assert_array_equal(dense.download("blocks_c", np.int32, (r, 2048)), blocks,
                                       err_msg="cluster top-k variant (blocks)")
+        np.testing.assert_array_equal(dense.download("topk_b", np.int32, (r, 512)), topk,
+                                      err_msg="cluster top-k variant (both: entries)")
+        np.testing.assert_array_equal(dense.download("blocks_b", np.int32, (r, 2048)), blocks,
+                                      err_msg="cluster top-k variant (both: blocks)")
         for spec in dense.launches(r, WEIGHT_SCALE):           # replay: bitwise
             spec.launch(stream)
         stream.synchronize()

@@ -8,8 +8,9 @@ CTAs, and past the 131072 entries the slices hold in shared memory (the global-m
 Every score past a row's visible entries is poisoned with the largest finite float, so a read past
 the row would be selected and show; the outputs are poisoned with 0xFF. The selection is exact:
 outputs are compared bitwise with `topk_ref` (the model-level `indexer_ref` functions), for the
-entries (k = 512) and blocks (k = 2048 blocks of 8, own block forced in) modes, the variant and the
-default both, and a relaunch is bitwise identical.
+entries (k = 512) and blocks (k = 2048 blocks of 8, own block forced in) selections of the default
+kernels and of the three cluster variants (entries, blocks, both from one read); a relaunch is
+bitwise identical.
 """
 from __future__ import annotations
 
@@ -81,17 +82,19 @@ def test_cluster_topk_equals_reference(dev, bundle, lengths, dist):
         chain.upload("seq_index", seq_index)
         want_topk = ik.topk_ref(scores, positions, seq_index, "entries", 512, 1)
         want_blocks = ik.topk_ref(scores, positions, seq_index, "blocks", 2048, 1)
-        launches = topk_launches(chain, rows) + chain.variant_launches(rows)
+        launches = topk_launches(chain, rows) + list(chain.variant_launches(rows).values())
+        assert len(launches) == 5
         stream = dev.stream()
         for rep in range(2):                               # a relaunch is bitwise identical
-            chain.poison("topk", "blocks_out", "topk_c", "blocks_c")
+            chain.poison("topk", "blocks_out", "topk_c", "blocks_c", "topk_b", "blocks_b")
             cp.cuda.Device().synchronize()
             for spec in launches:
                 spec.launch(stream)
             stream.synchronize()
             for name, want, k in (("topk", want_topk, 512), ("topk_c", want_topk, 512),
-                                  ("blocks_out", want_blocks, 2048),
-                                  ("blocks_c", want_blocks, 2048)):
+                                  ("topk_b", want_topk, 512), ("blocks_out", want_blocks, 2048),
+                                  ("blocks_c", want_blocks, 2048),
+                                  ("blocks_b", want_blocks, 2048)):
                 got = chain.download(name, np.int32, (rows, k))
                 np.testing.assert_array_equal(got, want, err_msg=f"{name} (launch {rep})")
     finally:
