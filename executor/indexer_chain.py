@@ -231,3 +231,11 @@ def _bench_variants(ctx, chain, specs, case, context, rows, reps, bytes_scores) 
         ctx.bandwidth(name, case, rows, us, bytes_scores)
         if context == 65536 and rows == 6:
             ctx.metric(f"{name} R=6 T=64k", us, "us")
+    ctx.stream.synchronize()                  # every output now holds its kernel's last result
+    same = all(np.array_equal(chain.download(a, np.int32, (rows, k)),
+                              chain.download(b, np.int32, (rows, k)))
+               for a, b, k in (("topk", "topk_c", 512), ("topk", "topk_b", 512),
+                               ("blocks_out", "blocks_c", 2048),
+                               ("blocks_out", "blocks_b", 2048)))
+    ctx.metric(f"indexer cluster top-k outputs == default ({case} R={rows})", float(same), "",
+               "1", same)
