@@ -253,4 +253,6 @@ def _spec_from(bundle, name: str) -> ref.SparseMqaSpec:
     return ref.SparseMqaSpec(s["name"], s["heads"], s["window"], s["swa_cols"], s["topk"],
                              s["ring_slots"], s["cluster"][0], s["entries_per_cta"],
                              s["smem_bytes"], split=s.get("split", "balanced"),
-                             skip=tuple(s.get("skip", ())))
+                             skip=tuple(s.get("skip", ())),
+                             ctas_per_sm=s.get("ctas_per_sm", ref.CTAS_PER_SM),
+                             qk_chains=s.get("qk_chains", 1))

@@ -488,7 +488,8 @@ class SparseMqaSm90:
         """logits[h, n] = q[h] . entry[n] / sqrt(512); warp w takes 8-entry tiles w, w + 8, .."""
         warp, lane = tidx // WARP, tidx % WARP
         g, t = lane // 4, lane % 4
-        acc = cute.make_rmem_tensor((4,), Float32)
+        chains = self.spec.qk_chains        # independent accumulators: k-steps kk % chains
+        acc = cute.make_rmem_tensor((4 * chains,), Float32)
         tile = warp
         while tile < n_pad // 8:
             entry = base + self.lay.records + (tile * 8 + g) * REC
@@ -506,9 +507,13 @@ class SparseMqaSm90:
                     off = ROPE_OFF + (k0 - NOPE) * 2 + 4 * t
                     b0 = lds_u32(entry + off)
                     b1 = lds_u32(entry + off + 16)
-                d = mma_bf16_16816(a, (b0, b1), [acc[i] for i in range(4)])
+                c = 4 * (kk % chains)
+                d = mma_bf16_16816(a, (b0, b1), [acc[c + i] for i in range(4)])
                 for i in cutlass.range_constexpr(4):
-                    acc[i] = d[i]
+                    acc[c + i] = d[i]
+            for c in cutlass.range_constexpr(1, chains):   # fixed order: chain 0 + 1 + ..
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = acc[i] + acc[4 * c + i]
             n0 = tile * 8 + 2 * t
             for e in cutlass.range_constexpr(2):
                 valid = lds_s64(base + self.lay.addresses + (n0 + e) * 8) > 1

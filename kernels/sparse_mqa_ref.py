@@ -145,6 +145,9 @@ class SparseMqaSpec:
     # CTAs per SM the registers are budgeted for (minctasm). 3 needs <= 80 registers: the PV
     # product then runs in two passes of 32 dims per warp (16 accumulators instead of 32).
     ctas_per_sm: int = CTAS_PER_SM
+    # QK accumulator chains per 8-entry tile: 2 halves the dependent mma chain (32 -> 2 x 16
+    # k-steps, summed in a fixed order at the end; a different fp32 rounding of the same logit).
+    qk_chains: int = 1
 
     @property
     def swa_share(self) -> int:
@@ -186,12 +189,13 @@ class SparseMqaSpec:
                 "ring_slots": self.ring_slots, "cluster": list(self.cluster),
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
-                "skip": list(self.skip), "ctas_per_sm": self.ctas_per_sm}
+                "skip": list(self.skip), "ctas_per_sm": self.ctas_per_sm,
+                "qk_chains": self.qk_chains}
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
               split: str = "balanced", skip: tuple[str, ...] = (),
-              ctas_per_sm: int = CTAS_PER_SM) -> SparseMqaSpec:
+              ctas_per_sm: int = CTAS_PER_SM, qk_chains: int = 1) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -213,12 +217,16 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
     name += "_fixed" if split == "fixed" else ""
     name += f"_x{ctas_per_sm}" if ctas_per_sm != CTAS_PER_SM else ""
+    name += f"_qk{qk_chains}" if qk_chains != 1 else ""
     name += "_skip_" + "_".join(skip) if skip else ""
     if ctas_per_sm not in (CTAS_PER_SM, CTAS_PER_SM + 1) or \
             ctas_per_sm * (layout.total + 1024) > SM_SMEM_BYTES:
         raise ValueError(f"{name}: {ctas_per_sm} CTAs per SM of {layout.total} B shared memory")
+    if qk_chains not in (1, 2):
+        raise ValueError(f"{name}: {qk_chains} QK chains; 1 or 2")
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
-                         layout.total, split=split, skip=tuple(skip), ctas_per_sm=ctas_per_sm)
+                         layout.total, split=split, skip=tuple(skip), ctas_per_sm=ctas_per_sm,
+                         qk_chains=qk_chains)
 
 
 def sparse_mqa_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
@@ -235,7 +243,8 @@ def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
     default) and the timing-only ablations (`ABLATIONS`) the benchmark reports side by side."""
     base = sparse_mqa_specs(cfg, tp, max_block_rows)[1]
     args = (base.heads, base.window, cfg.dspark_block_size, base.topk, base.ring_slots)
-    return ([make_spec(*args, split="fixed"), make_spec(*args, split="fixed", ctas_per_sm=3)]
+    return ([make_spec(*args, split="fixed"), make_spec(*args, split="fixed", ctas_per_sm=3),
+             make_spec(*args, split="fixed", ctas_per_sm=3, qk_chains=2)]
             + [make_spec(*args, skip=skip) for skip in ABLATIONS])
 
 

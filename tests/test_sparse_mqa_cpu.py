@@ -273,7 +273,9 @@ def test_variant_specs_build_beside_the_default(cfg):
     base = _specs(cfg)
     variants = ref.variant_specs(cfg, 4)
     cands = ref.candidate_specs(cfg, 4)
-    assert sorted(cands) == ["default", "fixed", "fixed_x3"] and cands["default"] == base[1]
+    assert sorted(cands) == ["default", "fixed", "fixed_x3", "fixed_x3_qk2"]
+    assert cands["default"] == base[1]
+    assert (cands["fixed_x3_qk2"].qk_chains, cands["fixed_x3"].qk_chains) == (2, 1)
     f, x3 = cands["fixed"], cands["fixed_x3"]
     assert (f.split, x3.split, f.ctas_per_sm, x3.ctas_per_sm) == ("fixed", "fixed", 2, 3)
     assert (f.pv_passes, x3.pv_passes, f.entries_per_cta) == (1, 2, x3.entries_per_cta)
@@ -298,5 +300,7 @@ def test_variant_specs_build_beside_the_default(cfg):
         ref.make_spec(4, 16, 5, 16, 32, split="other")
     with pytest.raises(ValueError, match="fixed"):
         ref.make_spec(4, 16, 5, 0, 32, split="fixed")
+    with pytest.raises(ValueError, match="QK chains"):
+        ref.make_spec(16, 128, 5, 512, 256, qk_chains=3)
     with pytest.raises(ValueError, match="CTAs per SM"):
         ref.make_spec(16, 128, 5, 512, 256, ctas_per_sm=4)

@@ -106,7 +106,7 @@ def _topk_spec(cfg, variant: str) -> ref.SparseMqaSpec:
     return ref.candidate_specs(cfg, 4)[variant]
 
 
-VARIANTS = ("default", "fixed", "fixed_x3")
+VARIANTS = ("default", "fixed", "fixed_x3", "fixed_x3_qk2")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
