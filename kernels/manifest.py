@@ -30,6 +30,7 @@ FAMILIES = (
     "kernels.dense", "kernels.wo_a", "kernels.lm_head",
     "kernels.indexer", "kernels.kv_publish", "kernels.compressor",
     "kernels.sparse_mqa",
+    "kernels.mhc", "kernels.router",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
