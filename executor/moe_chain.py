@@ -124,10 +124,12 @@ class MoeChain:
     def has_selfrouted(self) -> bool:
         return {("xquant", ""), ("w13sr", ""), ("w2sr", "")} <= set(self.selfrouted)
 
-    def selfrouted_w2_variants(self) -> list[str]:
-        return [v for k, v in self.selfrouted if k == "w2sr"]
+    def selfrouted_variants(self, kind: str) -> list[str]:
+        """The w13sr / w2sr variants the bundle holds ("" = that kernel's default)."""
+        return [v for k, v in self.selfrouted if k == kind]
 
-    def launches_selfrouted(self, rows: int, w2: str | None = None) -> list[LaunchSpec]:
+    def launches_selfrouted(self, rows: int, w13: str = "",
+                            w2: str | None = None) -> list[LaunchSpec]:
         """xquant -> w13sr -> w2sr -> combine (no moe_prep; kernels/moe_selfroute.py); w2 None =
         mk.W2SR_SINGLE_ROW_VARIANT at R = 1 when the bundle has it, else the default."""
         if not self.has_selfrouted():
@@ -136,12 +138,13 @@ class MoeChain:
         if w2 is None:
             single = ("w2sr", mk.W2SR_SINGLE_ROW_VARIANT)
             w2 = single[1] if rows == 1 and single in self.selfrouted else ""
-        if ("w2sr", w2) not in self.selfrouted:
-            raise KeyError(f"no w2sr variant {w2!r} in the bundle "
-                           f"(have {self.selfrouted_w2_variants()})")
+        for key in (("w13sr", w13), ("w2sr", w2)):
+            if key not in self.selfrouted:
+                raise KeyError(f"no {key[0]} variant {key[1]!r} in the bundle "
+                               f"(have {self.selfrouted_variants(key[0])})")
         p = self.arena.ptr
         steps = [(("xquant", ""), (p("x"), p("xq"), p("xs"), rows)),
-                 (("w13sr", ""), (p("ids"), p("xq"), p("xs"), p("codes13"), p("offsets13"),
+                 (("w13sr", w13), (p("ids"), p("xq"), p("xs"), p("codes13"), p("offsets13"),
                                   p("scales13"), p("h"), rows)),
                  (("w2sr", w2), (p("ids"), p("h"), p("codes2"), p("offsets2"), p("scales2"),
                                  p("ye"), rows))]
@@ -197,7 +200,9 @@ def bench_moe_routed(ctx) -> None:
             distinct = len(np.unique(ids))
             chains = [("", chain.launches(rows))]
             if chain.has_selfrouted():
-                chains.append((" selfrouted", chain.launches_selfrouted(rows)))
+                for w13 in chain.selfrouted_variants("w13sr"):
+                    chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
+                                   chain.launches_selfrouted(rows, w13=w13)))
             for label, specs in chains:
                 def run(specs=specs):
                     for s in specs:

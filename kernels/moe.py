@@ -815,18 +815,18 @@ _KERNEL_CLASSES = {"prep": MoePrepSm90, "w13": MoeW13Sm90, "w2": MoeW2Sm90,
                    "combine": MoeCombineSm90}
 
 
-def _kernel_class(kind: str):
+def _kernel_class(spec: mk.MoeSpec):
     """The default chain's classes here; the self-routed chain's in kernels/moe_selfroute.py
     (imported late: it builds on this module)."""
-    if kind in _KERNEL_CLASSES:
-        return _KERNEL_CLASSES[kind]
+    if spec.kind in _KERNEL_CLASSES:
+        return _KERNEL_CLASSES[spec.kind]
     from kernels import moe_selfroute
-    return moe_selfroute.KERNEL_CLASSES[kind]
+    return moe_selfroute.kernel_class(spec)
 
 
 def kernel_function(spec: mk.MoeSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    return _kernel_class(spec.kind).kernel
+    return _kernel_class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[mk.MoeSpec]:
@@ -846,4 +846,4 @@ def compile_spec(spec: mk.MoeSpec, options: str = "--gpu-arch sm_90a"):
 
     n_ptrs = len(spec.params) - 1
     args = [ptr() for _ in range(n_ptrs)] + [Int32(1), cuda.CUstream(0)]
-    return cute.compile(_kernel_class(spec.kind)(spec), *args, options=options)
+    return cute.compile(_kernel_class(spec)(spec), *args, options=options)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import cutlass
 from cuda.bindings import driver as cuda
-from cutlass import Int32, Int64, cute
+from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe as mo
 from kernels import moe_kernel_ref as mk
@@ -300,6 +300,128 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         return b_regs, sc, p0, p1, v0, v1
 
 
+class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
+    """moe_w13sr "early": a one-item ring whose stage is refilled with the CTA's next item while
+    the current one is still being computed: each thread re-issues the cp.async of a 128-group's
+    weights right after the mma that consumed them (it reads back only what it copied, and the
+    mma's operands come from those reads, so the overwrite cannot pass them). The next item's
+    latency then overlaps this item's math, cross-warp sum and epilogue, which the plain ring
+    serialises. Only in an item's last token chunk (earlier chunks re-read the stage)."""
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.ring_region
+        lists = red + self.threads * 16
+        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        total = self.routing.distinct(lists) * self.tiles
+        self.issue(ring, self.routing.expert_of_item(lists, bidx, self.tiles, total),
+                   mo._addr(codes), mo._addr(offsets), bidx, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # xq, xs come from moe_xquant
+        cute.arch.griddepcontrol_launch_dependents()
+        item = bidx
+        while item < total:
+            e, first, count = self.routing.entry(lists, item // self.tiles)
+            tile = item % self.tiles
+            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            nxt = item + gdim
+            nxt_e = self.routing.expert_of_item(lists, nxt, self.tiles, total)
+            refill = self.weight_addresses(nxt_e, nxt, mo._addr(codes), mo._addr(offsets), warp,
+                                           lane)
+            more = Int32(1) if nxt < total else Int32(0)
+            pair_list = lists + self.routing.pairs_at + 4 * first
+            ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs), count, Int32(0),
+                                         warp, lane)
+            mo.cp_async_wait(0)
+            last = Int32(1) if count <= mk.CHUNK_TOKENS else Int32(0)
+            self.chunk_math_refill(ring, ins, mo._addr(h), tile, scale, red, warp, lane, tidx,
+                                   refill, more * last)
+            chunk = Int32(mk.CHUNK_TOKENS)
+            while chunk < count:
+                ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs),
+                                             count - chunk, chunk, warp, lane)
+                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
+                self.chunk_math_refill(ring, ins, mo._addr(h), tile, scale, red, warp, lane,
+                                       tidx, refill, more * last)
+                chunk += mk.CHUNK_TOKENS
+            item += gdim
+
+    @cute.jit
+    def weight_addresses(self, e: Int32, item: Int32, codes: Int64, offsets: Int64, warp: Int32,
+                         lane: Int32):
+        """(code, offset) addresses of this thread's first column / group of item's weights, as
+        `issue` computes them."""
+        tile_id = Int64(e * self.tiles + item % self.tiles)
+        wbase = (codes + (tile_id * self.cols + warp * self.cols_per_warp) * mk.COL_BYTES
+                 + lane * 16)
+        obase = (offsets + (tile_id * self.groups + warp * self.groups_per_warp)
+                 * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8)
+        return wbase, obase
+
+    @cute.jit
+    def chunk_math_refill(self, stage: Int32, ins, h: Int64, tile: Int32, scale: Float32,
+                          red: Int32, warp: Int32, lane: Int32, tidx: Int32, refill,
+                          do_refill: Int32):
+        """`chunk_math`, re-issuing each group's weight copies for the next item (when
+        do_refill) right after that group's mma; one commit group per refilling call."""
+        b_regs, sc, p0, p1, v0, v1 = ins
+        wbase, obase = refill
+        acc = [Float32(0.0)] * 4
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            words = (mo.lds_v4(stage + ((2 * gi) * self.threads + tidx) * 16)
+                     + mo.lds_v4(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
+            offs = mo.lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
+            part = mo.group_mma(words, offs, 4, b_regs[gi])
+            if do_refill != 0:
+                for c in cutlass.range_constexpr(2 * gi, 2 * gi + 2):
+                    mo.cp_async_16(stage + (c * self.threads + tidx) * 16,
+                                   wbase + c * mk.COL_BYTES)
+                mo.cp_async_8(stage + self.offsets_at + (gi * self.threads + tidx) * 8,
+                              obase + gi * mk.GROUP_OFFSET_BYTES)
+            sc0, sc1 = sc[gi]
+            acc = [mo.fmul_add(acc[0], part[0], sc0), mo.fmul_add(acc[1], part[1], sc1),
+                   mo.fmul_add(acc[2], part[2], sc0), mo.fmul_add(acc[3], part[3], sc1)]
+        if do_refill != 0:
+            mo.cp_async_commit()
+        self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0, v1)
+
+    @cute.jit
+    def reduce_and_store(self, acc, h: Int64, tile: Int32, scale: Float32, red: Int32,
+                         warp: Int32, lane: Int32, tidx: Int32, p0: Int32, p1: Int32, v0: Int32,
+                         v1: Int32):
+        """`chunk_math`'s tail: warp 0 sums the K slices in warp order, scale, bf16, SwiGLU."""
+        g = lane // 4
+        slot = red + 16 * tidx
+        for i in cutlass.range_constexpr(4):
+            mo.sts_f32(slot + 4 * i, acc[i])
+        cute.arch.sync_threads()
+        if warp == 0:
+            tot = [mo.lds_f32(red + 16 * lane + 4 * i) for i in range(4)]
+            for w in cutlass.range_constexpr(1, self.warps):
+                for i in cutlass.range_constexpr(4):
+                    tot[i] = tot[i] + mo.lds_f32(red + 16 * (w * mk.LANES + lane) + 4 * i)
+            limit = self.shape.swiglu_limit
+            n = 8 * tile + g
+            inter = self.shape.inter
+            if v0 != 0:
+                y0 = mo.swiglu(mo.round_bf16(tot[0] * scale), mo.round_bf16(tot[2] * scale),
+                               limit)
+                mo.st_bf16(h + Int64(p0 * inter + n) * 2, y0)
+            if v1 != 0:
+                y1 = mo.swiglu(mo.round_bf16(tot[1] * scale), mo.round_bf16(tot[3] * scale),
+                               limit)
+                mo.st_bf16(h + Int64(p1 * inter + n) * 2, y1)
+        cute.arch.sync_threads()
+
+
 class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
     """moe_w2sr: moe_w2's items and math; routing lists in shared memory, ring filled before
     the wait, the stage just consumed refilled with the item `stages` ahead."""
@@ -389,3 +511,10 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
 
 KERNEL_CLASSES = {"xquant": MoeXQuantSm90, "w13sr": MoeW13SelfRoutedSm90,
                   "w2sr": MoeW2SelfRoutedSm90}
+W13SR_CLASSES = {"early": MoeW13EarlyRefillSm90}
+
+
+def kernel_class(spec: mk.MoeSpec):
+    if spec.kind == "w13sr" and spec.variant in W13SR_CLASSES:
+        return W13SR_CLASSES[spec.variant]
+    return KERNEL_CLASSES[spec.kind]

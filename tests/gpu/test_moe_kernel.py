@@ -7,7 +7,7 @@ routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds), and two replays bitwise equal; then the self-routed chain
-(kernels/moe_selfroute.py, every w2sr variant) from poisoned buffers: y within tolerance and
+(kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within tolerance and
 bitwise the default chain's, its quantized x bitwise.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
 zero, so a kernel reading a wrong expert is caught.
@@ -147,18 +147,20 @@ def test_moe_chain_matches_reference(setup, kind, rows):
 
 
 def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
-    """The self-routed chain (xquant, w13sr, w2sr, combine) from NaN-poisoned buffers, every w2sr
-    variant: y within the reference tolerance and bitwise the default chain's y (same bytes, same
+    """The self-routed chain (xquant, w13sr, w2sr, combine) from NaN-poisoned buffers, every w13sr
+    and w2sr variant: y within the reference tolerance and bitwise the default chain's y (same bytes, same
     items, same per-item arithmetic order: only where routing and x quantization happen moved);
     xq / xs bitwise quantize_act_fp8 in fragment order."""
     assert chain.has_selfrouted(), "the bundle lacks the self-routed MoE kernels"
-    for w2 in chain.selfrouted_w2_variants():
+    pairs = ([(w13, "") for w13 in chain.selfrouted_variants("w13sr")]
+             + [("", w2) for w2 in chain.selfrouted_variants("w2sr") if w2])
+    for w13, w2 in pairs:
         chain.poison_outputs()
-        for spec in chain.launches_selfrouted(rows, w2=w2):
+        for spec in chain.launches_selfrouted(rows, w13=w13, w2=w2):
             spec.launch(stream)
         stream.synchronize()
         y = chain.download("y", np.float32, (rows, shape.hidden))
-        label = f"self-routed y ({what}, w2sr={w2!r})"
+        label = f"self-routed y ({what}, w13sr={w13!r}, w2sr={w2!r})"
         mk.check_routed_close(y, want, label)
         np.testing.assert_array_equal(y, y_default, err_msg=f"{label} vs the default chain")
         want_q, want_s = mk.quantize_fragments(x, shape.k13)
