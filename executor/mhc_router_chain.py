@@ -67,7 +67,7 @@ class Router:
         self.arena = Arena(device, [
             ("x", 2 * max_rows * d), ("weight", 2 * e * d), ("bias", 4 * e),
             ("logits", 4 * max_rows * e), ("ids", 4 * max_rows * k),
-            ("weights", 4 * max_rows * k), ("counters", 4 * rk.counter_count(max_rows))])
+            ("weights", 4 * max_rows * k), ("counters", 4 * rk.counter_count(max_rows, spec.rows_per_cta))])
         self.arena.view("counters", np.int32)[...] = 0
 
     def launch(self, rows: int) -> LaunchSpec:
@@ -120,21 +120,25 @@ def bench_mhc_router(ctx) -> None:
     pre_name = next(n for n in bundle.names() if n.startswith("mhc_pre_") and "_s4_post" in n)
     sp = bundle.manifest.kernels[pre_name].spec
     spec = mk.make_spec(sp["width"], sp["streams"], sp["mode"], sp["sinkhorn_iters"])
-    rname = next(n for n in bundle.names() if n.startswith("router_"))
-    rs = bundle.manifest.kernels[rname].spec
-    rspec = rk.make_spec(rs["hidden"], rs["experts"], rs["topk"], rs["scaling"])
-    step, router = MhcStep(ctx.device, bundle, spec), Router(ctx.device, bundle, rspec)
+    rspecs = []
+    for rname in sorted(n for n in bundle.names() if n.startswith("router_")):
+        rs = bundle.manifest.kernels[rname].spec
+        rspecs.append(rk.make_spec(rs["hidden"], rs["experts"], rs["topk"], rs["scaling"],
+                                   rs["rows_per_cta"]))
+    step = MhcStep(ctx.device, bundle, spec)
+    routers = [Router(ctx.device, bundle, rspec) for rspec in rspecs]
     try:
         _fill_mhc(step, rng)
         from executor.benchmarks import fill_random_bf16
-        fill_random_bf16(router.arena, "x")
-        fill_random_bf16(router.arena, "weight")
-        upload(router.arena, "bias", rng.uniform(-0.1, 0.1, rspec.experts).astype(np.float32))
+        for router in routers:
+            fill_random_bf16(router.arena, "x")
+            fill_random_bf16(router.arena, "weight")
+            upload(router.arena, "bias",
+                   rng.uniform(-0.1, 0.1, router.spec.experts).astype(np.float32))
         reps = 20 if ctx.quick else 50
         for rows in QUICK_ROWS if ctx.quick else BENCH_ROWS:
             pre = step.launch_pre(rows, 1e-20, 1e-6, in_place=True)
             norm = step.launch_norm(rows, 1e-20)
-            route = router.launch(rows)
             us = ctx.cold_median_us(lambda pre=pre: pre.launch(ctx.stream), reps=reps)
             ctx.bandwidth(spec.name, f"pred {mk.predicted_us(rows, spec.width):.1f} us", rows,
                           us, spec.bytes_moved(rows))
@@ -145,9 +149,13 @@ def bench_mhc_router(ctx) -> None:
             us = ctx.cold_median_us(chain, reps=reps)
             ctx.bandwidth(f"{spec.name}+rmsnorm", "2 launches, PDL", rows, us,
                           spec.bytes_moved(rows) + nr.rmsnorm_bytes(rows, spec.width, "f32"))
-            us = ctx.cold_median_us(lambda route=route: route.launch(ctx.stream), reps=reps)
-            pred = rk.predicted_us(rows, rspec.hidden, rspec.experts)
-            ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us, rspec.bytes_moved(rows))
+            for router in routers:
+                route, rspec = router.launch(rows), router.spec
+                us = ctx.cold_median_us(lambda route=route: route.launch(ctx.stream), reps=reps)
+                pred = rk.predicted_us(rows, rspec.hidden, rspec.experts)
+                ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us,
+                              rspec.bytes_moved(rows))
     finally:
         step.close()
-        router.close()
+        for router in routers:
+            router.close()

@@ -131,11 +131,14 @@ def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
                       side_effects=False))
 
 
-def shfl_xor(x, offset: int):
-    """Butterfly exchange over the full warp (every lane must execute it)."""
-    if isinstance(x, Int32):
-        return Int32(_asm(1, [x], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
-                          "=r,r"))
+def shfl_xor_i32(x: Int32, offset: int) -> Int32:
+    """Butterfly exchange of an integer over the full warp (every lane must execute it)."""
+    return Int32(_asm(1, [Int32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+                      "=r,r"))
+
+
+def shfl_xor(x: Float32, offset: int) -> Float32:
+    """Butterfly exchange of a float over the full warp (every lane must execute it)."""
     return Float32(_asm(1, [Float32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, "
                         "0xffffffff;", "=f,f", kind=T.f32()))
 
@@ -319,7 +322,7 @@ class MhcPreSm90:
             i = tidx + c
             rl, v = i // PARTIALS, i % PARTIALS
             row = block_row * ROWS_PER_CTA + rl
-            if i < ROWS_PER_CTA * PARTIALS and row < rows:
+            if (i < ROWS_PER_CTA * PARTIALS) & (row < rows):
                 stride = Int64(rows * PARTIAL_STRIDE * 4)
                 addr = workspace.toint() + Int64((row * PARTIAL_STRIDE + v) * 4)
                 total = ldg_f32_gpu(addr)

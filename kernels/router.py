@@ -2,7 +2,7 @@
 
 Spec, reference and error bounds: `kernels/router_ref.py`.
 
-How (grid = (E / 2, row blocks of 32); T = min(128, D / 8) threads):
+How (grid = (E / 2, row blocks of 16 or 32); T = min(128, D / 8) threads):
 - A CTA owns 2 experts. Before the PDL wait each thread loads its 16-byte vectors t, t + T, ...
   of both weight rows into registers (2 x 5 vectors at D = 5120): the 3.9 MB gate weight is read
   once per row block, overlapping the previous kernel's tail.
@@ -29,6 +29,7 @@ from kernels.mhc import (
     lds_f32,
     lds_s32,
     shfl_xor,
+    shfl_xor_i32,
     stg_f32,
     stg_s32,
     sts_f32,
@@ -36,7 +37,6 @@ from kernels.mhc import (
 )
 from kernels.router_ref import (
     EXPERTS_PER_CTA,
-    ROWS_PER_CTA,
     ROWS_PER_STEP,
     WARP,
     RouterSpec,
@@ -84,8 +84,8 @@ class RouterSm90:
                     wreg[q, i, e] = w[q]
         cute.arch.griddepcontrol_wait()     # x is an earlier kernel's output
 
-        first = block_row * ROWS_PER_CTA
-        n_rows = cutlass.min(rows - first, ROWS_PER_CTA)
+        first = block_row * self.spec.rows_per_cta
+        n_rows = cutlass.min(rows - first, self.spec.rows_per_cta)
         steps = (n_rows + ROWS_PER_STEP - 1) // ROWS_PER_STEP
         for step in range(steps):
             self._logits_step(x, logits, wreg, sbase, tidx, e0, first + step * ROWS_PER_STEP,
@@ -102,7 +102,7 @@ class RouterSm90:
         if lds_s32(sbase + self.flag_offset) != 0:
             fence_gpu()
             warp, lane = tidx // WARP, tidx % WARP
-            for it in cutlass.range_constexpr(ROWS_PER_CTA // self.warps):
+            for it in cutlass.range_constexpr(self.spec.rows_per_cta // self.warps):
                 row = first + warp + it * self.warps
                 if row < rows:                       # uniform over the warp
                     self._select(bias, logits, ids, weights, row, lane)
@@ -177,7 +177,7 @@ class RouterSm90:
                     best_s = score[c]
             for sh in cutlass.range_constexpr(5):
                 ov = shfl_xor(best_v, 16 >> sh)
-                oi = shfl_xor(best_i, 16 >> sh)
+                oi = shfl_xor_i32(best_i, 16 >> sh)
                 os_ = shfl_xor(best_s, 16 >> sh)
                 if (ov > best_v) | ((ov == best_v) & (oi < best_i)):
                     best_v = ov

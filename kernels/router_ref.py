@@ -9,7 +9,7 @@ One launch computes, for R rows of x [R, D] (BF16) and the gate weight W [E, D] 
 i.e. `moe_ref.route` (model doc §2.2 F1), in the MoE chain's input format (`executor/moe_chain.py`:
 int32 ids and fp32 route weights, [R, k] row-major, slot order = best first).
 
-How: grid = (E / 2 experts per CTA, row blocks of 32). A CTA holds its 2 experts' weight rows in
+How: grid = (E / 2 experts per CTA, row blocks of 16; variant `_rb32`: 32). A CTA holds its 2 experts' weight rows in
 registers (loaded before the PDL wait) and computes their logits for the rows of its block; the
 last CTA of a row block to arrive (acq_rel counter, reset by that CTA) selects and normalises,
 a warp per row. The sum order (thread t: its vectors t, t + T, ... in order, 8 fma each; warp
@@ -27,7 +27,8 @@ import numpy as np
 from kernels.common_ref import ceil_div, check_rows, params_dict
 
 EXPERTS_PER_CTA = 2
-ROWS_PER_CTA = 32
+ROWS_PER_CTA = 16                  # default row block (the last CTA selects for its rows)
+ROW_BLOCK_VARIANTS = (16, 32)
 MAX_CTA_THREADS = 128
 MAX_ROWS = 256
 WARP = 32
@@ -43,6 +44,7 @@ class RouterSpec:
     experts: int
     topk: int
     scaling: float
+    rows_per_cta: int = ROWS_PER_CTA
     params: tuple[tuple[str, str], ...] = PARAMS
 
     @property
@@ -66,7 +68,7 @@ class RouterSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: {rows} rows; the counters plan holds {MAX_ROWS}")
-        return (self.experts // EXPERTS_PER_CTA, ceil_div(rows, ROWS_PER_CTA), 1)
+        return (self.experts // EXPERTS_PER_CTA, ceil_div(rows, self.rows_per_cta), 1)
 
     def bytes_moved(self, rows: int) -> int:
         return router_bytes(rows, self.hidden, self.experts, self.topk)
@@ -75,11 +77,12 @@ class RouterSpec:
         return {"family": "router", "name": self.name, "hidden": self.hidden,
                 "experts": self.experts, "topk": self.topk, "scaling": self.scaling,
                 "params": params_dict(self.params), "block": list(self.block),
-                "smem_bytes": self.smem_bytes, "rows_per_cta": ROWS_PER_CTA,
+                "smem_bytes": self.smem_bytes, "rows_per_cta": self.rows_per_cta,
                 "experts_per_cta": EXPERTS_PER_CTA}
 
 
-def make_spec(hidden: int, experts: int, topk: int, scaling: float) -> RouterSpec:
+def make_spec(hidden: int, experts: int, topk: int, scaling: float,
+              rows_per_cta: int = ROWS_PER_CTA) -> RouterSpec:
     threads = min(MAX_CTA_THREADS, hidden // 8)
     if hidden % 8 or threads % WARP or (hidden // 8) % threads:
         raise ValueError(f"router hidden {hidden}: expected a multiple of 256 (whole warps of "
@@ -87,8 +90,11 @@ def make_spec(hidden: int, experts: int, topk: int, scaling: float) -> RouterSpe
     if experts % EXPERTS_PER_CTA or not 0 < topk <= min(experts, WARP):
         raise ValueError(f"router: {experts} experts, top-{topk}: expected an even expert count "
                          f"and 0 < k <= min(E, {WARP})")
-    return RouterSpec(f"router_e{experts}_d{hidden}_k{topk}", hidden, experts, topk,
-                      float(np.float32(scaling)))
+    if rows_per_cta not in ROW_BLOCK_VARIANTS:
+        raise ValueError(f"router row block {rows_per_cta}; expected one of {ROW_BLOCK_VARIANTS}")
+    suffix = "" if rows_per_cta == ROWS_PER_CTA else f"_rb{rows_per_cta}"
+    return RouterSpec(f"router_e{experts}_d{hidden}_k{topk}{suffix}", hidden, experts, topk,
+                      float(np.float32(scaling)), rows_per_cta)
 
 
 def router_specs(cfg) -> list[RouterSpec]:
@@ -96,11 +102,11 @@ def router_specs(cfg) -> list[RouterSpec]:
         raise ValueError(f"router kernel: scoring {cfg.scoring_func!r} / {cfg.topk_method!r}; "
                          "built for sqrtsoftplus / noaux_tc")
     return [make_spec(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                      cfg.routed_scaling_factor)]
+                      cfg.routed_scaling_factor, rb) for rb in ROW_BLOCK_VARIANTS]
 
 
-def counter_count(max_rows: int = MAX_ROWS) -> int:
-    return ceil_div(max_rows, ROWS_PER_CTA)
+def counter_count(max_rows: int = MAX_ROWS, rows_per_cta: int = ROWS_PER_CTA) -> int:
+    return ceil_div(max_rows, rows_per_cta)
 
 
 def router_bytes(rows: int, hidden: int, experts: int, topk: int) -> int:

@@ -244,7 +244,8 @@ def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
         logits = download(a, "logits", np.float32, (rows, e))
         ids = download(a, "ids", np.int32, (rows, spec.topk))
         weights = download(a, "weights", np.float32, (rows, spec.topk))
-        counters = download(a, "counters", np.int32, (rk.counter_count(max(ROWS)),))
+        counters = download(a, "counters", np.int32,
+                            (rk.counter_count(max(ROWS), spec.rows_per_cta),))
     finally:
         router.close()
     return x, weight, bias, group, logits, ids, weights, counters
@@ -280,8 +281,9 @@ def _check_router(spec, rows, x, weight, bias, group, logits, ids, weights, coun
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_router_matches_reference(dev, stream, setup, ties):
+@pytest.mark.parametrize("rows_per_cta", rk.ROW_BLOCK_VARIANTS)
+def test_router_matches_reference(dev, stream, setup, ties, rows_per_cta):
     cfg, bundle = setup
-    spec = rk.router_specs(cfg)[0]
+    spec = next(s for s in rk.router_specs(cfg) if s.rows_per_cta == rows_per_cta)
     for rows in ROWS:
         _check_router(spec, rows, *_router_case(dev, stream, bundle, spec, rows, ties))
