@@ -54,11 +54,14 @@ class IndexerChain:
         if s.candidate_source:
             self.specs["blocks"] = ik.make_topk_spec("blocks", s.num_blocks, s.ratio,
                                                      s.block_size)
-        # The cluster top-k variants (dense layers only), launched by `variant_launches` into
-        # their own outputs so the defaults' results stay the measured reference: entries and
-        # blocks alone (topk_c, blocks_c) and both from one read (topk_b, blocks_b).
+        # The cluster top-k variants, launched by `variant_launches` into their own outputs so
+        # the defaults' results stay the measured reference: entries or candidate entries and
+        # blocks alone (topk_c, blocks_c), both from one read (topk_b, blocks_b).
         self.variant_specs = {}
-        if s.mode == "dense":
+        if s.mode == "candidates":
+            self.variant_specs["topkc"] = ik.make_topk_cluster_spec("candidates", s.topk,
+                                                                    s.ratio, s.block_size)
+        else:
             self.variant_specs["topkc"] = ik.make_topk_cluster_spec("entries", s.topk, s.ratio,
                                                                     s.block_size)
             if s.candidate_source:
@@ -122,10 +125,15 @@ class IndexerChain:
         s, p = self.shape, self.arena.ptr
         out = {"topkc": ("topk_c", "blocks_c"), "blocksc": ("topk_c", "blocks_c"),
                "bothc": ("topk_b", "blocks_b")}
-        return {k: LaunchSpec(self.kernels[k], spec.grid(rows),
-                              (p("scores"), p("positions"), p("seq_index"), p(out[k][0]),
-                               p(out[k][1]), rows, s.max_entries), cluster=spec.cluster)
-                for k, spec in self.variant_specs.items()}
+        launches = {}
+        for k, spec in self.variant_specs.items():
+            args = (p("scores"), p("positions"), p("seq_index"), p(out[k][0]), p(out[k][1]), rows,
+                    s.max_entries)
+            if spec.mode == "candidates":                   # the default top-k's ABI
+                args = (p("scores"), p("positions"), p("seq_index"), p("cands"), p("topk_c"),
+                        rows, s.max_entries, s.num_blocks)
+            launches[k] = LaunchSpec(self.kernels[k], spec.grid(rows), args, cluster=spec.cluster)
+        return launches
 
 
 def random_key_records(rng, n: int) -> np.ndarray:
@@ -175,6 +183,44 @@ def bench_indexer(ctx) -> None:
         for context in contexts:
             for rows in BENCH_ROWS:
                 _bench_case(ctx, chain, context, rows)
+    finally:
+        chain.close()
+    _bench_candidates(ctx, bundle, rng, contexts)
+
+
+def _bench_candidates(ctx, bundle, rng, contexts) -> None:
+    """Reindex-layer top-k (512 of the entries in 2048 candidate blocks): default vs cluster
+    variant on random scores and random ascending candidate lists; outputs compared."""
+    rows_max = max(BENCH_ROWS)
+    shape = IndexerShape(32, 1, "candidates", 512, 2048, 8, 64, rows_max, rows_max,
+                         max(contexts))
+    chain = IndexerChain(ctx.device, bundle, shape)
+    try:
+        chain.upload("scores", rng.standard_normal((rows_max, shape.max_entries), np.float32))
+        reps = 20 if ctx.quick else 50
+        for context in contexts:
+            nb = context // 8
+            picked = np.sort(rng.permuted(np.tile(np.arange(nb), (rows_max, 1)), axis=1)[:, :2048],
+                             axis=1)
+            cands = np.full((rows_max, 2048), -1, np.int32)       # fewer blocks than 2048: -1
+            cands[:, :picked.shape[1]] = picked
+            chain.upload("cands", cands)
+            for rows in BENCH_ROWS:
+                pos, seq, _ = layout_rows(rows, context)
+                chain.upload("positions", pos)
+                chain.upload("seq_index", seq)
+                default = chain.launches(rows, 1.0)[2]
+                variant = chain.variant_launches(rows)["topkc"]
+                case = f"T={context // 1024}k cands"
+                for name, sp in (("indexer_topk_candidates_k512", default),
+                                 ("indexer_topkc_candidates_k512_c8", variant)):
+                    us = ctx.cold_median_us(lambda sp=sp: sp.launch(ctx.stream), reps)
+                    ctx.bandwidth(name, case, rows, us, rows * (4 * 8 * 2048 + 4 * 2048 + 4 * 512))
+                ctx.stream.synchronize()
+                same = np.array_equal(chain.download("topk", np.int32, (rows, 512)),
+                                      chain.download("topk_c", np.int32, (rows, 512)))
+                ctx.metric(f"indexer cluster top-k candidates == default ({case} R={rows})",
+                           float(same), "", "1", same)
     finally:
         chain.close()
 

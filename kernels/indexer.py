@@ -788,15 +788,17 @@ PAGE_SIZE = 64          # entries per page of the compressed caches and index ke
 _CLASSES = {"prep": IndexerPrepSm90, "scores": IndexerScoresSm90, "topk": IndexerTopkSm90}
 
 
-def _kernel_class(kind: str):
-    if kind == "topkc":             # the cluster top-k variant builds on this module's helpers
-        from kernels.indexer_topk_cluster import IndexerTopkClusterSm90
-        return IndexerTopkClusterSm90
-    return _CLASSES[kind]
+def _kernel_class(spec: ik.IndexerSpec):
+    if spec.kind == "topkc":        # the cluster top-k variants build on this module's helpers
+        from kernels import indexer_topk_cluster as tc
+        if spec.mode == "candidates":
+            return tc.IndexerTopkCandidatesClusterSm90
+        return tc.IndexerTopkClusterSm90
+    return _CLASSES[spec.kind]
 
 
 def kernel_function(spec: ik.IndexerSpec):
-    return _kernel_class(spec.kind).kernel
+    return _kernel_class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[ik.IndexerSpec]:
@@ -816,9 +818,9 @@ def specs(cfg, tp: int) -> list[ik.IndexerSpec]:
                  ik.make_scores_spec(nh, mode, layer.ratio, PAGE_SIZE),
                  ik.make_topk_spec("candidates" if layer.uses_candidates else "entries",
                                    cfg.index_topk, layer.ratio, cfg.candidate_block_size)]
-        if not layer.uses_candidates:                       # variant, measured side by side
-            group.append(ik.make_topk_cluster_spec("entries", cfg.index_topk, layer.ratio,
-                                                   cfg.candidate_block_size))
+        group.append(ik.make_topk_cluster_spec(             # variant, measured side by side
+            "candidates" if layer.uses_candidates else "entries", cfg.index_topk, layer.ratio,
+            cfg.candidate_block_size))
         if layer.is_candidate_source:
             group.append(ik.make_topk_spec("blocks", cfg.candidate_topk_blocks, layer.ratio,
                                            cfg.candidate_block_size))
@@ -838,7 +840,7 @@ def compile_spec(spec: ik.IndexerSpec, options: str = "--gpu-arch sm_90a"):
     def ptr(dtype=Int32):
         return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
-    kernel = _kernel_class(spec.kind)(spec)
+    kernel = _kernel_class(spec)(spec)
     args = []
     for _, kind in spec.params:
         args.append(ptr() if kind == "u64" else Float32(1.0) if kind == "f32" else Int32(1))

@@ -70,11 +70,12 @@ MODES_SCORES = ("dense", "candidates")
 MODES_TOPK = ("entries", "candidates", "blocks")
 # Cluster top-k (variant): one cluster of TOPKC_CLUSTER CTAs per row, each holding its slice of the
 # row in shared memory (TOPKC_SLICE entries, whole blocks of 8); histograms merged over DSMEM.
-# Mode "both" selects the entries and the candidate blocks from one read of the row.
+# Mode "both" selects the entries and the candidate blocks from one read of the row; mode
+# "candidates" (reindex layers) keeps the default's ABI and holds TOPKC_SLICE / 2 slots per CTA.
 TOPKC_THREADS = 512
 TOPKC_CLUSTER = 8
 TOPKC_SLICE = 16384
-MODES_TOPKC = ("entries", "blocks", "both")
+MODES_TOPKC = ("entries", "blocks", "both", "candidates")
 
 
 # ---- specs -----------------------------------------------------------------------------------
@@ -204,8 +205,9 @@ def make_topk_cluster_spec(mode: str, k: int, ratio: int, block_size: int = 8,
         raise ValueError(f"indexer cluster top-k: block size {block_size} must divide "
                          f"{TOPKC_SLICE}")
     tail = f"_b{k_blocks}" if mode == "both" else ""
+    params = TOPK_PARAMS if mode == "candidates" else TOPKC_PARAMS
     return IndexerSpec(f"indexer_topkc_{mode}_k{k}{tail}_r{ratio}_c{TOPKC_CLUSTER}", "topkc", 0,
-                       mode, ratio, k, block_size, 0, TOPKC_PARAMS, (TOPKC_THREADS, 1, 1),
+                       mode, ratio, k, block_size, 0, params, (TOPKC_THREADS, 1, 1),
                        topkc_smem_layout()["end"], TOPKC_CLUSTER,
                        k_blocks if mode == "both" else 0)
 
@@ -224,6 +226,17 @@ def topkc_slices(n: int, block_size: int = 8, ctas: int = TOPKC_CLUSTER):
         e0 = first * block_size
         count_e = max(0, min(count * block_size, n - e0))
         out.append((first, count, held, e0, count_e, min(count_e, held * block_size)))
+    return out
+
+
+def topkc_candidate_slices(num_cands: int, block_size: int = 8, ctas: int = TOPKC_CLUSTER):
+    """Candidates mode, per CTA: (first slot, slots, slots held in shared memory); a slot is one
+    entry of one candidate block (slot i: entry i % block_size of block cands[i // block_size])."""
+    per = ceil_div(num_cands, ctas) * block_size
+    out = []
+    for c in range(ctas):
+        count = max(0, min(per, num_cands * block_size - c * per))
+        out.append((c * per, count, min(count, TOPKC_SLICE // 2)))
     return out
 
 

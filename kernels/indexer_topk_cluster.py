@@ -51,6 +51,7 @@ from kernels.indexer import (
 )
 
 LOAD_BATCH = 8           # independent global loads in flight per thread while filling the slice
+CAND_HELD = ik.TOPKC_SLICE // 2     # candidates mode: keys, then entry indices, in the slice
 
 
 def ld_f32_if(addr: Int64, ok: Int32):
@@ -59,6 +60,13 @@ def ld_f32_if(addr: Int64, ok: Int32):
                         "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
                         "@p ld.global.f32 $0, [$1]; }", "=f,l,r", kind=T.f32(),
                         side_effects=True))
+
+
+def ld_s32_if(addr: Int64, ok: Int32):
+    """s32 at addr when ok != 0, else -1 (predicated: no branch, so loads batch)."""
+    return Int32(_asm(1, [Int64(addr), Int32(ok)],
+                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, -1;\n"
+                      "@p ld.global.s32 $0, [$1]; }", "=r,l,r", side_effects=True))
 
 
 def ld_cluster_v4(saddr: Int32, rank: Int32):
@@ -139,11 +147,11 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         self.fill_slice(src, n, first, held, e0, held_e, base, tidx)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.mode != "blocks"):
-            self.select("entries", self.k, src, n, e0, count_e, held_e,
+            self.select("entries", self.k, src, src, n, e0, count_e, held_e,
                         _addr(out_entries) + Int64(row) * self.k * 4, base, rank, tidx, 0)
         if cutlass.const_expr(self.mode != "entries"):
             kb = self.k if self.mode == "blocks" else self.spec.topk_blocks
-            self.select("blocks", kb, src, n, first, count, held,
+            self.select("blocks", kb, src, src, n, first, count, held,
                         _addr(out_blocks) + Int64(row) * kb * 4, base, rank, tidx, 1)
         cluster_sync()                         # no CTA leaves while another reads its counts
         cute.arch.griddepcontrol_launch_dependents()
@@ -184,19 +192,27 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
                 j += ik.TOPKC_THREADS
 
     @cute.jit
-    def slice_key(self, sub: cutlass.Constexpr, src: Int64, n: Int32, first: Int32, held: Int32,
-                  j: Int32, base: Int32):
-        """Ordered key of item first + j: from shared memory when held, else from global."""
+    def slice_item(self, sub: cutlass.Constexpr, src: Int64, crow: Int64, n: Int32, first: Int32,
+                   held: Int32, j: Int32, base: Int32):
+        """(allowed, ordered key, output index) of item first + j: from shared memory when held,
+        else from global memory."""
+        allowed = Int32(1)
         key = Int32(0)
+        index = first + j
         if j < held:
             if cutlass.const_expr(sub == "entries"):
                 key = ordered_key(lds_f32(base + self.lay["slice"] + 4 * j))
-            else:
+            if cutlass.const_expr(sub == "blocks"):
                 key = lds_s32(base + self.lay["block_keys"] + 4 * j)
+            if cutlass.const_expr(sub == "candidates"):
+                key = lds_s32(base + self.lay["slice"] + 4 * j)
+                index = lds_s32(base + self.lay["slice"] + 4 * (CAND_HELD + j))
+                if index < 0:
+                    allowed = Int32(0)
         else:
             if cutlass.const_expr(sub == "entries"):
                 key = ordered_key(ld_f32(src + Int64(first + j) * 4))
-            else:
+            if cutlass.const_expr(sub == "blocks"):
                 b = first + j
                 best = Float32(-float("inf"))
                 for e in cutlass.range_constexpr(self.bs):
@@ -205,14 +221,16 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
                 if b == (n - 1) // self.bs:
                     best = Float32(float("inf"))
                 key = ordered_key(best)
-        return key
+            if cutlass.const_expr(sub == "candidates"):
+                allowed, key, index = self.item_key(src, crow, n, first + j)
+        return allowed, key, index
 
     # ---- select ------------------------------------------------------------------------------
 
     @cute.jit
-    def select(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64, n: Int32,
-               first: Int32, count: Int32, held: Int32, dst: Int64, base: Int32, rank: Int32,
-               tidx: Int32, run: cutlass.Constexpr):
+    def select(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64, crow: Int64,
+               n: Int32, first: Int32, count: Int32, held: Int32, dst: Int64, base: Int32,
+               rank: Int32, tidx: Int32, run: cutlass.Constexpr):
         """Top-k of one item kind over the cluster's slices, written to dst (the row's k words)."""
         prefix = Int32(0)
         mask = Int32(0)
@@ -221,14 +239,14 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         for pi in cutlass.range_constexpr(len(ik.RADIX_PASSES)):
             if take_all == 0:
                 prefix, mask, need, take_all = self.cluster_pass(
-                    sub, src, n, first, count, held, prefix, mask, need, pi, base, tidx)
-        self.write_selection(sub, k, src, n, first, count, held, prefix, need, take_all, dst,
-                             base, rank, tidx, run)
+                    sub, src, crow, n, first, count, held, prefix, mask, need, pi, base, tidx)
+        self.write_selection(sub, k, src, crow, n, first, count, held, prefix, need, take_all,
+                             dst, base, rank, tidx, run)
 
     @cute.jit
-    def cluster_pass(self, sub: cutlass.Constexpr, src: Int64, n: Int32, first: Int32,
-                     count: Int32, held: Int32, prefix: Int32, mask: Int32, need: Int32,
-                     pi: cutlass.Constexpr, base: Int32, tidx: Int32):
+    def cluster_pass(self, sub: cutlass.Constexpr, src: Int64, crow: Int64, n: Int32,
+                     first: Int32, count: Int32, held: Int32, prefix: Int32, mask: Int32,
+                     need: Int32, pi: cutlass.Constexpr, base: Int32, tidx: Int32):
         shift, bits = ik.RADIX_PASSES[pi]
         nbins = 1 << bits
         hist = base + self.lay["hist"] + (pi % 2) * 4 * ik.TOPK_BINS
@@ -239,8 +257,8 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         cute.arch.sync_threads()
         j = tidx
         while j < count:
-            key = self.slice_key(sub, src, n, first, held, j, base)
-            if (key & mask) == prefix:
+            allowed, key, _ = self.slice_item(sub, src, crow, n, first, held, j, base)
+            if allowed != 0 and (key & mask) == prefix:
                 atom_add_shared(hist + 4 * (ushr(key, shift) & (nbins - 1)), Int32(1))
             j += ik.TOPKC_THREADS
         cluster_sync()                         # every CTA's histogram is complete and visible
@@ -278,18 +296,18 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
     # ---- output ------------------------------------------------------------------------------
 
     @cute.jit
-    def write_selection(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64, n: Int32,
-                        first: Int32, count: Int32, held: Int32, threshold: Int32, need: Int32,
-                        take_all: Int32, dst: Int64, base: Int32, rank: Int32, tidx: Int32,
-                        run: cutlass.Constexpr):
+    def write_selection(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64,
+                        crow: Int64, n: Int32, first: Int32, count: Int32, held: Int32,
+                        threshold: Int32, need: Int32, take_all: Int32, dst: Int64, base: Int32,
+                        rank: Int32, tidx: Int32, run: cutlass.Constexpr):
         totals = base + self.lay["totals"]
         counts = base + self.lay["counts"] + 8 * run
         n_above = Int32(0)                     # two scans: a slice may exceed 16-bit counts
         n_tie = Int32(0)
         j = tidx
         while j < count:
-            key = self.slice_key(sub, src, n, first, held, j, base)
-            above, tie = select_flags(key, threshold, take_all, Int32(1))
+            allowed, key, _ = self.slice_item(sub, src, crow, n, first, held, j, base)
+            above, tie = select_flags(key, threshold, take_all, allowed)
             n_above = n_above + above
             n_tie = n_tie + tie
             j += ik.TOPKC_THREADS
@@ -312,8 +330,8 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
                 run_tie = run_tie + t
             all_above = all_above + a
             all_tie = all_tie + t
-        self.ordered_slice(sub, src, n, first, count, held, threshold, need, take_all, dst, base,
-                           run_above, run_tie, tidx)
+        self.ordered_slice(sub, src, crow, n, first, count, held, threshold, need, take_all, dst,
+                           base, run_above, run_tie, tidx)
         selected = all_above + imin(all_tie, need)
         j = selected + rank * ik.TOPKC_THREADS + tidx
         while j < k:
@@ -321,9 +339,10 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
             j += self.C * ik.TOPKC_THREADS
 
     @cute.jit
-    def ordered_slice(self, sub: cutlass.Constexpr, src: Int64, n: Int32, first: Int32,
-                      count: Int32, held: Int32, threshold: Int32, need: Int32, take_all: Int32,
-                      dst: Int64, base: Int32, run_above: Int32, run_tie: Int32, tidx: Int32):
+    def ordered_slice(self, sub: cutlass.Constexpr, src: Int64, crow: Int64, n: Int32,
+                      first: Int32, count: Int32, held: Int32, threshold: Int32, need: Int32,
+                      take_all: Int32, dst: Int64, base: Int32, run_above: Int32, run_tie: Int32,
+                      tidx: Int32):
         """This CTA's selections in item order (4 consecutive items per thread per chunk)."""
         per = 4
         totals = base + self.lay["totals"]
@@ -335,10 +354,12 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
                 j = start + tidx * per + q
                 above = Int32(0)
                 tie = Int32(0)
+                index = Int32(0)
                 if j < count:
-                    key = self.slice_key(sub, src, n, first, held, j, base)
-                    above, tie = select_flags(key, threshold, take_all, Int32(1))
-                flags.append((above, tie, first + j))
+                    allowed, key, index = self.slice_item(sub, src, crow, n, first, held, j,
+                                                          base)
+                    above, tie = select_flags(key, threshold, take_all, allowed)
+                flags.append((above, tie, index))
                 packed = packed + above + (tie << 16)
             cute.arch.sync_threads()           # totals: the previous scan's readers are done
             excl, total = block_scan(packed, totals, tidx, self.warps)
@@ -356,3 +377,78 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
             run_above = run_above + (total & 0xFFFF)
             run_tie = run_tie + ushr(total, 16)
             start += ik.TOPKC_THREADS * per
+
+
+class IndexerTopkCandidatesClusterSm90(IndexerTopkClusterSm90):
+    """The reindex layers' top-k (entries inside the row's candidate blocks) on a cluster per
+    row: the default's ABI (drop-in); items = candidate slots, 8 per candidate block."""
+
+    @cute.jit
+    def __call__(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+                 cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32,
+                 num_cands: Int32, stream: cuda.CUstream):
+        self.kernel(scores, positions, seq_index, cands, out, rows, ld, num_cands).launch(
+            grid=[self.C, rows, 1], block=list(self.spec.block), cluster=[self.C, 1, 1],
+            smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+               cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, row, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
+        if cluster_nctarank() != self.C:
+            trap()                             # DSMEM addresses would be wrong: fail loudly
+        cute.arch.griddepcontrol_wait()        # scores and candidates come from earlier kernels
+        s = ld_s32(_addr(seq_index) + Int64(row) * 4)
+        n = Int32(0)
+        if s >= 0:
+            n = (ld_s32(_addr(positions) + Int64(row) * 4) + 1) // self.spec.ratio
+        src = _addr(scores) + Int64(row) * Int64(ld) * 4
+        crow = _addr(cands) + Int64(row) * Int64(num_cands) * 4
+        # This CTA's candidate slots: whole candidate blocks (ik.topkc_candidate_slices).
+        per = (num_cands + self.C - 1) // self.C * self.bs
+        first = rank * per
+        count = imin(per, num_cands * self.bs - first)
+        if count < 0:
+            count = Int32(0)
+        held = imin(count, Int32(CAND_HELD))
+        self.fill_candidates(src, crow, n, first, held, base, tidx)
+        cute.arch.sync_threads()
+        self.select("candidates", self.k, src, crow, n, first, count, held,
+                    _addr(out) + Int64(row) * self.k * 4, base, rank, tidx, 0)
+        cluster_sync()                         # no CTA leaves while another reads its counts
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def fill_candidates(self, src: Int64, crow: Int64, n: Int32, first: Int32, held: Int32,
+                        base: Int32, tidx: Int32):
+        """Slots [first, first + held): ordered key and entry index (-1: not allowed) into
+        shared memory; the block ids of a batch, then its scores, each batch of loads in flight."""
+        keys = base + self.lay["slice"]
+        start = Int32(0)
+        while start < held:
+            slots = []
+            for u in cutlass.range_constexpr(LOAD_BATCH):
+                j = start + u * ik.TOPKC_THREADS + tidx
+                ok = Int32(0)
+                if j < held:
+                    ok = Int32(1)
+                slots.append((j, ok, ld_s32_if(crow + Int64((first + j) // self.bs) * 4, ok)))
+            vals = []
+            for u in cutlass.range_constexpr(LOAD_BATCH):
+                j, ok, cb = slots[u]
+                index = cb * self.bs + (first + j) % self.bs
+                allowed = Int32(0)
+                if ok != 0 and cb >= 0 and index < n:
+                    allowed = Int32(1)
+                vals.append((j, ok, allowed, index, ld_f32_if(src + Int64(index) * 4, allowed)))
+            for u in cutlass.range_constexpr(LOAD_BATCH):
+                j, ok, allowed, index, v = vals[u]
+                if ok != 0:
+                    sts_s32(keys + 4 * j, ordered_key(v))
+                    if allowed == 0:
+                        index = Int32(-1)
+                    sts_s32(keys + 4 * (CAND_HELD + j), index)
+            start += LOAD_BATCH * ik.TOPKC_THREADS

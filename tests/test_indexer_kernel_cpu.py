@@ -209,6 +209,22 @@ def test_cluster_slices_cover_the_row_once(n):
     assert held_all == (n <= 131072), "a 128k-entry row is held in shared memory, no more"
 
 
+@pytest.mark.parametrize("num_cands", [1, 7, 2048, 8193])
+def test_cluster_candidate_slices_cover_every_slot_once(num_cands):
+    """Candidates mode: slices of whole candidate blocks, in slot order; at 2048 candidate blocks
+    (V4.1) every slot is held in shared memory."""
+    slices = ik.topkc_candidate_slices(num_cands)
+    slots = [i for first, count, _ in slices for i in range(first, first + count)]
+    assert slots == list(range(8 * num_cands))
+    assert all(first % 8 == 0 and held == min(count, ik.TOPKC_SLICE // 2)
+               for first, count, held in slices)
+    assert all(held == count for _, count, held in slices) == (num_cands <= 8192)
+    keys = ik.ordered_key(_scores_with_ties(8 * num_cands))
+    starts = [min(first, keys.size) for first, _, _ in slices]
+    np.testing.assert_array_equal(ik.cluster_select_ref(keys, 512, starts),
+                                  ik.select_in_order(keys, 512))
+
+
 def test_cluster_topk_spec_geometry():
     spec = ik.make_topk_cluster_spec("both", 512, 1, 8, 2048)
     assert spec.kind == "topkc" and spec.grid(6) == (ik.TOPKC_CLUSTER, 6, 1)
@@ -218,7 +234,7 @@ def test_cluster_topk_spec_geometry():
     assert lay["hist"] % 16 == 0                   # 16-byte DSMEM loads of 4 bins
     assert 2 * (spec.smem_bytes + 1024) <= 228 * 1024, "two CTAs per SM"
     with pytest.raises(ValueError, match="mode"):
-        ik.make_topk_cluster_spec("candidates", 512, 1)
+        ik.make_topk_cluster_spec("sorted", 512, 1)
     with pytest.raises(ValueError, match="k_blocks"):
         ik.make_topk_cluster_spec("both", 512, 1, 8, 0)
 
@@ -291,7 +307,11 @@ def test_specs_of_both_configs():
         variants = {(s.mode, s.topk, s.topk_blocks) for s in specs if s.kind == "topkc"}
         assert variants == {("entries", cfg.index_topk, 0),
                             ("blocks", cfg.candidate_topk_blocks, 0),
-                            ("both", cfg.index_topk, cfg.candidate_topk_blocks)}
+                            ("both", cfg.index_topk, cfg.candidate_topk_blocks),
+                            ("candidates", cfg.index_topk, 0)}
+        for s in specs:
+            if s.kind == "topkc":
+                assert s.params == (ik.TOPK_PARAMS if s.mode == "candidates" else ik.TOPKC_PARAMS)
 
 
 def test_bad_specs_are_refused():

@@ -206,9 +206,10 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
         inside = indexer_ref.candidate_entry_mask(blocks, n_max, 8) & indexer_ref.visible_mask(
             ik.visible_counts(positions, seq_index, 1), n_max)
         check_scores(scores2, qd2, w2, decoded, positions, seq_index, 1, allowed_rows=inside)
-        np.testing.assert_array_equal(
-            reindex.download("topk", np.int32, (r, 512)),
-            ik.topk_ref(scores2, positions, seq_index, "candidates", 512, 1, cands=blocks))
+        want = ik.topk_ref(scores2, positions, seq_index, "candidates", 512, 1, cands=blocks)
+        np.testing.assert_array_equal(reindex.download("topk", np.int32, (r, 512)), want)
+        np.testing.assert_array_equal(reindex.download("topk_c", np.int32, (r, 512)), want,
+                                      err_msg="cluster top-k variant (candidates)")
     finally:
         reindex.close()
 

@@ -10,7 +10,10 @@ the row would be selected and show; the outputs are poisoned with 0xFF. The sele
 outputs are compared bitwise with `topk_ref` (the model-level `indexer_ref` functions), for the
 entries (k = 512) and blocks (k = 2048 blocks of 8, own block forced in) selections of the default
 kernels and of the three cluster variants (entries, blocks, both from one read); a relaunch is
-bitwise identical.
+bitwise identical. The candidates variant (reindex layers) gets ascending candidate lists with -1
+padding (as the candidate source writes them), the row's partial last block among them, every
+score outside the row's candidate blocks poisoned, 2048 candidate blocks (all slots in shared
+memory) and 8200 (past the 8192 slots held: the global fallback).
 """
 from __future__ import annotations
 
@@ -105,3 +108,50 @@ def topk_launches(chain: IndexerChain, rows: int) -> list[LaunchSpec]:
     """The default top-k kernels alone (the chain's launches without prep and scores)."""
     return [sp for sp in chain.launches(rows, 1.0)
             if sp.kernel.name.startswith("indexer_topk_")]
+
+
+CAND_LENGTHS = [(1, 100, 5000), (4097, 70000, 131072), (16, 65536, 262145)]
+
+
+@pytest.mark.parametrize("num_cands", [2048, 8200])
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("lengths", CAND_LENGTHS, ids=lambda v: "-".join(map(str, v)))
+def test_cluster_topk_candidates_equals_reference(dev, bundle, lengths, dist, num_cands):
+    rng = np.random.default_rng()
+    n = np.array(lengths, np.int64)
+    rows = n.size + 1
+    positions = np.append(n - 1, 0).astype(np.int32)
+    seq_index = np.append(np.arange(n.size), -1).astype(np.int32)
+    ld = int(n.max()) + 64
+    chain = IndexerChain(dev, bundle, IndexerShape(32, 1, "candidates", 512, num_cands, 8, 64,
+                                                   rows, rows, ld))
+    try:
+        cands = np.full((rows, num_cands), -1, np.int32)
+        for r, length in enumerate(n):
+            nb = -(-int(length) // 8)
+            m = int(rng.integers(max(1, min(nb, num_cands) // 2), min(nb, num_cands) + 1))
+            pick = rng.choice(nb - 1, m - 1, replace=False) if m > 1 else np.zeros(0, int)
+            cands[r, :m] = np.sort(np.append(pick, nb - 1))      # own (partial) block included
+        inside = np.zeros((rows, ld), bool)
+        for r, length in enumerate(n):
+            e = (cands[r][cands[r] >= 0][:, None] * 8 + np.arange(8)).reshape(-1)
+            inside[r, e[e < length]] = True
+        scores = np.where(inside, draw_scores(rng, dist, rows, ld), POISON).astype(np.float32)
+        for name, arr in (("scores", scores), ("positions", positions),
+                          ("seq_index", seq_index), ("cands", cands)):
+            chain.upload(name, arr)
+        want = ik.topk_ref(scores, positions, seq_index, "candidates", 512, 1, cands=cands)
+        launches = topk_launches(chain, rows) + list(chain.variant_launches(rows).values())
+        assert len(launches) == 2
+        stream = dev.stream()
+        for rep in range(2):
+            chain.poison("topk", "topk_c")
+            cp.cuda.Device().synchronize()
+            for spec in launches:
+                spec.launch(stream)
+            stream.synchronize()
+            for name in ("topk", "topk_c"):
+                np.testing.assert_array_equal(chain.download(name, np.int32, (rows, 512)), want,
+                                              err_msg=f"{name} (launch {rep})")
+    finally:
+        chain.close()
