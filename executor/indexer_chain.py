@@ -192,8 +192,7 @@ def _bench_candidates(ctx, bundle, rng, contexts) -> None:
     """Reindex-layer top-k (512 of the entries in 2048 candidate blocks): default vs cluster
     variant on random scores and random ascending candidate lists; outputs compared."""
     rows_max = max(BENCH_ROWS)
-    shape = IndexerShape(32, 1, "candidates", 512, 2048, 8, 64, rows_max, rows_max,
-                         max(contexts))
+    shape = IndexerShape(32, 1, "candidates", 512, 2048, 8, 64, rows_max, 8, max(contexts))
     chain = IndexerChain(ctx.device, bundle, shape)
     try:
         chain.upload("scores", rng.standard_normal((rows_max, shape.max_entries), np.float32))
