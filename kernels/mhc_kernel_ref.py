@@ -183,7 +183,7 @@ def finish_ref(x_new: np.ndarray, pre_prev: np.ndarray, fn: np.ndarray, scale: n
 def rounding_bound(exact: np.ndarray, abs_terms: np.ndarray, ops: int) -> np.ndarray:
     """|bf16(fp32 result) - exact|: half a bf16 ulp of |exact| (2^-9 relative) plus `ops` fp32
     roundings of the summed magnitudes (2^-24 each), doubled for the ulp step at a binade edge."""
-    return 2.0**-8 * np.abs(exact) + ops * 2.0**-23 * abs_terms
+    return 2.0**-7 * np.abs(exact) + ops * 2.0**-23 * abs_terms
 
 
 def mixes_bound(x_new: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:

@@ -8,14 +8,17 @@ coefficients, logits for the selection), so one rounding difference is judged wh
 
 Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.py):
 - X' and the collapse: fp32 sums of <= 5 products then one bf16 rounding, against the float64
-  value rounded once: |got - exact| <= 2^-8 |exact| + ops·2^-23 Σ|terms| (`rounding_bound`).
+  value rounded once: |got - exact| <= 2^-7 |exact| + ops·2^-23 Σ|terms| (`rounding_bound`:
+  one bf16 ulp, as the fp32 error can move the value across a rounding midpoint).
 - mixes: fp32 split-K sum vs float64: (32 + 3 + D/64 + 8) roundings of 2^-24 Σ|x·fn|, times rstd,
   plus 2^-20 relative for the rstd (`mixes_bound`).
-- pre/post: sigmoid of the same fp32 input; libdevice exp (<= 2 ulp) and one division: 4e-6 abs
-  (pre <= 1 + eps, post <= 2: a few fp32 ulps, x10 margin).
+- pre/post: sigmoid of the same fp32 mixes; the argument m·s + b may be one fma (<= 1 ulp of
+  |m·s| <= ~40: 4e-6, times σ' <= 1/4), libdevice exp (<= 2 ulp), one division; post doubles it:
+  1e-5 abs (a wrong formula or lane is off by > 1e-2).
 - comb: fp32 Sinkhorn vs NumPy's fp32 Sinkhorn in another summation order. Measured: fp32 vs
-  float64 Sinkhorn differ by <= 2.3e-7 over 200k random 4x4 logits of sd 1..3 (41 normalisations
-  do not amplify errors); 1e-5 abs leaves x20 for the exp and the order. Doubly stochastic check:
+  float64 Sinkhorn differ by <= 2.3e-7 over 200k random 4x4 logits of sd 1..3; the half-warp
+  order (tests/test_mhc_router_cpu.py model) on logits perturbed by 1 ulp differs from
+  mhc_ref.sinkhorn by <= 1.05e-6 at sd 10 (100k draws): 1e-5 abs leaves x10. Doubly stochastic check:
   every column sums to 1 within 1e-5 (the last step is a column normalisation: S/(S + 1e-6)),
   row sums equal the reference's within 1e-5 (20 rounds do not make rows exactly stochastic).
 - router logits: fp32 vs float64 within `logits_bound`; equal weight rows give bitwise equal
@@ -52,7 +55,7 @@ ROWS = (1, 5, 6, 12, 48, 192)
 RNG = np.random.default_rng()
 BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
            "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-PP_ATOL = 4e-6
+PP_ATOL = 1e-5
 COMB_ATOL = 1e-5
 ROUTE_REL = 2.0**-17
 
