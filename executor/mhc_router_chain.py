@@ -146,15 +146,22 @@ def bench_mhc_router(ctx) -> None:
             def chain(pre=pre, norm=norm):
                 pre.launch(ctx.stream)
                 norm.launch(ctx.stream)
-            us = ctx.cold_median_us(chain, reps=reps)
-            ctx.bandwidth(f"{spec.name}+rmsnorm", "2 launches, PDL", rows, us,
+            chain_us = ctx.cold_median_us(chain, reps=reps)
+            ctx.bandwidth(f"{spec.name}+rmsnorm", "2 launches, PDL", rows, chain_us,
                           spec.bytes_moved(rows) + nr.rmsnorm_bytes(rows, spec.width, "f32"))
+            route_us = []
             for router in routers:
                 route, rspec = router.launch(rows), router.spec
                 us = ctx.cold_median_us(lambda route=route: route.launch(ctx.stream), reps=reps)
                 pred = rk.predicted_us(rows, rspec.hidden, rspec.experts)
                 ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us,
                               rspec.bytes_moved(rows))
+                route_us.append(us)
+            # One layer's share: two mHC steps (attn, ffn) and the best router, vs the HBM floor
+            # of their bytes (fn twice + gate once + activations) at 4.8 TB/s.
+            layer_bytes = 2 * spec.bytes_moved(rows) + routers[0].spec.bytes_moved(rows)
+            ctx.metric(f"mhc x2 + router per layer, R={rows} (floor {layer_bytes / 4.8e6:.1f} us)",
+                       2 * chain_us + min(route_us), "us")
     finally:
         step.close()
         for router in routers:

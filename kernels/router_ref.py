@@ -115,8 +115,9 @@ def router_bytes(rows: int, hidden: int, experts: int, topk: int) -> int:
 
 
 def predicted_us(rows: int, hidden: int = 5120, experts: int = 384) -> float:
-    """HBM floor at the measured ~4.3 TB/s plus ~3 us of launch, GEMV tail and selection."""
-    return router_bytes(rows, hidden, experts, 6) / 4.3e6 + 3.0
+    """Floor at the measured ~4.3 TB/s plus ~4 us of launch, weight round trip and selection,
+    plus ~0.04 us a row of CUDA-core fma (2 x 5120 per expert pair and row, 192 pairs)."""
+    return router_bytes(rows, hidden, experts, 6) / 4.3e6 + 4.0 + 0.04 * rows
 
 
 # ---- reference -----------------------------------------------------------------------------------
