@@ -177,7 +177,8 @@ def _fill_random_weights(chain: MoeChain) -> None:
 def bench_moe_routed(ctx) -> None:
     """The routed-MoE chain (prep + w13 + w2 + combine) at R = 1..192, uniform top-k routing over
     every expert, L2 flushed before each rep; the self-routed chain (xquant + w13sr + w2sr +
-    combine, rows labelled "selfrouted") beside it; Humming's stock numbers (anchors.md)."""
+    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants) beside
+    it; Humming's stock numbers (anchors.md)."""
     from executor.benchmarks import fill_random_bf16
     bundle = ctx.bundle_with("moe_w13_")
     if bundle is None:
@@ -200,9 +201,11 @@ def bench_moe_routed(ctx) -> None:
             distinct = len(np.unique(ids))
             chains = [("", chain.launches(rows))]
             if chain.has_selfrouted():
+                w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
+                    w2 = "early" if w13 == "early" and w2_early else None
                     chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
-                                   chain.launches_selfrouted(rows, w13=w13)))
+                                   chain.launches_selfrouted(rows, w13=w13, w2=w2)))
             for label, specs in chains:
                 def run(specs=specs):
                     for s in specs:

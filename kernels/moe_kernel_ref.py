@@ -293,7 +293,7 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
 W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3))   # "early": the stage refilled mid-math
-W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2))
+W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 
 

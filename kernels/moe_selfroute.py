@@ -509,12 +509,109 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
             mo.sts_u32(sq + self.q_bytes + self.s_bytes + 4 * warp, pair if valid != 0 else -1)
 
 
+class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
+    """moe_w2sr "early": as MoeW13EarlyRefillSm90, for w2: the one-item ring's stage is refilled
+    with the CTA's next item group by group, right after the mma that consumed each group, in the
+    item's last token chunk."""
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
+               offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        sq = ring + self.ring_region
+        lists = sq + mk.w2_smem_bytes(self.shape)
+        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        total = self.routing.distinct(lists) * self.blocks
+        self.issue(ring, self.routing.expert_of_item(lists, bidx, self.blocks, total),
+                   mo._addr(codes), mo._addr(offsets), bidx, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
+        cute.arch.griddepcontrol_launch_dependents()
+        item = bidx
+        while item < total:
+            e, first, count = self.routing.entry(lists, item // self.blocks)
+            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            tile = (item % self.blocks) * mk.W2_WARPS + warp
+            nxt = item + gdim
+            nxt_e = self.routing.expert_of_item(lists, nxt, self.blocks, total)
+            refill = self.weight_addresses(nxt_e, nxt, mo._addr(codes), mo._addr(offsets), warp,
+                                           lane)
+            more = Int32(1) if nxt < total else Int32(0)
+            pair_list = lists + self.routing.pairs_at + 4 * first
+            chunk = Int32(0)
+            while chunk < count:
+                self.quantize_chunk_smem(pair_list, mo._addr(h), count - chunk, chunk, sq, warp,
+                                         lane)
+                mo.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
+                cute.arch.sync_threads()
+                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
+                self.chunk_mma_refill(ring, mo._addr(ye), tile, scale, sq, lane, tidx, refill,
+                                      more * last)
+                cute.arch.sync_threads()
+                chunk += mk.CHUNK_TOKENS
+            item += gdim
+
+    @cute.jit
+    def weight_addresses(self, e: Int32, item: Int32, codes: Int64, offsets: Int64, warp: Int32,
+                         lane: Int32):
+        """(code, offset) addresses of this thread's first column / group, as `issue`'s."""
+        tile_id = Int64(e * self.shape.tiles2 + (item % self.blocks) * mk.W2_WARPS + warp)
+        return (codes + tile_id * self.cols * mk.COL_BYTES + lane * 16,
+                offsets + tile_id * self.groups * mk.GROUP_OFFSET_BYTES + (lane // 4) * 8)
+
+    @cute.jit
+    def chunk_mma_refill(self, stage: Int32, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
+                         lane: Int32, tidx: Int32, refill, do_refill: Int32):
+        """`chunk_mma`, re-issuing each group's weight copies for the next item (when
+        do_refill) right after that group's mma; one commit group per refilling call."""
+        wbase, obase = refill
+        g, t = lane // 4, lane % 4
+        k_pad, hidden = self.shape.k2, self.shape.hidden
+        acc = [Float32(0.0)] * 4
+        for grp in cutlass.range_constexpr(self.groups):
+            n_steps = self.ksteps(grp)
+            cols = range(2 * grp, min(2 * grp + 2, self.cols))
+            words = [w for c in cols for w in mo.lds_v4(stage + (c * self.threads + tidx) * 16)]
+            offs = mo.lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
+            b_regs = []
+            for s4 in cutlass.range_constexpr(n_steps):
+                b_regs.append(mo.lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
+            part = mo.group_mma(words, offs, n_steps, b_regs)
+            if do_refill != 0:
+                for c in cutlass.range_constexpr(2 * grp, min(2 * grp + 2, self.cols)):
+                    mo.cp_async_16(stage + (c * self.threads + tidx) * 16,
+                                   wbase + c * mk.COL_BYTES)
+                mo.cp_async_8(stage + self.offsets_at + (grp * self.threads + tidx) * 8,
+                              obase + grp * mk.GROUP_OFFSET_BYTES)
+            sc0 = mo.lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
+            sc1 = mo.lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
+            acc = [mo.fmul_add(acc[0], part[0], sc0), mo.fmul_add(acc[1], part[1], sc1),
+                   mo.fmul_add(acc[2], part[2], sc0), mo.fmul_add(acc[3], part[3], sc1)]
+        if do_refill != 0:
+            mo.cp_async_commit()
+        p0 = mo.lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
+        p1 = mo.lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
+        n = tile * mk.TILE_ROWS + g
+        if p0 >= 0:
+            mo.st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
+            mo.st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
+        if p1 >= 0:
+            mo.st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
+            mo.st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
+
+
 KERNEL_CLASSES = {"xquant": MoeXQuantSm90, "w13sr": MoeW13SelfRoutedSm90,
                   "w2sr": MoeW2SelfRoutedSm90}
-W13SR_CLASSES = {"early": MoeW13EarlyRefillSm90}
+EARLY_REFILL_CLASSES = {"w13sr": MoeW13EarlyRefillSm90, "w2sr": MoeW2EarlyRefillSm90}
 
 
 def kernel_class(spec: mk.MoeSpec):
-    if spec.kind == "w13sr" and spec.variant in W13SR_CLASSES:
-        return W13SR_CLASSES[spec.variant]
+    """The class compiling spec: the "early" variants have their own loop."""
+    if spec.variant == "early":
+        return EARLY_REFILL_CLASSES[spec.kind]
     return KERNEL_CLASSES[spec.kind]

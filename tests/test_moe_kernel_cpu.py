@@ -230,7 +230,7 @@ def test_selfrouted_specs_abi_grid_and_shared_memory(config):
     inside the ring and the lists after it."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     specs = mk.selfrouted_specs(shape)
-    assert [s.kind for s in specs] == ["xquant", "w13sr", "w13sr", "w2sr", "w2sr"]
+    assert [s.kind for s in specs] == ["xquant", "w13sr", "w13sr", "w2sr", "w2sr", "w2sr"]
     assert len({s.name for s in specs}) == len(specs)
     for spec in specs:
         d = spec.to_dict()
