@@ -157,4 +157,3 @@ def logits_bound(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return 2 * ops * 2.0**-24 * terms
 
 
-SCORE_REL_TOL = 2.0**-19     # sqrt(softplus) from libdevice exp/log1p/sqrt: a few fp32 ulps
