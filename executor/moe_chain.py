@@ -223,8 +223,8 @@ def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: s
         return
     h_distinct, h_pair, _ = HUMMING_W4A8[rows]
     h_gbps = h_distinct * shape.checkpoint_expert_bytes() / (h_pair * 1e-6) / 1e9
-    ctx.metric(f"moe{label} R={rows}: Humming w13+w2 (anchors.md) {h_pair:.2f} us, {h_gbps:.0f} GB/s; "
-               "ours", us, "us", f"< {h_pair:.1f}", us < h_pair)
+    ctx.metric(f"moe{label} R={rows}: Humming w13+w2 (anchors.md) {h_pair:.2f} us, "
+               f"{h_gbps:.0f} GB/s; ours", us, "us", f"< {h_pair:.1f}", us < h_pair)
     if rows <= 8:
         ctx.metric(f"moe{label} R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 4000",
                    row.gbps >= 4000)

@@ -248,9 +248,9 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         total = self.routing.distinct(lists) * self.tiles
         for s in cutlass.range_constexpr(self.stages):
             first_item = bidx + s * gdim
-            self.issue(ring + s * self.stage_bytes,
-                       self.routing.expert_of_item(lists, first_item, self.tiles, total), mo._addr(codes),
-                       mo._addr(offsets), first_item, total, warp, lane, tidx)
+            first_e = self.routing.expert_of_item(lists, first_item, self.tiles, total)
+            self.issue(ring + s * self.stage_bytes, first_e, mo._addr(codes), mo._addr(offsets),
+                       first_item, total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # xq, xs come from moe_xquant
         cute.arch.griddepcontrol_launch_dependents()
         item = bidx

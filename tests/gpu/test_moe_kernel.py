@@ -7,8 +7,8 @@ routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds), and two replays bitwise equal; then the self-routed chain
-(kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within tolerance and
-bitwise the default chain's, its quantized x bitwise.
+(kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
+tolerance and bitwise the default chain's, its quantized x bitwise.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
 zero, so a kernel reading a wrong expert is caught.
 """
@@ -147,10 +147,10 @@ def test_moe_chain_matches_reference(setup, kind, rows):
 
 
 def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
-    """The self-routed chain (xquant, w13sr, w2sr, combine) from NaN-poisoned buffers, every w13sr
-    and w2sr variant: y within the reference tolerance and bitwise the default chain's y (same bytes, same
-    items, same per-item arithmetic order: only where routing and x quantization happen moved);
-    xq / xs bitwise quantize_act_fp8 in fragment order."""
+    """The self-routed chain (xquant, w13sr, w2sr, combine) from NaN-poisoned buffers, every
+    w13sr and w2sr variant: y within the reference tolerance and bitwise the default chain's y
+    (same bytes, same items, same per-item arithmetic order: only where routing and x
+    quantization happen moved); xq / xs bitwise quantize_act_fp8 in fragment order."""
     assert chain.has_selfrouted(), "the bundle lacks the self-routed MoE kernels"
     pairs = ([(w13, "") for w13 in chain.selfrouted_variants("w13sr")]
              + [("", w2) for w2 in chain.selfrouted_variants("w2sr") if w2])
