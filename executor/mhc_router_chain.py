@@ -110,6 +110,24 @@ def _fill_mhc(step: MhcStep, rng) -> None:
     upload(step.arena, "norm_weight", np.ones(d, np.float32))
 
 
+def _time_step(ctx, step: MhcStep, rows: int, reps: int) -> float:
+    """mhc_pre alone, then mhc_pre + its RMSNorm (two PDL launches); returns the pair's us."""
+    spec = step.spec
+    pre = step.launch_pre(rows, 1e-20, 1e-6, in_place=True)
+    norm = step.launch_norm(rows, 1e-20)
+    us = ctx.cold_median_us(lambda: pre.launch(ctx.stream), reps=reps)
+    ctx.bandwidth(spec.name, f"pred {mk.predicted_us(rows, spec.width):.1f} us", rows, us,
+                  spec.bytes_moved(rows))
+
+    def chain():
+        pre.launch(ctx.stream)
+        norm.launch(ctx.stream)
+    us = ctx.cold_median_us(chain, reps=reps)
+    ctx.bandwidth(f"{spec.name}+rmsnorm", "2 launches, PDL", rows, us,
+                  spec.bytes_moved(rows) + nr.rmsnorm_bytes(rows, spec.width, "f32"))
+    return us
+
+
 def bench_mhc_router(ctx) -> None:
     """mhc_pre (post mode) alone and followed by its RMSNorm, and the router, at R = 1..192,
     L2 flushed before each rep; bytes = what must move (fn / gate weight once + activations)."""
@@ -117,18 +135,22 @@ def bench_mhc_router(ctx) -> None:
     if bundle is None or not any(n.startswith("router_") for n in bundle.names()):
         raise LookupError("no bundle has the mhc_pre and router kernels")
     rng = np.random.default_rng()
-    pre_name = next(n for n in bundle.names() if n.startswith("mhc_pre_") and "_s4_post" in n)
-    sp = bundle.manifest.kernels[pre_name].spec
-    spec = mk.make_spec(sp["width"], sp["streams"], sp["mode"], sp["sinkhorn_iters"])
+    post_specs = []
+    for name in sorted(n for n in bundle.names() if n.startswith("mhc_pre_") and "_post" in n):
+        sp = bundle.manifest.kernels[name].spec
+        post_specs.append(mk.make_spec(sp["width"], sp["streams"], sp["mode"],
+                                       sp["sinkhorn_iters"], sp.get("early_trigger", False)))
+    spec = post_specs[0]
     rspecs = []
     for rname in sorted(n for n in bundle.names() if n.startswith("router_")):
         rs = bundle.manifest.kernels[rname].spec
         rspecs.append(rk.make_spec(rs["hidden"], rs["experts"], rs["topk"], rs["scaling"],
                                    rs["rows_per_cta"]))
-    step = MhcStep(ctx.device, bundle, spec)
+    steps = [MhcStep(ctx.device, bundle, sp) for sp in post_specs]
     routers = [Router(ctx.device, bundle, rspec) for rspec in rspecs]
     try:
-        _fill_mhc(step, rng)
+        for step in steps:
+            _fill_mhc(step, rng)
         from executor.benchmarks import fill_random_bf16
         for router in routers:
             fill_random_bf16(router.arena, "x")
@@ -137,18 +159,7 @@ def bench_mhc_router(ctx) -> None:
                    rng.uniform(-0.1, 0.1, router.spec.experts).astype(np.float32))
         reps = 20 if ctx.quick else 50
         for rows in QUICK_ROWS if ctx.quick else BENCH_ROWS:
-            pre = step.launch_pre(rows, 1e-20, 1e-6, in_place=True)
-            norm = step.launch_norm(rows, 1e-20)
-            us = ctx.cold_median_us(lambda pre=pre: pre.launch(ctx.stream), reps=reps)
-            ctx.bandwidth(spec.name, f"pred {mk.predicted_us(rows, spec.width):.1f} us", rows,
-                          us, spec.bytes_moved(rows))
-
-            def chain(pre=pre, norm=norm):
-                pre.launch(ctx.stream)
-                norm.launch(ctx.stream)
-            chain_us = ctx.cold_median_us(chain, reps=reps)
-            ctx.bandwidth(f"{spec.name}+rmsnorm", "2 launches, PDL", rows, chain_us,
-                          spec.bytes_moved(rows) + nr.rmsnorm_bytes(rows, spec.width, "f32"))
+            chain_us = min(_time_step(ctx, step, rows, reps) for step in steps)
             route_us = []
             for router in routers:
                 route, rspec = router.launch(rows), router.spec
@@ -157,12 +168,13 @@ def bench_mhc_router(ctx) -> None:
                 ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us,
                               rspec.bytes_moved(rows))
                 route_us.append(us)
-            # One layer's share: two mHC steps (attn, ffn) and the best router, vs the HBM floor
+            # One layer's share: two mHC steps (attn, ffn) and the best variants, vs the HBM floor
             # of their bytes (fn twice + gate once + activations) at 4.8 TB/s.
             layer_bytes = 2 * spec.bytes_moved(rows) + routers[0].spec.bytes_moved(rows)
             ctx.metric(f"mhc x2 + router per layer, R={rows} (floor {layer_bytes / 4.8e6:.1f} us)",
                        2 * chain_us + min(route_us), "us")
     finally:
-        step.close()
+        for step in steps:
+            step.close()
         for router in routers:
             router.close()

@@ -15,6 +15,8 @@ How (grid = (D / 64 slices, row blocks of 32); 128 threads; 8 threads own a row'
   mixes, and turns them into pre/post/comb: a half-warp per row, lane (j, k) holds comb[j, k],
   row sums over lanes xor 1, 2 and column sums over xor 4, 8 (20 Sinkhorn rounds ~ 1 us). It
   then resets the counter for the next launch.
+- PDL trigger at exit (default); variant `_et` triggers once every CTA has written x_out, so
+  the RMSNorm launches during the last CTA's tail.
 """
 from __future__ import annotations
 
@@ -205,6 +207,10 @@ class MhcPreSm90:
             old = atomic_add_acq_rel(counter, Int32(1))
             sts_s32(sbase + self.flag_offset, Int32(old == self.spec.slices - 1))
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.spec.early_trigger):
+            # x_out is complete in every CTA: the next kernel (the RMSNorm) may launch and stage
+            # its weight during the last CTA's reduce and Sinkhorn (its wait still covers them).
+            cute.arch.griddepcontrol_launch_dependents()
         if lds_s32(sbase + self.flag_offset) != 0:
             fence_gpu()
             self._reduce_slices(workspace, sbase, block_row, rows, tidx)
@@ -213,7 +219,8 @@ class MhcPreSm90:
                                norm_eps, hc_eps)
             if tidx == 0:
                 stg_s32(counter, Int32(0))
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(not self.spec.early_trigger):
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _stage_fn(self, fn: cute.Pointer, sbase: Int32, slice_idx: Int32, tidx: Int32):

@@ -57,6 +57,7 @@ class MhcPreSpec:
     streams: int
     mode: str
     sinkhorn_iters: int
+    early_trigger: bool = False     # PDL trigger before the last CTA's reduce (variant "_et")
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
 
@@ -81,12 +82,14 @@ class MhcPreSpec:
     def to_dict(self) -> dict:
         return {"family": "mhc", "name": self.name, "width": self.width, "streams": self.streams,
                 "mode": self.mode, "sinkhorn_iters": self.sinkhorn_iters,
+                "early_trigger": self.early_trigger,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "slices": self.slices,
                 "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH}
 
 
-def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int) -> MhcPreSpec:
+def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
+              early_trigger: bool = False) -> MhcPreSpec:
     if mode not in MODES:
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
@@ -96,8 +99,9 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int) -> MhcPr
                          "(or 1 for the plain broadcast of layer 0)")
     if sinkhorn_iters < 1:
         raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
-    return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}", width, streams, mode,
-                      sinkhorn_iters)
+    suffix = "_et" if early_trigger else ""
+    return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}{suffix}", width, streams, mode,
+                      sinkhorn_iters, early_trigger)
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
@@ -105,7 +109,7 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
         raise ValueError(f"mHC kernels are built for hc_mult {HC_MULT}, config has {cfg.hc_mult}")
     d, it = cfg.hidden_size, cfg.hc_sinkhorn_iters
     return [make_spec(d, HC_MULT, "post", it), make_spec(d, HC_MULT, "plain", it),
-            make_spec(d, 1, "plain", it)]
+            make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "post", it, early_trigger=True)]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:

@@ -27,7 +27,8 @@ def test_mhc_specs_and_bytes(config):
     specs = mk.mhc_specs(cfg)
     assert [s.name for s in specs] == [f"mhc_pre_d{cfg.hidden_size}_s4_post",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_plain",
-                                       f"mhc_pre_d{cfg.hidden_size}_s1_plain"]
+                                       f"mhc_pre_d{cfg.hidden_size}_s1_plain",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_et"]
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
     assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)

@@ -184,14 +184,14 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
     assert not counters.any(), f"{tag}: counters not reset: {counters}"
 
 
-@pytest.mark.parametrize("mode", ["post", "plain", "broadcast"])
+@pytest.mark.parametrize("mode", ["post", "post_et", "plain", "broadcast"])
 def test_mhc_pre_matches_reference(dev, stream, setup, mode):
     cfg, bundle = setup
     streams = 1 if mode == "broadcast" else mk.HC_MULT
-    spec = mk.make_spec(cfg.hidden_size, streams, "post" if mode == "post" else "plain",
-                        cfg.hc_sinkhorn_iters)
+    spec = mk.make_spec(cfg.hidden_size, streams, "post" if "post" in mode else "plain",
+                        cfg.hc_sinkhorn_iters, early_trigger=mode == "post_et")
     for rows in ROWS:
-        in_place = mode == "post" and rows % 2 == 0
+        in_place = spec.mode == "post" and rows % 2 == 0
         out = _mhc_case(dev, stream, bundle, spec, rows, cfg, in_place)
         _check_mhc(spec, cfg, rows, *out)
 
