@@ -205,8 +205,8 @@ class CompressorPublishSm90:
                  stream: cuda.CUstream):
         self.kernel(kv_score, ring, positions, seq_index, state_lines, block_tables, norm_w, wk,
                     k_norm, table, cache, keys, rows, pages_per_seq, page_size, num_positions,
-                    eps).launch(grid=[rows, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-                                stream=stream, use_pdl=True)
+                    eps).launch(grid=[rows, 1, 1], block=list(self.spec.block),
+                                smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, kv_score: cute.Pointer, ring: cute.Pointer, positions: cute.Pointer,
