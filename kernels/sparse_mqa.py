@@ -20,6 +20,11 @@ How (grid = (S, R), cluster = (S, 1, 1), 256 threads; S = 8 with top-k, 4 withou
          bf16, inverse RoPE (dims 448..511, fp32 on the bf16 values), bf16 store -> cluster barrier
 
 Each record is read from memory once per row; nothing outside a row's valid entries is read.
+
+Variants of the top-k kernel (`ref.variant_specs`; the measured default is split="balanced"):
+split="fixed" loads the top-k ids in the same wave as row_info (3-hop address chain) and prefetches
+the sink and RoPE row into smem; ctas_per_sm=3 runs PV in two passes (<= 80 registers);
+qk_chains=2 splits the QK mma chain; `skip` builds timing-only ablations (outputs meaningless).
 PDL: `griddepcontrol.wait` comes first (q, the caches and the metadata are all written by the
 step's earlier kernels); `launch_dependents` after the last store.
 
