@@ -138,15 +138,35 @@ def _greedy(model, prompt, count):
 
 @pytest.mark.slow
 def test_tp1_and_tp4_generate_the_same_tokens():
-    """End to end on the tiny synthetic model, exact and stock numerics.
+    """End to end on the tiny synthetic model.
 
-    TP changes the arithmetic (per-rank BF16 partials), so TP1 and TP4 agree only as long as no
-    1-ulp difference flips a decision. With unit-gain output projections a random model is chaotic
-    (TP1/TP4 diverged within 1-4 tokens); loader.synth draws them at 1/32, which measured no
-    divergence in 120 tokens (3 prompts x 40) in exact numerics and one at token 38 in stock.
+    TP changes the arithmetic (per-rank BF16 partials), so TP1 and TP4 agree exactly only while no
+    rounding difference flips a decision. Exact numerics (no FP8 activation quantization): the
+    greedy tokens of a free run are equal (loader.synth keeps the model contractive; no divergence
+    was seen in 120 tokens). Stock SM90 numerics: FP8 quantization turns 1-ulp differences into
+    0.02-0.08 logit differences, so, teacher-forced on TP1's tokens, every step must pick the same
+    token unless TP1's top-2 margin is inside the two runs' logit difference (a genuine near-tie:
+    the upstream PR's acceptance rule for stock vs executor), and the logits differ by at most 0.25
+    (measured worst 0.076 over 96 steps: 3x headroom).
     """
     prompt = random_prompt(np.random.default_rng(), 6)
-    for exact in (True, False):
-        tokens = {tp: _greedy(tiny_model(tp, exact=exact), prompt, 10) for tp in (1, 4)}
-        assert tokens[1] == tokens[4], f"exact={exact}"
+    tokens = {tp: _greedy(tiny_model(tp, exact=True), prompt, 10) for tp in (1, 4)}
+    assert tokens[1] == tokens[4]
     assert len(set(tokens[1])) > 5
+
+    models = {tp: tiny_model(tp, exact=False) for tp in (1, 4)}
+    caches = {tp: new_caches(models[tp]) for tp in (1, 4)}
+    seq = list(prompt) + [prefill(models[1], caches[1], 0, prompt).next_token]
+    prefill(models[4], caches[4], 0, prompt)
+    for _ in range(12):
+        out = {tp: block_step(models[tp], caches[tp], 0, len(seq) - 1, [seq[-1]], seq)
+               for tp in (1, 4)}
+        l1, l4 = (out[tp].logits[0].astype(np.float64) for tp in (1, 4))
+        diff = np.abs(l1 - l4).max()
+        assert diff <= 0.25, f"TP1/TP4 logits differ by {diff} at position {len(seq) - 1}"
+        if out[1].tokens[0] != out[4].tokens[0]:
+            top2 = np.sort(l1)[-2:]
+            assert top2[1] - top2[0] <= 2 * diff, (
+                f"TP4 chose {out[4].tokens[0]} over {out[1].tokens[0]} at a top-1 margin of "
+                f"{top2[1] - top2[0]} (logit difference {diff})")
+        seq.append(int(out[1].tokens[0]))
