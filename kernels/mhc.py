@@ -162,7 +162,8 @@ class MhcPreSm90:
     def __init__(self, spec: MhcPreSpec):
         self.spec = spec
         self.D, self.S = spec.width, spec.streams
-        self.post = spec.mode == "post"
+        self.post = spec.mode in ("post", "postonly")
+        self.mixes_on = spec.mode != "postonly"
         self.fn_floats = MIX_DIM * self.S * SLICE_WIDTH
         self.red_offset = 4 * self.fn_floats                   # bytes: reduced [rows, 32] sums
         self.flag_offset = self.red_offset + 4 * ROWS_PER_CTA * PARTIAL_STRIDE
@@ -186,10 +187,12 @@ class MhcPreSm90:
                rows: Int32, norm_eps: Float32, hc_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         slice_idx, block_row, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        sbase = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
-        self._stage_fn(fn, sbase, slice_idx, tidx)
-        cute.arch.sync_threads()
+        sbase = Int32(0)                     # postonly: no shared memory at all
+        if cutlass.const_expr(self.mixes_on):
+            smem = cutlass.memory.SmemAllocator()
+            sbase = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
+            self._stage_fn(fn, sbase, slice_idx, tidx)
+            cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()     # streams, sub_out, coeff_prev: earlier kernels
 
         dv = tidx % THREADS_PER_ROW
@@ -199,7 +202,19 @@ class MhcPreSm90:
             self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out, workspace,
                                sbase, rows, row, slice_idx, d0, dv)
 
-        # Split-K: the last CTA of this row block to arrive reduces it (acq_rel counter).
+        if cutlass.const_expr(self.mixes_on):
+            self._split_k_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
+                               block_row, rows, tidx, norm_eps, hc_eps)
+        if cutlass.const_expr(not self.spec.early_trigger):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _split_k_tail(self, scale: cute.Pointer, base: cute.Pointer, coeff_out: cute.Pointer,
+                      mixes: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+                      sbase: Int32, block_row: Int32, rows: Int32, tidx: Int32,
+                      norm_eps: Float32, hc_eps: Float32):
+        """The last CTA of this row block to arrive (acq_rel counter) reduces it: mixes, then
+        pre/post/comb; it resets the counter for the next launch."""
         fence_gpu()
         cute.arch.sync_threads()
         counter = counters.toint() + Int64(block_row) * 4
@@ -219,8 +234,6 @@ class MhcPreSm90:
                                norm_eps, hc_eps)
             if tidx == 0:
                 stg_s32(counter, Int32(0))
-        if cutlass.const_expr(not self.spec.early_trigger):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _stage_fn(self, fn: cute.Pointer, sbase: Int32, slice_idx: Int32, tidx: Int32):
@@ -267,6 +280,14 @@ class MhcPreSm90:
         if valid:
             stg_v4(x_out.toint() + Int64((r * self.D + d0) * 2), packed)
 
+        if cutlass.const_expr(self.mixes_on):
+            self._partials(xs, workspace, sbase, rows, r, valid, slice_idx, dv)
+
+    @cute.jit
+    def _partials(self, xs, workspace: cute.Pointer, sbase: Int32, rows: Int32, r: Int32,
+                  valid, slice_idx: Int32, dv: Int32):
+        """The row's 24 dot products and Σx² over this thread's 8 d; the 8 threads of the row
+        meet in a butterfly and one writes them to the workspace."""
         part = cute.make_rmem_tensor((PARTIALS,), Float32)
         part.fill(0.0)
         for j in cutlass.range_constexpr(self.S):

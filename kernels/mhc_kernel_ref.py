@@ -2,7 +2,7 @@
 
 One launch of `mhc_pre` does, for R rows of the residual streams X [R, S, D] (BF16):
 
-  (1) post   X' = bf16(post_prev·f + comb_prevᵀ·X)     (mode "post"; mode "plain" takes X' = X)
+  (1) post   X' = bf16(post_prev·f + comb_prevᵀ·X)     (modes "post", "postonly"; "plain": X' = X)
   (2) mixes  mixes = (X'·fnᵀ)·rsqrt(mean(X'²) + eps)   split-K over D, deterministic reduce
   (3) coeff  pre, post, comb = M2(mixes) with Sinkhorn (the last CTA of each row block)
   (4) collapse x = bf16(Σ_i pre_prev[i]·X'_i)           (the delayed pre: known before the step)
@@ -13,6 +13,8 @@ second launch: the norm needs the whole row's Σx², a grid-wide dependency of a
 Coefficients travel packed, float32 [R, 24] = pre[0:4] | post[4:8] | comb[8:24] (comb[j, k] at
 8 + 4j + k, row j = the source stream): the kernel reads the previous sublayer's packed
 coefficients (`coeff_prev`: its post/comb for (1), its pre for (4)) and writes this sublayer's.
+Mode "postonly" stops after (1) and (4) (no fn read, no mixes, no coefficients, counters and
+workspace untouched): the pending post before Engram rewrites the streams, and the final collapse.
 S = 1 with mode "plain" is layer 0's broadcast mixes (X = the embedding, fn summed over streams,
 coeff_prev pre = one-hot so x = the embedding).
 
@@ -41,7 +43,7 @@ CTA_THREADS = 128
 ROW_GROUPS = CTA_THREADS // THREADS_PER_ROW    # 16 rows per pass
 ROWS_PER_CTA = 32                              # 2 passes; the row block of one counter
 MAX_ROWS = 256
-MODES = ("post", "plain")
+MODES = ("post", "plain", "postonly")
 PARAMS = (("streams", "u64"), ("sub_out", "u64"), ("coeff_prev", "u64"), ("fn", "u64"),
           ("scale", "u64"), ("base", "u64"), ("streams_out", "u64"), ("x_out", "u64"),
           ("coeff_out", "u64"), ("mixes", "u64"), ("workspace", "u64"), ("counters", "u64"),
@@ -68,6 +70,8 @@ class MhcPreSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic smem: the CTA's fn slice (fp32) and the last CTA's reduced [rows, 32] sums."""
+        if self.mode == "postonly":
+            return 0
         return 4 * MIX_DIM * self.streams * SLICE_WIDTH + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
 
     def grid(self, rows: int) -> tuple[int, int, int]:
@@ -94,7 +98,7 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
         raise ValueError(f"mHC width {width} must be a positive multiple of {SLICE_WIDTH}")
-    if streams not in (1, HC_MULT) or (mode == "post" and streams != HC_MULT):
+    if streams not in (1, HC_MULT) or (mode != "plain" and streams != HC_MULT):
         raise ValueError(f"mHC streams {streams} with mode {mode!r}: expected {HC_MULT} "
                          "(or 1 for the plain broadcast of layer 0)")
     if sinkhorn_iters < 1:
@@ -109,7 +113,8 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
         raise ValueError(f"mHC kernels are built for hc_mult {HC_MULT}, config has {cfg.hc_mult}")
     d, it = cfg.hidden_size, cfg.hc_sinkhorn_iters
     return [make_spec(d, HC_MULT, "post", it), make_spec(d, HC_MULT, "plain", it),
-            make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "post", it, early_trigger=True)]
+            make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "postonly", it),
+            make_spec(d, HC_MULT, "post", it, early_trigger=True)]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:
@@ -122,9 +127,11 @@ def counter_count(max_rows: int = MAX_ROWS) -> int:
 
 def mhc_pre_bytes(rows: int, width: int, streams: int, mode: str) -> int:
     """fn once; X read; (post) f read and X' written; x written; coefficients in and out."""
-    fn = 4 * MIX_DIM * streams * width
+    fn = 0 if mode == "postonly" else 4 * MIX_DIM * streams * width
     per_row = 2 * streams * width + 2 * width + 4 * 2 * MIX_DIM + 4 * MIX_DIM
-    if mode == "post":
+    if mode == "postonly":
+        per_row -= 4 * MIX_DIM + 4 * MIX_DIM          # reads coeff_prev only, writes no mixes
+    if mode != "plain":
         per_row += 2 * width + 2 * streams * width
     return fn + rows * per_row
 
@@ -162,9 +169,10 @@ class MhcPreOutputs:
 def mhc_pre_ref(mode: str, streams: np.ndarray, sub_out: np.ndarray | None,
                 coeff_prev: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray,
                 norm_eps: float, hc_eps: float, iters: int) -> MhcPreOutputs:
-    """What one launch computes, composed from `mhc_ref` (float64 sums rounded once)."""
+    """What one launch computes, composed from `mhc_ref` (float64 sums rounded once); for
+    "postonly" only `streams` and `x` are the kernel's outputs."""
     prev = unpack_coefficients(coeff_prev)
-    if mode == "post":
+    if mode in ("post", "postonly"):
         x_new = mhc_ref.hc_post(sub_out, streams, prev)
     elif mode == "plain":
         x_new = streams

@@ -28,6 +28,7 @@ def test_mhc_specs_and_bytes(config):
     assert [s.name for s in specs] == [f"mhc_pre_d{cfg.hidden_size}_s4_post",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_plain",
                                        f"mhc_pre_d{cfg.hidden_size}_s1_plain",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_postonly",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_et"]
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
@@ -37,6 +38,9 @@ def test_mhc_specs_and_bytes(config):
     assert post.bytes_moved(1) - fn_bytes == (2 * 4 + 2 + 2 + 2 * 4) * cfg.hidden_size + 4 * 72
     if config == "v41-flash":
         assert fn_bytes == 1_966_080                 # the 1.97 MB of fn per sublayer
+    postonly = specs[3]
+    assert postonly.bytes_moved(1) == post.bytes_moved(1) - fn_bytes - 4 * 48
+    assert postonly.smem_bytes == 0
     for bad_rows in (0, mk.MAX_ROWS + 1):
         with pytest.raises(ValueError, match="rows"):
             post.grid(bad_rows)
@@ -49,6 +53,8 @@ def test_mhc_spec_validation():
         mk.make_spec(200, 4, "post", 20)
     with pytest.raises(ValueError, match="streams"):
         mk.make_spec(256, 1, "post", 20)
+    with pytest.raises(ValueError, match="streams"):
+        mk.make_spec(256, 1, "postonly", 20)
     with pytest.raises(ValueError, match="Sinkhorn"):
         mk.make_spec(256, 4, "post", 0)
 

@@ -152,7 +152,7 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
     tag = f"{spec.name} rows={rows}"
     s = spec.streams
     pc = mk.unpack_coefficients(prev)
-    if spec.mode == "post":
+    if spec.mode != "plain":
         exact = (pc.post[:, :, None].astype(np.float64) * f.astype(np.float64)[:, None, :]
                  + np.einsum("rjk,rjd->rkd", pc.comb.astype(np.float64), x.astype(np.float64)))
         terms = (np.abs(pc.post)[:, :, None] * np.abs(f.astype(np.float64))[:, None, :]
@@ -161,12 +161,18 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
         _within(got.streams, exact, mk.rounding_bound(exact, terms, 5), f"{tag}: X'")
     else:
         assert np.array_equal(got.streams.view(np.uint16), x.view(np.uint16)), f"{tag}: X changed"
-    want = mk.finish_ref(got.streams, pc.pre[:, :s], fn, scale, base, cfg.rms_norm_eps,
-                         cfg.hc_eps, cfg.hc_sinkhorn_iters)
     xn = got.streams.astype(np.float64)
     collapse = np.einsum("rn,rnd->rd", pc.pre[:, :s].astype(np.float64), xn)
     cterms = np.einsum("rn,rnd->rd", np.abs(pc.pre[:, :s]).astype(np.float64), np.abs(xn))
     _within(got.x, collapse, mk.rounding_bound(collapse, cterms, s + 1), f"{tag}: collapse")
+    want_norm = nr.rmsnorm_ref(got.x, w, cfg.rms_norm_eps)
+    assert np.array_equal(normed.view(np.uint16), want_norm.view(np.uint16)), f"{tag}: rmsnorm"
+    assert not counters.any(), f"{tag}: counters not reset: {counters}"
+    if spec.mode == "postonly":      # no mixes, no coefficients: the poison is untouched
+        assert np.isnan(got.mixes).all() and np.isnan(got.coeff).all(), f"{tag}: wrote mixes"
+        return
+    want = mk.finish_ref(got.streams, pc.pre[:, :s], fn, scale, base, cfg.rms_norm_eps,
+                         cfg.hc_eps, cfg.hc_sinkhorn_iters)
     _within(got.mixes, want.mixes, mk.mixes_bound(got.streams, fn, cfg.rms_norm_eps),
             f"{tag}: mixes")
     # Coefficients from the kernel's own mixes.
@@ -178,20 +184,17 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
     _within(comb.sum(axis=1), np.ones((rows, 4)), 1e-5, f"{tag}: comb column sums")
     ref_rows = ref[:, 8:].reshape(rows, 4, 4).astype(np.float64).sum(axis=2)
     _within(comb.sum(axis=2), ref_rows, 1e-5, f"{tag}: comb row sums")
-    # The RMSNorm of the kernel's collapse is the norm family's, bit for bit.
-    want_norm = nr.rmsnorm_ref(got.x, w, cfg.rms_norm_eps)
-    assert np.array_equal(normed.view(np.uint16), want_norm.view(np.uint16)), f"{tag}: rmsnorm"
-    assert not counters.any(), f"{tag}: counters not reset: {counters}"
 
 
-@pytest.mark.parametrize("mode", ["post", "post_et", "plain", "broadcast"])
+@pytest.mark.parametrize("mode", ["post", "post_et", "plain", "broadcast", "postonly"])
 def test_mhc_pre_matches_reference(dev, stream, setup, mode):
     cfg, bundle = setup
     streams = 1 if mode == "broadcast" else mk.HC_MULT
-    spec = mk.make_spec(cfg.hidden_size, streams, "post" if "post" in mode else "plain",
-                        cfg.hc_sinkhorn_iters, early_trigger=mode == "post_et")
+    kind = {"post_et": "post", "broadcast": "plain"}.get(mode, mode)
+    spec = mk.make_spec(cfg.hidden_size, streams, kind, cfg.hc_sinkhorn_iters,
+                        early_trigger=mode == "post_et")
     for rows in ROWS:
-        in_place = spec.mode == "post" and rows % 2 == 0
+        in_place = spec.mode != "plain" and rows % 2 == 0
         out = _mhc_case(dev, stream, bundle, spec, rows, cfg, in_place)
         _check_mhc(spec, cfg, rows, *out)
 
