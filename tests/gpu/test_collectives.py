@@ -85,14 +85,6 @@ def test_killed_rank_raises_on_the_others_within_the_timeout():
 # ---- NCCL at world size 1 ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def dev():
-    from executor.runtime import Device
-    d = Device(0)
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
 def comm(dev):
     from collectives.nccl import NcclComm
     c = NcclComm.from_unique_id(NcclComm.unique_id(), 0, 1)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from executor.compressor_chain import CompressorChain, CompressorShape
-from executor.runtime import Bundle, Device
+from executor.runtime import Bundle
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref, rope_ref
 from loader import formats
@@ -50,13 +50,6 @@ CASES = {
     "many_sequences": [(1001, 6), (1000, 6), (77, 1), (500, 5), (1, 1), (2000, 6), (31, 6),
                        (1023, 1)],
 }
-
-
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.runtime import Arena, Bundle, Device, LaunchSpec
+from executor.runtime import Arena, Bundle, LaunchSpec
 from kernels import dense_ref as dr
 from kernels import lm_head_ref as lr
 from kernels.common_ref import BF16
@@ -32,18 +32,6 @@ cp = pytest.importorskip("cupy")
 ROWS = (1, 5, 6, 8, 17, 48, 192)
 BUNDLES = {"tiny": os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"),
            "v41-flash": os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-
-
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
-def stream(dev):
-    return dev.stream()
 
 
 @pytest.fixture(scope="module", params=list(BUNDLES))

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from executor.indexer_chain import IndexerChain, IndexerShape, random_key_records
-from executor.runtime import Bundle, Device
+from executor.runtime import Bundle
 from kernels import indexer_kernel_ref as ik
 from kernels import indexer_ref, kvrecord_ref
 from loader import formats
@@ -37,13 +37,6 @@ PAGE = 64
 WEIGHT_SCALE = 128 ** -0.5 * 32 ** -0.5
 CASES = [(10, 1), (10, 6), (1000, 1), (1000, 5), (1000, 12), (1000, 48), (4096, 48),
          (32768, 1), (32768, 6), (32768, 12), (131072, 1), (131072, 6)]
-
-
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
 
 
 @pytest.fixture(scope="module")

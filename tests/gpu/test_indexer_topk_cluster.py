@@ -25,7 +25,7 @@ import pytest
 
 from executor.indexer_chain import IndexerChain, IndexerShape
 from executor.launch import LaunchSpec
-from executor.runtime import Bundle, Device
+from executor.runtime import Bundle
 from kernels import indexer_kernel_ref as ik
 
 pytestmark = pytest.mark.gpu
@@ -38,13 +38,6 @@ LENGTHS = [(1, 7, 300), (511, 512, 513), (4095, 4096, 4097), (2047 * 8 + 1, 1638
            (65536, 70001, 1000), (131072, 131064, 12345), (140000, 131073, 3),
            (262145, 5, 200000)]
 DISTS = ["ties", "equal", "normal"]
-
-
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 
 from executor.mhc_router_chain import MhcStep, Router, download, poison, upload
-from executor.runtime import Bundle, Device
+from executor.runtime import Bundle
 from kernels import mhc_kernel_ref as mk
 from kernels import mhc_ref
 from kernels import norm_ref as nr
@@ -63,13 +63,6 @@ COMB_ATOL = 1e-5
 ROUTE_REL = 2.0**-17
 
 
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
-
-
 @pytest.fixture(scope="module", params=sorted(BUNDLES))
 def setup(request, dev):
     env, default = BUNDLES[request.param]
@@ -79,11 +72,6 @@ def setup(request, dev):
     bundle = Bundle.load(dev, path)
     yield ModelConfig.preset(request.param), bundle
     bundle.close()
-
-
-@pytest.fixture(scope="module")
-def stream(dev):
-    return dev.stream()
 
 
 def _within(got, want, bound, what: str) -> None:

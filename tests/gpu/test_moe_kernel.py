@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from executor.moe_chain import MoeChain
-from executor.runtime import Bundle, Device
+from executor.runtime import Bundle
 from kernels import moe_kernel_ref as mk
 from kernels import moe_ref
 from loader import formats as f
@@ -33,13 +33,6 @@ BUNDLES = {"tiny": Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny")),
            "v41-flash": Path(os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4"))}
 ROWS = (1, 2, 3, 5, 6, 8, 12, 16, 48, 96, 192)
 POOL = 12            # experts with weights at the real shape (pack + reference time)
-
-
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
 
 
 def _shape_of(bundle) -> mk.MoeShape:

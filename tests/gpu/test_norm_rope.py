@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.runtime import Arena, Bundle, Device, LaunchSpec
+from executor.runtime import Arena, Bundle, LaunchSpec
 from kernels import common_ref as cr
 from kernels import elementwise_ref as er
 from kernels import norm_ref as nr
@@ -39,13 +39,6 @@ BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
            "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 
 
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
-
-
 @pytest.fixture(scope="module", params=sorted(BUNDLES))
 def setup(request, dev):
     """(config, bundle) for each bundle present."""
@@ -56,11 +49,6 @@ def setup(request, dev):
     bundle = Bundle.load(dev, path)
     yield ModelConfig.preset(request.param), bundle
     bundle.close()
-
-
-@pytest.fixture(scope="module")
-def stream(dev):
-    return dev.stream()
 
 
 def _run(dev, stream, bundle, name, grid, buffers: dict, scalars: tuple, outputs: tuple,

@@ -35,24 +35,12 @@ BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"))
 
 
 @pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
 def bundle(dev):
     if not (BUNDLE / "manifest.json").is_file():
         pytest.skip(f"no kernel bundle at {BUNDLE} (set HOPDEC_BUNDLE or run make bundle)")
     b = Bundle.load(dev, BUNDLE)
     yield b
     b.close()
-
-
-@pytest.fixture(scope="module")
-def stream(dev):
-    return dev.stream()
 
 
 def _cupy_done() -> None:

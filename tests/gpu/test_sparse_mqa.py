@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.runtime import Bundle, Device, LaunchSpec
+from executor.runtime import Bundle, LaunchSpec
 from executor.sparse_mqa_chain import SparseMqaBuffers, make_case
 from kernels import sparse_mqa_ref as ref
 from loader.config import ModelConfig
@@ -40,13 +40,6 @@ BLOCKS = {1: ["decode"], 6: ["verify"], 12: ["verify", "verify"], 48: ["verify"]
 CONTEXTS = {"tiny": (9, 100, 1024, 32768), "v41-flash": (100, 1024, 32768, 131072)}
 
 
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(0)
-    yield d
-    d.close()
-
-
 @pytest.fixture(scope="module", params=sorted(BUNDLES))
 def setup(request, dev):
     env, default = BUNDLES[request.param]
@@ -56,11 +49,6 @@ def setup(request, dev):
     bundle = Bundle.load(dev, path)
     yield request.param, ModelConfig.preset(request.param), bundle
     bundle.close()
-
-
-@pytest.fixture(scope="module")
-def stream(dev):
-    return dev.stream()
 
 
 def _run(dev, stream, bundle, case, twice: bool = False):
