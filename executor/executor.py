@@ -1,0 +1,209 @@
+"""`Executor`: one TP rank's decode step behind `bind(**tensors)` once and `step(n_rows, stream)`.
+
+    ex = Executor(cfg, bundle, weights, tp=4, rank=r, device=dev, geometry=CacheGeometry.of(...))
+    ex.bind(token_ids=..., positions=..., swa_0=..., ..., tokens=...)   # DLPack, once, validated
+    ex.capture()                       # one graph per bucket (1, 2, 4, 8, 16, ..., 192)
+    code = ex.step(n_rows, stream)     # 0: served; else a StepResult, nothing written
+    ex.close()
+
+`step` takes and returns plain ints. It decides from its arguments and the executor's state only
+(never from device data), then replays the captured graph of the smallest bucket >= n_rows on the
+caller's stream: one cuGraphLaunch, no allocation, no synchronize, no module load. Declines are
+decided before any launch, so a declined step writes nothing. How the caller declares prefill or
+other unsupported work without a device read: `executor/reasons.py`.
+
+What is not built yet: the plan's stages (`executor/plan.py` names every one) and the upload of
+`weights` into an executor-owned arena they would read; until they exist `capture()` raises
+NotImplementedError naming the missing stages and `step` declines with NOT_CAPTURED.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from executor.bind import (
+    MAX_ROWS,
+    BindError,
+    Binding,
+    CacheGeometry,
+    binding_rules,
+    cuda_device,
+    validate_binding,
+)
+from executor.graphs import BUCKETS, GraphSet
+from executor.plan import Plan, decode_plan
+from executor.reasons import SUPPORTED_FEATURES, StepFeature, StepResult
+
+__all__ = ["BindError", "CacheGeometry", "Executor", "StepFeature", "StepResult"]
+
+
+class Executor:
+    """One rank's decode executor. Not thread-safe: one caller thread, one step in flight per
+    stream (the graphs share the executor's scratch buffers)."""
+
+    def __init__(self, config, bundle, weights, tp: int, rank: int, comm=None, *, device,
+                 geometry: CacheGeometry, plan: Plan | None = None, buckets=BUCKETS,
+                 owns_bundle: bool = False,
+                 capture_graphs: Callable = GraphSet.capture, ranges=None):
+        """`device`: the runtime Device (its `ordinal` is where bound tensors must live).
+        `plan`: the step plan (default `decode_plan(config)`). `capture_graphs(stream, record,
+        buckets) -> GraphSet` is GraphSet.capture; tests substitute a recording fake.
+        `ranges`: an nvtx_ranges.Ranges for per-layer/per-stage ranges, or None."""
+        for name, value in (("tp", tp), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Executor: {name} must be an int, got {value!r}")
+        if tp < 1 or not 0 <= rank < tp:
+            raise ValueError(f"Executor: need tp >= 1 and 0 <= rank < tp, got tp={tp} rank={rank}")
+        buckets = tuple(sorted(set(buckets)))
+        if (not buckets or any(isinstance(b, bool) or not isinstance(b, int) for b in buckets)
+                or buckets[0] < 1 or buckets[-1] > MAX_ROWS):
+            raise ValueError(f"Executor: buckets must be ints in 1..{MAX_ROWS}, got {buckets!r}")
+        self.config, self.bundle, self.weights = config, bundle, weights
+        self.tp, self.rank, self.comm = tp, rank, comm
+        self.device = device
+        self.geometry = geometry
+        self.buckets = buckets
+        self.max_rows = buckets[-1]
+        self.rules = binding_rules(config, tp, geometry)
+        self.plan = decode_plan(config) if plan is None else plan
+        self.arena = None                # the weight/scratch arena the wired stages will own
+        self._owns_bundle = owns_bundle
+        self._capture_graphs = capture_graphs
+        self._ranges = ranges
+        self._binding: Binding | None = None
+        self._graphs: GraphSet | None = None
+        self._stream_handle = 0
+        self._stream = None
+        self._closed = False
+
+    # ---- bind ------------------------------------------------------------------------------
+
+    @property
+    def binding(self) -> Binding | None:
+        return self._binding
+
+    def bind(self, **tensors) -> None:
+        """Validate and record the caller's tensors (see executor/bind.py for the set).
+
+        All or nothing: on any error the previous binding (if any) stays in force. After
+        capture() the graphs hold the recorded addresses, so a rebind must bind the same
+        addresses (the same tensors); anything else raises and changes nothing.
+        """
+        if self._closed:
+            raise RuntimeError("Executor.bind: the executor is closed")
+        new = validate_binding(self.rules, tensors, cuda_device(self.device.ordinal))
+        if self._graphs is not None and dict(new.pointers) != dict(self._binding.pointers):
+            moved = sorted(n for n in set(new.pointers) | set(self._binding.pointers)
+                           if new.pointers.get(n) != self._binding.pointers.get(n))
+            raise BindError(f"bind: the step graphs were captured on the previous addresses; "
+                            f"tensors {moved} moved. Build a new Executor to bind new memory.")
+        self._binding = new
+
+    # ---- capture ---------------------------------------------------------------------------
+
+    @property
+    def captured(self) -> bool:
+        return self._graphs is not None
+
+    def capture(self, stream=None) -> None:
+        """Capture one graph per bucket (largest first) on `stream` (default: a new stream of
+        the device). Refuses before capturing anything when unbound or when the plan has
+        missing stages (NotImplementedError naming them)."""
+        if self._closed:
+            raise RuntimeError("Executor.capture: the executor is closed")
+        if self._binding is None:
+            raise RuntimeError("Executor.capture: bind() the caller's tensors first (the "
+                               "graphs record their addresses)")
+        if self._graphs is not None:
+            raise RuntimeError("Executor.capture: already captured")
+        self.plan.require_complete()
+        stream = self.device.stream() if stream is None else stream
+
+        def record(rows: int) -> None:
+            self.plan.record(stream, rows, self._ranges)
+
+        self._graphs = self._capture_graphs(stream, record, self.buckets)
+
+    # ---- step ------------------------------------------------------------------------------
+
+    def step(self, n_rows: int, stream: int, features: int = 0) -> int:
+        """Serve one decode step of `n_rows` rows on the caller's stream (a raw cudaStream_t).
+
+        Returns StepResult.SERVED (0) after enqueueing the bucket's graph, or the reason it
+        declined, decided before any launch (so nothing is written). Checks, in order: argument
+        types (TypeError/ValueError: a caller bug, not a decline), CLOSED, NOT_BOUND,
+        NOT_CAPTURED, NO_ROWS, TOO_MANY_ROWS, PREFILL_ROWS, UNSUPPORTED_FEATURE.
+        """
+        if type(n_rows) is not int or type(stream) is not int or type(features) is not int:
+            raise TypeError(f"Executor.step takes plain ints (n_rows, stream, features), got "
+                            f"{type(n_rows).__name__}, {type(stream).__name__}, "
+                            f"{type(features).__name__}")
+        if n_rows < 0 or stream <= 0 or features < 0:
+            raise ValueError(f"Executor.step: need n_rows >= 0, a stream handle > 0 (never the "
+                             f"legacy default stream) and features >= 0; got n_rows={n_rows}, "
+                             f"stream={stream}, features={features}")
+        reason = self._decline_reason(n_rows, features)
+        if reason:
+            return reason
+        if stream != self._stream_handle:
+            self._stream = self._external_stream(stream)
+            self._stream_handle = stream
+        self._graphs.launch(n_rows, self._stream)
+        return StepResult.SERVED
+
+    def _decline_reason(self, n_rows: int, features: int) -> StepResult:
+        if self._closed:
+            return StepResult.CLOSED
+        if self._binding is None:
+            return StepResult.NOT_BOUND
+        if self._graphs is None:
+            return StepResult.NOT_CAPTURED
+        if n_rows == 0:
+            return StepResult.NO_ROWS
+        if n_rows > self.max_rows:
+            return StepResult.TOO_MANY_ROWS
+        if features & StepFeature.PREFILL:
+            return StepResult.PREFILL_ROWS
+        if features & ~SUPPORTED_FEATURES:
+            return StepResult.UNSUPPORTED_FEATURE
+        return StepResult.SERVED
+
+    def bucket_for(self, n_rows: int) -> int:
+        """The bucket `step(n_rows, ...)` replays (after capture)."""
+        if self._graphs is None:
+            raise RuntimeError("Executor.bucket_for: not captured")
+        return self._graphs.bucket_for(n_rows)
+
+    @staticmethod
+    def _external_stream(handle: int):
+        from executor.runtime import Stream
+        return Stream.external(handle)
+
+    # ---- close -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the graphs, the arena and (if owned) the bundle; idempotent. The caller's
+        bound tensors are only un-referenced, never freed."""
+        if self._closed:
+            return
+        self._closed = True
+        graphs, self._graphs = self._graphs, None
+        arena, self.arena = self.arena, None
+        try:
+            if graphs is not None:
+                graphs.close()
+        finally:
+            try:
+                if arena is not None:
+                    arena.close()
+            finally:
+                if self._owns_bundle and self.bundle is not None:
+                    self.bundle.close()
+                self.bundle = None
+                self._binding = None
+                self._stream = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

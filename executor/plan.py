@@ -1,0 +1,184 @@
+"""The step plan: the ordered, named stages of one rank's decode step, each a list of launches.
+
+A `Stage` is one step of model doc §2 (`layer07.attn.sparse_mqa`, `tail.lm_head`...): either
+`build(rows) -> [LaunchSpec, ...]` (the kernel family's launches on arena slices and bound
+pointers, for a bucket of `rows`) or a `missing` reason. `Plan.record(stream, rows)` enqueues every
+stage's launches in order, inside NVTX ranges per layer and per stage, eagerly or under a graph
+capture; it refuses (NotImplementedError naming every missing stage) before launching anything, so
+a capture never holds a partial step.
+
+`decode_plan(cfg)` lays out the whole V4.1 step (head, 40 layers, tail) with every stage missing
+today, in two kinds:
+- NO_KERNEL: no kernel family exists yet (embedding, Engram hash/lookup/gate, the cross-rank
+  argmax pick);
+- NOT_WIRED: the family exists in kernels/ and runs in its own chain (executor/*_chain.py), but
+  its launches on the executor's weight arena and the caller's bound buffers are not built yet.
+`Plan.wire(name, build)` replaces one missing stage by its launches as that work lands.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+NO_KERNEL = "no kernel"
+NOT_WIRED = "kernel exists, not wired to the executor's buffers"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One named stage. Exactly one of `build` (rows -> launches) or `missing` (why not) is set."""
+
+    name: str                       # "head.embed", "layer03.attn.sparse_mqa", "tail.lm_head"
+    family: str                     # kernels module or collectives algorithm it launches
+    layer: int | None = None        # None for head and tail stages
+    build: Callable[[int], Sequence] | None = None
+    missing: str = ""               # NO_KERNEL or NOT_WIRED when build is None
+
+    def __post_init__(self):
+        if (self.build is None) == (not self.missing):
+            raise ValueError(f"stage {self.name!r}: give exactly one of build or missing")
+
+    @property
+    def range_name(self) -> str:
+        """The NVTX range: the name without its layer prefix (the layer has its own range)."""
+        return self.name.split(".", 1)[1] if self.layer is not None else self.name
+
+
+class Plan:
+    """An ordered list of stages with unique names."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        self.stages = tuple(stages)
+        names = [s.name for s in self.stages]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"plan: stage names used twice: {dup}")
+        if not self.stages:
+            raise ValueError("plan: no stages")
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"plan has no stage {name!r}")
+
+    def wire(self, name: str, build: Callable[[int], Sequence]) -> Plan:
+        """A new plan with stage `name` built by `build` instead of missing."""
+        self.stage(name)
+        return Plan([replace(s, build=build, missing="") if s.name == name else s
+                     for s in self.stages])
+
+    def missing_stages(self) -> list[Stage]:
+        return [s for s in self.stages if s.build is None]
+
+    def require_complete(self) -> None:
+        """Raise NotImplementedError naming every missing stage, grouped by kind and role."""
+        missing = self.missing_stages()
+        if not missing:
+            return
+        parts = []
+        for kind in (NO_KERNEL, NOT_WIRED):
+            groups: dict[str, list[int]] = {}
+            for s in missing:
+                if s.missing == kind:
+                    groups.setdefault(s.range_name, []).append(s.layer)
+            if groups:
+                items = [name if layers == [None] else f"{name} (layers {_spans(layers)})"
+                         for name, layers in groups.items()]
+                parts.append(f"[{kind}] " + ", ".join(items))
+        raise NotImplementedError(
+            f"the step plan is incomplete: {len(missing)} of {len(self.stages)} stages have no "
+            f"launches, so no graph is captured and no step is served. " + "; ".join(parts))
+
+    def launches(self, rows: int) -> list[tuple[Stage, list]]:
+        """Every stage's launches for a bucket of `rows` (built before anything is enqueued)."""
+        self.require_complete()
+        return [(s, list(s.build(rows))) for s in self.stages]
+
+    def record(self, stream, rows: int, ranges=None) -> int:
+        """Enqueue the step for `rows` on `stream`; returns the number of launches.
+
+        NVTX (when `ranges` is given): one range per layer, one per stage inside it. Around a
+        capture they mark the recording; around eager launches, the kernels.
+        """
+        built = self.launches(rows)
+        count, open_layer = 0, None
+        for stage, specs in built:
+            if ranges is not None and stage.layer != open_layer:
+                if open_layer is not None:
+                    ranges.pop()
+                if stage.layer is not None:
+                    ranges.push(f"layer{stage.layer:02d}")
+                open_layer = stage.layer
+            if ranges is not None:
+                ranges.push(stage.range_name)
+            for spec in specs:
+                spec.launch(stream)
+                count += 1
+            if ranges is not None:
+                ranges.pop()
+        if ranges is not None and open_layer is not None:
+            ranges.pop()
+        return count
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, start, prev = [], layers[0], layers[0]
+    for x in [*layers[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
+
+
+def _layer_stages(spec) -> list[tuple[str, str, str]]:
+    """(role, family, missing) of one backbone layer, in model doc §2.2 order."""
+    out = []
+    if spec.has_engram:
+        out += [("engram.lookup", "engram", NO_KERNEL),
+                ("engram.wkv", "kernels.dense", NOT_WIRED),
+                ("engram.gate", "engram", NO_KERNEL)]
+    out += [("attn.mhc_pre", "kernels.mhc", NOT_WIRED),        # pending FFN post + mixes + collapse
+            ("attn.norm", "kernels.norm", NOT_WIRED),
+            ("attn.wq_a_wkv", "kernels.dense", NOT_WIRED),
+            ("attn.q_kv_norm", "kernels.norm", NOT_WIRED)]
+    if spec.owns_compressor:
+        out.append(("attn.compressor", "kernels.compressor", NOT_WIRED))
+    if spec.has_indexer:
+        out.append(("attn.indexer", "kernels.indexer", NOT_WIRED))
+    out += [("attn.wq_b", "kernels.dense", NOT_WIRED),
+            ("attn.rope_swa_insert", "kernels.kv_publish", NOT_WIRED),
+            ("attn.sparse_mqa", "kernels.sparse_mqa", NOT_WIRED),
+            ("attn.wo_a", "kernels.wo_a", NOT_WIRED),
+            ("attn.wo_b", "kernels.dense", NOT_WIRED),
+            ("attn.allreduce", "collectives.oneshot", NOT_WIRED),
+            ("ffn.mhc_pre", "kernels.mhc", NOT_WIRED),
+            ("ffn.norm", "kernels.norm", NOT_WIRED),
+            ("ffn.router", "kernels.router", NOT_WIRED),
+            ("ffn.moe_routed", "kernels.moe", NOT_WIRED),
+            ("ffn.shared_expert", "kernels.dense", NOT_WIRED),
+            ("ffn.allreduce", "collectives.oneshot", NOT_WIRED)]
+    return out
+
+
+def decode_plan(cfg) -> Plan:
+    """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step)."""
+    stages = [Stage("head.embed", "embedding", build=None, missing=NO_KERNEL),
+              Stage("head.embed_allreduce", "collectives.oneshot", missing=NOT_WIRED)]
+    if cfg.engram_layer_ids:
+        stages.append(Stage("head.engram_hash", "engram", missing=NO_KERNEL))
+    for spec in cfg.layers:
+        if spec.is_dspark:
+            continue
+        for role, family, missing in _layer_stages(spec):
+            stages.append(Stage(f"layer{spec.index:02d}.{role}", family, spec.index,
+                                missing=missing))
+    stages += [Stage("tail.mhc_post_collapse", "kernels.mhc", missing=NOT_WIRED),
+               Stage("tail.norm", "kernels.norm", missing=NOT_WIRED),
+               Stage("tail.lm_head_argmax", "kernels.lm_head", missing=NOT_WIRED),
+               Stage("tail.argmax_pick", "collectives", missing=NO_KERNEL)]
+    return Plan(stages)
