@@ -35,6 +35,10 @@ from executor.reasons import SUPPORTED_FEATURES, StepFeature, StepResult
 
 __all__ = ["BindError", "CacheGeometry", "Executor", "StepFeature", "StepResult"]
 
+# Plain-int masks: `~` on an IntFlag only inverts its known members, so an unknown bit would pass.
+_PREFILL = int(StepFeature.PREFILL)
+_UNSUPPORTED = ~int(SUPPORTED_FEATURES)
+
 
 class Executor:
     """One rank's decode executor. Not thread-safe: one caller thread, one step in flight per
@@ -161,9 +165,9 @@ class Executor:
             return StepResult.NO_ROWS
         if n_rows > self.max_rows:
             return StepResult.TOO_MANY_ROWS
-        if features & StepFeature.PREFILL:
+        if features & _PREFILL:
             return StepResult.PREFILL_ROWS
-        if features & ~SUPPORTED_FEATURES:
+        if features & _UNSUPPORTED:
             return StepResult.UNSUPPORTED_FEATURE
         return StepResult.SERVED
 
