@@ -511,3 +511,28 @@ def test_close_releases_graphs_and_an_owned_bundle_once():
         ex.bind(**fake_tensors(ex.rules))
     with pytest.raises(RuntimeError, match="closed"):
         ex.capture("capture-stream")
+
+
+def test_step_makes_no_driver_call_of_its_own(monkeypatch):
+    """Every driver call of our code goes through a module's `driver()` (executor.cuda's,
+    imported by name into the others); with all of them made to raise, a served or declined step
+    (on an already wrapped stream handle) still completes: it makes no sync, copy or allocation,
+    only the graph launch, which the fake records. tests/gpu/test_executor.py proves it on a GPU.
+    """
+    import sys
+
+    ex, rec = ready_executor()
+    assert ex.step(5, 11) == StepResult.SERVED                     # wraps stream 11 once
+
+    def no_driver():
+        raise AssertionError("step called the CUDA driver")
+
+    patched = [m for name, m in sys.modules.items()
+               if name.startswith("executor.") and callable(getattr(m, "driver", None))]
+    assert {"executor.cuda", "executor.graphs", "executor.runtime"} <= {m.__name__ for m in patched}
+    for module in patched:
+        monkeypatch.setattr(module, "driver", no_driver)
+    rows = [int(r) for r in np.random.default_rng().integers(1, 193, size=16)]
+    assert [ex.step(r, 11) for r in rows] == [StepResult.SERVED] * len(rows)
+    assert ex.step(500, 11) == StepResult.TOO_MANY_ROWS
+    assert len(rec.graph_launches) == 1 + len(rows)
