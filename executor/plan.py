@@ -9,8 +9,8 @@ a capture never holds a partial step.
 
 `decode_plan(cfg)` lays out the whole V4.1 step (head, 40 layers, tail) with every stage missing
 today, in two kinds:
-- NO_KERNEL: no kernel family exists yet (embedding, Engram hash/lookup/gate, the cross-rank
-  argmax pick);
+- NO_KERNEL: no kernel exists yet (the cross-rank pick of the split-vocabulary argmax: an
+  all-gather of each rank's (value, index) pairs and the global max, ties to the lower index);
 - NOT_WIRED: the family exists in kernels/ and runs in its own chain (executor/*_chain.py), but
   its launches on the executor's weight arena and the caller's bound buffers are not built yet.
 `Plan.wire(name, build)` replaces one missing stage by its launches as that work lands.
@@ -139,9 +139,9 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
     """(role, family, missing) of one backbone layer, in model doc §2.2 order."""
     out = []
     if spec.has_engram:
-        out += [("engram.lookup", "engram", NO_KERNEL),
+        out += [("engram.lookup", "kernels.engram", NOT_WIRED),
                 ("engram.wkv", "kernels.dense", NOT_WIRED),
-                ("engram.gate", "engram", NO_KERNEL)]
+                ("engram.gate", "kernels.engram", NOT_WIRED)]
     out += [("attn.mhc_pre", "kernels.mhc", NOT_WIRED),        # pending FFN post + mixes + collapse
             ("attn.norm", "kernels.norm", NOT_WIRED),
             ("attn.wq_a_wkv", "kernels.dense", NOT_WIRED),
@@ -167,10 +167,10 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
 
 def decode_plan(cfg) -> Plan:
     """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step)."""
-    stages = [Stage("head.embed", "embedding", build=None, missing=NO_KERNEL),
+    stages = [Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
               Stage("head.embed_allreduce", "collectives.oneshot", missing=NOT_WIRED)]
     if cfg.engram_layer_ids:
-        stages.append(Stage("head.engram_hash", "engram", missing=NO_KERNEL))
+        stages.append(Stage("head.engram_hash", "kernels.engram", missing=NOT_WIRED))
     for spec in cfg.layers:
         if spec.is_dspark:
             continue

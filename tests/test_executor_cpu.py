@@ -536,3 +536,26 @@ def test_step_makes_no_driver_call_of_its_own(monkeypatch):
     assert [ex.step(r, 11) for r in rows] == [StepResult.SERVED] * len(rows)
     assert ex.step(500, 11) == StepResult.TOO_MANY_ROWS
     assert len(rec.graph_launches) == 1 + len(rows)
+
+
+def test_missing_stage_kinds_match_the_kernel_tree():
+    """NOT_WIRED stages name a family module that exists; NO_KERNEL ones one that does not, so
+    the refusal message cannot go stale when a kernel lands (update decode_plan then)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for stage in decode_plan(ModelConfig.preset("v41-flash")).stages:
+        module = root / (stage.family.replace(".", "/") + ".py")
+        if stage.missing == NOT_WIRED:
+            assert module.is_file(), f"{stage.name}: {module} missing"
+        else:
+            assert stage.missing == NO_KERNEL
+            assert not (root / "kernels" / f"{stage.family}.py").is_file(), stage.name
+
+
+def test_executor_bind_rejects_host_arrays_and_keeps_nothing():
+    ex, _ = make_executor()
+    with pytest.raises(BindError, match="lives on cpu:0; expected the executor's device cuda:0"):
+        ex.bind(**host_tensors(ex.rules))
+    assert ex.binding is None
+    assert ex.step(1, 7) == StepResult.NOT_BOUND
