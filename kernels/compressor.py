@@ -28,23 +28,20 @@ from cutlass.cutlass_dsl import T
 
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref as rec
-from kernels.indexer import (
-    _addr,
-    _asm,
-    _void,
+from kernels.indexer import _addr, _asm, exp2_f32, fmax_f32, imin, pack_e4m3, pow2_exponent
+from kernels.kv_publish import rstd_of, select_f32, st_u8, st_v2
+from kernels.ptx import (
     bf16_pair,
-    exp2_f32,
     fabs_max,
-    fmax_f32,
-    imin,
+    ld_s32,
+    ld_v4_f32,
     lds_f32,
-    pack_e4m3,
-    pow2_exponent,
     shfl_xor_f32,
     shfl_xor_max,
     st_f32,
+    sts_f32,
+    void,
 )
-from kernels.kv_publish import ld_s32, rstd_of, select_f32, st_u8, st_v2
 
 LANES = 32
 UNROLL = 8            # weight chunks in flight per lane
@@ -63,24 +60,13 @@ def ld_nc_v2_u32(addr: Int64):
     return [Int32(x) for x in v]
 
 
-def ld_v4_f32(addr: Int64):
-    """Coherent load (the ring and kv_score are written by this or the previous kernel)."""
-    v = _asm(4, [Int64(addr)], "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
-             kind=T.f32(), side_effects=True)
-    return [Float32(x) for x in v]
-
-
 def st_v4_f32(addr: Int64, v):
-    _void([Int64(addr)] + [Float32(x) for x in v], "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+    void([Int64(addr)] + [Float32(x) for x in v], "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
           "l,f,f,f,f")
 
 
 def prefetch_l2(addr: Int64):
-    _void([Int64(addr)], "prefetch.global.L2 [$0];", "l")
-
-
-def sts_f32(saddr: Int32, value: Float32):
-    _void([Int32(saddr), Float32(value)], "st.shared.f32 [$0], $1;", "r,f")
+    void([Int64(addr)], "prefetch.global.L2 [$0];", "l")
 
 
 def bf16x4(addr: Int64):
@@ -322,7 +308,7 @@ class CompressorPublishSm90:
         ex = pow2_exponent(amax, E4M3_MANT, E4M3_TOP)
         inv = exp2_f32(-ex)
         if tidx < rope_t:
-            _void([Int64(entry + Int64(tidx * 4)), pack_e4m3(y[0] * inv, y[1] * inv, y[2] * inv,
+            void([Int64(entry + Int64(tidx * 4)), pack_e4m3(y[0] * inv, y[1] * inv, y[2] * inv,
                                                       y[3] * inv)],
                   "st.global.u32 [$0], $1;", "l,r")
             if tidx % 16 == 0:

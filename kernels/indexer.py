@@ -20,43 +20,41 @@ base; pages of page_size * 132 bytes), rows <= 256.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from kernels import indexer_kernel_ref as ik
+from kernels.ptx import (
+    asm,
+    bf16_pair,
+    cp_async_16_zfill,
+    cp_async_commit,
+    cp_async_wait,
+    fabs_max,
+    ld_f32,
+    ld_s32,
+    lds_f32,
+    lds_s32,
+    mma_e4m3_from_zero,
+    shfl_xor_f32,
+    shfl_xor_max,
+    st_f32,
+    st_s32,
+    sts_s32,
+    void,
+)
 
 _F_INF = "0f7F800000"
 
 
 # ---- inline PTX helpers ----------------------------------------------------------------------
 
-def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=False):
-    ty = kind or T.i32()
-    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
-    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
-                          has_side_effects=side_effects, is_align_stack=False,
-                          asm_dialect=llvm.AsmDialect.AD_ATT)
-    if results == 1:
-        return out
-    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
-
-
-def _void(operands, text: str, constraints: str):
-    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def ld_s32(addr: Int64):
-    return Int32(_asm(1, [Int64(addr)], "ld.global.s32 $0, [$1];", "=r,l", side_effects=True))
-
-
-def ld_f32(addr: Int64):
-    return Float32(_asm(1, [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", kind=T.f32(),
-                        side_effects=True))
+# Pure by default (this family's arithmetic); its loads opt in with side_effects=True.
+_asm = partial(asm, side_effects=False)
 
 
 def ld_v2(addr: Int64):
@@ -75,68 +73,12 @@ def ld_bf16(addr: Int64):
                         "cvt.f32.bf16 $0, h; }", "=f,l", kind=T.f32(), side_effects=True))
 
 
-def st_s32(addr: Int64, value: Int32):
-    _void([Int64(addr), Int32(value)], "st.global.s32 [$0], $1;", "l,r")
-
-
-def st_f32(addr: Int64, value: Float32):
-    _void([Int64(addr), Float32(value)], "st.global.f32 [$0], $1;", "l,f")
-
-
-def sts_s32(saddr: Int32, value: Int32):
-    _void([Int32(saddr), Int32(value)], "st.shared.s32 [$0], $1;", "r,r")
-
-
-def lds_s32(saddr: Int32):
-    return Int32(_asm(1, [Int32(saddr)], "ld.shared.s32 $0, [$1];", "=r,r", side_effects=True))
-
-
-def lds_f32(saddr: Int32):
-    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32(),
-                        side_effects=True))
-
-
 def atom_add_shared(saddr: Int32, value: Int32):
-    _void([Int32(saddr), Int32(value)], "red.shared.add.u32 [$0], $1;", "r,r")
-
-
-def cp_async_16(saddr: Int32, gaddr: Int64, nbytes: Int32):
-    """16 bytes global -> shared, L2 only; nbytes 0 zero-fills (nothing is read)."""
-    _void([Int32(saddr), Int64(gaddr), Int32(nbytes)],
-          "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
-
-
-def cp_async_commit():
-    _void([], "cp.async.commit_group;", "")
-
-
-def cp_async_wait(pending: int):
-    _void([], f"cp.async.wait_group {pending};", "")
+    void([Int32(saddr), Int32(value)], "red.shared.add.u32 [$0], $1;", "r,r")
 
 
 def syncwarp():
-    _void([], "bar.warp.sync 0xffffffff;", "")
-
-
-def mma_e4m3(a, b):
-    """A(16x32 e4m3) x B(32x8 e4m3) from zero, fp32: mma.sync.aligned.m16n8k32.row.col."""
-    ops = [Int32(x) for x in a] + [Int32(x) for x in b]
-    v = _asm(4, ops, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-             "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-             "{0f00000000, 0f00000000, 0f00000000, 0f00000000};",
-             "=f,=f,=f,=f,r,r,r,r,r,r", kind=T.f32())
-    return [Float32(x) for x in v]
-
-
-def shfl_xor_f32(v: Float32, offset: int):
-    return Float32(_asm(1, [Float32(v)], "shfl.sync.bfly.b32 $0, $1, " + str(offset)
-                        + ", 0x1f, 0xffffffff;", "=f,f", kind=T.f32(), side_effects=True))
-
-
-def shfl_xor_max(v: Float32, offset: int):
-    return Float32(_asm(1, [Float32(v)], "{ .reg .f32 t; shfl.sync.bfly.b32 t, $1, "
-                        + str(offset) + ", 0x1f, 0xffffffff; max.f32 $0, $1, t; }", "=f,f",
-                        kind=T.f32(), side_effects=True))
+    void([], "bar.warp.sync 0xffffffff;", "")
 
 
 def relu_mul(x: Float32, scale: Float32, w: Float32, acc: Float32):
@@ -156,13 +98,6 @@ def ordered_key(score: Float32):
 
 def fmax_f32(a: Float32, b: Float32):
     return Float32(_asm(1, [Float32(a), Float32(b)], "max.f32 $0, $1, $2;", "=f,f,f",
-                        kind=T.f32()))
-
-
-def fabs_max(a: Float32, b: Float32):
-    """max(a, |b|)."""
-    return Float32(_asm(1, [Float32(a), Float32(b)],
-                        "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f",
                         kind=T.f32()))
 
 
@@ -222,12 +157,6 @@ def pack_e4m3(x0: Float32, x1: Float32, x2: Float32, x3: Float32):
                       "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
                       "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
                       "=r,f,f,f,f"))
-
-
-def bf16_pair(word: Int32):
-    v = _asm(2, [Int32(word)], "{ .reg .b32 t; shl.b32 t, $2, 16; mov.b32 $0, t;\n"
-             "and.b32 t, $2, 0xFFFF0000; mov.b32 $1, t; }", "=f,=f,r", kind=T.f32())
-    return Float32(v[0]), Float32(v[1])
 
 
 def _as_i32(value: int) -> int:
@@ -498,7 +427,7 @@ class IndexerScoresSm90:
                         size = Int32(0)
                         if (v * 16) // ik.KEY_BYTES < n - e0:
                             size = Int32(16)
-                        cp_async_16(stage_addr + 16 * v, src + Int64(16 * v), size)
+                        cp_async_16_zfill(stage_addr + 16 * v, src + Int64(16 * v), size)
             else:
                 per_block = ik.ITEM_VECTORS // ik.CAND_BLOCKS_PER_ITEM       # 66
                 for j in cutlass.range_constexpr(ik.ceil_div(ik.ITEM_VECTORS, ik.LANES)):
@@ -514,7 +443,7 @@ class IndexerScoresSm90:
                             src = keys + (Int64(page) * ps + Int64(e0 % ps)) * ik.KEY_BYTES \
                                 + Int64(16 * (v % per_block))
                             size = Int32(16)
-                        cp_async_16(stage_addr + 16 * v, src, size)
+                        cp_async_16_zfill(stage_addr + 16 * v, src, size)
 
     @cute.jit
     def compute(self, item: Int32, sa: Int32, p: Int64, qfrag: Int64, qscale: Int64, qw: Int64,
@@ -555,7 +484,7 @@ class IndexerScoresSm90:
                     b0, b1 = ld_v2(qfrag + Int64(frag) * 8)
                     s0, s1 = ld_v2_f32(qscale + Int64((tile_row * ik.GROUPS + kk) * 4 + c) * 8)
                     for t in cutlass.range_constexpr(2):
-                        d = mma_e4m3(afrag[t * ik.GROUPS + kk], [b0, b1])
+                        d = mma_e4m3_from_zero(afrag[t * ik.GROUPS + kk], [b0, b1])
                         acc[4 * t] = acc[4 * t] + d[0] * s0
                         acc[4 * t + 1] = acc[4 * t + 1] + d[1] * s1
                         acc[4 * t + 2] = acc[4 * t + 2] + d[2] * s0

@@ -34,20 +34,24 @@ from kernels.indexer import (
     _addr,
     _as_i32,
     _asm,
-    _void,
     atom_add_shared,
     block_scan,
     fmax_f32,
     imin,
+    ordered_key,
+    select_flags,
+    ushr,
+)
+from kernels.ptx import (
+    cluster_nctarank,
+    cluster_sync,
     ld_f32,
     ld_s32,
     lds_f32,
     lds_s32,
-    ordered_key,
-    select_flags,
     st_s32,
     sts_s32,
-    ushr,
+    void,
 )
 
 LOAD_BATCH = 8           # independent global loads in flight per thread while filling the slice
@@ -84,17 +88,8 @@ def ld_cluster_s32(saddr: Int32, rank: Int32):
                       "ld.shared::cluster.u32 $0, [a]; }", "=r,r,r", side_effects=True))
 
 
-def cluster_sync():
-    """All threads of every CTA of the cluster; release/acquire orders shared-memory accesses."""
-    _void([], "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "")
-
-
-def cluster_nctarank() -> Int32:
-    return Int32(_asm(1, [], "mov.u32 $0, %cluster_nctarank;", "=r"))
-
-
 def trap():
-    _void([], "trap;", "")
+    void([], "trap;", "")
 
 
 class IndexerTopkClusterSm90(IndexerTopkSm90):
@@ -123,7 +118,7 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
         rank, row, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
-        if cluster_nctarank() != self.C:
+        if cluster_nctarank(side_effects=False) != self.C:
             trap()                             # DSMEM addresses would be wrong: fail loudly
         cute.arch.griddepcontrol_wait()        # scores come from the scores kernel
         s = ld_s32(_addr(seq_index) + Int64(row) * 4)
@@ -398,7 +393,7 @@ class IndexerTopkCandidatesClusterSm90(IndexerTopkClusterSm90):
         rank, row, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
-        if cluster_nctarank() != self.C:
+        if cluster_nctarank(side_effects=False) != self.C:
             trap()                             # DSMEM addresses would be wrong: fail loudly
         cute.arch.griddepcontrol_wait()        # scores and candidates come from earlier kernels
         s = ld_s32(_addr(seq_index) + Int64(row) * 4)

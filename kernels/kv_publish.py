@@ -22,28 +22,19 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
 from kernels import kv_publish_ref as kp
-from kernels.indexer import (
-    _addr,
-    _asm,
-    _void,
+from kernels.indexer import _addr, _asm, exp2_f32, ld_v2_f32, pack_e4m3, pow2_exponent
+from kernels.ptx import (
     bf16_pair,
-    exp2_f32,
     fabs_max,
-    ld_v2_f32,
-    pack_e4m3,
-    pow2_exponent,
+    ld_s32,
+    ld_v4_u32,
     shfl_xor_f32,
     shfl_xor_max,
+    void,
 )
 
 LANES = 32
 ROPE_LANE0 = (kp.HEAD_DIM - 64 - 256) // 8        # 24: lanes whose second vector is rope dims
-
-
-def ld_v4(addr: Int64):
-    v = _asm(4, [Int64(addr)], "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-             side_effects=True)
-    return [Int32(x) for x in v]
 
 
 def ld_s64(addr: Int64):
@@ -51,16 +42,12 @@ def ld_s64(addr: Int64):
                       side_effects=True))
 
 
-def ld_s32(addr: Int64):
-    return Int32(_asm(1, [Int64(addr)], "ld.global.s32 $0, [$1];", "=r,l", side_effects=True))
-
-
 def st_v2(addr: Int64, a: Int32, b: Int32):
-    _void([Int64(addr), Int32(a), Int32(b)], "st.global.v2.u32 [$0], {$1, $2};", "l,r,r")
+    void([Int64(addr), Int32(a), Int32(b)], "st.global.v2.u32 [$0], {$1, $2};", "l,r,r")
 
 
 def st_u8(addr: Int64, value: Int32):
-    _void([Int64(addr), Int32(value)], "{ .reg .b16 h; cvt.u16.u32 h, $1;\n"
+    void([Int64(addr), Int32(value)], "{ .reg .b16 h; cvt.u16.u32 h, $1;\n"
           "st.global.u8 [$0], h; }", "l,r")
 
 
@@ -151,7 +138,7 @@ class KvSwaInsertSm90:
                row: Int32, num_positions: Int32, eps: Float32, lane: Int32):
         x = []
         for half in cutlass.range_constexpr(2):
-            words = ld_v4(kv + Int64(row * kp.HEAD_DIM + 256 * half + 8 * lane) * 2)
+            words = ld_v4_u32(kv + Int64(row * kp.HEAD_DIM + 256 * half + 8 * lane) * 2)
             for w in cutlass.range_constexpr(4):
                 lo, hi = bf16_pair(words[w])
                 x += [lo, hi]

@@ -41,7 +41,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
 
 from kernels import sparse_mqa_ref as ref
-from kernels.sparse_mqa_ptx import (
+from kernels.ptx import (
     cluster_nctarank,
     cluster_sync,
     cp_async_4,
@@ -51,10 +51,10 @@ from kernels.sparse_mqa_ptx import (
     e4m3x2_to_bf16x2,
     ld_cluster_f32,
     ld_cluster_v4_f32,
-    ldg_f32,
-    ldg_s32,
-    ldg_v4_f32,
-    ldg_v4_s32,
+    ld_f32,
+    ld_s32,
+    ld_v4_f32,
+    ld_v4_s32,
     lds_f32,
     lds_s64,
     lds_u8,
@@ -65,7 +65,7 @@ from kernels.sparse_mqa_ptx import (
     round_bf16,
     shfl_add,
     shfl_max,
-    stg_v2,
+    st_v2_b32,
     sts_f32,
     sts_s64,
     sts_u32,
@@ -129,7 +129,7 @@ class SparseMqaSm90:
         s, r, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
-        cluster_ok = cluster_nctarank() == self.S
+        cluster_ok = cluster_nctarank(side_effects=True) == self.S
         self._zero_pad_heads(base, tidx)
         if cutlass.const_expr(self.consts):     # a weight, not written by the step: before the wait
             self._prefetch_sink(base, tidx, sink)
@@ -186,7 +186,7 @@ class SparseMqaSm90:
         info.fill(-1)
         info[0] = 0
         if r < rows:
-            words = ldg_v4_s32(row_info.toint() + Int64(r) * 16)
+            words = ld_v4_s32(row_info.toint() + Int64(r) * 16)
             for i in cutlass.range_constexpr(4):
                 info[i] = words[i]
         pos, lo, hi, seq = info[0], info[1], info[2], info[3]
@@ -198,7 +198,7 @@ class SparseMqaSm90:
         line = Int32(0)
         if seq >= 0:
             total = nswa + self.topk
-            line = ldg_s32(state_lines.toint() + Int64(seq) * 4)
+            line = ld_s32(state_lines.toint() + Int64(seq) * 4)
         per = ((total + self.S - 1) // self.S + 15) // 16 * 16
         first = s * per
         count = cutlass.min(cutlass.max(total - first, 0), per)
@@ -228,12 +228,12 @@ class SparseMqaSm90:
         k = s * tk + (tidx - sw)
         e = Int32(-1)
         if (r < rows) & (tidx >= sw) & (tidx < sw + tk) & (k < self.topk):
-            e = ldg_s32(topk.toint() + (Int64(r) * self.topk + Int64(k)) * 4)
+            e = ld_s32(topk.toint() + (Int64(r) * self.topk + Int64(k)) * 4)
         info = cute.make_rmem_tensor((4,), Int32)
         info.fill(-1)
         info[0] = 0
         if r < rows:
-            words = ldg_v4_s32(row_info.toint() + Int64(r) * 16)
+            words = ld_v4_s32(row_info.toint() + Int64(r) * 16)
             for i in cutlass.range_constexpr(4):
                 info[i] = words[i]
             self._load_q(q, base, r, tidx)
@@ -250,14 +250,14 @@ class SparseMqaSm90:
                 addr = Int64(1)
             elif tidx < sw:
                 if j < nswa:
-                    line = ldg_s32(state_lines.toint() + Int64(seq) * 4)
+                    line = ld_s32(state_lines.toint() + Int64(seq) * 4)
                     slot = line * self.spec.ring_slots + ((lo + j) & (self.spec.ring_slots - 1))
                     addr = swa.toint() + Int64(slot) * REC
             elif e >= 0:
                 page = e // page_size
                 block = Int32(-1)
                 if page < pages_per_seq:
-                    block = ldg_s32(block_tables.toint()
+                    block = ld_s32(block_tables.toint()
                                     + (Int64(seq) * pages_per_seq + Int64(page)) * 4)
                 addr = Int64(1)
                 if block >= 0:
@@ -312,12 +312,12 @@ class SparseMqaSm90:
                 addr = swa.toint() + Int64(slot) * REC
             else:
                 if cutlass.const_expr(self.topk > 0):
-                    e = ldg_s32(topk.toint() + (Int64(r) * self.topk + Int64(j - nswa)) * 4)
+                    e = ld_s32(topk.toint() + (Int64(r) * self.topk + Int64(j - nswa)) * 4)
                     if e >= 0:
                         page = e // page_size
                         block = Int32(-1)
                         if page < pages_per_seq:
-                            block = ldg_s32(block_tables.toint()
+                            block = ld_s32(block_tables.toint()
                                             + (Int64(seq) * pages_per_seq + Int64(page)) * 4)
                         addr = Int64(1)
                         if block >= 0:
@@ -430,7 +430,7 @@ class SparseMqaSm90:
             if cutlass.const_expr(self.consts):
                 sink_h = lds_f32(base + self.lay.consts + h * 4)
             else:
-                sink_h = ldg_f32(sink.toint() + Int64(h) * 4)
+                sink_h = ld_f32(sink.toint() + Int64(h) * 4)
         stat = base + self.lay.stats + h * ref.STATS_BYTES
         big = sink_h
         norm = Float32(0.0)
@@ -574,7 +574,7 @@ class SparseMqaSm90:
                 if seq < 0:
                     v.fill(0.0)
                 dst = out.toint() + ((Int64(r) * self.H + h) * ref.HEAD_DIM + d) * 2
-                stg_v2(dst, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]))
+                st_v2_b32(dst, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]))
 
     @cute.jit
     def _inverse_rope(self, v, base: Int32, d: Int32, pos: Int32, rope_table: cute.Pointer,
@@ -589,7 +589,7 @@ class SparseMqaSm90:
                 for k in cutlass.range_constexpr(4):
                     cs[k] = lds_f32(base + self.lay.consts + ref.MMA_M * 4 + pair * 8 + k * 4)
             else:
-                row = ldg_v4_f32(rope_table.toint() + (Int64(pos) * 32 + Int64(pair)) * 8)
+                row = ld_v4_f32(rope_table.toint() + (Int64(pos) * 32 + Int64(pair)) * 8)
                 for k in cutlass.range_constexpr(4):
                     cs[k] = row[k]
         for p in cutlass.range_constexpr(2):
