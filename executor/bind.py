@@ -15,6 +15,11 @@ dtype and shape from the model config and the KV-cache geometry (the layouts of
                  compressor_ring_{k} float32 [max_seqs, ring_rows, 1024] for ratio-2 sources
     outputs      tokens int64 [192]; optional logits float32 [192, vocab / tp] (this rank's shard)
 
+Padding rows: a step of n rows replays the graph of bucket b >= n, whose kernels also process rows
+n..b-1. The caller owns those rows' metadata and must mark them padding, as vLLM does
+(PAD_SLOT_ID) and as `RowBatch.from_blocks(pad_to=b)` does: slot_mapping -1 and seq_index -1, so
+they write no KV slot. The executor cannot check this in `step` (it would be a device read).
+
 `validate_binding` checks each tensor's DLPack view (dtype, exact shape, device, 16-byte
 alignment, row-major contiguity) and that no two bound tensors overlap, then returns a `Binding`;
 it raises before returning anything, so a failed bind changes nothing. Per-sequence arrays are
@@ -26,7 +31,7 @@ import itertools
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from executor.dlpack import KDL_CUDA, DLPackError, TensorView, describe
+from executor.dlpack import KDL_CUDA, DLPackError, TensorView, describe, device_name
 
 MAX_ROWS = 192
 ALIGN_BYTES = 16   # 16-byte vector loads; DLPack producers (CuPy, torch) give 256 at offset 0
@@ -125,8 +130,8 @@ class Binding:
 def _check_one(rule: TensorRule, view: TensorView, device: tuple[int, int]) -> None:
     where = f"bind: tensor {rule.name!r}"
     if (view.device_type, view.device_id) != device:
-        want = TensorView(0, *device, "", 1, (), None).device
-        raise BindError(f"{where} lives on {view.device}; expected the executor's device {want}")
+        raise BindError(f"{where} lives on {view.device}; expected the executor's device "
+                        f"{device_name(*device)}")
     if view.dtype != rule.dtype or view.shape != rule.shape:
         raise BindError(f"{where}: expected {rule.expected()}, got {view.dtype} "
                         f"{list(view.shape)}")

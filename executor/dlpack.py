@@ -55,6 +55,11 @@ _api.PyCapsule_GetPointer.restype = ctypes.c_void_p
 _api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
+def device_name(device_type: int, device_id: int) -> str:
+    """'cuda:0', 'cpu:0', ... as error messages print a DLPack device."""
+    return f"{DEVICE_NAMES.get(device_type, f'dl{device_type}')}:{device_id}"
+
+
 class DLPackError(TypeError):
     """An object is not a usable DLPack producer; the message names the bound tensor."""
 
@@ -73,7 +78,7 @@ class TensorView:
 
     @property
     def device(self) -> str:
-        return f"{DEVICE_NAMES.get(self.device_type, f'dl{self.device_type}')}:{self.device_id}"
+        return device_name(self.device_type, self.device_id)
 
     @property
     def nbytes(self) -> int:

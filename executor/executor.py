@@ -10,7 +10,8 @@
 (never from device data), then replays the captured graph of the smallest bucket >= n_rows on the
 caller's stream: one cuGraphLaunch, no allocation, no synchronize, no module load. Declines are
 decided before any launch, so a declined step writes nothing. How the caller declares prefill or
-other unsupported work without a device read: `executor/reasons.py`.
+other unsupported work without a device read: `executor/reasons.py`. The rows between n_rows and
+the bucket must be marked padding by the caller (slot -1, sequence -1): `executor/bind.py`.
 
 What is not built yet: the plan's stages (`executor/plan.py` names every one) and the upload of
 `weights` into an executor-owned arena they would read; until they exist `capture()` raises
@@ -51,7 +52,9 @@ class Executor:
         """`device`: the runtime Device (its `ordinal` is where bound tensors must live).
         `plan`: the step plan (default `decode_plan(config)`). `capture_graphs(stream, record,
         buckets) -> GraphSet` is GraphSet.capture; tests substitute a recording fake.
-        `ranges`: an nvtx_ranges.Ranges for per-layer/per-stage ranges, or None."""
+        `ranges`: an nvtx_ranges.Ranges for per-layer/per-stage ranges, or None.
+        `weights` (this rank's RankWeights) and `comm` (the collectives communicator) are kept
+        for the stages that will upload and use them; no stage does yet."""
         for name, value in (("tp", tp), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Executor: {name} must be an int, got {value!r}")

@@ -414,8 +414,7 @@ def test_executor_rejects_bad_construction():
                       ({"buckets": (0, 4)}, "buckets"), ({"buckets": (8, 256)}, "buckets")]:
         args = {"tp": 2, "rank": 0, **kw}
         with pytest.raises(ValueError, match=match):
-            Executor(CFG, None, None, device=FakeDevice(), geometry=GEOMETRY,
-                     **{k: v for k, v in args.items()})
+            Executor(CFG, None, None, device=FakeDevice(), geometry=GEOMETRY, **args)
 
 
 # ---- capture, plan, close --------------------------------------------------------------------
