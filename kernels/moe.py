@@ -28,13 +28,28 @@ id is counted in meta[1] and its pair skipped; its ye rows are then not written)
 """
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from kernels import moe_kernel_ref as mk
+from kernels.ptx import (
+    asm,
+    bf16_pair,
+    fabs_max,
+    lds_f32,
+    lds_u32,
+    mma_e4m3,
+    round_bf16,
+    shfl_xor_max,
+    st_f32,
+    sts_f32,
+    sts_u32,
+    void,
+)
 
 _F448 = "0f43E00000"
 _F_FLOOR = "0f0DA24260"       # 1e-30 (quantize_act_fp8's scale floor)
@@ -43,15 +58,8 @@ _F_NEG_LOG2E = "0fBFB8AA3B"
 
 # ---- inline PTX helpers (each one instruction group; the reference replays them) ---------------
 
-def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=False):
-    ty = kind or T.i32()
-    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
-    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
-                          has_side_effects=side_effects, is_align_stack=False,
-                          asm_dialect=llvm.AsmDialect.AD_ATT)
-    if results == 1:
-        return out
-    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
+# Pure by default (this family's arithmetic); its loads opt in with side_effects=True.
+_asm = partial(asm, side_effects=False)
 
 
 def ld_v2(addr: Int64, pred: Int32):
@@ -83,45 +91,18 @@ def ld_f32(addr: Int64, pred: Int32):
                         side_effects=True))
 
 
-def _void_asm(operands, text: str, constraints: str):
-    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
 def st_u32(addr: Int64, value: Int32):
-    _void_asm([Int64(addr), Int32(value)], "st.global.u32 [$0], $1;", "l,r")
-
-
-def st_f32(addr: Int64, value: Float32):
-    _void_asm([Int64(addr), Float32(value)], "st.global.f32 [$0], $1;", "l,f")
+    void([Int64(addr), Int32(value)], "st.global.u32 [$0], $1;", "l,r")
 
 
 def st_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32):
-    _void_asm([Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d)],
+    void([Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d)],
               "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f")
 
 
 def st_bf16(addr: Int64, value: Float32):
-    _void_asm([Int64(addr), Float32(value)],
+    void([Int64(addr), Float32(value)],
               "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f")
-
-
-def sts_u32(saddr: Int32, value: Int32):
-    _void_asm([Int32(saddr), Int32(value)], "st.shared.u32 [$0], $1;", "r,r")
-
-
-def sts_f32(saddr: Int32, value: Float32):
-    _void_asm([Int32(saddr), Float32(value)], "st.shared.f32 [$0], $1;", "r,f")
-
-
-def lds_u32(saddr: Int32):
-    return Int32(_asm(1, [Int32(saddr)], "ld.shared.u32 $0, [$1];", "=r,r", side_effects=True))
-
-
-def lds_f32(saddr: Int32):
-    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32(),
-                        side_effects=True))
 
 
 def lds_v2(saddr: Int32):
@@ -137,29 +118,26 @@ def lds_v4(saddr: Int32):
 
 def cp_async_16(saddr: Int32, gaddr: Int64):
     """16 bytes global -> shared, asynchronously, bypassing L1 (weights are read once)."""
-    _void_asm([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;",
+    void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;",
               "r,l,~{memory}")
 
 
 def cp_async_8(saddr: Int32, gaddr: Int64):
-    _void_asm([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;",
+    void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;",
               "r,l,~{memory}")
 
 
 def cp_async_commit():
-    llvm.inline_asm(None, [], "cp.async.commit_group;", "~{memory}", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    void([], "cp.async.commit_group;", "~{memory}")
 
 
 def cp_async_wait(pending: int):
     """Until at most `pending` of this thread's newest commit groups are still in flight."""
-    llvm.inline_asm(None, [], f"cp.async.wait_group {pending};", "~{memory}",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
+    void([], f"cp.async.wait_group {pending};", "~{memory}")
 
 
 def atom_or_shared(saddr: Int32, value: Int32):
-    _void_asm([Int32(saddr), Int32(value)], "red.shared.or.b32 [$0], $1;", "r,r")
+    void([Int32(saddr), Int32(value)], "red.shared.or.b32 [$0], $1;", "r,r")
 
 
 def decode_row(word: Int32, offsets: Int32, byte: int):
@@ -181,35 +159,6 @@ def decode_row(word: Int32, offsets: Int32, byte: int):
     return Int32(v[0]), Int32(v[1])
 
 
-def mma_e4m3(a, b, c):
-    """c + A(16x32 e4m3) x B(32x8 e4m3), fp32: mma.sync.aligned.m16n8k32.row.col."""
-    ops = [Int32(x) for x in a] + [Int32(x) for x in b] + [Float32(x) for x in c]
-    v = _asm(4, ops, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-             "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", kind=T.f32())
-    return [Float32(x) for x in v]
-
-
-def bf16_pair(word: Int32):
-    """The two bf16 of a word as fp32 (low half first)."""
-    v = _asm(2, [Int32(word)], "{ .reg .b32 t; shl.b32 t, $2, 16; mov.b32 $0, t;\n"
-             "and.b32 t, $2, 0xFFFF0000; mov.b32 $1, t; }", "=f,=f,r", kind=T.f32())
-    return Float32(v[0]), Float32(v[1])
-
-
-def fabs_max(a: Float32, b: Float32):
-    return Float32(_asm(1, [Float32(a), Float32(b)],
-                        "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f",
-                        kind=T.f32()))
-
-
-def shfl_max(v: Float32, offset: int):
-    return Float32(_asm(1, [Float32(v)],
-                        "{ .reg .f32 t; shfl.sync.bfly.b32 t, $1, " + str(offset)
-                        + ", 0x1f, 0xffffffff; max.f32 $0, $1, t; }", "=f,f", kind=T.f32(),
-                        side_effects=True))
-
-
 def act_scale(amax: Float32):
     """(s, 1/s): s = max(amax / 448, 1e-30) with div.rn, 1/s with rcp.rn (quantize_act_fp8)."""
     v = _asm(2, [Float32(amax)], "{ .reg .f32 t; div.rn.f32 t, $2, " + _F448 + ";\n"
@@ -226,11 +175,6 @@ def quantize4(x0, x1, x2, x3, inv):
                       "cvt.rn.satfinite.e4m3x2.f32 lo, y1, y0;\n"
                       "cvt.rn.satfinite.e4m3x2.f32 hi, y3, y2;\n"
                       "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f,f"))
-
-
-def round_bf16(x: Float32):
-    return Float32(_asm(1, [Float32(x)], "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1;\n"
-                        "cvt.f32.bf16 $0, h; }", "=f,f", kind=T.f32()))
 
 
 def swiglu(gate: Float32, up: Float32, limit: float):
@@ -280,7 +224,7 @@ def quantize_quad(w0: Int32, w1: Int32):
     x2, x3 = bf16_pair(w1)
     amax = fabs_max(fabs_max(fabs_max(fabs_max(Float32(0.0), x0), x1), x2), x3)
     for k in cutlass.range_constexpr(5):
-        amax = shfl_max(amax, 16 >> k)
+        amax = shfl_xor_max(amax, 16 >> k)
     scale, inverse = act_scale(amax)
     return quantize4(x0, x1, x2, x3, inverse), scale
 

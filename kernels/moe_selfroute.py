@@ -31,6 +31,7 @@ from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe as mo
 from kernels import moe_kernel_ref as mk
+from kernels.ptx import lds_f32, lds_u32, round_bf16, st_f32, sts_f32, sts_u32
 
 
 def lds_u32_if(saddr: Int32, pred: Int32):
@@ -67,7 +68,7 @@ class SmemRouting:
         ids_s = scratch + self.bitmap_words * 4
         i = tidx
         while i < self.bitmap_words:
-            mo.sts_u32(scratch + 4 * i, Int32(0))
+            sts_u32(scratch + 4 * i, Int32(0))
             i += self.threads
         cute.arch.sync_threads()
         # Every id this thread handles is loaded before the first is used: one round trip,
@@ -81,7 +82,7 @@ class SmemRouting:
             e = got[c]
             if i < n:
                 row = i // self.topk
-                mo.sts_u32(ids_s + 4 * i, e)
+                sts_u32(ids_s + 4 * i, e)
                 if e >= 0 and e < self.experts:
                     mo.atom_or_shared(scratch + 4 * (e * mk.BITMAP_WORDS + row // 32),
                                       Int32(1) << (row % 32))
@@ -96,14 +97,14 @@ class SmemRouting:
         for k in cutlass.range_constexpr(self.per_thread):
             e = tidx * self.per_thread + k
             if counts[k] > 0:
-                mo.sts_u32(lists + self.experts_at + 4 * entry, e)
-                mo.sts_u32(lists + self.first_at + 4 * entry, pair_off)
-                mo.sts_u32(lists + self.count_at + 4 * entry, counts[k])
+                sts_u32(lists + self.experts_at + 4 * entry, e)
+                sts_u32(lists + self.first_at + 4 * entry, pair_off)
+                sts_u32(lists + self.count_at + 4 * entry, counts[k])
                 self.list_rows(ids_s, lists + self.pairs_at, scratch, e, pair_off)
                 entry = entry + 1
                 pair_off = pair_off + counts[k]
         if tidx == self.threads - 1:
-            mo.sts_u32(lists + 32, total >> 16)
+            sts_u32(lists + 32, total >> 16)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -114,7 +115,7 @@ class SmemRouting:
             c = Int32(0)
             if e < self.experts:
                 for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
-                    c = c + mo.popc(mo.lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w)))
+                    c = c + mo.popc(lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w)))
             counts.append(c)
         return counts
 
@@ -129,12 +130,12 @@ class SmemRouting:
             if lane >= (1 << k):
                 inclusive = inclusive + up
         if lane == mk.LANES - 1:
-            mo.sts_u32(totals + 4 * warp, inclusive)
+            sts_u32(totals + 4 * warp, inclusive)
         cute.arch.sync_threads()
         before = Int32(0)
         total = Int32(0)
         for w in cutlass.range_constexpr(self.warps):
-            t = mo.lds_u32(totals + 4 * w)
+            t = lds_u32(totals + 4 * w)
             if w < warp:
                 before = before + t
             total = total + t
@@ -144,27 +145,27 @@ class SmemRouting:
     def list_rows(self, ids_s: Int32, pairs: Int32, bitmap: Int32, e: Int32, pair_off: Int32):
         n = pair_off
         for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
-            bits = mo.lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w))
+            bits = lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w))
             while bits != 0:
                 row = w * 32 + mo.ctz(bits)
                 bits = bits & (bits - 1)
                 slot = Int32(0)
                 for s in cutlass.range_constexpr(self.topk):
-                    if mo.lds_u32(ids_s + 4 * (row * self.topk + s)) == e:
+                    if lds_u32(ids_s + 4 * (row * self.topk + s)) == e:
                         slot = Int32(s)
-                mo.sts_u32(pairs + 4 * n, row * self.topk + slot)
+                sts_u32(pairs + 4 * n, row * self.topk + slot)
                 n = n + 1
 
     @cute.jit
     def distinct(self, lists: Int32):
-        return mo.lds_u32(lists + 32)
+        return lds_u32(lists + 32)
 
     @cute.jit
     def entry(self, lists: Int32, j: Int32):
         """(expert, first pair, pair count) of distinct entry j."""
-        return (mo.lds_u32(lists + self.experts_at + 4 * j),
-                mo.lds_u32(lists + self.first_at + 4 * j),
-                mo.lds_u32(lists + self.count_at + 4 * j))
+        return (lds_u32(lists + self.experts_at + 4 * j),
+                lds_u32(lists + self.first_at + 4 * j),
+                lds_u32(lists + self.count_at + 4 * j))
 
     @cute.jit
     def expert_of_item(self, lists: Int32, item: Int32, per_expert: int, total: Int32):
@@ -210,7 +211,7 @@ class MoeXQuantSm90:
             pos = mo.fragment_position(grp * 4 + lane // 8, lane)
             mo.st_u32(qa + Int64(row) * self.k_pad + pos, q)
             if lane == 0:
-                mo.st_f32(sa + Int64(row * self.groups + grp) * 4, scale)
+                st_f32(sa + Int64(row * self.groups + grp) * 4, scale)
             item += gdim * self.warps
 
 
@@ -401,22 +402,22 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
         g = lane // 4
         slot = red + 16 * tidx
         for i in cutlass.range_constexpr(4):
-            mo.sts_f32(slot + 4 * i, acc[i])
+            sts_f32(slot + 4 * i, acc[i])
         cute.arch.sync_threads()
         if warp == 0:
-            tot = [mo.lds_f32(red + 16 * lane + 4 * i) for i in range(4)]
+            tot = [lds_f32(red + 16 * lane + 4 * i) for i in range(4)]
             for w in cutlass.range_constexpr(1, self.warps):
                 for i in cutlass.range_constexpr(4):
-                    tot[i] = tot[i] + mo.lds_f32(red + 16 * (w * mk.LANES + lane) + 4 * i)
+                    tot[i] = tot[i] + lds_f32(red + 16 * (w * mk.LANES + lane) + 4 * i)
             limit = self.shape.swiglu_limit
             n = 8 * tile + g
             inter = self.shape.inter
             if v0 != 0:
-                y0 = mo.swiglu(mo.round_bf16(tot[0] * scale), mo.round_bf16(tot[2] * scale),
+                y0 = mo.swiglu(round_bf16(tot[0] * scale), round_bf16(tot[2] * scale),
                                limit)
                 mo.st_bf16(h + Int64(p0 * inter + n) * 2, y0)
             if v1 != 0:
-                y1 = mo.swiglu(mo.round_bf16(tot[1] * scale), mo.round_bf16(tot[3] * scale),
+                y1 = mo.swiglu(round_bf16(tot[1] * scale), round_bf16(tot[3] * scale),
                                limit)
                 mo.st_bf16(h + Int64(p1 * inter + n) * 2, y1)
         cute.arch.sync_threads()
@@ -502,11 +503,11 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
             w = loaded[grp]
             q, scale = mo.quantize_quad(w[0], w[1])
             if k < k_pad:
-                mo.sts_u32(sq + warp * k_pad + mo.fragment_position(grp * 4 + lane // 8, lane), q)
+                sts_u32(sq + warp * k_pad + mo.fragment_position(grp * 4 + lane // 8, lane), q)
             if lane == 0:
-                mo.sts_f32(sq + self.q_bytes + 4 * (warp * self.groups + grp), scale)
+                sts_f32(sq + self.q_bytes + 4 * (warp * self.groups + grp), scale)
         if lane == 0:
-            mo.sts_u32(sq + self.q_bytes + self.s_bytes + 4 * warp, pair if valid != 0 else -1)
+            sts_u32(sq + self.q_bytes + self.s_bytes + 4 * warp, pair if valid != 0 else -1)
 
 
 class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
@@ -588,14 +589,14 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
                                    wbase + c * mk.COL_BYTES)
                 mo.cp_async_8(stage + self.offsets_at + (grp * self.threads + tidx) * 8,
                               obase + grp * mk.GROUP_OFFSET_BYTES)
-            sc0 = mo.lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
-            sc1 = mo.lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
+            sc0 = lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
+            sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
             acc = [mo.fmul_add(acc[0], part[0], sc0), mo.fmul_add(acc[1], part[1], sc1),
                    mo.fmul_add(acc[2], part[2], sc0), mo.fmul_add(acc[3], part[3], sc1)]
         if do_refill != 0:
             mo.cp_async_commit()
-        p0 = mo.lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
-        p1 = mo.lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
+        p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
+        p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
         n = tile * mk.TILE_ROWS + g
         if p0 >= 0:
             mo.st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
