@@ -31,6 +31,7 @@ FAMILIES = (
     "kernels.indexer", "kernels.kv_publish", "kernels.compressor",
     "kernels.sparse_mqa",
     "kernels.mhc", "kernels.router",
+    "kernels.embed", "kernels.engram",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
