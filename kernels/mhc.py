@@ -20,10 +20,11 @@ How (grid = (D / 64 slices, row blocks of 32); 128 threads; 8 threads own a row'
 """
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from kernels.mhc_kernel_ref import (
@@ -39,27 +40,27 @@ from kernels.mhc_kernel_ref import (
     MhcPreSpec,
     mhc_specs,
 )
+from kernels.ptx import (
+    asm,
+    ld_f32,
+    lds_f32,
+    lds_s32,
+    pack_bf16x2,
+    shfl_xor_f32,
+    st_f32,
+    st_s32,
+    sts_f32,
+    sts_s32,
+    void,
+)
 
 VEC = 8                              # bf16 per 16-byte vector
 
 
 # ---- inline PTX (exact instructions; shared with kernels.router) -------------------------------
 
-def _asm(results: int, operands, text: str, constraints: str, kind=None, side_effects=True):
-    ty = kind or T.i32()
-    ret = ty if results == 1 else llvm.StructType.get_literal([ty] * results)
-    out = llvm.inline_asm(ret, [o.ir_value() for o in operands], text, constraints,
-                          has_side_effects=side_effects, is_align_stack=False,
-                          asm_dialect=llvm.AsmDialect.AD_ATT)
-    if results == 1:
-        return out
-    return [llvm.extractvalue(ty, out, [i]) for i in range(results)]
-
-
-def _void(operands, text: str, constraints: str):
-    llvm.inline_asm(None, [o.ir_value() for o in operands], text, constraints,
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
+# Side effects by default (this family's asm is mostly loads and stores); pure math opts out.
+_asm = partial(asm, side_effects=True)
 
 
 def ldg_v4(addr: Int64, constant: bool = False):
@@ -69,26 +70,14 @@ def ldg_v4(addr: Int64, constant: bool = False):
                                    "=r,=r,=r,=r,l")]
 
 
-def ldg_f32(addr: Int64) -> Float32:
-    return Float32(_asm(1, [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", kind=T.f32()))
-
-
 def ldg_f32_gpu(addr: Int64) -> Float32:
     """A value another CTA wrote (read after the acquire): at L2, never a stale L1 line."""
     return Float32(_asm(1, [Int64(addr)], "ld.relaxed.gpu.global.f32 $0, [$1];", "=f,l",
                         kind=T.f32()))
 
 
-def stg_f32(addr: Int64, v: Float32):
-    _void([Int64(addr), Float32(v)], "st.global.f32 [$0], $1;", "l,f")
-
-
-def stg_s32(addr: Int64, v: Int32):
-    _void([Int64(addr), Int32(v)], "st.global.s32 [$0], $1;", "l,r")
-
-
 def stg_v4(addr: Int64, w):
-    _void([Int64(addr)] + [Int32(x) for x in w], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+    void([Int64(addr)] + [Int32(x) for x in w], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
           "l,r,r,r,r")
 
 
@@ -98,25 +87,9 @@ def lds_v4_f32(saddr: Int32):
     return [Float32(x) for x in v]
 
 
-def lds_f32(saddr: Int32) -> Float32:
-    return Float32(_asm(1, [Int32(saddr)], "ld.shared.f32 $0, [$1];", "=f,r", kind=T.f32()))
-
-
-def sts_f32(saddr: Int32, v: Float32):
-    _void([Int32(saddr), Float32(v)], "st.shared.f32 [$0], $1;", "r,f")
-
-
 def sts_v4(saddr: Int32, w):
-    _void([Int32(saddr)] + [Int32(x) for x in w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+    void([Int32(saddr)] + [Int32(x) for x in w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
           "r,r,r,r,r")
-
-
-def lds_s32(saddr: Int32) -> Int32:
-    return Int32(_asm(1, [Int32(saddr)], "ld.shared.s32 $0, [$1];", "=r,r"))
-
-
-def sts_s32(saddr: Int32, v: Int32):
-    _void([Int32(saddr), Int32(v)], "st.shared.s32 [$0], $1;", "r,r")
 
 
 def bf16x2_to_f32(word: Int32):
@@ -128,21 +101,10 @@ def bf16x2_to_f32(word: Int32):
     return lo, hi
 
 
-def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
-    return Int32(_asm(1, [Float32(hi), Float32(lo)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
-                      side_effects=False))
-
-
 def shfl_xor_i32(x: Int32, offset: int) -> Int32:
     """Butterfly exchange of an integer over the full warp (every lane must execute it)."""
     return Int32(_asm(1, [Int32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
                       "=r,r"))
-
-
-def shfl_xor(x: Float32, offset: int) -> Float32:
-    """Butterfly exchange of a float over the full warp (every lane must execute it)."""
-    return Float32(_asm(1, [Float32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, "
-                        "0xffffffff;", "=f,f", kind=T.f32()))
 
 
 def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
@@ -151,7 +113,7 @@ def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
 
 
 def fence_gpu():
-    _void([], "fence.acq_rel.gpu;", "")
+    void([], "fence.acq_rel.gpu;", "")
 
 
 # ---- kernel --------------------------------------------------------------------------------------
@@ -233,7 +195,7 @@ class MhcPreSm90:
             self._coefficients(scale, base, coeff_out, mixes, sbase, block_row, rows, tidx,
                                norm_eps, hc_eps)
             if tidx == 0:
-                stg_s32(counter, Int32(0))
+                st_s32(counter, Int32(0))
 
     @cute.jit
     def _stage_fn(self, fn: cute.Pointer, sbase: Int32, slice_idx: Int32, tidx: Int32):
@@ -267,7 +229,7 @@ class MhcPreSm90:
         if cutlass.const_expr(self.post):
             self._apply_post(xs, sub_out, crow, streams_out, r, d0, valid)
         # Collapse with the previous sublayer's pre (the delayed mHC), rounded to BF16.
-        pre = [ldg_f32(crow + Int64(4 * i)) for i in range(self.S)]
+        pre = [ld_f32(crow + Int64(4 * i)) for i in range(self.S)]
         packed = []
         for q in cutlass.range_constexpr(4):
             pair = []
@@ -303,20 +265,20 @@ class MhcPreSm90:
         for v in cutlass.range_constexpr(PARTIALS):
             total = part[v]
             for sh in cutlass.range_constexpr(3):
-                total = total + shfl_xor(total, THREADS_PER_ROW >> (sh + 1))
+                total = total + shfl_xor_f32(total, THREADS_PER_ROW >> (sh + 1))
             part[v] = total
         if valid & (dv == 0):
             ws = workspace.toint() + Int64((slice_idx * rows + r) * PARTIAL_STRIDE * 4)
             for v in cutlass.range_constexpr(PARTIALS):
-                stg_f32(ws + Int64(4 * v), part[v])
+                st_f32(ws + Int64(4 * v), part[v])
 
     @cute.jit
     def _apply_post(self, xs, sub_out: cute.Pointer, crow: Int64, streams_out: cute.Pointer,
                     r: Int32, d0: Int32, valid):
         """X'_k = bf16(post_k·f + Σ_j comb[j, k]·X_j) in place in xs, and stored."""
         n = HC_MULT
-        post = [ldg_f32(crow + Int64(4 * (n + k))) for k in range(n)]
-        comb = [ldg_f32(crow + Int64(4 * (2 * n + i))) for i in range(n * n)]
+        post = [ld_f32(crow + Int64(4 * (n + k))) for k in range(n)]
+        comb = [ld_f32(crow + Int64(4 * (2 * n + i))) for i in range(n * n)]
         fw = ldg_v4(sub_out.toint() + Int64((r * self.D + d0) * 2))
         f = []
         for q in cutlass.range_constexpr(4):
@@ -366,11 +328,11 @@ class MhcPreSm90:
         Every lane runs every round (full-warp shuffles); rows past the end store nothing."""
         n = HC_MULT
         lane, group = tidx % 16, tidx // 16
-        s0 = ldg_f32(scale.toint())
-        s1 = ldg_f32(scale.toint() + Int64(4))
-        s2 = ldg_f32(scale.toint() + Int64(8))
-        b_pp = ldg_f32(base.toint() + Int64(4 * cutlass.min(lane, 2 * n - 1)))
-        b_comb = ldg_f32(base.toint() + Int64(4 * (2 * n + lane)))
+        s0 = ld_f32(scale.toint())
+        s1 = ld_f32(scale.toint() + Int64(4))
+        s2 = ld_f32(scale.toint() + Int64(8))
+        b_pp = ld_f32(base.toint() + Int64(4 * cutlass.min(lane, 2 * n - 1)))
+        b_comb = ld_f32(base.toint() + Int64(4 * (2 * n + lane)))
         groups = CTA_THREADS // 16
         for it in cutlass.range_constexpr(ROWS_PER_CTA // groups):
             rl = group + it * groups
@@ -393,18 +355,18 @@ class MhcPreSm90:
             out = coeff_out.toint() + Int64(row * MIX_DIM * 4)
             mix_row = mixes.toint() + Int64(row * MIX_DIM * 4)
             if valid:
-                stg_f32(out + Int64((2 * n + lane) * 4), comb)
-                stg_f32(mix_row + Int64((2 * n + lane) * 4), m_comb)
+                st_f32(out + Int64((2 * n + lane) * 4), comb)
+                st_f32(mix_row + Int64((2 * n + lane) * 4), m_comb)
                 if lane < 2 * n:
-                    stg_f32(out + Int64(lane * 4), coeff_pp)
-                    stg_f32(mix_row + Int64(lane * 4), m_pp)
+                    st_f32(out + Int64(lane * 4), coeff_pp)
+                    st_f32(mix_row + Int64(lane * 4), m_pp)
 
     @cute.jit
     def _sinkhorn(self, logit: Float32, eps: Float32) -> Float32:
         """Lane (j, k) = (l/4, l%4) of a half-warp: row softmax + eps, column normalise, then
         (iters - 1) x (row, column) normalisations, each denominator + eps (mhc_ref.sinkhorn)."""
-        mx = cutlass.max(logit, shfl_xor(logit, 1))
-        mx = cutlass.max(mx, shfl_xor(mx, 2))
+        mx = cutlass.max(logit, shfl_xor_f32(logit, 1))
+        mx = cutlass.max(mx, shfl_xor_f32(mx, 2))
         e = cute.math.exp(logit - mx)
         c = e / self._sum4(e, 1) + eps
         c = c / (self._sum4(c, 4) + eps)
@@ -416,8 +378,8 @@ class MhcPreSm90:
     @cute.jit
     def _sum4(self, v: Float32, stride: cutlass.Constexpr) -> Float32:
         """Sum over the 4 lanes l ^ {0, stride, 2·stride, 3·stride}: a row (1) or column (4)."""
-        t = v + shfl_xor(v, stride)
-        return t + shfl_xor(t, 2 * stride)
+        t = v + shfl_xor_f32(v, stride)
+        return t + shfl_xor_f32(t, 2 * stride)
 
 
 def kernel_function(spec: MhcPreSpec):

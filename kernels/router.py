@@ -23,15 +23,17 @@ from kernels.mhc import (
     atomic_add_acq_rel,
     bf16x2_to_f32,
     fence_gpu,
-    ldg_f32,
     ldg_f32_gpu,
     ldg_v4,
+    shfl_xor_i32,
+)
+from kernels.ptx import (
+    ld_f32,
     lds_f32,
     lds_s32,
-    shfl_xor,
-    shfl_xor_i32,
-    stg_f32,
-    stg_s32,
+    shfl_xor_f32,
+    st_f32,
+    st_s32,
     sts_f32,
     sts_s32,
 )
@@ -107,7 +109,7 @@ class RouterSm90:
                 if row < rows:                       # uniform over the warp
                     self._select(bias, logits, ids, weights, row, lane)
             if tidx == 0:
-                stg_s32(counter, Int32(0))
+                st_s32(counter, Int32(0))
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -133,7 +135,7 @@ class RouterSm90:
             for rr in cutlass.range_constexpr(ROWS_PER_STEP):
                 total = acc[e, rr]
                 for sh in cutlass.range_constexpr(5):
-                    total = total + shfl_xor(total, 16 >> sh)
+                    total = total + shfl_xor_f32(total, 16 >> sh)
                 if lane == 0:
                     sts_f32(red + ((warp * EXPERTS_PER_CTA + e) * ROWS_PER_STEP + rr) * 4, total)
         cute.arch.sync_threads()
@@ -144,7 +146,7 @@ class RouterSm90:
                 total = total + lds_f32(red + ((w * EXPERTS_PER_CTA + e) * ROWS_PER_STEP + rr)
                                         * 4)
             if r0 + rr < rows:
-                stg_f32(logits.toint() + Int64(((r0 + rr) * self.spec.experts + e0 + e) * 4),
+                st_f32(logits.toint() + Int64(((r0 + rr) * self.spec.experts + e0 + e) * 4),
                         total)
 
     @cute.jit
@@ -161,7 +163,7 @@ class RouterSm90:
                 cute.math.exp(-cute.math.absf(lg)))
             s = cute.math.sqrt(softplus)
             score[c] = s
-            sel[c] = s + ldg_f32(bias.toint() + Int64(e * 4))
+            sel[c] = s + ld_f32(bias.toint() + Int64(e * 4))
             if lane + c * WARP >= E:
                 sel[c] = Float32(NEG_INF)
         chosen_ids = []
@@ -176,9 +178,9 @@ class RouterSm90:
                     best_i = lane + c * WARP
                     best_s = score[c]
             for sh in cutlass.range_constexpr(5):
-                ov = shfl_xor(best_v, 16 >> sh)
+                ov = shfl_xor_f32(best_v, 16 >> sh)
                 oi = shfl_xor_i32(best_i, 16 >> sh)
-                os_ = shfl_xor(best_s, 16 >> sh)
+                os_ = shfl_xor_f32(best_s, 16 >> sh)
                 if (ov > best_v) | ((ov == best_v) & (oi < best_i)):
                     best_v = ov
                     best_i = oi
@@ -195,8 +197,8 @@ class RouterSm90:
         if lane == 0:
             out = Int64(row * self.spec.topk * 4)
             for k in cutlass.range_constexpr(self.spec.topk):
-                stg_s32(ids.toint() + out + Int64(4 * k), chosen_ids[k])
-                stg_f32(weights.toint() + out + Int64(4 * k),
+                st_s32(ids.toint() + out + Int64(4 * k), chosen_ids[k])
+                st_f32(weights.toint() + out + Int64(4 * k),
                         chosen_scores[k] / denom * Float32(self.spec.scaling))
 
 
