@@ -68,13 +68,16 @@ def _ld_s64(addr: Int64) -> Int64:
     return Int64(_asm([T.i64()], [addr], "ld.global.s64 $0, [$1];", "=l,l")[0])
 
 
+# Table reads: plain ld.global (not .nc), so nothing depends on the read-only path also serving
+# mapped host memory; L1::no_allocate as each table row is read once.
+
 def _ld_u8(addr: Int64) -> Int32:
-    return Int32(_asm([T.i32()], [addr], "ld.global.nc.u8 $0, [$1];", "=r,l")[0])
+    return Int32(_asm([T.i32()], [addr], "ld.global.L1::no_allocate.u8 $0, [$1];", "=r,l")[0])
 
 
 def _ld_v4(addr: Int64):
-    """16-byte read-only load that bypasses L1 (table rows are read once)."""
-    words = _asm([T.i32()] * 4, [addr], "ld.global.nc.L1::no_allocate.v4.u32 "
+    """16-byte load that does not allocate in L1."""
+    words = _asm([T.i32()] * 4, [addr], "ld.global.L1::no_allocate.v4.u32 "
                  "{$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
     return [Int32(w) for w in words]
 
