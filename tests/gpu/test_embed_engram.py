@@ -45,6 +45,7 @@ RNG = np.random.default_rng()
 BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
            "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 LOOKUP_TABLE_ROWS = 4099
+SPECIAL_ROWS = ek.MAX_SCALE_BYTE + 1   # the table rows holding every finite code / scale byte
 
 
 @pytest.fixture(scope="module", params=sorted(BUNDLES))
@@ -133,7 +134,8 @@ def test_hash_ids_exact(dev, stream, setup):
 # ---- lookup --------------------------------------------------------------------------------------
 
 def _every_code_table(table_rows: int, head_dim: int):
-    """Random table whose first rows hold every finite E4M3 code and every scale byte 0..134."""
+    """Random table whose first SPECIAL_ROWS rows hold every finite E4M3 code and every scale
+    byte 0..134 (R >= 48 reads all of them)."""
     codes, scales = random_table(RNG, table_rows, head_dim)
     finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
     flat = codes.reshape(-1)
@@ -156,11 +158,13 @@ def test_lookup_bitwise(dev, stream, setup, host_table):
             row_offset = int(RNG.integers(0, 2**31 - LOOKUP_TABLE_ROWS))
             ids = RNG.integers(row_offset, row_offset + LOOKUP_TABLE_ROWS,
                                (rows, spec.total_cols), dtype=np.int64)
-            ids[0, first_col] = row_offset                     # the table's first rows
+            mine = ids[:, first_col:first_col + spec.cols]     # a view: writes go to ids
+            k = min(mine.size, SPECIAL_ROWS)
+            mine.flat[:k] = row_offset + np.arange(k)          # every code and scale byte
             ids[-1, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS - 1
-            if rows > 2:
-                ids[1, first_col] = row_offset - 1             # off the table: NaN head
-                ids[2, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS
+            if rows > 3:
+                ids[-2, first_col] = row_offset - 1            # off the table: NaN heads
+                ids[-3, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS
             upload(layer.arena, "chosen_ids", ids)
             poison(layer.arena, "heads")
             cp.cuda.Device().synchronize()
