@@ -62,7 +62,7 @@ def ld_nc_v2_u32(addr: Int64):
 
 def st_v4_f32(addr: Int64, v):
     void([Int64(addr)] + [Float32(x) for x in v], "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-          "l,f,f,f,f")
+         "l,f,f,f,f")
 
 
 def prefetch_l2(addr: Int64):
@@ -310,7 +310,7 @@ class CompressorPublishSm90:
         if tidx < rope_t:
             void([Int64(entry + Int64(tidx * 4)), pack_e4m3(y[0] * inv, y[1] * inv, y[2] * inv,
                                                       y[3] * inv)],
-                  "st.global.u32 [$0], $1;", "l,r")
+                 "st.global.u32 [$0], $1;", "l,r")
             if tidx % 16 == 0:
                 st_u8(entry + rec.KV_SCALE_OFFSET + tidx // 16, ex + 127)
         else:

@@ -42,6 +42,14 @@ from kernels.dense_ref import (
     DenseSpec,
     dense_specs,
 )
+from kernels.ptx import (
+    ld_bf16,
+    ld_f32_gpu,
+    ld_v4_u32,
+    mma_bf16_16816_ordered,
+    st_bf16,
+    st_f32,
+)
 
 PREFETCH = 4                      # weight chunks in flight per thread (4 x 32 bytes)
 WORDS = 8                         # u32 words of weight per thread per chunk (2 rows x 16 bytes)
@@ -54,13 +62,6 @@ def _asm(result_types, operands, text: str, constraints: str):
     res = llvm.inline_asm(struct, [op.ir_value() for op in operands], text, constraints,
                           has_side_effects=True)
     return [llvm.extractvalue(ty, res, [i]) for i, ty in enumerate(result_types)]
-
-
-def ld_v4(addr: Int64, streaming: bool):
-    """16-byte global load -> 4 x Int32; `streaming` bypasses L1 (weights read once)."""
-    op = "ld.global.nc.L1::no_allocate.v4.u32" if streaming else "ld.global.v4.u32"
-    words = _asm([T.i32()] * 4, [addr], f"{op} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l")
-    return [Int32(w) for w in words]
 
 
 def ld_u8(addr: Int64) -> Int32:
@@ -88,36 +89,6 @@ def e4m3x4_to_bf16x2x2(word: Int32, scale2: Int32):
 
 def prmt(a: Int32, b: Int32, selector: int) -> Int32:
     return Int32(_asm([T.i32()], [a, b], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r")[0])
-
-
-def mma_bf16_16816(a, b, c):
-    """D = A(16x16 bf16, 4 regs) x B(16x8 bf16, 2 regs) + C(16x8 f32, 4 regs)."""
-    text = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
-            "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-    out = _asm([T.f32()] * 4, list(a) + list(b) + list(c), text,
-               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-    return [Float32(v) for v in out]
-
-
-def st_f32(addr: Int64, value: Float32) -> None:
-    llvm.inline_asm(None, [addr.ir_value(), value.ir_value()], "st.global.f32 [$0], $1;",
-                    "l,f", has_side_effects=True)
-
-
-def st_bf16(addr: Int64, value: Float32) -> None:
-    llvm.inline_asm(None, [addr.ir_value(), value.ir_value()],
-                    "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f",
-                    has_side_effects=True)
-
-
-def ld_bf16_as_f32(addr: Int64) -> Float32:
-    text = "{ .reg .b16 h; ld.global.b16 h, [$1]; cvt.f32.bf16 $0, h; }"
-    return Float32(_asm([T.f32()], [addr], text, "=f,l")[0])
-
-
-def ld_f32_gpu(addr: Int64) -> Float32:
-    """A workspace value another CTA wrote (after the acquire): read at L2, not a stale L1."""
-    return Float32(_asm([T.f32()], [addr], "ld.relaxed.gpu.global.f32 $0, [$1];", "=f,l")[0])
 
 
 # ---- kernel ------------------------------------------------------------------------------------
@@ -206,8 +177,8 @@ class DenseW8A16Sm90:
         kk = cc * CHUNK_K + 16 * t
         valid = valid_chunk & (kk < self.k)
         kk = cutlass.min(kk, self.k - 16)
-        lo = ld_v4(w_row + Int64(kk), True)
-        hi = ld_v4(w_row + Int64(8 * self.k + kk), True)
+        lo = ld_v4_u32(w_row + Int64(kk), streaming=True)
+        hi = ld_v4_u32(w_row + Int64(8 * self.k + kk), streaming=True)
         for w in cutlass.range_constexpr(4):
             wbuf[w, i] = lo[w]
             wbuf[4 + w, i] = hi[w]
@@ -228,12 +199,12 @@ class DenseW8A16Sm90:
         for rt in cutlass.range_constexpr(self.row_tiles):
             r = cutlass.min(p * self.spec.rows_per_pass + rt * ROW_TILE + g, rows - 1)
             addr = x_base + Int64((r * self.groups * self.k + kk) * 2)
-            xw = ld_v4(addr, False) + ld_v4(addr + Int64(16), False)
+            xw = ld_v4_u32(addr) + ld_v4_u32(addr + Int64(16))
             for j in cutlass.range_constexpr(4):
                 b = (prmt(xw[2 * j], xw[2 * j + 1], 0x5410),
                      prmt(xw[2 * j], xw[2 * j + 1], 0x7632))
                 a = (a_even[j, 0], a_even[j, 1], a_odd[j, 0], a_odd[j, 1])
-                d = mma_bf16_16816(a, b, [acc[q, rt] for q in range(4)])
+                d = mma_bf16_16816_ordered(a, b, [acc[q, rt] for q in range(4)])
                 for q in cutlass.range_constexpr(4):
                     acc[q, rt] = d[q]
 
@@ -297,7 +268,7 @@ class DenseW8A16Sm90:
                 if cutlass.const_expr(self.spec.epilogue == "f32"):
                     st_f32(out.toint() + idx * 4, totals[rt])
                 elif cutlass.const_expr(self.spec.epilogue == "residual"):
-                    res = ld_bf16_as_f32(residual.toint() + idx * 2)
+                    res = ld_bf16(residual.toint() + idx * 2)
                     st_bf16(out.toint() + idx * 2, totals[rt] + res)
                 else:
                     st_bf16(out.toint() + idx * 2, totals[rt])

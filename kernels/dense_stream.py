@@ -24,23 +24,23 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T
 
-from kernels.dense import (
-    _asm,
-    e4m3x4_to_bf16x2x2,
-    ld_bf16_as_f32,
+from kernels.dense import e4m3x4_to_bf16x2x2, ld_u8, prmt, scale_bf16x2
+from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N, WARP, DenseSpec
+from kernels.ptx import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    ld_bf16,
     ld_f32_gpu,
-    ld_u8,
-    ld_v4,
-    mma_bf16_16816,
-    prmt,
-    scale_bf16x2,
+    ld_v4_u32,
+    lds_u8,
+    lds_v4_u32,
+    mma_bf16_16816_ordered,
     st_bf16,
     st_f32,
+    void,
 )
-from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N, WARP, DenseSpec
 
 CONSUMERS = STREAM_WARPS * WARP
 RED_THREADS = TILE_N * ROW_TILE          # one thread per accumulator of the 16 x 8 tile
@@ -49,38 +49,10 @@ PIECE = 16                               # bytes per cp.async / ld.shared.v4
 CHUNK_SMEM = 2 * WARP * PIECE            # one 64-byte chunk of 16 rows: [row half][lane] x 16 B
 
 
-# ---- smem / cp.async PTX ------------------------------------------------------------------------
-
-def _void(operands, text: str, constraints: str) -> None:
-    llvm.inline_asm(None, [op.ir_value() for op in operands], text, constraints,
-                    has_side_effects=True)
-
-
-def cp_async_16(dst: Int32, src: Int64) -> None:
-    """16 bytes global -> shared, L2 only (weights are read once)."""
-    _void([dst, src], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
-
-
-def cp_async_commit() -> None:
-    llvm.inline_asm(None, [], "cp.async.commit_group;", "", has_side_effects=True)
-
-
-def cp_async_wait(pending: int) -> None:
-    llvm.inline_asm(None, [], f"cp.async.wait_group {pending};", "", has_side_effects=True)
-
-
-def ld_shared_v4(addr: Int32):
-    words = _asm([T.i32()] * 4, [addr], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
-                 "=r,=r,=r,=r,r")
-    return [Int32(w) for w in words]
-
-
-def ld_shared_u8(addr: Int32) -> Int32:
-    return Int32(_asm([T.i32()], [addr], "ld.shared.u8 $0, [$1];", "=r,r")[0])
-
+# ---- shared-memory helpers (cp.async and loads: kernels/ptx.py) ---------------------------------
 
 def st_shared_u8(addr: Int32, value: Int32) -> None:
-    _void([addr, value], "st.shared.u8 [$0], $1;", "r,r")
+    void([addr, value], "st.shared.u8 [$0], $1;", "r,r")
 
 
 def smem_addr(tensor) -> Int32:
@@ -210,7 +182,7 @@ class DenseStreamSm90:
         base = x.toint() + Int64((row * self.groups * self.k + grp * self.k + k0) * 2)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             off, _ = self._chunk_k(warp, t, cj)
-            xw = ld_v4(base + Int64(off * 2), False) + ld_v4(base + Int64(off * 2 + 16), False)
+            xw = ld_v4_u32(base + Int64(off * 2)) + ld_v4_u32(base + Int64(off * 2 + 16))
             for w in cutlass.range_constexpr(8):
                 xbuf[w, cj, slot] = xw[w]
 
@@ -232,15 +204,15 @@ class DenseStreamSm90:
             ch = warp + STREAM_WARPS * cj
             off, valid = self._chunk_k(warp, t, cj)
             if ch < self.chunks:
-                lo = ld_shared_v4(stage + ch * CHUNK_SMEM)
-                hi = ld_shared_v4(stage + ch * CHUNK_SMEM + WARP * PIECE)
-                scale2 = scale_bf16x2(ld_shared_u8(s_row + off // FP8_BLOCK), valid)
+                lo = lds_v4_u32(stage + ch * CHUNK_SMEM)
+                hi = lds_v4_u32(stage + ch * CHUNK_SMEM + WARP * PIECE)
+                scale2 = scale_bf16x2(lds_u8(s_row + off // FP8_BLOCK), valid)
                 for jj in cutlass.range_constexpr(4):
                     ae0, ao0 = e4m3x4_to_bf16x2x2(lo[jj], scale2)
                     ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale2)
                     b = (prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x5410),
                          prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x7632))
-                    d = mma_bf16_16816((ae0, ae1, ao0, ao1), b, [acc[q] for q in range(4)])
+                    d = mma_bf16_16816_ordered((ae0, ae1, ao0, ao1), b, [acc[q] for q in range(4)])
                     for q in cutlass.range_constexpr(4):
                         acc[q] = d[q]
         if j + self.stages < n_units:             # the slot is free: this thread read it all
@@ -310,7 +282,7 @@ class DenseStreamSm90:
             if cutlass.const_expr(self.spec.epilogue == "f32"):
                 st_f32(out.toint() + idx * 4, total)
             elif cutlass.const_expr(self.spec.epilogue == "residual"):
-                res = ld_bf16_as_f32(residual.toint() + idx * 2)
+                res = ld_bf16(residual.toint() + idx * 2)
                 st_bf16(out.toint() + idx * 2, total + res)
             else:
                 st_bf16(out.toint() + idx * 2, total)

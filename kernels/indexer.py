@@ -35,6 +35,7 @@ from kernels.ptx import (
     cp_async_commit,
     cp_async_wait,
     fabs_max,
+    ld_bf16,
     ld_f32,
     ld_s32,
     lds_f32,
@@ -66,11 +67,6 @@ def ld_v2_f32(addr: Int64):
     v = _asm(2, [Int64(addr)], "ld.global.v2.f32 {$0, $1}, [$2];", "=f,=f,l", kind=T.f32(),
              side_effects=True)
     return Float32(v[0]), Float32(v[1])
-
-
-def ld_bf16(addr: Int64):
-    return Float32(_asm(1, [Int64(addr)], "{ .reg .b16 h; ld.global.b16 h, [$1];\n"
-                        "cvt.f32.bf16 $0, h; }", "=f,l", kind=T.f32(), side_effects=True))
 
 
 def atom_add_shared(saddr: Int32, value: Int32):

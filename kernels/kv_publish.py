@@ -48,7 +48,7 @@ def st_v2(addr: Int64, a: Int32, b: Int32):
 
 def st_u8(addr: Int64, value: Int32):
     void([Int64(addr), Int32(value)], "{ .reg .b16 h; cvt.u16.u32 h, $1;\n"
-          "st.global.u8 [$0], h; }", "l,r")
+         "st.global.u8 [$0], h; }", "l,r")
 
 
 def sq_acc(acc: Float32, x: Float32):

@@ -27,7 +27,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
-from kernels.dense import _asm, ld_v4, mma_bf16_16816, st_f32
+from kernels.dense import _asm
 from kernels.lm_head_ref import (
     CHUNK_K,
     CTA_WARPS,
@@ -37,6 +37,7 @@ from kernels.lm_head_ref import (
     LmHeadSpec,
     lm_head_specs,
 )
+from kernels.ptx import ld_v4_u32, mma_bf16_16816_ordered, st_f32, st_v2_b32
 
 WORDS = 8                        # u32 words of weight per thread per chunk (2 rows x 16 bytes)
 
@@ -83,11 +84,6 @@ def ld_u64_gpu(addr: Int64) -> Int64:
 def st_u64(addr: Int64, value: Int64) -> None:
     llvm.inline_asm(None, [addr.ir_value(), value.ir_value()],
                     "st.relaxed.gpu.global.u64 [$0], $1;", "l,l", has_side_effects=True)
-
-
-def st_i32x2(addr: Int64, a: Int32, b: Int32) -> None:
-    llvm.inline_asm(None, [addr.ir_value(), a.ir_value(), b.ir_value()],
-                    "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", has_side_effects=True)
 
 
 class LmHeadSm90:
@@ -165,8 +161,8 @@ class LmHeadSm90:
         """Chunk c of vocab tile `tile` (clamped to the last tile: harmless extra reads)."""
         tt = cutlass.min(tile, self.spec.tiles - 1)
         addr = w_base + Int64(tt * TILE_N) * self.row_bytes + Int64(c * CHUNK_K * 2)
-        lo = ld_v4(addr, True)
-        hi = ld_v4(addr + Int64(8 * self.row_bytes), True)
+        lo = ld_v4_u32(addr, streaming=True)
+        hi = ld_v4_u32(addr + Int64(8 * self.row_bytes), streaming=True)
         for w in cutlass.range_constexpr(4):
             wbuf[w, i] = lo[w]
             wbuf[4 + w, i] = hi[w]
@@ -176,11 +172,12 @@ class LmHeadSm90:
                    rows: Int32, g: Int32, t: Int32):
         for rt in cutlass.range_constexpr(self.spec.row_tiles):
             r = cutlass.min(p * self.spec.rows_per_pass + rt * ROW_TILE + g, rows - 1)
-            xw = ld_v4(x.toint() + Int64(r * self.row_bytes + c * CHUNK_K * 2 + 16 * t), False)
+            xw = ld_v4_u32(x.toint() + Int64(r * self.row_bytes + c * CHUNK_K * 2 + 16 * t))
             for j in cutlass.range_constexpr(2):
                 a = (wbuf[2 * j, i], wbuf[4 + 2 * j, i], wbuf[2 * j + 1, i],
                      wbuf[4 + 2 * j + 1, i])
-                d = mma_bf16_16816(a, (xw[2 * j], xw[2 * j + 1]), [acc[q, rt] for q in range(4)])
+                d = mma_bf16_16816_ordered(a, (xw[2 * j], xw[2 * j + 1]),
+                                           [acc[q, rt] for q in range(4)])
                 for q in cutlass.range_constexpr(4):
                     acc[q, rt] = d[q]
 
@@ -233,7 +230,7 @@ class LmHeadSm90:
             if (tidx < self.spec.rows_per_pass) & (r < rows):
                 key_addr = keys.toint() + Int64(r) * 8
                 bits, index = decode_key(ld_u64_gpu(key_addr), vocab_offset)
-                st_i32x2(out.toint() + Int64(r) * 8, bits, index)
+                st_v2_b32(out.toint() + Int64(r) * 8, bits, index)
                 st_u64(key_addr, Int64(0))
             if tidx == 0:
                 cute.arch.store(counter.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")

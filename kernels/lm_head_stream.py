@@ -21,16 +21,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
 
-from kernels.dense import ld_v4, mma_bf16_16816, st_f32
-from kernels.dense_stream import (
-    CHUNK_SMEM,
-    PIECE,
-    cp_async_16,
-    cp_async_commit,
-    cp_async_wait,
-    ld_shared_v4,
-    smem_addr,
-)
+from kernels.dense_stream import CHUNK_SMEM, PIECE, smem_addr
 from kernels.lm_head import (
     argmax_key,
     decode_key,
@@ -38,10 +29,19 @@ from kernels.lm_head import (
     key_max_bfly,
     ld_u64_gpu,
     red_max_u64,
-    st_i32x2,
     st_u64,
 )
 from kernels.lm_head_ref import CHUNK_K, ROW_TILE, STREAM_WARPS, TILE_N, WARP, LmHeadSpec
+from kernels.ptx import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    ld_v4_u32,
+    lds_v4_u32,
+    mma_bf16_16816_ordered,
+    st_f32,
+    st_v2_b32,
+)
 
 CONSUMERS = STREAM_WARPS * WARP          # every thread of the CTA
 RED_THREADS = TILE_N * ROW_TILE
@@ -140,7 +140,7 @@ class LmHeadStreamSm90:
         base = x_row + Int64((u % self.ksteps) * self.unit_k * 2)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             ch = cutlass.min(warp + STREAM_WARPS * cj, self.chunks - 1)
-            xw = ld_v4(base + Int64(ch * CHUNK_K * 2 + 16 * t), False)
+            xw = ld_v4_u32(base + Int64(ch * CHUNK_K * 2 + 16 * t))
             for w in cutlass.range_constexpr(4):
                 xbuf[w, cj, slot] = xw[w]
 
@@ -156,12 +156,13 @@ class LmHeadStreamSm90:
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             ch = warp + STREAM_WARPS * cj
             if ch < self.chunks:
-                wa = ld_shared_v4(stage + ch * CHUNK_SMEM)
-                wb = ld_shared_v4(stage + ch * CHUNK_SMEM + WARP * PIECE)
+                wa = lds_v4_u32(stage + ch * CHUNK_SMEM)
+                wb = lds_v4_u32(stage + ch * CHUNK_SMEM + WARP * PIECE)
                 for jj in cutlass.range_constexpr(2):
-                    d = mma_bf16_16816((wa[2 * jj], wb[2 * jj], wa[2 * jj + 1], wb[2 * jj + 1]),
-                                       (xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot]),
-                                       [acc[q] for q in range(4)])
+                    a = (wa[2 * jj], wb[2 * jj], wa[2 * jj + 1], wb[2 * jj + 1])
+                    d = mma_bf16_16816_ordered(a, (xbuf[2 * jj, cj, slot],
+                                                   xbuf[2 * jj + 1, cj, slot]),
+                                               [acc[q] for q in range(4)])
                     for q in cutlass.range_constexpr(4):
                         acc[q] = d[q]
         if j + self.stages < n_units:
@@ -217,7 +218,7 @@ class LmHeadStreamSm90:
             if (tidx < ROW_TILE) & (tidx < rows):
                 key_addr = keys.toint() + Int64(tidx) * 8
                 bits, index = decode_key(ld_u64_gpu(key_addr), vocab_offset)
-                st_i32x2(out.toint() + Int64(tidx) * 8, bits, index)
+                st_v2_b32(out.toint() + Int64(tidx) * 8, bits, index)
                 st_u64(key_addr, Int64(0))
             if tidx == 0:
                 cute.arch.store(counters.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")

@@ -43,6 +43,8 @@ from kernels.mhc_kernel_ref import (
 from kernels.ptx import (
     asm,
     ld_f32,
+    ld_f32_gpu,
+    ld_v4_u32,
     lds_f32,
     lds_s32,
     pack_bf16x2,
@@ -63,22 +65,9 @@ VEC = 8                              # bf16 per 16-byte vector
 _asm = partial(asm, side_effects=True)
 
 
-def ldg_v4(addr: Int64, constant: bool = False):
-    """16 bytes -> 4 x Int32; `constant` reads through the non-coherent path (weights)."""
-    op = "ld.global.nc.L1::no_allocate.v4.u32" if constant else "ld.global.v4.u32"
-    return [Int32(w) for w in _asm(4, [Int64(addr)], f"{op} {{$0, $1, $2, $3}}, [$4];",
-                                   "=r,=r,=r,=r,l")]
-
-
-def ldg_f32_gpu(addr: Int64) -> Float32:
-    """A value another CTA wrote (read after the acquire): at L2, never a stale L1 line."""
-    return Float32(_asm(1, [Int64(addr)], "ld.relaxed.gpu.global.f32 $0, [$1];", "=f,l",
-                        kind=T.f32()))
-
-
 def stg_v4(addr: Int64, w):
     void([Int64(addr)] + [Int32(x) for x in w], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-          "l,r,r,r,r")
+         "l,r,r,r,r")
 
 
 def lds_v4_f32(saddr: Int32):
@@ -89,7 +78,7 @@ def lds_v4_f32(saddr: Int32):
 
 def sts_v4(saddr: Int32, w):
     void([Int32(saddr)] + [Int32(x) for x in w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-          "r,r,r,r,r")
+         "r,r,r,r,r")
 
 
 def bf16x2_to_f32(word: Int32):
@@ -208,7 +197,7 @@ class MhcPreSm90:
                 line, piece = i // pieces_per_line, i % pieces_per_line
                 src = fn.toint() + Int64(
                     (line * self.D + slice_idx * SLICE_WIDTH + piece * 4) * 4)
-                sts_v4(sbase + i * 16, ldg_v4(src, True))
+                sts_v4(sbase + i * 16, ld_v4_u32(src, streaming=True))
 
     @cute.jit
     def _row_partials(self, streams: cute.Pointer, sub_out: cute.Pointer,
@@ -220,7 +209,7 @@ class MhcPreSm90:
         valid = row < rows
         xs = cute.make_rmem_tensor((self.S, VEC), Float32)
         for j in cutlass.range_constexpr(self.S):
-            w = ldg_v4(streams.toint() + Int64(((r * self.S + j) * self.D + d0) * 2))
+            w = ld_v4_u32(streams.toint() + Int64(((r * self.S + j) * self.D + d0) * 2))
             for q in cutlass.range_constexpr(4):
                 lo, hi = bf16x2_to_f32(w[q])
                 xs[j, 2 * q] = lo
@@ -279,7 +268,7 @@ class MhcPreSm90:
         n = HC_MULT
         post = [ld_f32(crow + Int64(4 * (n + k))) for k in range(n)]
         comb = [ld_f32(crow + Int64(4 * (2 * n + i))) for i in range(n * n)]
-        fw = ldg_v4(sub_out.toint() + Int64((r * self.D + d0) * 2))
+        fw = ld_v4_u32(sub_out.toint() + Int64((r * self.D + d0) * 2))
         f = []
         for q in cutlass.range_constexpr(4):
             lo, hi = bf16x2_to_f32(fw[q])
@@ -315,9 +304,9 @@ class MhcPreSm90:
             if (i < ROWS_PER_CTA * PARTIALS) & (row < rows):
                 stride = Int64(rows * PARTIAL_STRIDE * 4)
                 addr = workspace.toint() + Int64((row * PARTIAL_STRIDE + v) * 4)
-                total = ldg_f32_gpu(addr)
+                total = ld_f32_gpu(addr)
                 for s in cutlass.range_constexpr(1, self.spec.slices):
-                    total = total + ldg_f32_gpu(addr + stride * s)
+                    total = total + ld_f32_gpu(addr + stride * s)
                 sts_f32(sbase + self.red_offset + (rl * PARTIAL_STRIDE + v) * 4, total)
 
     @cute.jit

@@ -42,9 +42,11 @@ from kernels.ptx import (
     fabs_max,
     lds_f32,
     lds_u32,
+    lds_v4_u32,
     mma_e4m3,
     round_bf16,
     shfl_xor_max,
+    st_bf16,
     st_f32,
     sts_f32,
     sts_u32,
@@ -97,12 +99,7 @@ def st_u32(addr: Int64, value: Int32):
 
 def st_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32):
     void([Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d)],
-              "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f")
-
-
-def st_bf16(addr: Int64, value: Float32):
-    void([Int64(addr), Float32(value)],
-              "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f")
+         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f")
 
 
 def lds_v2(saddr: Int32):
@@ -110,21 +107,15 @@ def lds_v2(saddr: Int32):
     return [Int32(x) for x in v]
 
 
-def lds_v4(saddr: Int32):
-    v = _asm(4, [Int32(saddr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
-             side_effects=True)
-    return [Int32(x) for x in v]
-
-
 def cp_async_16(saddr: Int32, gaddr: Int64):
     """16 bytes global -> shared, asynchronously, bypassing L1 (weights are read once)."""
     void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;",
-              "r,l,~{memory}")
+         "r,l,~{memory}")
 
 
 def cp_async_8(saddr: Int32, gaddr: Int64):
     void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;",
-              "r,l,~{memory}")
+         "r,l,~{memory}")
 
 
 def cp_async_commit():
@@ -536,8 +527,8 @@ class MoeW13Sm90:
         g = lane // 4
         acc = [Float32(0.0)] * 4
         for gi in cutlass.range_constexpr(self.groups_per_warp):
-            words = (lds_v4(stage + ((2 * gi) * self.threads + tidx) * 16)
-                     + lds_v4(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
+            words = (lds_v4_u32(stage + ((2 * gi) * self.threads + tidx) * 16)
+                     + lds_v4_u32(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
             offs = lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
             part = group_mma(words, offs, 4, b_regs[gi])
             sc0, sc1 = sc[gi]
@@ -695,7 +686,7 @@ class MoeW2Sm90:
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
             words = [w for c in range(2 * grp, min(2 * grp + 2, self.cols))
-                     for w in lds_v4(stage + (c * self.threads + tidx) * 16)]
+                     for w in lds_v4_u32(stage + (c * self.threads + tidx) * 16)]
             offs = lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
             b_regs = []
             for s4 in cutlass.range_constexpr(n_steps):

@@ -31,7 +31,16 @@ from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe as mo
 from kernels import moe_kernel_ref as mk
-from kernels.ptx import lds_f32, lds_u32, round_bf16, st_f32, sts_f32, sts_u32
+from kernels.ptx import (
+    lds_f32,
+    lds_u32,
+    lds_v4_u32,
+    round_bf16,
+    st_bf16,
+    st_f32,
+    sts_f32,
+    sts_u32,
+)
 
 
 def lds_u32_if(saddr: Int32, pred: Int32):
@@ -377,8 +386,8 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
         wbase, obase = refill
         acc = [Float32(0.0)] * 4
         for gi in cutlass.range_constexpr(self.groups_per_warp):
-            words = (mo.lds_v4(stage + ((2 * gi) * self.threads + tidx) * 16)
-                     + mo.lds_v4(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
+            words = (lds_v4_u32(stage + ((2 * gi) * self.threads + tidx) * 16)
+                     + lds_v4_u32(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
             offs = mo.lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
             part = mo.group_mma(words, offs, 4, b_regs[gi])
             if do_refill != 0:
@@ -415,11 +424,11 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
             if v0 != 0:
                 y0 = mo.swiglu(round_bf16(tot[0] * scale), round_bf16(tot[2] * scale),
                                limit)
-                mo.st_bf16(h + Int64(p0 * inter + n) * 2, y0)
+                st_bf16(h + Int64(p0 * inter + n) * 2, y0)
             if v1 != 0:
                 y1 = mo.swiglu(round_bf16(tot[1] * scale), round_bf16(tot[3] * scale),
                                limit)
-                mo.st_bf16(h + Int64(p1 * inter + n) * 2, y1)
+                st_bf16(h + Int64(p1 * inter + n) * 2, y1)
         cute.arch.sync_threads()
 
 
@@ -577,7 +586,7 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
             cols = range(2 * grp, min(2 * grp + 2, self.cols))
-            words = [w for c in cols for w in mo.lds_v4(stage + (c * self.threads + tidx) * 16)]
+            words = [w for c in cols for w in lds_v4_u32(stage + (c * self.threads + tidx) * 16)]
             offs = mo.lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
             b_regs = []
             for s4 in cutlass.range_constexpr(n_steps):
@@ -599,11 +608,11 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
         n = tile * mk.TILE_ROWS + g
         if p0 >= 0:
-            mo.st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
-            mo.st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
+            st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
+            st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
         if p1 >= 0:
-            mo.st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
-            mo.st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
+            st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
+            st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
 
 
 KERNEL_CLASSES = {"xquant": MoeXQuantSm90, "w13sr": MoeW13SelfRoutedSm90,

@@ -1,4 +1,4 @@
-"""The inline-PTX primitives every SM90 kernel family shares: memory access, cp.async, mma, shuffles.
+"""The inline-PTX primitives every SM90 kernel family shares: memory, cp.async, mma, shuffles.
 
 Each helper emits exactly one instruction group: one `llvm.inline_asm` whose text is a single PTX
 instruction, or a `{ ... }` scope of a few that must stay together (a predicated load and its
@@ -58,16 +58,31 @@ def ld_v4_s32(addr: Int64):
     return [Int32(x) for x in v]
 
 
-def ld_v4_u32(addr: Int64):
-    v = asm(4, [Int64(addr)], "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+def ld_v4_u32(addr: Int64, streaming: bool = False):
+    """16 bytes -> 4 x Int32; `streaming` reads through the non-coherent path without allocating
+    in L1 (weights, read once: never data written since the kernel started)."""
+    op = "ld.global.nc.L1::no_allocate.v4.u32" if streaming else "ld.global.v4.u32"
+    v = asm(4, [Int64(addr)], f"{op} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l",
             side_effects=True)
     return [Int32(x) for x in v]
+
+
+def ld_bf16(addr: Int64) -> Float32:
+    return Float32(asm(1, [Int64(addr)],
+                       "{ .reg .b16 h; ld.global.b16 h, [$1]; cvt.f32.bf16 $0, h; }", "=f,l",
+                       kind=T.f32(), side_effects=True))
 
 
 def ld_v4_f32(addr: Int64):
     v = asm(4, [Int64(addr)], "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
             kind=T.f32(), side_effects=True)
     return [Float32(x) for x in v]
+
+
+def ld_f32_gpu(addr: Int64) -> Float32:
+    """A value another CTA wrote (read after the acquire): at L2, never a stale L1 line."""
+    return Float32(asm(1, [Int64(addr)], "ld.relaxed.gpu.global.f32 $0, [$1];", "=f,l",
+                       kind=T.f32(), side_effects=True))
 
 
 def st_s32(addr: Int64, value: Int32):
@@ -78,11 +93,17 @@ def st_f32(addr: Int64, value: Float32):
     void([Int64(addr), Float32(value)], "st.global.f32 [$0], $1;", "l,f")
 
 
+def st_bf16(addr: Int64, value: Float32):
+    """value rounded to bf16 (rn) and stored."""
+    void([Int64(addr), Float32(value)],
+         "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f")
+
+
 def st_v2_b32(addr: Int64, a: Int32, b: Int32):
     void([Int64(addr), Int32(a), Int32(b)], "st.global.v2.b32 [$0], {$1, $2};", "l,r,r")
 
 
-# ---- shared memory (32-bit shared-window addresses) -----------------------------------------------
+# ---- shared memory (32-bit shared-window addresses) ----------------------------------------------
 
 def lds_u8(saddr: Int32) -> Int32:
     return Int32(asm(1, [Int32(saddr)], "ld.shared.u8 $0, [$1];", "=r,r", side_effects=True))
@@ -103,6 +124,12 @@ def lds_s32(saddr: Int32) -> Int32:
 def lds_s64(saddr: Int32) -> Int64:
     return Int64(asm(1, [Int32(saddr)], "ld.shared.s64 $0, [$1];", "=l,r", kind=T.i64(),
                      side_effects=True))
+
+
+def lds_v4_u32(saddr: Int32):
+    v = asm(4, [Int32(saddr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+            side_effects=True)
+    return [Int32(x) for x in v]
 
 
 def lds_f32(saddr: Int32) -> Float32:
@@ -169,7 +196,7 @@ def cp_async_wait_all():
     void([], "cp.async.commit_group;\n\tcp.async.wait_group 0;", "")
 
 
-# ---- cluster / DSMEM ------------------------------------------------------------------------------
+# ---- cluster / DSMEM -----------------------------------------------------------------------------
 
 def cluster_sync():
     """All threads of every CTA of the cluster; release/acquire orders shared-memory accesses."""
@@ -198,7 +225,7 @@ def ld_cluster_v4_f32(saddr: Int32, rank: int):
     return [Float32(x) for x in v]
 
 
-# ---- mma.sync -------------------------------------------------------------------------------------
+# ---- mma.sync ------------------------------------------------------------------------------------
 
 def mma_e4m3(a, b, c):
     """c + A(16x32 e4m3) x B(32x8 e4m3), fp32: mma.sync.aligned.m16n8k32.row.col."""
@@ -219,17 +246,26 @@ def mma_e4m3_from_zero(a, b):
     return [Float32(x) for x in v]
 
 
-def mma_bf16_16816(a, b, c):
-    """D = A(16x16 bf16, 4 regs) x B(16x8 bf16, 2 regs) + C(16x8 f32, 4 regs), pure.
-    (kernels/dense.py keeps a copy with side effects, which pins its order.)"""
+def _mma_bf16_16816(a, b, c, side_effects: bool):
     text = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
             "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
     out = asm(4, list(a) + list(b) + list(c), text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-              kind=T.f32(), side_effects=False)
+              kind=T.f32(), side_effects=side_effects)
     return [Float32(v) for v in out]
 
 
-# ---- warp shuffles (every lane of the warp must execute them) -------------------------------------
+def mma_bf16_16816(a, b, c):
+    """D = A(16x16 bf16, 4 regs) x B(16x8 bf16, 2 regs) + C(16x8 f32, 4 regs), pure."""
+    return _mma_bf16_16816(a, b, c, side_effects=False)
+
+
+def mma_bf16_16816_ordered(a, b, c):
+    """The same mma with side effects: LLVM keeps it in program order among the loads and
+    stores (the dense and lm_head families were built and measured that way)."""
+    return _mma_bf16_16816(a, b, c, side_effects=True)
+
+
+# ---- warp shuffles (every lane of the warp must execute them) ------------------------------------
 
 def shfl_xor_f32(v: Float32, offset: int) -> Float32:
     return Float32(asm(1, [Float32(v)], f"shfl.sync.bfly.b32 $0, $1, {offset}, {_BFLY};",
@@ -252,7 +288,7 @@ def shfl_add(x: Float32, offset: int) -> Float32:
     return x + shfl_xor_f32(x, offset)
 
 
-# ---- conversions (pure) ---------------------------------------------------------------------------
+# ---- conversions (pure) --------------------------------------------------------------------------
 
 def bf16_pair(word: Int32):
     """The two bf16 of a word as fp32 (low half first)."""

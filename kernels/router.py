@@ -23,12 +23,12 @@ from kernels.mhc import (
     atomic_add_acq_rel,
     bf16x2_to_f32,
     fence_gpu,
-    ldg_f32_gpu,
-    ldg_v4,
     shfl_xor_i32,
 )
 from kernels.ptx import (
     ld_f32,
+    ld_f32_gpu,
+    ld_v4_u32,
     lds_f32,
     lds_s32,
     shfl_xor_f32,
@@ -81,7 +81,7 @@ class RouterSm90:
             for i in cutlass.range_constexpr(self.V):
                 addr = weight.toint() + Int64(((e0 + e) * self.spec.hidden
                                                + (tidx + i * self.T) * 8) * 2)
-                w = ldg_v4(addr, True)
+                w = ld_v4_u32(addr, streaming=True)
                 for q in cutlass.range_constexpr(4):
                     wreg[q, i, e] = w[q]
         cute.arch.griddepcontrol_wait()     # x is an earlier kernel's output
@@ -121,7 +121,7 @@ class RouterSm90:
         for rr in cutlass.range_constexpr(ROWS_PER_STEP):
             r = cutlass.min(r0 + rr, rows - 1)
             for i in cutlass.range_constexpr(self.V):
-                xw = ldg_v4(x.toint() + Int64((r * self.spec.hidden + (tidx + i * self.T) * 8)
+                xw = ld_v4_u32(x.toint() + Int64((r * self.spec.hidden + (tidx + i * self.T) * 8)
                                               * 2))
                 for q in cutlass.range_constexpr(4):
                     x_lo, x_hi = bf16x2_to_f32(xw[q])
@@ -147,7 +147,7 @@ class RouterSm90:
                                         * 4)
             if r0 + rr < rows:
                 st_f32(logits.toint() + Int64(((r0 + rr) * self.spec.experts + e0 + e) * 4),
-                        total)
+                       total)
 
     @cute.jit
     def _select(self, bias: cute.Pointer, logits: cute.Pointer, ids: cute.Pointer,
@@ -158,7 +158,7 @@ class RouterSm90:
         score = cute.make_rmem_tensor((self.lanes_e,), Float32)
         for c in cutlass.range_constexpr(self.lanes_e):
             e = cutlass.min(lane + c * WARP, E - 1)
-            lg = ldg_f32_gpu(logits.toint() + Int64((row * E + e) * 4))
+            lg = ld_f32_gpu(logits.toint() + Int64((row * E + e) * 4))
             softplus = cutlass.max(lg, Float32(0.0)) + cute.math.log1p(
                 cute.math.exp(-cute.math.absf(lg)))
             s = cute.math.sqrt(softplus)
@@ -199,7 +199,7 @@ class RouterSm90:
             for k in cutlass.range_constexpr(self.spec.topk):
                 st_s32(ids.toint() + out + Int64(4 * k), chosen_ids[k])
                 st_f32(weights.toint() + out + Int64(4 * k),
-                        chosen_scores[k] / denom * Float32(self.spec.scaling))
+                       chosen_scores[k] / denom * Float32(self.spec.scaling))
 
 
 def kernel_function(spec: RouterSpec):
