@@ -57,6 +57,8 @@ WORDS = 8                         # u32 words of weight per thread per chunk (2 
 
 # ---- PTX helpers (inline asm: exact instructions, ordered with griddepcontrol) ---------------
 
+# Not kernels.ptx.asm: every result comes back through a struct (one-result asm included) and
+# every asm has side effects. Routing the one-result helpers through ptx.asm changed 3 cubins.
 def _asm(result_types, operands, text: str, constraints: str):
     struct = llvm.StructType.get_literal(result_types)
     res = llvm.inline_asm(struct, [op.ir_value() for op in operands], text, constraints,

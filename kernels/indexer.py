@@ -28,6 +28,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
 from kernels import indexer_kernel_ref as ik
+from kernels.block_scan import block_scan
 from kernels.ptx import (
     asm,
     bf16_pair,
@@ -162,30 +163,6 @@ def _as_i32(value: int) -> int:
 
 def _addr(ptr: cute.Pointer) -> Int64:
     return Int64(ptr.toint())
-
-
-@cute.jit
-def block_scan(value: Int32, totals: Int32, tidx: Int32, warps: cutlass.Constexpr):
-    """(exclusive prefix, total) of one Int32 per thread over the CTA, in thread order.
-    `totals` is a shared scratch of `warps` words; the caller syncs before reusing it."""
-    lane = tidx % ik.LANES
-    warp = tidx // ik.LANES
-    inclusive = value
-    for k in cutlass.range_constexpr(5):
-        up = cute.arch.shuffle_sync_up(inclusive, offset=1 << k)
-        if lane >= (1 << k):
-            inclusive = inclusive + up
-    if lane == ik.LANES - 1:
-        sts_s32(totals + 4 * warp, inclusive)
-    cute.arch.sync_threads()
-    before = Int32(0)
-    total = Int32(0)
-    for w in cutlass.range_constexpr(warps):
-        t = lds_s32(totals + 4 * w)
-        if w < warp:
-            before = before + t
-        total = total + t
-    return before + inclusive - value, total
 
 
 # ---- indexer_prep ----------------------------------------------------------------------------

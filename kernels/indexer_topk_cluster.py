@@ -26,16 +26,15 @@ from __future__ import annotations
 import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cutlass_dsl import T
 
 from kernels import indexer_kernel_ref as ik
+from kernels.block_scan import block_scan
 from kernels.indexer import (
     IndexerTopkSm90,
     _addr,
     _as_i32,
     _asm,
     atom_add_shared,
-    block_scan,
     fmax_f32,
     imin,
     ordered_key,
@@ -46,6 +45,7 @@ from kernels.ptx import (
     cluster_nctarank,
     cluster_sync,
     ld_f32,
+    ld_f32_if,
     ld_s32,
     lds_f32,
     lds_s32,
@@ -56,14 +56,6 @@ from kernels.ptx import (
 
 LOAD_BATCH = 8           # independent global loads in flight per thread while filling the slice
 CAND_HELD = ik.TOPKC_SLICE // 2     # candidates mode: keys, then entry indices, in the slice
-
-
-def ld_f32_if(addr: Int64, ok: Int32):
-    """f32 at addr when ok != 0, else 0 (predicated: no branch, so loads batch)."""
-    return Float32(_asm(1, [Int64(addr), Int32(ok)],
-                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
-                        "@p ld.global.f32 $0, [$1]; }", "=f,l,r", kind=T.f32(),
-                        side_effects=True))
 
 
 def ld_s32_if(addr: Int64, ok: Int32):

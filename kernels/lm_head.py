@@ -21,13 +21,13 @@ PTX ABI: (u64 x, u64 weight, u64 out, u64 keys, u64 counters, u32 rows, u32 voca
 """
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
-from kernels.dense import _asm
 from kernels.lm_head_ref import (
     CHUNK_K,
     CTA_WARPS,
@@ -37,9 +37,12 @@ from kernels.lm_head_ref import (
     LmHeadSpec,
     lm_head_specs,
 )
-from kernels.ptx import ld_v4_u32, mma_bf16_16816_ordered, st_f32, st_v2_b32
+from kernels.ptx import asm, ld_v4_u32, mma_bf16_16816_ordered, st_f32, st_v2_b32, void
 
 WORDS = 8                        # u32 words of weight per thread per chunk (2 rows x 16 bytes)
+
+# Side effects on every asm, as the dense family this kernel grew from.
+_asm = partial(asm, side_effects=True)
 
 
 def argmax_key(value: Float32, index: Int32) -> Int64:
@@ -47,7 +50,7 @@ def argmax_key(value: Float32, index: Int32) -> Int64:
     text = ("{ .reg .f32 f; .reg .b32 u, m, lo; add.rn.f32 f, $1, 0f00000000; mov.b32 u, f; "
             "shr.s32 m, u, 31; or.b32 m, m, 0x80000000; xor.b32 u, u, m; not.b32 lo, $2; "
             "mov.b64 $0, {lo, u}; }")
-    return Int64(_asm([T.i64()], [value, index], text, "=l,f,r")[0])
+    return Int64(_asm(1, [value, index], text, "=l,f,r", kind=T.i64()))
 
 
 def key_max_bfly(key: Int64, offset: int) -> Int64:
@@ -56,11 +59,11 @@ def key_max_bfly(key: Int64, offset: int) -> Int64:
             f"shfl.sync.bfly.b32 lo, lo, {offset}, 0x1f, 0xffffffff; "
             f"shfl.sync.bfly.b32 hi, hi, {offset}, 0x1f, 0xffffffff; "
             "mov.b64 o, {lo, hi}; max.u64 $0, $1, o; }")
-    return Int64(_asm([T.i64()], [key], text, "=l,l")[0])
+    return Int64(_asm(1, [key], text, "=l,l", kind=T.i64()))
 
 
 def key_max(a: Int64, b: Int64) -> Int64:
-    return Int64(_asm([T.i64()], [a, b], "max.u64 $0, $1, $2;", "=l,l,l")[0])
+    return Int64(_asm(1, [a, b], "max.u64 $0, $1, $2;", "=l,l,l", kind=T.i64()))
 
 
 def decode_key(key: Int64, vocab_offset: Int32):
@@ -68,22 +71,21 @@ def decode_key(key: Int64, vocab_offset: Int32):
     text = ("{ .reg .b32 lo, hi, m; .reg .pred neg; mov.b64 {lo, hi}, $2; "
             "setp.lt.s32 neg, hi, 0; xor.b32 m, hi, 0x80000000; not.b32 hi, hi; "
             "selp.b32 $0, m, hi, neg; not.b32 lo, lo; add.u32 $1, lo, $3; }")
-    bits, index = _asm([T.i32(), T.i32()], [key, vocab_offset], text, "=r,=r,l,r")
+    bits, index = _asm(2, [key, vocab_offset], text, "=r,=r,l,r")
     return Int32(bits), Int32(index)
 
 
 def red_max_u64(addr: Int64, key: Int64) -> None:
-    llvm.inline_asm(None, [addr.ir_value(), key.ir_value()],
-                    "red.relaxed.gpu.global.max.u64 [$0], $1;", "l,l", has_side_effects=True)
+    void([addr, key], "red.relaxed.gpu.global.max.u64 [$0], $1;", "l,l")
 
 
 def ld_u64_gpu(addr: Int64) -> Int64:
-    return Int64(_asm([T.i64()], [addr], "ld.relaxed.gpu.global.u64 $0, [$1];", "=l,l")[0])
+    return Int64(_asm(1, [addr], "ld.relaxed.gpu.global.u64 $0, [$1];", "=l,l",
+                      kind=T.i64()))
 
 
 def st_u64(addr: Int64, value: Int64) -> None:
-    llvm.inline_asm(None, [addr.ir_value(), value.ir_value()],
-                    "st.relaxed.gpu.global.u64 [$0], $1;", "l,l", has_side_effects=True)
+    void([addr, value], "st.relaxed.gpu.global.u64 [$0], $1;", "l,l")
 
 
 class LmHeadSm90:

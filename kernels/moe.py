@@ -36,10 +36,13 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
 from kernels import moe_kernel_ref as mk
+from kernels import ptx
+from kernels.block_scan import block_scan
 from kernels.ptx import (
     asm,
     bf16_pair,
     fabs_max,
+    ld_f32_if,
     lds_f32,
     lds_u32,
     lds_v4_u32,
@@ -86,13 +89,6 @@ def ld_relaxed_u32(addr: Int64, pred: Int32):
                       "@p ld.relaxed.gpu.global.u32 $0, [$1]; }", "=r,l,r", side_effects=True))
 
 
-def ld_f32(addr: Int64, pred: Int32):
-    return Float32(_asm(1, [Int64(addr), Int32(pred)],
-                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0f00000000;\n"
-                        "@p ld.global.f32 $0, [$1]; }", "=f,l,r", kind=T.f32(),
-                        side_effects=True))
-
-
 def st_u32(addr: Int64, value: Int32):
     void([Int64(addr), Int32(value)], "st.global.u32 [$0], $1;", "l,r")
 
@@ -107,24 +103,11 @@ def lds_v2(saddr: Int32):
     return [Int32(x) for x in v]
 
 
-def cp_async_16(saddr: Int32, gaddr: Int64):
-    """16 bytes global -> shared, asynchronously, bypassing L1 (weights are read once)."""
-    void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;",
-         "r,l,~{memory}")
-
-
-def cp_async_8(saddr: Int32, gaddr: Int64):
-    void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;",
-         "r,l,~{memory}")
-
-
-def cp_async_commit():
-    void([], "cp.async.commit_group;", "~{memory}")
-
-
-def cp_async_wait(pending: int):
-    """Until at most `pending` of this thread's newest commit groups are still in flight."""
-    void([], f"cp.async.wait_group {pending};", "~{memory}")
+# moe's cp.async group clobbers memory (see kernels/ptx.py), as these kernels were built.
+cp_async_16 = partial(ptx.cp_async_16, memory_clobber=True)
+cp_async_8 = partial(ptx.cp_async_8, memory_clobber=True)
+cp_async_commit = partial(ptx.cp_async_commit, memory_clobber=True)
+cp_async_wait = partial(ptx.cp_async_wait, memory_clobber=True)
 
 
 def atom_or_shared(saddr: Int32, value: Int32):
@@ -310,7 +293,7 @@ class MoePrepSm90:
         local = Int32(0)
         for k in cutlass.range_constexpr(self.per_thread):
             local = local + counts[k] + (Int32(1 << 16) if counts[k] > 0 else Int32(0))
-        exclusive, total = self.block_scan(local, totals, tidx)
+        exclusive, total = block_scan(local, totals, tidx, self.warps)
         pair_off = exclusive & 0xFFFF
         entry = exclusive >> 16
         for k in cutlass.range_constexpr(self.per_thread):
@@ -337,28 +320,6 @@ class MoePrepSm90:
                     c = c + popc(lds_u32(base + 4 * (e * mk.BITMAP_WORDS + w)))
             counts.append(c)
         return counts
-
-    @cute.jit
-    def block_scan(self, value: Int32, totals: Int32, tidx: Int32):
-        """(exclusive prefix, grand total) of one Int32 per thread over the CTA, in thread order."""
-        lane = tidx % mk.LANES
-        warp = tidx // mk.LANES
-        inclusive = value
-        for k in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(inclusive, offset=1 << k)
-            if lane >= (1 << k):
-                inclusive = inclusive + up
-        if lane == mk.LANES - 1:
-            sts_u32(totals + 4 * warp, inclusive)
-        cute.arch.sync_threads()
-        before = Int32(0)
-        total = Int32(0)
-        for w in cutlass.range_constexpr(self.warps):
-            t = lds_u32(totals + 4 * w)
-            if w < warp:
-                before = before + t
-            total = total + t
-        return before + inclusive - value, total
 
     @cute.jit
     def list_rows(self, ids_s: Int32, pairs: Int64, base: Int32, e: Int32, pair_off: Int32):
@@ -475,7 +436,7 @@ class MoeW13Sm90:
             ahead = (it + self.stages - 1) % self.stages
             self.issue(ring + ahead * self.stage_bytes, ahead_e, _addr(codes), _addr(offsets),
                        ahead_item, total, warp, lane, tidx)
-            scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
             stage = ring + (it % self.stages) * self.stage_bytes
             pair_list = _addr(pairs) + Int64(first) * 4
             # The first chunk's activations are fetched before the weights are awaited.
@@ -514,8 +475,8 @@ class MoeW13Sm90:
         for gi in cutlass.range_constexpr(self.groups_per_warp):
             grp = warp * self.groups_per_warp + gi
             b_regs.append([ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
-            sc.append((ld_f32(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
-                       ld_f32(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+            sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
+                       ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
         return b_regs, sc, p0, p1, v0, v1
 
     @cute.jit
@@ -642,7 +603,7 @@ class MoeW2Sm90:
             ahead = (it + self.stages - 1) % self.stages
             self.issue(ring + ahead * self.stage_bytes, ahead_e, _addr(codes), _addr(offsets),
                        ahead_item, total, warp, lane, tidx)
-            scale = ld_f32(_addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             stage = ring + (it % self.stages) * self.stage_bytes
             chunk = Int32(0)
@@ -736,7 +697,7 @@ class MoeCombineSm90:
             n = (idx % self.quads) * mk.COMBINE_VEC
             acc = [Float32(0.0)] * 4
             for s in cutlass.range_constexpr(topk):
-                w = ld_f32(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
+                w = ld_f32_if(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
                 v = ld_v2(_addr(ye) + Int64((row * topk + s) * hidden + n) * 2, Int32(1))
                 x0, x1 = bf16_pair(v[0])
                 x2, x3 = bf16_pair(v[1])

@@ -31,7 +31,9 @@ from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe as mo
 from kernels import moe_kernel_ref as mk
+from kernels.block_scan import block_scan
 from kernels.ptx import (
+    ld_f32_if,
     lds_f32,
     lds_u32,
     lds_v4_u32,
@@ -100,7 +102,7 @@ class SmemRouting:
         local = Int32(0)
         for k in cutlass.range_constexpr(self.per_thread):
             local = local + counts[k] + (Int32(1 << 16) if counts[k] > 0 else Int32(0))
-        exclusive, total = self.block_scan(local, lists, tidx)
+        exclusive, total = block_scan(local, lists, tidx, self.warps)
         pair_off = exclusive & 0xFFFF
         entry = exclusive >> 16
         for k in cutlass.range_constexpr(self.per_thread):
@@ -127,28 +129,6 @@ class SmemRouting:
                     c = c + mo.popc(lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w)))
             counts.append(c)
         return counts
-
-    @cute.jit
-    def block_scan(self, value: Int32, totals: Int32, tidx: Int32):
-        """(exclusive prefix, grand total) of one Int32 per thread, in thread order."""
-        lane = tidx % mk.LANES
-        warp = tidx // mk.LANES
-        inclusive = value
-        for k in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(inclusive, offset=1 << k)
-            if lane >= (1 << k):
-                inclusive = inclusive + up
-        if lane == mk.LANES - 1:
-            sts_u32(totals + 4 * warp, inclusive)
-        cute.arch.sync_threads()
-        before = Int32(0)
-        total = Int32(0)
-        for w in cutlass.range_constexpr(self.warps):
-            t = lds_u32(totals + 4 * w)
-            if w < warp:
-                before = before + t
-            total = total + t
-        return before + inclusive - value, total
 
     @cute.jit
     def list_rows(self, ids_s: Int32, pairs: Int32, bitmap: Int32, e: Int32, pair_off: Int32):
@@ -268,7 +248,7 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.tiles)
             tile = item % self.tiles
-            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
             stage = ring + (it % self.stages) * self.stage_bytes
             pair_list = lists + self.routing.pairs_at + 4 * first
             ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs), count, Int32(0),
@@ -305,8 +285,8 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         for gi in cutlass.range_constexpr(self.groups_per_warp):
             grp = warp * self.groups_per_warp + gi
             b_regs.append([mo.ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
-            sc.append((mo.ld_f32(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
-                       mo.ld_f32(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+            sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
+                       ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
         return b_regs, sc, p0, p1, v0, v1
 
 
@@ -341,7 +321,7 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.tiles)
             tile = item % self.tiles
-            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
             nxt = item + gdim
             nxt_e = self.routing.expert_of_item(lists, nxt, self.tiles, total)
             refill = self.weight_addresses(nxt_e, nxt, mo._addr(codes), mo._addr(offsets), warp,
@@ -474,7 +454,7 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
         it = Int32(0)
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
-            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             stage = ring + (it % self.stages) * self.stage_bytes
             pair_list = lists + self.routing.pairs_at + 4 * first
@@ -545,7 +525,7 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         item = bidx
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
-            scale = mo.ld_f32(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             nxt = item + gdim
             nxt_e = self.routing.expert_of_item(lists, nxt, self.blocks, total)

@@ -2,8 +2,11 @@
 
 Each helper emits exactly one instruction group: one `llvm.inline_asm` whose text is a single PTX
 instruction, or a `{ ... }` scope of a few that must stay together (a predicated load and its
-default, a convert-and-scale). The families compose them; a family keeps its own helpers when only
-it uses them, or when its copy differs in semantics (then the difference stays visible by name).
+default, a convert-and-scale); `shfl_max`/`shfl_add` add the DSL's own max/add to the shuffle.
+The families compose them; a family keeps its own helpers when only it uses them, or when its copy
+differs in semantics (then the difference stays visible by name or by parameter). The exact text,
+constraints and side effects are part of each helper's contract: moving a copy here was accepted
+only when every cubin of both bundles stayed byte-identical.
 
 `side_effects` is LLVM's `has_side_effects` on the asm. With it, LLVM may not delete the asm when
 its result looks unused, merge it with an identical one, or move it across other side-effecting
@@ -49,6 +52,14 @@ def ld_s32(addr: Int64) -> Int32:
 
 def ld_f32(addr: Int64) -> Float32:
     return Float32(asm(1, [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", kind=T.f32(),
+                       side_effects=True))
+
+
+def ld_f32_if(addr: Int64, pred: Int32) -> Float32:
+    """f32 at addr where pred != 0, else 0 (predicated: no branch, so loads batch)."""
+    return Float32(asm(1, [Int64(addr), Int32(pred)],
+                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0f00000000;\n"
+                       "@p ld.global.f32 $0, [$1]; }", "=f,l,r", kind=T.f32(),
                        side_effects=True))
 
 
@@ -161,19 +172,29 @@ def sts_v2_f32(saddr: Int32, a: Float32, b: Float32):
     void([Int32(saddr), Float32(a), Float32(b)], "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f")
 
 
-# ---- cp.async (no memory clobber: kernels/moe.py keeps its clobbering copies) -------------------
+# ---- cp.async ------------------------------------------------------------------------------------
+# `memory_clobber` adds "~{memory}": LLVM then treats the asm as reading and writing any memory, so
+# it keeps ordinary loads and stores on their side of it (kernels/moe.py was built that way).
+
+def _with_clobber(constraints: str, memory_clobber: bool) -> str:
+    if not memory_clobber:
+        return constraints
+    return f"{constraints},~{{memory}}" if constraints else "~{memory}"
+
 
 def cp_async_4(saddr: Int32, gaddr: Int64):
     void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l")
 
 
-def cp_async_8(saddr: Int32, gaddr: Int64):
-    void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;", "r,l")
+def cp_async_8(saddr: Int32, gaddr: Int64, *, memory_clobber: bool = False):
+    void([Int32(saddr), Int64(gaddr)], "cp.async.ca.shared.global [$0], [$1], 8;",
+         _with_clobber("r,l", memory_clobber))
 
 
-def cp_async_16(saddr: Int32, gaddr: Int64):
+def cp_async_16(saddr: Int32, gaddr: Int64, *, memory_clobber: bool = False):
     """16 bytes global -> shared, L2 only (.cg)."""
-    void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
+    void([Int32(saddr), Int64(gaddr)], "cp.async.cg.shared.global [$0], [$1], 16;",
+         _with_clobber("r,l", memory_clobber))
 
 
 def cp_async_16_zfill(saddr: Int32, gaddr: Int64, nbytes: Int32):
@@ -182,13 +203,13 @@ def cp_async_16_zfill(saddr: Int32, gaddr: Int64, nbytes: Int32):
          "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
 
 
-def cp_async_commit():
-    void([], "cp.async.commit_group;", "")
+def cp_async_commit(*, memory_clobber: bool = False):
+    void([], "cp.async.commit_group;", _with_clobber("", memory_clobber))
 
 
-def cp_async_wait(pending: int):
+def cp_async_wait(pending: int, *, memory_clobber: bool = False):
     """Until at most `pending` of this thread's newest commit groups are still in flight."""
-    void([], f"cp.async.wait_group {pending};", "")
+    void([], f"cp.async.wait_group {pending};", _with_clobber("", memory_clobber))
 
 
 def cp_async_wait_all():
