@@ -425,6 +425,7 @@ FAMILY_BENCHMARKS = (
     ("indexer", "executor.indexer_chain:bench_indexer"),
     ("compressor", "executor.compressor_chain:bench_compressor"),
     ("collectives", "collectives.bench:bench_collectives"),
+    ("embed_engram", "executor.embed_engram_chain:bench_embed_engram"),
     ("mhc_router", "executor.mhc_router_chain:bench_mhc_router"),
 )
 
