@@ -29,7 +29,7 @@ from cutlass.cutlass_dsl import T
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref as rec
 from kernels.indexer import _addr, _asm, exp2_f32, fmax_f32, imin, pack_e4m3, pow2_exponent
-from kernels.kv_publish import rstd_of, select_f32, st_u8, st_v2
+from kernels.kv_publish import rstd_of, select_f32, st_u8
 from kernels.ptx import (
     bf16_pair,
     fabs_max,
@@ -39,6 +39,8 @@ from kernels.ptx import (
     shfl_xor_f32,
     shfl_xor_max,
     st_f32,
+    st_v2_b32,
+    st_v4_f32,
     sts_f32,
     void,
 )
@@ -58,11 +60,6 @@ def ld_nc_v4_f32(addr: Int64):
 def ld_nc_v2_u32(addr: Int64):
     v = _asm(2, [Int64(addr)], "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
     return [Int32(x) for x in v]
-
-
-def st_v4_f32(addr: Int64, v):
-    void([Int64(addr)] + [Float32(x) for x in v], "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-         "l,f,f,f,f")
 
 
 def prefetch_l2(addr: Int64):
@@ -226,8 +223,8 @@ class CompressorPublishSm90:
                 line = ld_s32(_addr(state_lines) + Int64(seq) * 4)
                 ring_line = _addr(ring) + Int64(line) * (ck.RING_ROWS * ck.RING_WIDTH * 4)
                 dst = ring_line + Int64(pos % ck.RING_ROWS) * (ck.RING_WIDTH * 4) + Int64(tidx * 16)
-                st_v4_f32(dst, kv)
-                st_v4_f32(dst + ck.HEAD_DIM * 4, sc)
+                st_v4_f32(dst, *kv)
+                st_v4_f32(dst + ck.HEAD_DIM * 4, *sc)
                 publish = pos % 2
                 # Pooled for every row (uniform code); even rows discard it.
                 kv = self.pool(kv, sc, ring_line, _addr(kv_score), _addr(positions),
@@ -314,8 +311,8 @@ class CompressorPublishSm90:
             if tidx % 16 == 0:
                 st_u8(entry + rec.KV_SCALE_OFFSET + tidx // 16, ex + 127)
         else:
-            st_v2(entry + rec.KV_ROPE_OFFSET + Int64(8 * (tidx - rope_t)), pack_bf16_rn(y[0], y[1]),
-                  pack_bf16_rn(y[2], y[3]))
+            st_v2_b32(entry + rec.KV_ROPE_OFFSET + Int64(8 * (tidx - rope_t)),
+                      pack_bf16_rn(y[0], y[1]), pack_bf16_rn(y[2], y[3]))
             if tidx == ck.PUBLISH_THREADS - 1:
                 st_u8(entry + rec.KV_RECORD_BYTES - 1, Int32(0))
         cute.arch.sync_threads()               # latent complete in shared memory

@@ -25,11 +25,13 @@ from kernels import kv_publish_ref as kp
 from kernels.indexer import _addr, _asm, exp2_f32, ld_v2_f32, pack_e4m3, pow2_exponent
 from kernels.ptx import (
     bf16_pair,
+    f32_imm,
     fabs_max,
     ld_s32,
     ld_v4_u32,
     shfl_xor_f32,
     shfl_xor_max,
+    st_v2_b32,
     void,
 )
 
@@ -40,10 +42,6 @@ ROPE_LANE0 = (kp.HEAD_DIM - 64 - 256) // 8        # 24: lanes whose second vecto
 def ld_s64(addr: Int64):
     return Int64(_asm(1, [Int64(addr)], "ld.global.s64 $0, [$1];", "=l,l", kind=T.i64(),
                       side_effects=True))
-
-
-def st_v2(addr: Int64, a: Int32, b: Int32):
-    void([Int64(addr), Int32(a), Int32(b)], "st.global.v2.u32 [$0], {$1, $2};", "l,r,r")
 
 
 def st_u8(addr: Int64, value: Int32):
@@ -59,7 +57,7 @@ def sq_acc(acc: Float32, x: Float32):
 
 def rstd_of(total: Float32, eps: Float32, width: int):
     return Float32(_asm(1, [Float32(total), Float32(eps)],
-                        "{ .reg .f32 m; div.rn.f32 m, $1, " + _f32_hex(float(width)) + ";\n"
+                        "{ .reg .f32 m; div.rn.f32 m, $1, " + f32_imm(float(width)) + ";\n"
                         "add.rn.f32 m, m, $2; sqrt.rn.f32 m, m; div.rn.f32 $0, 0f3F800000, m; }",
                         "=f,f,f", kind=T.f32()))
 
@@ -96,11 +94,6 @@ def pack_bf16(lo: Float32, hi: Float32):
     return Int32(_asm(1, [Float32(lo), Float32(hi)],
                       "{ .reg .b32 a, b; mov.b32 a, $1; mov.b32 b, $2; shr.u32 a, a, 16;\n"
                       "and.b32 b, b, 0xFFFF0000; or.b32 $0, a, b; }", "=r,f,f"))
-
-
-def _f32_hex(x: float) -> str:
-    import numpy as np
-    return f"0f{int(np.float32(x).view(np.uint32)):08X}"
 
 
 class KvSwaInsertSm90:
@@ -187,8 +180,8 @@ class KvSwaInsertSm90:
                 else:
                     rope = rec + Int64(kp.kvrecord_ref.KV_ROPE_OFFSET + 16 * (lane - ROPE_LANE0))
                     b = [pack_bf16(y[8 + 2 * i], y[9 + 2 * i]) for i in range(4)]
-                    st_v2(rope, b[0], b[1])
-                    st_v2(rope + Int64(8), b[2], b[3])
+                    st_v2_b32(rope, b[0], b[1])
+                    st_v2_b32(rope + Int64(8), b[2], b[3])
         if lane == LANES - 1:
             st_u8(rec + Int64(kp.kvrecord_ref.KV_RECORD_BYTES - 1), Int32(0))
 
@@ -196,8 +189,8 @@ class KvSwaInsertSm90:
     @cute.jit
     def store_nope(self, rec: Int64, v, e: Int32, half: cutlass.Constexpr, lane: Int32):
         """8 E4M3 bytes of this lane's vector and, from the group's first lane, its scale byte."""
-        st_v2(rec + Int64(256 * half + 8 * lane), pack_e4m3(v[0], v[1], v[2], v[3]),
-              pack_e4m3(v[4], v[5], v[6], v[7]))
+        st_v2_b32(rec + Int64(256 * half + 8 * lane), pack_e4m3(v[0], v[1], v[2], v[3]),
+                  pack_e4m3(v[4], v[5], v[6], v[7]))
         if lane % 8 == 0:
             st_u8(rec + Int64(kp.kvrecord_ref.KV_SCALE_OFFSET + 4 * half + lane // 8), e + 127)
 

@@ -41,6 +41,7 @@ from kernels.block_scan import block_scan
 from kernels.ptx import (
     asm,
     bf16_pair,
+    f32_imm,
     fabs_max,
     ld_f32_if,
     lds_f32,
@@ -51,6 +52,7 @@ from kernels.ptx import (
     shfl_xor_max,
     st_bf16,
     st_f32,
+    st_v4_f32,
     sts_f32,
     sts_u32,
     void,
@@ -91,11 +93,6 @@ def ld_relaxed_u32(addr: Int64, pred: Int32):
 
 def st_u32(addr: Int64, value: Int32):
     void([Int64(addr), Int32(value)], "st.global.u32 [$0], $1;", "l,r")
-
-
-def st_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32):
-    void([Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d)],
-         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f")
 
 
 def lds_v2(saddr: Int32):
@@ -153,19 +150,14 @@ def quantize4(x0, x1, x2, x3, inv):
 
 def swiglu(gate: Float32, up: Float32, limit: float):
     """bf16-valued silu(min(gate, L)) * clip(up, -L, L) (gate, up already bf16 values)."""
-    lim = f"0f{Float32_bits(limit):08X}"
-    nlim = f"0f{Float32_bits(-limit):08X}"
+    lim = f32_imm(limit)
+    nlim = f32_imm(-limit)
     return Float32(_asm(1, [Float32(gate), Float32(up)],
                         "{ .reg .f32 g, u, t; min.f32 g, $1, " + lim + ";\n"
                         "max.f32 u, $2, " + nlim + "; min.f32 u, u, " + lim + ";\n"
                         "mul.rn.f32 t, g, " + _F_NEG_LOG2E + "; ex2.approx.f32 t, t;\n"
                         "add.rn.f32 t, t, 0f3F800000; div.rn.f32 t, g, t;\n"
                         "mul.rn.f32 $0, t, u; }", "=f,f,f", kind=T.f32()))
-
-
-def Float32_bits(x: float) -> int:
-    import numpy as np
-    return int(np.float32(x).view(np.uint32))
 
 
 def fmul_add(acc: Float32, a: Float32, b: Float32):
@@ -703,7 +695,7 @@ class MoeCombineSm90:
                 x2, x3 = bf16_pair(v[1])
                 acc = [fmul_add(acc[0], w, x0), fmul_add(acc[1], w, x1),
                        fmul_add(acc[2], w, x2), fmul_add(acc[3], w, x3)]
-            st_f32x4(_addr(y) + Int64(row * hidden + n) * 4, acc[0], acc[1], acc[2], acc[3])
+            st_v4_f32(_addr(y) + Int64(row * hidden + n) * 4, acc[0], acc[1], acc[2], acc[3])
             idx += gdim * mk.COMBINE_THREADS
 
 

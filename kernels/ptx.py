@@ -25,6 +25,12 @@ from cutlass.cutlass_dsl import T
 _BFLY = "0x1f, 0xffffffff"   # shfl.sync.bfly clamp and member mask: the full warp
 
 
+def f32_imm(x: float) -> str:
+    """x as a PTX fp32 immediate (0fXXXXXXXX: its exact bits, rounded to float32 first)."""
+    import numpy as np
+    return f"0f{int(np.float32(x).view(np.uint32)):08X}"
+
+
 def asm(results: int, operands, text: str, constraints: str, kind=None, *, side_effects: bool):
     """`results` values of type `kind` (default i32): one value, or a list when results > 1."""
     ty = kind or T.i32()
@@ -108,6 +114,11 @@ def st_bf16(addr: Int64, value: Float32):
     """value rounded to bf16 (rn) and stored."""
     void([Int64(addr), Float32(value)],
          "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f")
+
+
+def st_v4_f32(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32):
+    void([Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d)],
+         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f")
 
 
 def st_v2_b32(addr: Int64, a: Int32, b: Int32):
