@@ -101,6 +101,12 @@ def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
                       "=r,l,r"))
 
 
+def rcp_approx(x: Float32) -> Float32:
+    """1/x by one MUFU.RCP (rcp.approx.ftz: <= 1 ulp), no div.rn fast-path check or branch."""
+    return Float32(_asm(1, [Float32(x)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", kind=T.f32(),
+                        side_effects=False))
+
+
 def fence_gpu():
     void([], "fence.acq_rel.gpu;", "")
 
@@ -314,7 +320,11 @@ class MhcPreSm90:
                       mixes: cute.Pointer, sbase: Int32, block_row: Int32, rows: Int32,
                       tidx: Int32, norm_eps: Float32, hc_eps: Float32):
         """A half-warp per row: lane l holds mixes l (l < 8: pre/post) and 8 + l (comb[l/4, l%4]).
-        Every lane runs every round (full-warp shuffles); rows past the end store nothing."""
+        Every lane runs every round (full-warp shuffles); rows past the end store nothing.
+        Default: all 4 rounds of 8 rows, rows past the end on the never-written (garbage) sums.
+        `live_rows`: only the rounds that hold a real row (a block-uniform test), and rows past
+        the end read the last real row's sums, so no lane feeds NaN/Inf/denormals to the
+        div.rn / sqrt.rn slow-path subroutines."""
         n = HC_MULT
         lane, group = tidx % 16, tidx // 16
         s0 = ld_f32(scale.toint())
@@ -323,32 +333,49 @@ class MhcPreSm90:
         b_pp = ld_f32(base.toint() + Int64(4 * cutlass.min(lane, 2 * n - 1)))
         b_comb = ld_f32(base.toint() + Int64(4 * (2 * n + lane)))
         groups = CTA_THREADS // 16
+        live = rows - block_row * ROWS_PER_CTA             # >= 1: the grid has no empty block
         for it in cutlass.range_constexpr(ROWS_PER_CTA // groups):
             rl = group + it * groups
-            row = block_row * ROWS_PER_CTA + rl
-            valid = row < rows
-            red = sbase + self.red_offset + rl * PARTIAL_STRIDE * 4
-            mean = lds_f32(red + MIX_DIM * 4) / Float32(self.S * self.D)
-            rstd = Float32(1.0) / cute.math.sqrt(mean + norm_eps)
-            m_pp = lds_f32(red + cutlass.min(lane, 2 * n - 1) * 4) * rstd
-            m_comb = lds_f32(red + (2 * n + lane) * 4) * rstd
-            # pre = σ(m·s0 + b) + hc_eps, post = 2σ(m·s1 + b)
-            s_pp = s1
-            if lane < n:
-                s_pp = s0
-            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(m_pp * s_pp + b_pp)))
-            coeff_pp = Float32(2.0) * sig
-            if lane < n:
-                coeff_pp = sig + hc_eps
-            comb = self._sinkhorn(m_comb * s2 + b_comb, hc_eps)
-            out = coeff_out.toint() + Int64(row * MIX_DIM * 4)
-            mix_row = mixes.toint() + Int64(row * MIX_DIM * 4)
-            if valid:
-                st_f32(out + Int64((2 * n + lane) * 4), comb)
-                st_f32(mix_row + Int64((2 * n + lane) * 4), m_comb)
-                if lane < 2 * n:
-                    st_f32(out + Int64(lane * 4), coeff_pp)
-                    st_f32(mix_row + Int64(lane * 4), m_pp)
+            if cutlass.const_expr(self.spec.live_rows):
+                if it * groups < live:
+                    self._coefficient_row(coeff_out, mixes, sbase, block_row, rl,
+                                          cutlass.min(rl, live - 1), rl < live, lane,
+                                          (s0, s1, s2, b_pp, b_comb), norm_eps, hc_eps)
+            else:
+                self._coefficient_row(coeff_out, mixes, sbase, block_row, rl, rl, rl < live,
+                                      lane, (s0, s1, s2, b_pp, b_comb), norm_eps, hc_eps)
+
+    @cute.jit
+    def _coefficient_row(self, coeff_out: cute.Pointer, mixes: cute.Pointer, sbase: Int32,
+                         block_row: Int32, rl: Int32, rl_read: Int32, valid, lane: Int32,
+                         consts, norm_eps: Float32, hc_eps: Float32):
+        """Row rl of the block from the reduced sums of row rl_read: rstd, mixes, pre/post
+        (sigmoids) and comb (Sinkhorn); stored only where valid."""
+        n = HC_MULT
+        s0, s1, s2, b_pp, b_comb = consts
+        row = block_row * ROWS_PER_CTA + rl
+        red = sbase + self.red_offset + rl_read * PARTIAL_STRIDE * 4
+        mean = lds_f32(red + MIX_DIM * 4) / Float32(self.S * self.D)
+        rstd = Float32(1.0) / cute.math.sqrt(mean + norm_eps)
+        m_pp = lds_f32(red + cutlass.min(lane, 2 * n - 1) * 4) * rstd
+        m_comb = lds_f32(red + (2 * n + lane) * 4) * rstd
+        # pre = σ(m·s0 + b) + hc_eps, post = 2σ(m·s1 + b)
+        s_pp = s1
+        if lane < n:
+            s_pp = s0
+        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(m_pp * s_pp + b_pp)))
+        coeff_pp = Float32(2.0) * sig
+        if lane < n:
+            coeff_pp = sig + hc_eps
+        comb = self._sinkhorn(m_comb * s2 + b_comb, hc_eps)
+        out = coeff_out.toint() + Int64(row * MIX_DIM * 4)
+        mix_row = mixes.toint() + Int64(row * MIX_DIM * 4)
+        if valid:
+            st_f32(out + Int64((2 * n + lane) * 4), comb)
+            st_f32(mix_row + Int64((2 * n + lane) * 4), m_comb)
+            if lane < 2 * n:
+                st_f32(out + Int64(lane * 4), coeff_pp)
+                st_f32(mix_row + Int64(lane * 4), m_pp)
 
     @cute.jit
     def _sinkhorn(self, logit: Float32, eps: Float32) -> Float32:
@@ -357,12 +384,20 @@ class MhcPreSm90:
         mx = cutlass.max(logit, shfl_xor_f32(logit, 1))
         mx = cutlass.max(mx, shfl_xor_f32(mx, 2))
         e = cute.math.exp(logit - mx)
-        c = e / self._sum4(e, 1) + eps
-        c = c / (self._sum4(c, 4) + eps)
+        c = self._normalise(e, self._sum4(e, 1)) + eps
+        c = self._normalise(c, self._sum4(c, 4) + eps)
         for _ in cutlass.range_constexpr(self.spec.sinkhorn_iters - 1):
-            c = c / (self._sum4(c, 1) + eps)
-            c = c / (self._sum4(c, 4) + eps)
+            c = self._normalise(c, self._sum4(c, 1) + eps)
+            c = self._normalise(c, self._sum4(c, 4) + eps)
         return c
+
+    @cute.jit
+    def _normalise(self, v: Float32, total: Float32) -> Float32:
+        """v / total: div.rn (default), or v·rcp.approx(total) (`approx_rcp`: <= 2 ulp more per
+        normalisation, one MUFU instead of the div.rn sequence on the dependent chain)."""
+        if cutlass.const_expr(self.spec.approx_rcp):
+            return v * rcp_approx(total)
+        return v / total
 
     @cute.jit
     def _sum4(self, v: Float32, stride: cutlass.Constexpr) -> Float32:

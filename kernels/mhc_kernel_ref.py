@@ -60,6 +60,8 @@ class MhcPreSpec:
     mode: str
     sinkhorn_iters: int
     early_trigger: bool = False     # PDL trigger before the last CTA's reduce (variant "_et")
+    live_rows: bool = False         # coefficients only for real rows (variant "_lr")
+    approx_rcp: bool = False        # Sinkhorn normalises by rcp.approx (variant "_rcp")
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
 
@@ -86,14 +88,16 @@ class MhcPreSpec:
     def to_dict(self) -> dict:
         return {"family": "mhc", "name": self.name, "width": self.width, "streams": self.streams,
                 "mode": self.mode, "sinkhorn_iters": self.sinkhorn_iters,
-                "early_trigger": self.early_trigger,
+                "early_trigger": self.early_trigger, "live_rows": self.live_rows,
+                "approx_rcp": self.approx_rcp,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "slices": self.slices,
                 "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH}
 
 
 def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
-              early_trigger: bool = False) -> MhcPreSpec:
+              early_trigger: bool = False, live_rows: bool = False,
+              approx_rcp: bool = False) -> MhcPreSpec:
     if mode not in MODES:
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
@@ -103,9 +107,13 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
                          "(or 1 for the plain broadcast of layer 0)")
     if sinkhorn_iters < 1:
         raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
-    suffix = "_et" if early_trigger else ""
+    if (live_rows or approx_rcp) and mode == "postonly":
+        raise ValueError("mHC live_rows / approx_rcp change the coefficients tail, which "
+                         "postonly has not")
+    suffix = (("_et" if early_trigger else "") + ("_lr" if live_rows else "")
+              + ("_rcp" if approx_rcp else ""))
     return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}{suffix}", width, streams, mode,
-                      sinkhorn_iters, early_trigger)
+                      sinkhorn_iters, early_trigger, live_rows, approx_rcp)
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
@@ -114,7 +122,9 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
     d, it = cfg.hidden_size, cfg.hc_sinkhorn_iters
     return [make_spec(d, HC_MULT, "post", it), make_spec(d, HC_MULT, "plain", it),
             make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "postonly", it),
-            make_spec(d, HC_MULT, "post", it, early_trigger=True)]
+            make_spec(d, HC_MULT, "post", it, early_trigger=True),
+            make_spec(d, HC_MULT, "post", it, live_rows=True),
+            make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True)]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:

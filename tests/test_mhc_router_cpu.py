@@ -29,7 +29,9 @@ def test_mhc_specs_and_bytes(config):
                                        f"mhc_pre_d{cfg.hidden_size}_s4_plain",
                                        f"mhc_pre_d{cfg.hidden_size}_s1_plain",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_postonly",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_et"]
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_et",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp"]
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
     assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)
@@ -57,6 +59,10 @@ def test_mhc_spec_validation():
         mk.make_spec(256, 1, "postonly", 20)
     with pytest.raises(ValueError, match="Sinkhorn"):
         mk.make_spec(256, 4, "post", 0)
+    with pytest.raises(ValueError, match="live_rows"):
+        mk.make_spec(256, 4, "postonly", 20, live_rows=True)
+    with pytest.raises(ValueError, match="approx_rcp"):
+        mk.make_spec(256, 4, "postonly", 20, approx_rcp=True)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -164,9 +170,12 @@ def test_split_k_slicing_covers_every_element_within_the_bound(width):
     assert (np.abs(split_k_mixes(x_bad, fn, 1e-20) - want) > bound).any()
 
 
-def half_warp_sinkhorn(logits: np.ndarray, iters: int, eps: float) -> np.ndarray:
+def half_warp_sinkhorn(logits: np.ndarray, iters: int, eps: float,
+                       rcp_rng=None) -> np.ndarray:
     """fp32 model of `_sinkhorn`: lane l of a half-warp holds comb[l // 4, l % 4]; row sums are
-    the butterfly over lanes xor 1, 2, column sums over xor 4, 8: (a + b) + (c + d)."""
+    the butterfly over lanes xor 1, 2, column sums over xor 4, 8: (a + b) + (c + d).
+    `rcp_rng`: the `approx_rcp` variant, v·rcp(total) with the reciprocal off by a random
+    +-1 ulp (rcp.approx.ftz's bound) and the product rounded to fp32."""
     lanes = np.arange(16)
     v = logits.astype(np.float32).reshape(-1, 16)
     eps = np.float32(eps)
@@ -175,15 +184,35 @@ def half_warp_sinkhorn(logits: np.ndarray, iters: int, eps: float) -> np.ndarray
         t = a + a[:, lanes ^ stride]
         return t + t[:, lanes ^ (2 * stride)]
 
+    def normalise(a, total):
+        if rcp_rng is None:
+            return a / total
+        r = np.float32(1) / total
+        r = (r * (1 + rcp_rng.choice([-1, 1], r.shape) * 2.0**-23)).astype(np.float32)
+        return a * r
+
     mx = np.maximum(v, v[:, lanes ^ 1])
     mx = np.maximum(mx, mx[:, lanes ^ 2])
     e = np.exp(v - mx)
-    c = e / sum4(e, 1) + eps
-    c = c / (sum4(c, 4) + eps)
+    c = normalise(e, sum4(e, 1)) + eps
+    c = normalise(c, sum4(c, 4) + eps)
     for _ in range(iters - 1):
-        c = c / (sum4(c, 1) + eps)
-        c = c / (sum4(c, 4) + eps)
+        c = normalise(c, sum4(c, 1) + eps)
+        c = normalise(c, sum4(c, 4) + eps)
     return c.reshape(-1, 4, 4)
+
+
+@pytest.mark.parametrize("sd", [0.5, 3.0, 10.0])
+def test_approx_rcp_sinkhorn_within_the_gpu_tolerance(sd):
+    """The `_rcp` variant's normalisations (1 ulp reciprocal + a rounded product) stay within
+    COMB_ATOL of mhc_ref.sinkhorn, columns still sum to 1 within 1e-5, and the model is not
+    vacuous: it differs from the div.rn model."""
+    logits = (RNG.standard_normal((4000, 4, 4)) * sd).astype(np.float32)
+    got = half_warp_sinkhorn(logits, 20, 1e-6, rcp_rng=RNG)
+    want = mhc_ref.sinkhorn(logits, 20, 1e-6)
+    assert np.abs(got - want).max() <= 1e-5
+    assert np.abs(got.sum(axis=1) - 1).max() <= 1e-5
+    assert not np.array_equal(got, half_warp_sinkhorn(logits, 20, 1e-6))
 
 
 def test_half_warp_sinkhorn_lane_mapping():

@@ -174,13 +174,15 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
     _within(comb.sum(axis=2), ref_rows, 1e-5, f"{tag}: comb row sums")
 
 
-@pytest.mark.parametrize("mode", ["post", "post_et", "plain", "broadcast", "postonly"])
+@pytest.mark.parametrize("mode", ["post", "post_et", "post_lr", "post_lr_rcp", "plain",
+                                  "broadcast", "postonly"])
 def test_mhc_pre_matches_reference(dev, stream, setup, mode):
     cfg, bundle = setup
     streams = 1 if mode == "broadcast" else mk.HC_MULT
-    kind = {"post_et": "post", "broadcast": "plain"}.get(mode, mode)
+    kind = "plain" if mode == "broadcast" else mode.split("_")[0]
     spec = mk.make_spec(cfg.hidden_size, streams, kind, cfg.hc_sinkhorn_iters,
-                        early_trigger=mode == "post_et")
+                        early_trigger=mode == "post_et", live_rows="_lr" in mode,
+                        approx_rcp="_rcp" in mode)
     for rows in ROWS:
         in_place = spec.mode != "plain" and rows % 2 == 0
         out = _mhc_case(dev, stream, bundle, spec, rows, cfg, in_place)
