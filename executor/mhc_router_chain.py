@@ -139,7 +139,11 @@ def bench_mhc_router(ctx) -> None:
     for name in sorted(n for n in bundle.names() if n.startswith("mhc_pre_") and "_post" in n):
         sp = bundle.manifest.kernels[name].spec
         post_specs.append(mk.make_spec(sp["width"], sp["streams"], sp["mode"],
-                                       sp["sinkhorn_iters"], sp.get("early_trigger", False)))
+                                       sp["sinkhorn_iters"], sp.get("early_trigger", False),
+                                       sp.get("live_rows", False), sp.get("approx_rcp", False)))
+        if post_specs[-1].name != name:
+            raise ValueError(f"bundle kernel {name}: its manifest spec rebuilds as "
+                             f"{post_specs[-1].name}")
     spec = post_specs[0]
     rspecs = []
     for rname in sorted(n for n in bundle.names() if n.startswith("router_")):
