@@ -100,6 +100,27 @@ class Arena:
         mem = cp.cuda.UnownedMemory(self.ptr(name), s.nbytes, self)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
 
+    def upload(self, name: str, host) -> None:
+        """Copy a host array's bytes to the start of a slice (tests and set-up; never in a step)."""
+        import cupy as cp
+        import numpy as np
+
+        raw = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+        if raw.size > self.nbytes(name):
+            raise ValueError(f"upload to slice {name!r}: {raw.size} bytes, it holds "
+                             f"{self.nbytes(name)}")
+        self.view(name, np.uint8, raw.shape)[...] = cp.asarray(raw)
+
+    def download(self, name: str, dtype, shape):
+        """The slice's first bytes as a host array of `dtype` and `shape`."""
+        return self.view(name, dtype, shape).get()
+
+    def fill(self, name: str, byte: int) -> None:
+        """Every byte of a slice set to `byte` (0xFF poisons: NaN as bf16/f32, -1 as int)."""
+        import numpy as np
+
+        self.view(name, np.uint8)[...] = byte
+
     def describe(self) -> str:
         """One line per slice: name, offset, bytes, comment."""
         return "\n".join(f"{s.name:24s} @{s.offset:>12d} {s.nbytes:>12d} B  {s.comment}"

@@ -65,18 +65,13 @@ class CompressorChain:
         self.arena.close()
 
     def upload(self, name: str, arr: np.ndarray) -> None:
-        import cupy as cp
-        flat = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
-        if flat.size > self.arena.nbytes(name):
-            raise ValueError(f"upload {name!r}: {flat.size} bytes, slice holds "
-                             f"{self.arena.nbytes(name)}")
-        self.arena.view(name, np.uint8, flat.shape)[...] = cp.asarray(flat)
+        self.arena.upload(name, arr)
 
     def download(self, name: str, dtype, shape) -> np.ndarray:
-        return self.arena.view(name, dtype, shape).get()
+        return self.arena.download(name, dtype, shape)
 
     def fill(self, name: str, byte: int) -> None:
-        self.arena.view(name, np.uint8)[...] = byte
+        self.arena.fill(name, byte)
 
     def launches(self, rows: int, eps: float) -> list[LaunchSpec]:
         s, a = self.shape, self.arena

@@ -92,16 +92,14 @@ class IndexerChain:
         self.arena.close()
 
     def upload(self, name: str, array: np.ndarray) -> None:
-        import cupy as cp
-        flat = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-        self.arena.view(name, np.uint8, flat.shape)[...] = cp.asarray(flat)
+        self.arena.upload(name, array)
 
     def download(self, name: str, dtype, shape) -> np.ndarray:
-        return self.arena.view(name, dtype, shape).get()
+        return self.arena.download(name, dtype, shape)
 
     def poison(self, *names: str) -> None:
         for name in names:
-            self.arena.view(name, np.uint8)[...] = 0xFF
+            self.arena.fill(name, 0xFF)
 
     def launches(self, rows: int, weight_scale: float) -> list[LaunchSpec]:
         s, p = self.shape, self.arena.ptr

@@ -81,19 +81,16 @@ class Router:
 
 
 def upload(arena: Arena, name: str, host: np.ndarray) -> None:
-    import cupy as cp
-    raw = np.ascontiguousarray(host).view(np.uint8).ravel()
-    arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
+    arena.upload(name, host)
 
 
 def download(arena: Arena, name: str, dtype, shape) -> np.ndarray:
-    import cupy as cp
-    return cp.asnumpy(arena.view(name, dtype, shape))
+    return arena.download(name, dtype, shape)
 
 
 def poison(arena: Arena, name: str) -> None:
     """All bytes 0xFF: NaN as bf16 and f32, -1 as int32."""
-    arena.view(name, np.uint8)[...] = 0xFF
+    arena.fill(name, 0xFF)
 
 
 def _fill_mhc(step: MhcStep, rng) -> None:

@@ -156,7 +156,7 @@ class MoeChain:
         return out
 
     def download(self, name: str, dtype, shape) -> np.ndarray:
-        return self.arena.view(name, dtype, shape).get()
+        return self.arena.download(name, dtype, shape)
 
 
 def _fill_random_weights(chain: MoeChain) -> None:
