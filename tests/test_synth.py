@@ -142,28 +142,29 @@ def _rms(x):
 
 
 def test_values_keep_the_model_well_conditioned(ck):
-    """Distinct embeddings give varied next tokens and routes; mHC Sinkhorn stays far from the
-    eps floor and near doubly stochastic (20 iterations converge to ~1e-3 on these logits)."""
-    cfg, rng = ck.config, np.random.default_rng()
-    ids = rng.choice(cfg.vocab_size, size=64, replace=False)
-    x = _rms(ck.get("embed.weight")[ids].astype(np.float32))
+    """Every token of the tiny vocabulary, every layer (deterministic: a random sample of 64 tokens
+    flaked, since ~1 token in 1000 sits near a sigmoid tail). Distinct embeddings give varied next
+    tokens and routes; mHC Sinkhorn stays far from the eps floor and near doubly stochastic (20
+    iterations converge to ~1e-3 on these logits); post = 2*sigmoid(z) stays off its 0 and 2 rails."""
+    cfg = ck.config
+    x = _rms(ck.get("embed.weight").astype(np.float32))
     logits = x @ ck.get("head.weight").astype(np.float32).T
-    assert len(set(logits.argmax(axis=1).tolist())) >= 32
+    assert len(set(logits.argmax(axis=1).tolist())) >= cfg.vocab_size // 2
     gate = x @ ck.get("layers.0.ffn.gate.weight").astype(np.float32).T
     scores = np.sqrt(np.logaddexp(0, gate)) + ck.get("layers.0.ffn.gate.bias")
     routes = {tuple(sorted(r)) for r in np.argsort(-scores, axis=1)[:, :6].tolist()}
-    assert len(routes) >= 16
+    assert len(routes) >= cfg.vocab_size // 2
     streams = np.repeat(x[:, None, :], cfg.hc_mult, axis=1)
-    for layer in (0, 5):
+    for layer in range(cfg.num_hidden_layers):
         mixes = hc_mixes(streams, ck.get(f"layers.{layer}.hc_attn_fn"), cfg.rms_norm_eps)
-        assert np.isfinite(mixes).all() and 0.1 < mixes.std() < 3
+        assert np.isfinite(mixes).all() and 0.5 < mixes.std() < 2, layer
         c = hc_coefficients(mixes, ck.get(f"layers.{layer}.hc_attn_scale"),
                             ck.get(f"layers.{layer}.hc_attn_base"), cfg.hc_mult,
                             cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        assert np.allclose(c.comb.sum(axis=1), 1, atol=1e-3)
-        assert np.allclose(c.comb.sum(axis=2), 1, atol=1e-2)
-        assert c.comb.min() > 1e-3 and (np.diagonal(c.comb, axis1=1, axis2=2) > 0.25).all()
-        assert (c.post > 0.2).all() and (c.post < 1.8).all()
+        assert np.allclose(c.comb.sum(axis=1), 1, atol=1e-3), layer
+        assert np.allclose(c.comb.sum(axis=2), 1, atol=1e-2), layer
+        assert c.comb.min() > 1e-3 and (np.diagonal(c.comb, axis1=1, axis2=2) > 0.2).all(), layer
+        assert (c.post > 0.05).all() and (c.post < 1.95).all(), layer
 
 
 def test_cli_synth_then_inspect(tmp_path, capsys):
