@@ -36,3 +36,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_dir(tmp_path_factory):
+    """The tiny TP4 bundle: HOPDEC_BUNDLE when it holds a manifest (what `make test` exports and
+    builds), else built here once (CPU only) with a private compile cache."""
+    import os
+    from pathlib import Path
+
+    env = os.environ.get("HOPDEC_BUNDLE")
+    if env and (Path(env) / "manifest.json").is_file():
+        return Path(env)
+    from kernels import build
+
+    path = tmp_path_factory.mktemp("bundle")
+    saved = os.environ.get("HOPDEC_CACHE_DIR")
+    os.environ["HOPDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        build.build_bundle("tiny", 4, path, log=lambda *_: None)
+    finally:
+        if saved is None:
+            del os.environ["HOPDEC_CACHE_DIR"]
+        else:
+            os.environ["HOPDEC_CACHE_DIR"] = saved
+    return path

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,22 +28,8 @@ def _quiet(*_):
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    env = os.environ.get("HOPDEC_BUNDLE")
-    if env and (Path(env) / "manifest.json").is_file():
-        path = Path(env)
-    else:
-        path = tmp_path_factory.mktemp("bundle")
-        saved = os.environ.get("HOPDEC_CACHE_DIR")
-        os.environ["HOPDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-        try:
-            build.build_bundle("tiny", 4, path, log=_quiet)
-        finally:
-            if saved is None:
-                del os.environ["HOPDEC_CACHE_DIR"]
-            else:
-                os.environ["HOPDEC_CACHE_DIR"] = saved
-    return path, load_manifest(path)
+def bundle(tiny_bundle_dir):
+    return tiny_bundle_dir, load_manifest(tiny_bundle_dir)
 
 
 def test_manifest_lists_every_spec_of_every_family(bundle):

@@ -1,0 +1,77 @@
+"""Launch lists run on a CPU: each kernel family's NumPy reference applied to the memory a launch
+names, through the kernel's exact ABI.
+
+    space = AddressSpace(); arena = HostArena(space, requests); bundle = ManifestBundle(dir)
+    specs = [LaunchSpec(bundle.kernel(name), grid, args), ...]   # the GPU code path, unchanged
+    run(specs, space)                                           # every launch, in order
+
+An emulator per family (`executor/emulate/<family>.py`, `emulate(record, grid, args, space)`;
+`args` by parameter name from the manifest) reads the launch's inputs from the address space,
+computes what the kernel computes (its `kernels/<family>_ref` reference, never a second copy of
+the math), and writes exactly the bytes the kernel writes, no more: an emulated launch list is a
+CPU proof that the launches are wired right (which buffer feeds which, sizes, row counts, argument
+order). It proves nothing about the kernels themselves: their GPU tests do that.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+# family (manifest "family") -> "module:function"
+EMULATORS = {
+    "kernels.norm": "executor.emulate.norm:emulate",
+    "kernels.elementwise": "executor.emulate.elementwise:emulate",
+    "kernels.rope": "executor.emulate.rope:emulate",
+    "kernels.allreduce": "executor.emulate.allreduce:emulate",
+    "kernels.moe": "executor.emulate.moe:emulate",
+    "kernels.dense": "executor.emulate.dense:emulate",
+    "kernels.wo_a": "executor.emulate.wo_a:emulate",
+    "kernels.lm_head": "executor.emulate.lm_head:emulate",
+    "kernels.indexer": "executor.emulate.indexer:emulate",
+    "kernels.kv_publish": "executor.emulate.kv_publish:emulate",
+    "kernels.compressor": "executor.emulate.compressor:emulate",
+    "kernels.sparse_mqa": "executor.emulate.sparse_mqa:emulate",
+    "kernels.mhc": "executor.emulate.mhc:emulate",
+    "kernels.router": "executor.emulate.router:emulate",
+    "kernels.embed": "executor.emulate.embed:emulate",
+    "kernels.engram": "executor.emulate.engram:emulate",
+}
+
+
+class NoEmulator(NotImplementedError):
+    """A launch of a family (or kernel kind) that has no CPU emulator yet."""
+
+
+def record_of(kernel):
+    """The KernelRecord of a loaded Kernel or of a record itself."""
+    return getattr(kernel, "record", kernel)
+
+
+def emulator_for(family: str):
+    target = EMULATORS.get(family)
+    if target is None:
+        raise NoEmulator(f"no CPU emulator for kernel family {family!r}")
+    module, func = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            raise NoEmulator(f"no CPU emulator for kernel family {family!r} ({module} is "
+                             f"not written yet)") from None
+        raise
+
+
+def emulate_launch(spec, space) -> None:
+    """One LaunchSpec on the host address space."""
+    rec = record_of(spec.kernel)
+    args = {name: value for (name, _), value in zip(rec.params, spec.args)}
+    emulator_for(rec.family)(rec, spec.grid, args, space)
+
+
+def run(specs: Iterable, space) -> int:
+    """Every launch in order; returns how many ran."""
+    count = 0
+    for spec in specs:
+        emulate_launch(spec, space)
+        count += 1
+    return count
