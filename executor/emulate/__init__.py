@@ -75,3 +75,23 @@ def run(specs: Iterable, space) -> int:
         emulate_launch(spec, space)
         count += 1
     return count
+
+
+def bind_host(space, tensors: dict, prefix: str = "") -> dict[str, int]:
+    """Register a caller's host arrays (the emulator's stand-in for bound device tensors);
+    returns name -> fake device address, as Binding.pointers would."""
+    return {name: space.add(prefix + name, array) for name, array in tensors.items()}
+
+
+def run_lockstep(plans, rows: int, space) -> int:
+    """Every rank's step, stage by stage: all ranks finish stage i before any starts stage i + 1,
+    which is all an all-reduce's emulator needs to see every rank's input. Returns launches run."""
+    built = [plan.launches(rows) for plan in plans]
+    names = [[stage.name for stage, _ in b] for b in built]
+    if any(n != names[0] for n in names):
+        raise ValueError("run_lockstep: the ranks' plans differ in their stages")
+    count = 0
+    for i in range(len(names[0])):
+        for b in built:
+            count += run(b[i][1], space)
+    return count

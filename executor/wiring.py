@@ -1,0 +1,138 @@
+"""From the plan's named stages to launches on one rank's memory: buffers, weights, builders.
+
+The step runs on one arena per rank (`Arena` on the GPU, `HostArena` under the CPU emulator)
+holding three kinds of slices, all sized for `max_rows` and laid out before any capture:
+- boundary buffers (`boundary_buffers`): what flows between kernel families, named here once so
+  every family agrees: the residual streams, the packed mHC coefficients, the collapsed and
+  normed sublayer input, each sublayer's per-rank partial and all-reduced output, the final
+  hidden state and the rank's (value, index) argmax pair;
+- family scratch (registered in FAMILY_BUFFERS: `fn(cfg, tp, max_rows) -> [Buffer]`, names
+  prefixed by the family), shared by every layer because layers run one after another;
+- this rank's weights in the kernels' formats (WEIGHT_PACKERS: `fn(cfg, tp, rank, fetch) ->
+  [(name, ndarray)]`, checkpoint-derived names such as `layers.3.attn.wq_b.weight`), the only copy.
+The caller's tensors (KV caches, row metadata, outputs) are not in the arena: `StepContext.ptr`
+finds them among the bound pointers.
+
+A stage builder (STAGE_BUILDERS, by stage role = the plan's range name, e.g. "attn.mhc_pre",
+"head.embed") is `fn(ctx, layer) -> (rows -> [LaunchSpec])` with `layer` the LayerSpec (None for
+head and tail stages); `wire(plan, ctx)` puts every registered builder into the plan.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from executor.plan import Plan
+from kernels.common_ref import BF16
+
+MHC_COEFFS = 24             # packed pre[4] | post[4] | comb[16] per row (kernels/mhc_kernel_ref.py)
+
+# role -> "module:function"; function(ctx, layer) -> Callable[[rows], list[LaunchSpec]]
+STAGE_BUILDERS: dict[str, str] = {}
+# "module:function" (cfg, tp, max_rows) -> list[Buffer]: a family's scratch slices
+FAMILY_BUFFERS: tuple[str, ...] = ()
+# "module:function" (cfg, tp, rank, fetch) -> list[(slice name, ndarray)]: weights as kernels read them
+WEIGHT_PACKERS: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One arena slice by dtype and shape."""
+
+    name: str
+    dtype: object
+    shape: tuple[int, ...]
+    comment: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def request(self) -> tuple[str, int, str]:
+        what = "bf16" if np.dtype(self.dtype) == np.dtype(BF16) else np.dtype(self.dtype).name
+        return (self.name, self.nbytes, f"{what} {list(self.shape)} {self.comment}".rstrip())
+
+
+def boundary_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
+    """The buffers between kernel families (replicated values are computed on every rank)."""
+    r, d, s = max_rows, cfg.hidden_size, cfg.hc_mult
+    return [
+        Buffer("streams", BF16, (r, s, d), "residual streams X"),
+        Buffer("coeff.attn", np.float32, (r, MHC_COEFFS), "attention sublayer's mHC pre|post|comb"),
+        Buffer("coeff.ffn", np.float32, (r, MHC_COEFFS), "FFN sublayer's mHC pre|post|comb"),
+        Buffer("x", BF16, (r, d), "collapsed sublayer input"),
+        Buffer("xn", BF16, (r, d), "normed sublayer input"),
+        Buffer("embed.partial", BF16, (r, d), "this rank's vocab rows of the embedding"),
+        Buffer("embed.out", BF16, (r, d), "the embedding (all-reduced)"),
+        Buffer("attn.partial", BF16, (r, d), "this rank's wo_b output"),
+        Buffer("attn.out", BF16, (r, d), "attention output (all-reduced)"),
+        Buffer("ffn.partial", BF16, (r, d), "this rank's routed + shared expert output"),
+        Buffer("ffn.out", BF16, (r, d), "FFN output (all-reduced)"),
+        Buffer("hidden", BF16, (r, d), "final normed hidden state"),
+        Buffer("pick.value", np.float32, (r,), "this rank's best logit per row"),
+        Buffer("pick.index", np.int32, (r,), "its global vocab index"),
+    ]
+
+
+def _resolve(target: str) -> Callable:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+class StepContext:
+    """What a stage builder needs: the config, this rank, the bundle, the arena, bound pointers."""
+
+    def __init__(self, cfg, tp: int, rank: int, bundle, arena, bound: Mapping[str, int],
+                 max_rows: int, collectives=None):
+        self.cfg, self.tp, self.rank = cfg, tp, rank
+        self.shapes = cfg.rank_shapes(tp)
+        self.bundle, self.arena, self.bound = bundle, arena, dict(bound)
+        self.max_rows = max_rows
+        self.collectives = collectives      # the all-reduce of this rank (or its emulation)
+        clash = sorted(set(self.bound) & set(arena.slices))
+        if clash:
+            raise ValueError(f"StepContext: names both bound by the caller and in the arena: {clash}")
+
+    def ptr(self, name: str) -> int:
+        if name in self.arena.slices:
+            return self.arena.ptr(name)
+        try:
+            return self.bound[name]
+        except KeyError:
+            raise KeyError(f"step buffer {name!r} is neither an arena slice nor a bound tensor "
+                           f"(bound: {sorted(self.bound)})") from None
+
+    def kernel(self, name: str):
+        return self.bundle.kernel(name)
+
+
+def arena_contents(cfg, tp: int, rank: int, fetch, max_rows: int,
+                   packers: Sequence[str] | None = None,
+                   scratch: Sequence[str] | None = None):
+    """(requests, uploads): every slice of one rank's arena and the host arrays to put in them."""
+    buffers = boundary_buffers(cfg, tp, max_rows)
+    for target in FAMILY_BUFFERS if scratch is None else scratch:
+        buffers += _resolve(target)(cfg, tp, max_rows)
+    requests = [b.request() for b in buffers]
+    uploads = []
+    for target in WEIGHT_PACKERS if packers is None else packers:
+        for name, array in _resolve(target)(cfg, tp, rank, fetch):
+            array = np.ascontiguousarray(array)
+            requests.append((name, max(array.nbytes, 1), f"{array.dtype} {list(array.shape)}"))
+            uploads.append((name, array))
+    return requests, uploads
+
+
+def wire(plan: Plan, ctx: StepContext, builders: Mapping[str, str] | None = None) -> Plan:
+    """The plan with every stage whose role has a builder wired on `ctx`."""
+    builders = STAGE_BUILDERS if builders is None else builders
+    layers = {spec.index: spec for spec in ctx.cfg.layers}
+    for stage in plan.missing_stages():
+        target = builders.get(stage.range_name)
+        if target is not None:
+            layer = None if stage.layer is None else layers[stage.layer]
+            plan = plan.wire(stage.name, _resolve(target)(ctx, layer))
+    return plan
