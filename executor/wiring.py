@@ -6,16 +6,17 @@ holding three kinds of slices, all sized for `max_rows` and laid out before any 
   every family agrees: the residual streams, the packed mHC coefficients, the collapsed and
   normed sublayer input, each sublayer's per-rank partial and all-reduced output, the final
   hidden state and the rank's (value, index) argmax pair;
-- family scratch (registered in FAMILY_BUFFERS: `fn(cfg, tp, max_rows) -> [Buffer]`, names
-  prefixed by the family), shared by every layer because layers run one after another;
-- this rank's weights in the kernels' formats (WEIGHT_PACKERS: `fn(cfg, tp, rank, fetch) ->
+- stage scratch (a stage module's `buffers(cfg, tp, max_rows) -> [Buffer]`, names prefixed by
+  the module's group), shared by every layer because layers run one after another;
+- this rank's weights in the kernels' formats (a stage module's `weights(cfg, tp, rank, fetch) ->
   [(name, ndarray)]`, checkpoint-derived names such as `layers.3.attn.wq_b.weight`), the only copy.
 The caller's tensors (KV caches, row metadata, outputs) are not in the arena: `StepContext.ptr`
 finds them among the bound pointers.
 
-A stage builder (STAGE_BUILDERS, by stage role = the plan's range name, e.g. "attn.mhc_pre",
-"head.embed") is `fn(ctx, layer) -> (rows -> [LaunchSpec])` with `layer` the LayerSpec (None for
-head and tail stages); `wire(plan, ctx)` puts every registered builder into the plan.
+A stage module (`executor/stages/<group>.py`, listed in STAGE_MODULES) maps stage roles (the
+plan's range names, e.g. "attn.mhc_pre", "head.embed") to builders in `BUILDERS`: `fn(ctx, layer)
+-> (rows -> [LaunchSpec])`, `layer` the LayerSpec (None for head and tail stages). `wire(plan,
+ctx)` puts every registered builder into the plan.
 """
 from __future__ import annotations
 
@@ -30,12 +31,9 @@ from kernels.common_ref import BF16
 
 MHC_COEFFS = 24             # packed pre[4] | post[4] | comb[16] per row (kernels/mhc_kernel_ref.py)
 
-# role -> "module:function"; function(ctx, layer) -> Callable[[rows], list[LaunchSpec]]
-STAGE_BUILDERS: dict[str, str] = {}
-# "module:function" (cfg, tp, max_rows) -> list[Buffer]: a family's scratch slices
-FAMILY_BUFFERS: tuple[str, ...] = ()
-# "module:function" (cfg, tp, rank, fetch) -> list[(slice name, ndarray)]: weights as kernels read them
-WEIGHT_PACKERS: tuple[str, ...] = ()
+# Modules with BUILDERS {role: fn(ctx, layer) -> (rows -> [LaunchSpec])} and optionally
+# buffers(cfg, tp, max_rows) -> [Buffer] and weights(cfg, tp, rank, fetch) -> [(name, ndarray)].
+STAGE_MODULES: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,9 +75,8 @@ def boundary_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     ]
 
 
-def _resolve(target: str) -> Callable:
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
+def _modules(names: Sequence[str] | None):
+    return [importlib.import_module(n) for n in (STAGE_MODULES if names is None else names)]
 
 
 class StepContext:
@@ -91,7 +88,8 @@ class StepContext:
         self.shapes = cfg.rank_shapes(tp)
         self.bundle, self.arena, self.bound = bundle, arena, dict(bound)
         self.max_rows = max_rows
-        self.collectives = collectives      # the all-reduce of this rank (or its emulation)
+        self.collectives = collectives      # this rank's all-reduce (GPU), or None
+        self.peers = None                   # every rank's StepContext, when all live in one process
         clash = sorted(set(self.bound) & set(arena.slices))
         if clash:
             raise ValueError(f"StepContext: names both bound by the caller and in the arena: {clash}")
@@ -110,29 +108,42 @@ class StepContext:
 
 
 def arena_contents(cfg, tp: int, rank: int, fetch, max_rows: int,
-                   packers: Sequence[str] | None = None,
-                   scratch: Sequence[str] | None = None):
+                   modules: Sequence[str] | None = None):
     """(requests, uploads): every slice of one rank's arena and the host arrays to put in them."""
     buffers = boundary_buffers(cfg, tp, max_rows)
-    for target in FAMILY_BUFFERS if scratch is None else scratch:
-        buffers += _resolve(target)(cfg, tp, max_rows)
+    mods = _modules(modules)
+    for mod in mods:
+        if hasattr(mod, "buffers"):
+            buffers += mod.buffers(cfg, tp, max_rows)
     requests = [b.request() for b in buffers]
     uploads = []
-    for target in WEIGHT_PACKERS if packers is None else packers:
-        for name, array in _resolve(target)(cfg, tp, rank, fetch):
+    for mod in mods:
+        for name, array in (mod.weights(cfg, tp, rank, fetch) if hasattr(mod, "weights") else ()):
             array = np.ascontiguousarray(array)
             requests.append((name, max(array.nbytes, 1), f"{array.dtype} {list(array.shape)}"))
             uploads.append((name, array))
     return requests, uploads
 
 
-def wire(plan: Plan, ctx: StepContext, builders: Mapping[str, str] | None = None) -> Plan:
+def builders(modules: Sequence[str] | None = None) -> dict[str, Callable]:
+    """role -> builder over the stage modules; a role claimed twice is an error."""
+    out: dict[str, Callable] = {}
+    for mod in _modules(modules):
+        for role, fn in mod.BUILDERS.items():
+            if role in out:
+                raise ValueError(f"stage role {role!r} has builders in two modules "
+                                 f"({out[role].__module__}, {mod.__name__})")
+            out[role] = fn
+    return out
+
+
+def wire(plan: Plan, ctx: StepContext, modules: Sequence[str] | None = None) -> Plan:
     """The plan with every stage whose role has a builder wired on `ctx`."""
-    builders = STAGE_BUILDERS if builders is None else builders
+    table = builders(modules)
     layers = {spec.index: spec for spec in ctx.cfg.layers}
     for stage in plan.missing_stages():
-        target = builders.get(stage.range_name)
-        if target is not None:
+        fn = table.get(stage.range_name)
+        if fn is not None:
             layer = None if stage.layer is None else layers[stage.layer]
-            plan = plan.wire(stage.name, _resolve(target)(ctx, layer))
+            plan = plan.wire(stage.name, fn(ctx, layer))
     return plan
