@@ -1,6 +1,7 @@
 """The routed-MoE kernel chain on device buffers: arena, weight upload, launches; its benchmark.
 
-Used by tests/gpu/test_moe_kernel.py and by `hopdec devicecheck` (benchmark "moe_routed",
+The launches are built by executor/launches/moe.py on this chain's arena (pointer keys = slice
+names). Used by tests/gpu/test_moe_kernel.py and by `hopdec devicecheck` (benchmark "moe_routed",
 registered when this module is imported from executor/benchmarks.py).
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ import numpy as np
 
 from executor.arena import Arena
 from executor.launch import LaunchSpec
+from executor.launches import moe as ml
 from kernels import moe_kernel_ref as mk
 
 # anchors.md table 3a (Humming W4A8 on this H200): M -> (distinct experts, w13+w2 us, chain us).
@@ -26,29 +28,21 @@ class MoeChain:
 
     def __init__(self, device, bundle, shape: mk.MoeShape):
         self.shape = shape
+        self.bundle = bundle
         self.specs = {s.kind: s for s in mk.make_specs(shape)}
-        self.kernels = {k: bundle.kernel(s.name) for k, s in self.specs.items()}
-        names = set(bundle.names())
-        self.variants = {(s.kind, s.variant): s for s in mk.variant_specs(shape)
-                         if s.name in names}
-        self.variant_kernels = {key: bundle.kernel(s.name) for key, s in self.variants.items()}
-        # The self-routed chain (xquant, w13sr, w2sr + the default combine), when the bundle has it.
-        self.selfrouted = {(s.kind, s.variant): s for s in mk.selfrouted_specs(shape)
-                           if s.name in names}
-        self.selfrouted_kernels = {key: bundle.kernel(s.name)
-                                   for key, s in self.selfrouted.items()}
-        e, r, k = shape.num_experts, mk.MAX_ROWS, shape.topk
+        self.kernels = {k: bundle.kernel(s.name) for k, s in self.specs.items()}  # or raise
+        # Every kernel of the shape the bundle holds: defaults, candidate variants and the
+        # self-routed chain (xquant, w13sr, w2sr + the default combine).
+        self.available = ml.available_specs(bundle, shape)
+        self.variants = {key: s for key, s in self.available.items()
+                         if key[1] and key[0] in ("w13", "w2")}
+        self.selfrouted = {key: s for key, s in self.available.items()
+                           if key[0] in ("xquant", "w13sr", "w2sr")}
         c13, o13 = shape.w13_bytes
         c2, o2 = shape.w2_bytes
         self.per_expert = {"codes13": c13, "offsets13": o13, "codes2": c2, "offsets2": o2}
-        reqs = [(name, e * n) for name, n in self.per_expert.items()]
-        reqs += [("scales13", 4 * e), ("scales2", 4 * e), ("ids", 4 * r * k),
-                 ("route_weights", 4 * r * k), ("x", 2 * r * shape.hidden),
-                 ("meta", 4 * mk.meta_words(e)), ("pairs", 4 * r * k),
-                 ("xq", r * shape.k13), ("xs", 4 * r * shape.groups(shape.k13)),
-                 ("h", 2 * r * k * shape.inter), ("ye", 2 * r * k * shape.hidden),
-                 ("y", 4 * r * shape.hidden)]
-        self.arena = Arena(device, reqs)
+        self.arena = Arena(device, ml.weight_requests(shape) + ml.requests(shape, mk.MAX_ROWS))
+        self.ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}
 
     def close(self) -> None:
         self.arena.close()
@@ -93,67 +87,26 @@ class MoeChain:
         return [""] + [v for k, v in self.variants if k == kind]
 
     def launches(self, rows: int, w13: str = "", w2: str | None = None,
-                 kinds=("prep", "w13", "w2", "combine")) -> list[LaunchSpec]:
-        """The chain's launches (w13 / w2 = a variant name, "" the default; w2 None = chosen by
-        rows: mk.W2_SINGLE_ROW_VARIANT at R = 1 when the bundle has it); `kinds` a prefix of
-        the chain for the benchmark's per-stage breakdown."""
-        if w2 is None:
-            single = ("w2", mk.W2_SINGLE_ROW_VARIANT)
-            w2 = single[1] if rows == 1 and single in self.variants else ""
-        p = self.arena.ptr
-        args = {
-            "prep": (p("ids"), p("x"), p("meta"), p("pairs"), p("xq"), p("xs"), rows),
-            "w13": (p("meta"), p("pairs"), p("xq"), p("xs"), p("codes13"), p("offsets13"),
-                    p("scales13"), p("h"), rows),
-            "w2": (p("meta"), p("pairs"), p("h"), p("codes2"), p("offsets2"), p("scales2"),
-                   p("ye"), rows),
-            "combine": (p("route_weights"), p("ye"), p("y"), rows),
-        }
-        chosen = {"w13": w13, "w2": w2}
-        out = []
-        for k in kinds:
-            key = (k, chosen.get(k, ""))
-            if key[1] and key not in self.variants:
-                raise KeyError(f"no {k} variant {key[1]!r} in the bundle "
-                               f"(have {self.variant_names(k)})")
-            spec = self.variants[key] if key[1] else self.specs[k]
-            kernel = self.variant_kernels[key] if key[1] else self.kernels[k]
-            out.append(LaunchSpec(kernel, spec.grid(rows), args[k]))
-        return out
+                 kinds=ml.DEFAULT_CHAIN) -> list[LaunchSpec]:
+        """The chain's launches (executor/launches/moe.py `chain_launches`: w13 / w2 = a variant
+        name, "" the default; w2 None = chosen by rows); `kinds` a prefix of the chain for the
+        benchmark's per-stage breakdown."""
+        return ml.chain_launches(self.bundle, self.shape, self.ptrs, rows, w13, w2, kinds,
+                                 self.available)
 
     def has_selfrouted(self) -> bool:
-        return {("xquant", ""), ("w13sr", ""), ("w2sr", "")} <= set(self.selfrouted)
+        return ml.has_selfrouted(self.available)
 
     def selfrouted_variants(self, kind: str) -> list[str]:
         """The w13sr / w2sr variants the bundle holds ("" = that kernel's default)."""
-        return [v for k, v in self.selfrouted if k == kind]
+        return ml.variant_names(self.selfrouted, kind)
 
     def launches_selfrouted(self, rows: int, w13: str = "",
                             w2: str | None = None) -> list[LaunchSpec]:
-        """xquant -> w13sr -> w2sr -> combine (no moe_prep; kernels/moe_selfroute.py); w2 None =
-        mk.W2SR_SINGLE_ROW_VARIANT at R = 1 when the bundle has it, else the default."""
-        if not self.has_selfrouted():
-            raise KeyError("the bundle has no self-routed MoE chain (moe_xquant_/moe_w13sr_/"
-                           f"moe_w2sr_); it has {sorted(self.selfrouted)}")
-        if w2 is None:
-            single = ("w2sr", mk.W2SR_SINGLE_ROW_VARIANT)
-            w2 = single[1] if rows == 1 and single in self.selfrouted else ""
-        for key in (("w13sr", w13), ("w2sr", w2)):
-            if key not in self.selfrouted:
-                raise KeyError(f"no {key[0]} variant {key[1]!r} in the bundle "
-                               f"(have {self.selfrouted_variants(key[0])})")
-        p = self.arena.ptr
-        steps = [(("xquant", ""), (p("x"), p("xq"), p("xs"), rows)),
-                 (("w13sr", w13), (p("ids"), p("xq"), p("xs"), p("codes13"), p("offsets13"),
-                                  p("scales13"), p("h"), rows)),
-                 (("w2sr", w2), (p("ids"), p("h"), p("codes2"), p("offsets2"), p("scales2"),
-                                 p("ye"), rows))]
-        out = [LaunchSpec(self.selfrouted_kernels[key], self.selfrouted[key].grid(rows), args)
-               for key, args in steps]
-        combine = self.specs["combine"]
-        out.append(LaunchSpec(self.kernels["combine"], combine.grid(rows),
-                              (p("route_weights"), p("ye"), p("y"), rows)))
-        return out
+        """xquant -> w13sr -> w2sr -> combine (executor/launches/moe.py `selfrouted_launches`;
+        w2 None = mk.W2SR_SINGLE_ROW_VARIANT at R = 1 when the bundle has it)."""
+        return ml.selfrouted_launches(self.bundle, self.shape, self.ptrs, rows, w13, w2,
+                                      self.available)
 
     def download(self, name: str, dtype, shape) -> np.ndarray:
         return self.arena.download(name, dtype, shape)

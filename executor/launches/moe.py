@@ -1,0 +1,186 @@
+"""Launches of the routed-MoE chains (kernels/moe.py, kernels/moe_selfroute.py) from device
+addresses of any arena.
+
+Pure functions: a bundle (anything with `kernel(name)` and `names()`: a loaded `Bundle`, or a
+`ManifestBundle` on a CPU), the rank's `MoeShape`, a mapping of pointer keys to addresses and the
+launch's rows (<= mk.MAX_ROWS = 192) give validated LaunchSpecs (PDL on). Nothing is allocated or
+launched here. Buffers by pointer key (R = rows, k = top-k, D = hidden, I = this rank's
+intermediate, E = experts; every activation buffer holds at least R rows):
+
+  inputs   ids            int32 [R, k]    the router's expert ids (distinct per row, in [0, E))
+           route_weights  f32   [R, k]    their combine weights
+           x              bf16  [R, D]    the normed FFN input
+  weights  codes13, offsets13, scales13   every expert's w13 ([gate; up] [2I, D]) as
+           codes2, offsets2, scales2      mk.pack_experts lays it out: uint8 [E, per-expert
+                                          bytes] codes and offsets, f32 [E] scales
+  scratch  meta   int32 [4 + 3E]   routing lists (default chain only; prep writes [0], [1] and
+                                   the first `distinct` words of each list)
+           pairs  int32 [R*k]      (row*k + slot) grouped by expert (default chain only)
+           xq     uint8 [R, D]     x as E4M3, fragment order;  xs f32 [R, D/128] its scales
+           h      bf16  [R*k, I]   SwiGLU output per (row, slot) pair
+           ye     bf16  [R*k, D]   expert output per pair
+  output   y      f32   [R, D]     sum over slots of route_weights * ye: the rank's routed
+                                   partial (fp32, for the all-reduce epilogue)
+
+Chains (each kernel waits on its predecessor with griddepcontrol):
+  default      prep(ids, x -> meta, pairs, xq, xs) -> w13(meta, pairs, xq, xs, w13 -> h)
+               -> w2(meta, pairs, h, w2 -> ye) -> combine(route_weights, ye -> y)
+  self-routed  xquant(x -> xq, xs) -> w13sr(ids, xq, xs, w13 -> h) -> w2sr(ids, h, w2 -> ye)
+               -> combine (the default one)
+`step_launches` picks what the step runs (docs/perf.md run 17): the default chain below
+SELFROUTED_FROM_ROWS (its w2 the single-row variant at R = 1), the self-routed "early" chain from
+there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
+`HostArena`; `executor/moe_chain.py` builds its launches here.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from executor.launch import LaunchSpec
+from kernels import moe_kernel_ref as mk
+
+DEFAULT_CHAIN = ("prep", "w13", "w2", "combine")
+# Pointer keys of each kernel's pointer parameters, in ABI order (the last parameter is rows).
+POINTER_KEYS = {
+    "prep": ("ids", "x", "meta", "pairs", "xq", "xs"),
+    "w13": ("meta", "pairs", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
+    "w2": ("meta", "pairs", "h", "codes2", "offsets2", "scales2", "ye"),
+    "combine": ("route_weights", "ye", "y"),
+    "xquant": ("x", "xq", "xs"),
+    "w13sr": ("ids", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
+    "w2sr": ("ids", "h", "codes2", "offsets2", "scales2", "ye"),
+}
+# docs/perf.md run 17 (us, uniform routing): R=1 default 26.08 / self-routed early 27.14;
+# R=6 84.19 / 76.29; R=8 104.6 / 94.7; R=192 729 / 689. R = 2..5 were not measured: default kept.
+SELFROUTED_FROM_ROWS = 6
+SELFROUTED_EARLY = "early"
+
+
+def shape_of(spec: Mapping) -> mk.MoeShape:
+    """The MoeShape of a manifest record's spec dict (any kernel of the family)."""
+    return mk.MoeShape(spec["num_experts"], spec["topk"], spec["hidden"], spec["inter"],
+                       spec["swiglu_limit"])
+
+
+def shape_from_bundle(bundle) -> mk.MoeShape:
+    name = next((n for n in bundle.names() if n.startswith("moe_w13_")), None)
+    if name is None:
+        raise LookupError("the bundle has no moe_w13_ kernel (no routed MoE)")
+    return shape_of(bundle.manifest.kernels[name].spec)
+
+
+def available_specs(bundle, shape: mk.MoeShape) -> dict[tuple[str, str], mk.MoeSpec]:
+    """(kind, variant) -> spec of every MoE kernel of this shape the bundle holds."""
+    names = set(bundle.names())
+    every = mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
+    return {(s.kind, s.variant): s for s in every if s.name in names}
+
+
+def variant_names(available, kind: str) -> list[str]:
+    """The variants of kind in `available` ("" = the default), in mk's spec order."""
+    return [v for k, v in available if k == kind]
+
+
+def has_selfrouted(available) -> bool:
+    return {("xquant", ""), ("w13sr", ""), ("w2sr", "")} <= set(available)
+
+
+def _launch(bundle, spec: mk.MoeSpec, ptrs: Mapping[str, int], rows: int) -> LaunchSpec:
+    keys = POINTER_KEYS[spec.kind]
+    missing = [key for key in keys if key not in ptrs]
+    if missing:
+        raise KeyError(f"{spec.name}: no address for {missing} (it takes {list(keys)})")
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                      (*(ptrs[key] for key in keys), rows))
+
+
+def chain_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                   w13: str = "", w2: str | None = None,
+                   kinds=DEFAULT_CHAIN, available=None) -> list[LaunchSpec]:
+    """The default chain: prep -> w13 -> w2 -> combine. w13 / w2 = a variant name ("" the
+    default); w2 None = mk.W2_SINGLE_ROW_VARIANT at R = 1 when the bundle has it, else the
+    default; `kinds` a prefix of the chain (the benchmark's per-stage breakdown). `available`:
+    `available_specs(bundle, shape)`, passed by callers that build many lists."""
+    available = available_specs(bundle, shape) if available is None else available
+    if w2 is None:
+        single = ("w2", mk.W2_SINGLE_ROW_VARIANT)
+        w2 = single[1] if rows == 1 and single in available else ""
+    chosen = {"w13": w13, "w2": w2}
+    out = []
+    for kind in kinds:
+        key = (kind, chosen.get(kind, ""))
+        if key not in available:
+            raise KeyError(f"no {kind} variant {key[1]!r} in the bundle "
+                           f"(have {variant_names(available, kind)})")
+        out.append(_launch(bundle, available[key], ptrs, rows))
+    return out
+
+
+def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                        w13: str = "", w2: str | None = None,
+                        available=None) -> list[LaunchSpec]:
+    """xquant -> w13sr -> w2sr -> combine (no prep, no meta / pairs); w2 None =
+    mk.W2SR_SINGLE_ROW_VARIANT at R = 1 when the bundle has it, else the default."""
+    available = available_specs(bundle, shape) if available is None else available
+    if not has_selfrouted(available):
+        raise KeyError("the bundle has no self-routed MoE chain (moe_xquant_/moe_w13sr_/"
+                       f"moe_w2sr_); it has "
+                       f"{sorted(k for k in available if k[0] in ('xquant', 'w13sr', 'w2sr'))}")
+    if w2 is None:
+        single = ("w2sr", mk.W2SR_SINGLE_ROW_VARIANT)
+        w2 = single[1] if rows == 1 and single in available else ""
+    for key in (("w13sr", w13), ("w2sr", w2)):
+        if key not in available:
+            raise KeyError(f"no {key[0]} variant {key[1]!r} in the bundle "
+                           f"(have {variant_names(available, key[0])})")
+    keys = [("xquant", ""), ("w13sr", w13), ("w2sr", w2), ("combine", "")]
+    return [_launch(bundle, available[key], ptrs, rows) for key in keys]
+
+
+def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
+                  rows: int) -> list[LaunchSpec]:
+    """What the decode step runs for `rows`: the self-routed chain with both early-refill
+    variants from SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default
+    chain (w2 by rows). Both write the same y (bitwise, tests/gpu/test_moe_kernel.py); only the
+    default one writes meta / pairs."""
+    available = available_specs(bundle, shape)
+    early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
+    if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and early <= set(available):
+        return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,
+                                   available)
+    return chain_launches(bundle, shape, ptrs, rows, available=available)
+
+
+# ---- the buffers an arena needs ------------------------------------------------------------------
+
+def weight_requests(shape: mk.MoeShape) -> list[tuple[str, int, str]]:
+    """One layer's packed experts (keys = pointer keys), as mk.pack_experts lays them out."""
+    e = shape.num_experts
+    c13, o13 = shape.w13_bytes
+    c2, o2 = shape.w2_bytes
+    return [("codes13", e * c13, f"uint8 [{e}, {c13}] w13 E2M1 code words"),
+            ("offsets13", e * o13, f"uint8 [{e}, {o13}] w13 o8 offsets"),
+            ("codes2", e * c2, f"uint8 [{e}, {c2}] w2 E2M1 code words"),
+            ("offsets2", e * o2, f"uint8 [{e}, {o2}] w2 o8 offsets"),
+            ("scales13", 4 * e, f"f32 [{e}] w13 2^(lo-122)"),
+            ("scales2", 4 * e, f"f32 [{e}] w2 2^(lo-122)")]
+
+
+def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str, int, str]]:
+    """Inputs, scratch and output of either chain at up to `max_rows` rows (keys = pointer
+    keys; meta and pairs only the default chain uses)."""
+    if not 1 <= max_rows <= mk.MAX_ROWS:
+        raise ValueError(f"MoE max_rows {max_rows} must be in [1, {mk.MAX_ROWS}]")
+    r, k, d, i = max_rows, shape.topk, shape.hidden, shape.inter
+    g = shape.groups(shape.k13)
+    meta = mk.meta_words(shape.num_experts)
+    return [("ids", 4 * r * k, f"int32 [{r}, {k}] expert ids"),
+            ("route_weights", 4 * r * k, f"f32 [{r}, {k}] combine weights"),
+            ("x", 2 * r * d, f"bf16 [{r}, {d}] input"),
+            ("meta", 4 * meta, f"int32 [{meta}] routing lists"),
+            ("pairs", 4 * r * k, f"int32 [{r * k}] pairs by expert"),
+            ("xq", r * shape.k13, f"e4m3 [{r}, {shape.k13}] x, fragment order"),
+            ("xs", 4 * r * g, f"f32 [{r}, {g}] x group scales"),
+            ("h", 2 * r * k * i, f"bf16 [{r * k}, {i}] SwiGLU per pair"),
+            ("ye", 2 * r * k * d, f"bf16 [{r * k}, {d}] expert output per pair"),
+            ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial")]
