@@ -3,7 +3,9 @@
 Used by tests/gpu/test_embed_engram.py and by `hopdec devicecheck` (benchmark "embed_engram",
 `executor.embed_engram_chain:bench_embed_engram`). One Engram layer of one rank is three launches
 here: hash ids, lookup of the rank's heads, gate; `wkv` (dense family) and the all-gather of the
-heads (collectives) sit between lookup and gate in the step and are not part of this chain.
+heads (collectives) sit between lookup and gate in the step and are not part of this chain. The
+LaunchSpecs themselves come from `executor.launches.embed_engram` (pointer-level builders, which
+the step wiring calls too); this module owns the buffers.
 
 The Engram table is either a slice of the device arena or a `PinnedTable`: page-locked host memory
 mapped into the device's address space (UVA), which the same lookup kernel reads over PCIe.
@@ -17,6 +19,13 @@ import numpy as np
 from executor.arena import Arena
 from executor.cuda import check, driver
 from executor.launch import LaunchSpec
+from executor.launches.embed_engram import (
+    embed_launch,
+    engram_gate_launch,
+    engram_hash_launch,
+    engram_lookup_launch,
+    specs_from_bundle,
+)
 from kernels import embed_ref as er
 from kernels import engram_kernel_ref as ek
 
@@ -52,16 +61,16 @@ class EmbedLookup:
 
     def __init__(self, device, bundle, spec: er.EmbedSpec, max_rows: int = MAX_ROWS):
         self.spec, self.max_rows = spec, max_rows
-        self.kernel = bundle.kernel(spec.name)
+        self.bundle, self.kernel = bundle, bundle.kernel(spec.name)
         self.arena = Arena(device, [
             ("token_ids", 4 * max_rows), ("table", 2 * spec.table_rows * spec.width),
             ("out", 2 * max_rows * spec.width)])
 
     def launch(self, rows: int, vocab_offset: int) -> LaunchSpec:
-        er.launch_check(self.spec, rows, vocab_offset)
         p = self.arena.ptr
-        return LaunchSpec(self.kernel, self.spec.grid(rows),
-                          (p("token_ids"), p("table"), p("out"), rows, vocab_offset), pdl=True)
+        return embed_launch(self.bundle, self.spec,
+                            {"token_ids": p("token_ids"), "table": p("table"), "out": p("out")},
+                            rows, vocab_offset)
 
     def close(self) -> None:
         self.arena.close()
@@ -78,6 +87,7 @@ class EngramLayer:
                  table_rows: int, max_rows: int = MAX_ROWS, host_table: bool = False):
         self.hash_spec, self.lookup_spec, self.gate_spec = hash_spec, lookup_spec, gate_spec
         self.table_rows, self.max_rows = table_rows, max_rows
+        self.bundle = bundle
         self.kernels = {s.name: bundle.kernel(s.name) for s in (hash_spec, lookup_spec, gate_spec)}
         hd, n, d = lookup_spec.head_dim, gate_spec.streams, gate_spec.width
         slices = [
@@ -115,60 +125,32 @@ class EngramLayer:
 
     def launch_hash(self, rows: int) -> LaunchSpec:
         p = self.arena.ptr
-        return LaunchSpec(self.kernels[self.hash_spec.name], self.hash_spec.grid(rows),
-                          (p("tokens"), p("positions"), p("ids"), rows), pdl=True)
+        return engram_hash_launch(self.bundle, self.hash_spec,
+                                  {"tokens": p("tokens"), "positions": p("positions"),
+                                   "ids": p("ids")}, rows)
 
     def launch_lookup(self, rows: int, first_col: int, row_offset: int,
                       ids: str = "ids") -> LaunchSpec:
         """`ids`: the hash's output ("ids") or ids the caller uploaded ("chosen_ids")."""
-        spec = self.lookup_spec
-        if first_col < 0 or first_col + spec.cols > spec.total_cols:
-            raise ValueError(f"{spec.name}: first_col {first_col} + {spec.cols} columns exceed "
-                             f"{spec.total_cols}")
-        if not 0 <= row_offset < 2**31:
-            raise ValueError(f"{spec.name}: row_offset {row_offset} must be in [0, 2**31)")
         codes, scales = self.table_ptrs()
         p = self.arena.ptr
-        return LaunchSpec(self.kernels[spec.name], spec.grid(rows),
-                          (p(ids), codes, scales, p("heads"), rows, first_col, row_offset,
-                           self.table_rows), pdl=True)
+        return engram_lookup_launch(self.bundle, self.lookup_spec,
+                                    {"ids": p(ids), "codes": codes, "scales": scales,
+                                     "out": p("heads")},
+                                    rows, first_col, row_offset, self.table_rows)
 
     def launch_gate(self, rows: int, eps: float, in_place: bool = True) -> LaunchSpec:
-        if not np.isfinite(eps) or eps <= 0:
-            raise ValueError(f"{self.gate_spec.name}: eps must be finite and > 0, got {eps!r}")
         p = self.arena.ptr
         out = "streams" if in_place else "streams_out"
-        return LaunchSpec(self.kernels[self.gate_spec.name], self.gate_spec.grid(rows),
-                          (p("streams"), p("keys_and_value"), p("q_weight"), p("k_weight"),
-                           p(out), rows, eps), pdl=True)
+        return engram_gate_launch(self.bundle, self.gate_spec,
+                                  {"streams": p("streams"), "keys_and_value": p("keys_and_value"),
+                                   "q_weight": p("q_weight"), "k_weight": p("k_weight"),
+                                   "out": p(out)}, rows, eps)
 
     def close(self) -> None:
         self.arena.close()
         if self.pinned is not None:
             self.pinned.close()
-
-
-def specs_from_bundle(bundle) -> tuple[list, ek.EngramLookupSpec, ek.EngramGateSpec, list]:
-    """(hash specs, lookup spec, gate spec, embed specs) rebuilt from a bundle's manifest."""
-    kernels = bundle.manifest.kernels
-    hashes, lookup, gate, embeds = [], None, None, []
-    for name in sorted(bundle.names()):
-        sp = kernels[name].spec
-        if name.startswith("engram_hash_"):
-            hashes.append(ek.EngramHashSpec(name, sp["layer"], sp["max_ngram"], sp["heads"],
-                                            tuple(sp["multipliers"]), tuple(sp["primes"]),
-                                            tuple(sp["offsets"]), sp["pad_id"]))
-        elif name.startswith("engram_lookup_"):
-            lookup = ek.make_lookup_spec(sp["head_dim"], sp["cols"], sp["total_cols"])
-        elif name.startswith("engram_gate_"):
-            gate = ek.make_gate_spec(sp["width"], sp["streams"])
-        elif name.startswith("embed_bf16_"):
-            embeds.append(er.make_spec(sp["width"], sp["table_rows"]))
-    if not hashes or lookup is None or gate is None or not embeds:
-        raise LookupError("the bundle lacks the embed / engram kernels")
-    hashes.sort(key=lambda spec: spec.layer)
-    embeds.sort(key=lambda spec: spec.table_rows)
-    return hashes, lookup, gate, embeds
 
 
 def random_table(rng, table_rows: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:

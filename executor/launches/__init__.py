@@ -1,0 +1,1 @@
+"""Pointer-level launch builders: each family's LaunchSpecs from device addresses of any arena."""
