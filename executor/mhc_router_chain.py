@@ -10,6 +10,13 @@ import numpy as np
 
 from executor.arena import Arena
 from executor.launch import LaunchSpec
+from executor.launches.mhc import (
+    mhc_norm_launch,
+    mhc_pre_launch,
+    mhc_requests,
+    router_launch,
+    router_requests,
+)
 from kernels import mhc_kernel_ref as mk
 from kernels import norm_ref as nr
 from kernels import router_ref as rk
@@ -23,35 +30,26 @@ class MhcStep:
 
     def __init__(self, device, bundle, spec: mk.MhcPreSpec, max_rows: int = mk.MAX_ROWS,
                  norm_weight: str = "f32"):
-        self.spec, self.max_rows = spec, max_rows
+        self.spec, self.max_rows, self.bundle = spec, max_rows, bundle
         self.kernel = bundle.kernel(spec.name)
         self.norm_spec = nr.make_spec(spec.width, norm_weight)
         self.norm_kernel = bundle.kernel(self.norm_spec.name)
-        d, s, m = spec.width, spec.streams, mk.MIX_DIM
-        wbytes = 4 if norm_weight == "f32" else 2
-        self.arena = Arena(device, [
-            ("streams", 2 * max_rows * s * d), ("sub_out", 2 * max_rows * d),
-            ("coeff_prev", 4 * max_rows * m), ("fn", 4 * m * s * d), ("scale", 16),
-            ("base", 4 * m), ("streams_out", 2 * max_rows * s * d), ("x_out", 2 * max_rows * d),
-            ("coeff_out", 4 * max_rows * m), ("mixes", 4 * max_rows * m),
-            ("workspace", mk.workspace_bytes(spec, max_rows)),
-            ("counters", 4 * mk.counter_count(max_rows)), ("norm_weight", wbytes * d),
-            ("x_normed", 2 * max_rows * d)])
+        self.arena = Arena(device, mhc_requests(spec, max_rows, norm_weight))
         self.arena.view("counters", np.int32)[...] = 0
+
+    def _ptrs(self, in_place: bool = False) -> dict[str, int]:
+        ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}
+        if in_place:
+            ptrs["streams_out"] = ptrs["streams"]
+        return ptrs
 
     def launch_pre(self, rows: int, norm_eps: float, hc_eps: float,
                    in_place: bool = False) -> LaunchSpec:
-        p = self.arena.ptr
-        out = "streams" if in_place else "streams_out"
-        args = (p("streams"), p("sub_out"), p("coeff_prev"), p("fn"), p("scale"), p("base"),
-                p(out), p("x_out"), p("coeff_out"), p("mixes"), p("workspace"), p("counters"),
-                rows, norm_eps, hc_eps)
-        return LaunchSpec(self.kernel, self.spec.grid(rows), args, pdl=True)
+        return mhc_pre_launch(self.bundle, self.spec, self._ptrs(in_place), rows, norm_eps,
+                              hc_eps)
 
     def launch_norm(self, rows: int, eps: float) -> LaunchSpec:
-        p = self.arena.ptr
-        return LaunchSpec(self.norm_kernel, self.norm_spec.grid(rows),
-                          (p("x_out"), p("norm_weight"), p("x_normed"), rows, eps), pdl=True)
+        return mhc_norm_launch(self.bundle, self.norm_spec, self._ptrs(), rows, eps)
 
     def close(self) -> None:
         self.arena.close()
@@ -61,20 +59,14 @@ class Router:
     """Every buffer of the router sized for `max_rows`; counters zeroed once."""
 
     def __init__(self, device, bundle, spec: rk.RouterSpec, max_rows: int = rk.MAX_ROWS):
-        self.spec, self.max_rows = spec, max_rows
+        self.spec, self.max_rows, self.bundle = spec, max_rows, bundle
         self.kernel = bundle.kernel(spec.name)
-        e, d, k = spec.experts, spec.hidden, spec.topk
-        self.arena = Arena(device, [
-            ("x", 2 * max_rows * d), ("weight", 2 * e * d), ("bias", 4 * e),
-            ("logits", 4 * max_rows * e), ("ids", 4 * max_rows * k),
-            ("weights", 4 * max_rows * k), ("counters", 4 * rk.counter_count(max_rows, spec.rows_per_cta))])
+        self.arena = Arena(device, router_requests(spec, max_rows))
         self.arena.view("counters", np.int32)[...] = 0
 
     def launch(self, rows: int) -> LaunchSpec:
-        p = self.arena.ptr
-        args = (p("x"), p("weight"), p("bias"), p("logits"), p("ids"), p("weights"),
-                p("counters"), rows)
-        return LaunchSpec(self.kernel, self.spec.grid(rows), args, pdl=True)
+        ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}
+        return router_launch(self.bundle, self.spec, ptrs, rows)
 
     def close(self) -> None:
         self.arena.close()
