@@ -18,7 +18,16 @@ import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, cute
 
-from kernels.allreduce_ref import CTA_THREADS, MAX_CTAS, WORLD_SIZES, OneShotSpec, make_spec
+from kernels.allreduce_ref import (
+    CTA_THREADS,
+    MAX_CTAS,
+    PICK_SENTINEL,
+    WORLD_SIZES,
+    OneShotSpec,
+    PickSpec,
+    make_pick_spec,
+    make_spec,
+)
 
 VEC_BYTES = 16
 SENTINEL_WORD = 0x80008000          # two bf16 -0.0
@@ -244,29 +253,149 @@ class OneShotAllReduceSm90:
                                                 stream=stream, use_pdl=True)
 
 
-def kernel_function(spec: OneShotSpec):
+# ---- the cross-rank greedy pick (allreduce_ref: one u64 key per row on the same buffers) ---------
+
+@cute.jit
+def _pick_key(bits: Uint32, index: Uint32):
+    """ordered(value) << 32 | ~index, -0 as +0: the lm_head kernel's candidate order."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 b, o, n, i; .reg .pred z, neg;\n"
+        " setp.eq.b32 z, {$r0}, 0x80000000; selp.b32 b, 0, {$r0}, z;\n"
+        " setp.lt.s32 neg, b, 0; not.b32 n, b; or.b32 o, b, 0x80000000; selp.b32 o, n, o, neg;\n"
+        " not.b32 i, {$r1}; mov.b64 {$w0}, {i, o}; }",
+        write_only_types=[Int64], read_only_args=[bits, index])
+
+
+@cute.jit
+def _ld_v2(addr: Int64):
+    return cute.arch.inline_ptx("ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];",
+                                write_only_types=[Uint32] * 2, read_only_args=[addr])
+
+
+@cute.jit
+def _ld_volatile_b64(addr: Int64):
+    return cute.arch.inline_ptx("ld.volatile.global.b64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
+@cute.jit
+def _st_volatile_b64(addr: Int64, value: Int64):
+    cute.arch.inline_ptx("st.volatile.global.b64 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+@cute.jit
+def _st_b64(addr: Int64, value: Int64):
+    cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+@cute.jit
+def _max_u64(a: Int64, b: Int64):
+    return cute.arch.inline_ptx("max.u64 {$w0}, {$r0}, {$r1};", write_only_types=[Int64],
+                                read_only_args=[a, b])
+
+
+@cute.jit
+def _token_of(key: Int64):
+    """int64(~low 32 bits of the key): the global vocab index."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 lo, hi; mov.b64 {lo, hi}, {$r0}; not.b32 lo, lo;\n"
+        " cvt.u64.u32 {$w0}, lo; }", write_only_types=[Int64], read_only_args=[key])
+
+
+class CrossRankPickSm90:
+    """Kernel object for one PickSpec: thread r pushes, polls and picks row r."""
+
+    def __init__(self, spec: PickSpec):
+        self.spec = spec
+        self.world = spec.world
+        self.slot_bytes = spec.slot_bytes
+
+    @cute.kernel
+    def kernel(self, pairs: cute.Pointer, tokens: cute.Pointer, peers: cute.Pointer,
+               control: cute.Pointer, status: cute.Pointer, rank: Int32, rows: Int32,
+               timeout_us: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        peer_tab = cute.make_tensor(peers, cute.make_layout(self.world))
+        ctl, stat = control.toint(), status.toint()
+        row_off = Int64(tidx) * 8
+
+        cute.arch.griddepcontrol_wait()     # pairs come from the lm_head kernel
+
+        gen = Int64(_ld_volatile_u32(ctl))
+        failed = _ld_volatile_u32(ctl + 8)
+        push_offset = (gen * self.world + Int64(rank)) * self.slot_bytes + row_off
+        if tidx < rows:
+            bits, index = _ld_v2(pairs.toint() + row_off)
+            key = _pick_key(bits, index)
+            for s in cutlass.range_constexpr(self.world):
+                _st_volatile_b64(peer_tab[s] + push_offset, key)
+
+        cute.arch.griddepcontrol_launch_dependents()
+
+        if tidx < rows:
+            timeout_ns = Int64(timeout_us) * 1000
+            sentinel = Int64(PICK_SENTINEL - (1 << 64))
+            read_base = peer_tab[rank] + gen * (self.world * self.slot_bytes) + row_off
+            best = Int64(0)
+            for s in cutlass.range_constexpr(self.world):    # rank order, like the all-reduce
+                addr = read_base + s * self.slot_bytes
+                key = _ld_volatile_b64(addr)
+                start = cute.arch.globaltimer()
+                while key == sentinel and failed == Uint32(0):
+                    key = _ld_volatile_b64(addr)
+                    if key == sentinel:
+                        if cute.arch.globaltimer() - start > timeout_ns:
+                            _st_volatile_u32(stat + Int64(s) * 4, Uint32(1))
+                            _st_volatile_u32(ctl + 8, Uint32(1))
+                            failed = Uint32(1)
+                        else:
+                            failed = _ld_volatile_u32(ctl + 8)
+                best = _max_u64(best, key)
+                _st_volatile_b64(addr, sentinel)
+            _st_b64(tokens.toint() + row_off, _token_of(best))
+
+        cute.arch.sync_threads()
+        if tidx == 0:                       # one CTA: it is the last to finish
+            _st_volatile_u32(ctl, Uint32(gen ^ 1))
+
+    @cute.jit
+    def launch(self, pairs: cute.Pointer, tokens: cute.Pointer, peers: cute.Pointer,
+               control: cute.Pointer, status: cute.Pointer, rank: Int32, rows: Int32,
+               timeout_us: Int32, stream: cuda.CUstream):
+        self.kernel(pairs, tokens, peers, control, status, rank, rows, timeout_us).launch(
+            grid=[1, 1, 1], block=[self.spec.block[0], 1, 1], stream=stream, use_pdl=True)
+
+
+def kernel_function(spec: OneShotSpec | PickSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
+    if isinstance(spec, PickSpec):
+        return CrossRankPickSm90.kernel
     fused = spec.epilogue == "residual"
     return OneShotAllReduceSm90.kernel_residual if fused else OneShotAllReduceSm90.kernel
 
 
-def specs(cfg, tp: int) -> list[OneShotSpec]:
-    """Plain and residual-fused one-shot all-reduce at the hidden width for this TP degree."""
+def specs(cfg, tp: int) -> list[OneShotSpec | PickSpec]:
+    """Plain and residual-fused one-shot all-reduce at the hidden width for this TP degree, and
+    the cross-rank pick on the same buffers."""
     if tp not in WORLD_SIZES:
         return []                       # TP1 needs no all-reduce
-    return [make_spec(tp, cfg.hidden_size, epilogue) for epilogue in ("none", "residual")]
+    return ([make_spec(tp, cfg.hidden_size, epilogue) for epilogue in ("none", "residual")]
+            + [make_pick_spec(tp, cfg.hidden_size)])
 
 
-def compile_spec(spec: OneShotSpec, options: str = "--gpu-arch sm_90a"):
+def compile_spec(spec: OneShotSpec | PickSpec, options: str = "--gpu-arch sm_90a"):
     """cute.compile one one-shot all-reduce with pointer / Int32 arguments only."""
     from cutlass.cute.runtime import make_ptr
 
     def ptr(dtype, align=16):
         return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
-    kern = OneShotAllReduceSm90(spec)
     tail = (ptr(Int64, 8), ptr(Uint32, 4), ptr(Uint32, 4), Int32(0), Int32(1), Int32(1),
             cuda.CUstream(0))
+    if isinstance(spec, PickSpec):
+        return cute.compile(CrossRankPickSm90(spec).launch, ptr(Int32, 8), ptr(Int64, 8), *tail,
+                            options=options)
+    kern = OneShotAllReduceSm90(spec)
     if spec.epilogue == "residual":
         return cute.compile(kern.launch_residual, ptr(BFloat16), ptr(BFloat16), ptr(BFloat16),
                             *tail, options=options)

@@ -178,3 +178,79 @@ def allreduce_f64(inputs, residual: np.ndarray | None = None) -> np.ndarray:
     xs = _check_inputs(inputs, "allreduce_f64")
     total = sum(x.astype(np.float64) for x in xs)
     return total if residual is None else total + residual.astype(np.float64)
+
+
+# ---- the cross-rank greedy pick (split-vocabulary argmax, model doc §2.3 step 5) -------------------
+#
+#   tokens[r] = global argmax over ranks of (value, index): max value, ties to the lower index
+#
+# Each rank holds the lm_head argmax kernel's pair per row (int32 [rows, 2] = f32 bits of its best
+# logit, its global vocab index). The pick rides on the one-shot all-reduce's buffers, control word
+# and generations: every rank pushes one u64 key per row, key = ordered(value) << 32 | ~index (the
+# lm_head kernel's own ordering: larger key = larger value, on equal values the lower index), into
+# slot [gen][rank] of every rank's receive buffer with ONE 64-bit volatile store (single-copy atomic,
+# so a key is never seen torn), polls its own slots until no key is the sentinel, keeps the largest
+# key in rank order, resets the slots, and writes tokens int64 [rows]. The sentinel is the
+# all-reduce's own fill (0x8000 per bf16 lane: 0x8000800080008000), which is no valid key (its index
+# would be 0x7FFF7FFF), so the buffers stay valid for the all-reduce that follows. Every rank writes
+# the same tokens. One thread per row, one CTA; the CTA flips the generation as the all-reduce does.
+#
+# PTX ABI: (u64 pairs, u64 tokens, u64 peers, u64 control, u64 status, u32 rank, u32 rows,
+#           u32 timeout_us)
+
+PICK_SENTINEL = 0x8000800080008000
+PICK_THREADS = 256
+PARAMS_PICK = (("pairs", "u64"), ("tokens", "u64")) + _COMMON
+
+
+@dataclass(frozen=True)
+class PickSpec:
+    """The cross-rank pick for one world size, on the all-reduce buffers of one row width."""
+
+    name: str
+    world: int
+    width: int                          # the all-reduce's row width (its slot size)
+    max_rows: int
+    params: tuple[tuple[str, str], ...] = PARAMS_PICK
+    block: tuple[int, int, int] = (PICK_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.max_rows * self.width * 2
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > min(self.max_rows, PICK_THREADS):
+            raise ValueError(f"{self.name}: rows={rows} exceeds {min(self.max_rows, PICK_THREADS)}")
+        return (1, 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "allreduce", "name": self.name, "kind": "pick", "world": self.world,
+                "width": self.width, "max_rows": self.max_rows,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes, "generations": GENERATIONS}
+
+
+def make_pick_spec(world: int, width: int, max_rows: int = MAX_ROWS) -> PickSpec:
+    make_spec(world, width, "none", max_rows)          # the same buffer rules
+    return PickSpec(f"allreduce_pick_w{world}_d{width}", world, width, max_rows)
+
+
+def ordered_key(pairs: np.ndarray) -> np.ndarray:
+    """int32 [rows, 2] (f32 bits, index) -> uint64 keys: ordered(value) << 32 | ~index, with -0
+    canonicalised to +0 (as the lm_head kernel orders its candidates)."""
+    pairs = np.ascontiguousarray(pairs, np.int32)
+    bits = pairs[:, 0].view(np.uint32).copy()
+    bits[bits == 0x80000000] = 0
+    negative = (bits & 0x80000000) != 0
+    ordered = np.where(negative, ~bits, bits | np.uint32(0x80000000)).astype(np.uint64)
+    index = (~pairs[:, 1].view(np.uint32)).astype(np.uint64)
+    return (ordered << np.uint64(32)) | index
+
+
+def pick_ref(rank_pairs) -> np.ndarray:
+    """Exactly what every rank writes: int64 tokens [rows] from each rank's int32 [rows, 2]."""
+    keys = np.stack([ordered_key(p) for p in rank_pairs])
+    best = keys.max(axis=0)
+    return (~(best & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int64)
