@@ -25,11 +25,10 @@ import ctypes
 from collectives.ipc import Exchange, PeerBuffers
 from executor.cuda import check, driver
 from executor.launch import LaunchSpec
+from executor.launches.allreduce import CONTROL_OFFSET, STATE_BYTES, oneshot_launches
 from kernels import allreduce_ref as ref
 
 DEFAULT_TIMEOUT_MS = 10_000
-_STATE_BYTES = 256                      # peer table (<= 8 x u64) + control (4 x u32)
-_CONTROL_OFFSET = 128
 _HOSTALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02   # CU_MEMHOSTALLOC_PORTABLE | _DEVICEMAP
 
 
@@ -46,6 +45,7 @@ class OneShotAllReduce:
             raise ValueError(f"one-shot all-reduce: timeout_ms must be an int in 1..3600000, "
                              f"got {timeout_ms!r}")
         self.specs = {e: ref.make_spec(world, width, e, max_rows) for e in ("none", "residual")}
+        self.bundle = bundle
         self.kernels = {e: bundle.kernel(s.name) for e, s in self.specs.items()}
         for e, s in self.specs.items():       # the bundle's capacity must match ours
             got = self.kernels[e].record.spec or {}
@@ -67,8 +67,8 @@ class OneShotAllReduce:
 
     def _alloc_state(self) -> None:
         cu = driver()
-        self._state = check(cu.cuMemAlloc(_STATE_BYTES))
-        check(cu.cuMemsetD32(self._state, 0, _STATE_BYTES // 4))
+        self._state = check(cu.cuMemAlloc(STATE_BYTES))
+        check(cu.cuMemsetD32(self._state, 0, STATE_BYTES // 4))
         table = (ctypes.c_uint64 * self.world)(*self.peers.ptrs)
         check(cu.cuMemcpyHtoD(self._state, table, 8 * self.world))
         self._host_status = check(cu.cuMemHostAlloc(4 * self.world,
@@ -84,7 +84,7 @@ class OneShotAllReduce:
 
     @property
     def control(self) -> int:
-        return int(self._state) + _CONTROL_OFFSET
+        return int(self._state) + CONTROL_OFFSET
 
     def launch_spec(self, rows: int, inp: int, out: int, residual: int | None = None) -> LaunchSpec:
         """The launch for `rows` rows of inp -> out (bf16 [rows, width], 16-byte aligned; out may
@@ -94,15 +94,12 @@ class OneShotAllReduce:
         if spec is not None:
             return spec
         epilogue = "none" if residual is None else "residual"
-        s = self.specs[epilogue]
-        for name, p in (("inp", inp), ("out", out), ("residual", residual)):
-            if p is not None and (not isinstance(p, int) or p <= 0 or p % 16):
-                raise ValueError(f"{s.name}: {name} must be a non-null 16-byte aligned device "
-                                 f"pointer, got {p!r}")
-        io = (inp, out) if residual is None else (inp, residual, out)
-        spec = LaunchSpec(self.kernels[epilogue], s.grid(rows),
-                          io + (self.peer_table, self.control, self._status_dev, self.rank, rows,
-                                self.timeout_us))
+        ptrs = {"inp": inp, "out": out, "peers": self.peer_table, "control": self.control,
+                "status": self._status_dev}
+        if residual is not None:
+            ptrs["residual"] = residual
+        spec, = oneshot_launches(self.bundle, self.specs[epilogue], ptrs, self.rank, rows,
+                                 self.timeout_us)
         self._specs_cache[key] = spec
         return spec
 
