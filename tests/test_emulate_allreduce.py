@@ -6,7 +6,8 @@ drawn as the GPU test draws them (`collectives.checks.draw_input`: about 1% -0.0
 sentinel a rank must send as +0.0), outputs poisoned 0xFFFF. Tolerance: bitwise against
 `allreduce_ref` / `allreduce_residual_ref` (`checks.expected`), the GPU test's check. After the
 calls every receive buffer is -0.0 again, control holds the flipped generation and zero
-arrivals, status is untouched, and rows past `rows` keep their poison.
+arrivals, status is untouched, and rows past `rows` keep their poison. The cross-rank pick runs
+between two all-reduces on the same state: tokens equal `pick_ref` of the ranks' pairs exactly.
 """
 import numpy as np
 import pytest
@@ -15,7 +16,12 @@ from collectives import checks
 from executor.emulate import run
 from executor.emulate.allreduce import Deadlock, run_ranks, waiting
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
-from executor.launches.allreduce import init_host_ranks, oneshot_launches, rank_requests
+from executor.launches.allreduce import (
+    init_host_ranks,
+    oneshot_launches,
+    pick_launches,
+    rank_requests,
+)
 from kernels import allreduce_ref as ref
 from kernels.common_ref import BF16
 
@@ -151,3 +157,70 @@ def test_builder_follows_the_abi_and_rejects_bad_arguments(bundle):
         oneshot_launches(bundle, spec, ptrs, 4, 17, 5000)
     with pytest.raises(ValueError, match="exceeds the buffer capacity"):
         oneshot_launches(bundle, spec, ptrs, 1, ranks.max_rows + 1, 5000)
+
+
+# ---- the cross-rank pick, between two all-reduces on the same state ---------------------------
+
+class WithPick:
+    """The tiny manifest, plus the pick kernel's record as the build writes it (its spec's
+    to_dict) while build/bundle-tiny predates the pick kernel."""
+
+    def __init__(self, bundle, spec: ref.PickSpec):
+        self.bundle, self.spec = bundle, spec
+
+    def kernel(self, name: str):
+        from pathlib import Path
+
+        from executor.bundle import KernelRecord
+        try:
+            return self.bundle.kernel(name)
+        except KeyError:
+            if name != self.spec.name:
+                raise
+        s = self.spec
+        return KernelRecord(s.name, "kernels.allreduce", Path(f"{s.name}.cubin"), "", s.params,
+                            s.block, s.smem_bytes, True, None, s.to_dict())
+
+
+def _pick_pairs(rng, world: int, rows: int, vocab_per_rank: int = 40_000) -> list[np.ndarray]:
+    """Per rank int32 [rows, 2] (f32 bits, global index): values from a small set (ties, ±0)
+    and a few normal ones; index 32767 somewhere (~index has a 0x8000 half: only the whole u64
+    key may be compared with the sentinel)."""
+    values = rng.choice(np.float32([-3.5, -0.0, 0.0, 1.25, 7.0, -1e-30]), (world, rows))
+    values[:, : rows // 2] = rng.standard_normal((world, rows // 2)).astype(np.float32)
+    index = np.stack([rng.integers(r * vocab_per_rank, (r + 1) * vocab_per_rank, rows)
+                      for r in range(world)])
+    index[0, rng.integers(0, rows)] = 32767
+    return [np.stack([values[r].view(np.int32), index[r].astype(np.int32)], axis=1)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("rows", (1, 7, 192))
+def test_pick_between_all_reduces_equals_the_reference(bundle, rows):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2**32))
+    ranks = Ranks(bundle, 2)
+    pick = ref.make_pick_spec(ranks.world, ranks.width, ranks.max_rows)
+    ranks.bundle = WithPick(bundle, pick)
+    pairs = _pick_pairs(rng, ranks.world, rows)
+    space, lists = ranks.space, []
+    for r, arena in enumerate(ranks.arenas):
+        pairs_ptr = space.add(f"rank{r}.pairs", pairs[r].copy())
+        tokens = np.full(ranks.max_rows, -1, np.int64)
+        ptrs = {"pairs": pairs_ptr, "tokens": space.add(f"rank{r}.tokens", tokens),
+                **ranks.state[r]}
+        lists.append(ranks.stage(seed, 0, rows, True, False, r)
+                     + pick_launches(ranks.bundle, pick, ptrs, r, rows, 10_000_000)
+                     + ranks.stage(seed, 1, 3, False, False, r))
+    assert run_ranks(lists, space) == 3 * ranks.world
+    want = ref.pick_ref(pairs)
+    for r in range(ranks.world):
+        tokens = space.array(lists[r][1].args[1], np.int64, ranks.max_rows)
+        assert np.array_equal(tokens[:rows], want), (r, tokens[:rows], want)
+        assert np.all(tokens[rows:] == -1), f"rank {r}: tokens written past {rows}"
+        for c, (n, fused) in enumerate(((rows, True), (3, False))):
+            got = ranks.out(r, c, fused, False)[:n]
+            expect = checks.expected(seed, c, ranks.world, n, ranks.width, fused)
+            assert checks.compare(got, expect)["mismatches"] == 0, (r, c)
+        assert np.all(ranks.arenas[r].view("ar_buffer", np.uint16) == ref.SENTINEL_BITS)
+        assert ranks.control(r).tolist() == [1, 0, 0, 0]

@@ -1,4 +1,4 @@
-"""kernels.allreduce on the host: the one-shot all-reduce's pushes, waits and epilogue, per rank.
+"""kernels.allreduce on the host: the one-shot all-reduce and the cross-rank pick, per rank.
 
 On the GPU the ranks' launches run at once: each pushes its (sanitized) input into slot
 [gen][rank] of every rank's receive buffer, then polls its own slots [gen][0..world). Launches
@@ -10,6 +10,9 @@ kernel splits it:
   rank's push lands: the rank-ordered sum (`allreduce_ref`), out written, its slots reset to
   -0.0, control's generation flipped and its arrival count left at 0, as the last CTA leaves
   them. Until then the launch is *waiting* and its out is unwritten.
+The cross-rank pick (`allreduce_pick_*`) rides on the same buffers, control and generations: its
+push is one u64 key per row (`ordered_key` of the lm_head pairs), its completion `pick_ref` over
+the keys read back, tokens int64 [rows] written, the generation flipped (no arrival count).
 The wait itself always succeeds (no timeout is modelled: status and control[2] are never
 written); a launch on a rank whose control says failed is refused.
 
@@ -39,39 +42,56 @@ class Deadlock(RuntimeError):
 
 @dataclass(frozen=True)
 class _Waiting:
-    spec: ref.OneShotSpec
+    """A launch past its push, before its poll succeeded: what it reads and how it finishes."""
+
+    spec: ref.OneShotSpec | ref.PickSpec
     args: dict
     generation: int
 
+    @property
+    def pick(self) -> bool:
+        return isinstance(self.spec, ref.PickSpec)
+
     def slots(self, space) -> list[np.ndarray]:
-        """Views of the rows x width lanes this rank reads, one per source rank."""
+        """Views of what this rank polls, one per source rank: rows x width bf16 lanes (as
+        uint16), or one u64 key per row for the pick."""
         base = int(space.array(self.args["peers"], np.uint64, self.spec.world)[self.args["rank"]])
-        shape = (self.args["rows"], self.spec.width)
-        return [space.array(base + self.spec.slot_offset(self.generation, s), np.uint16, shape)
+        rows = self.args["rows"]
+        dtype, shape = (np.uint64, rows) if self.pick else (np.uint16, (rows, self.spec.width))
+        return [space.array(base + _slot_offset(self.spec, self.generation, s), dtype, shape)
                 for s in range(self.spec.world)]
 
     def missing(self, space) -> list[int]:
-        return [s for s, slot in enumerate(self.slots(space))
-                if np.any(slot == ref.SENTINEL_BITS)]
+        sentinel = ref.PICK_SENTINEL if self.pick else ref.SENTINEL_BITS
+        return [s for s, slot in enumerate(self.slots(space)) if np.any(slot == sentinel)]
 
     def describe(self, space) -> str:
         return (f"rank {self.args['rank']} ({self.spec.name}, rows={self.args['rows']}, "
                 f"generation {self.generation}) waits for rank(s) {self.missing(space)}")
 
 
-def _spec_of(record) -> ref.OneShotSpec:
+def _slot_offset(spec, generation: int, source: int) -> int:
+    return (generation * spec.world + source) * spec.slot_bytes
+
+
+def _spec_of(record) -> ref.OneShotSpec | ref.PickSpec:
     s = record.spec or {}
-    if not {"world", "width", "max_rows", "epilogue"} <= set(s):
+    if not {"world", "width", "max_rows"} <= set(s):
         raise NoEmulator(f"kernels.allreduce: no emulator for kernel {record.name!r}")
-    spec = ref.make_spec(s["world"], s["width"], s["epilogue"], s["max_rows"])
+    if s.get("kind") == "pick":
+        spec = ref.make_pick_spec(s["world"], s["width"], s["max_rows"])
+    elif "epilogue" in s:
+        spec = ref.make_spec(s["world"], s["width"], s["epilogue"], s["max_rows"])
+    else:
+        raise NoEmulator(f"kernels.allreduce: no emulator for kernel {record.name!r}")
     if spec.name != record.name:
-        raise NoEmulator(f"kernels.allreduce: kernel {record.name!r} is not the one-shot kernel "
-                         f"its spec describes ({spec.name})")
+        raise NoEmulator(f"kernels.allreduce: kernel {record.name!r} is not the kernel its spec "
+                         f"describes ({spec.name})")
     return spec
 
 
 def waiting(space) -> list[str]:
-    """The all-reduce launches of `space` still waiting for peers, described."""
+    """The all-reduce / pick launches of `space` still waiting for peers, described."""
     return [w.describe(space) for w in _WAITING.get(space, {}).values()]
 
 
@@ -96,30 +116,36 @@ def emulate(record, grid, args, space) -> None:
         raise Deadlock(f"{spec.name} rank {rank}: launched while its previous all-reduce still "
                        f"waits ({pending[args['control']].describe(space)}); on a GPU it "
                        "would not have started: emulate the ranks with run_ranks")
-    _push(spec, args, generation, space)
-    pending[args["control"]] = _Waiting(spec, dict(args), generation)
+    w = _Waiting(spec, dict(args), generation)
+    _push(w, space)
+    pending[args["control"]] = w
     for ctl, w in list(pending.items()):
         if not w.missing(space):
-            _complete(w, space)
+            (_complete_pick if w.pick else _complete_sum)(w, space)
             del pending[ctl]
 
 
-def _push(spec: ref.OneShotSpec, args: dict, generation: int, space) -> None:
-    """Store this rank's sanitized input into slot [generation][rank] of every rank's buffer."""
-    rows, rank = args["rows"], args["rank"]
-    data = ref.sanitize_ref(space.array(args["inp"], BF16, (rows, spec.width))).view(np.uint16)
-    offset = spec.slot_offset(generation, rank)
-    for s, base in enumerate(space.array(args["peers"], np.uint64, spec.world)):
-        slot = space.array(int(base) + offset, np.uint16, (rows, spec.width))
+def _push(w: _Waiting, space) -> None:
+    """Store this rank's data into slot [generation][rank] of every rank's buffer: the
+    sanitized input, or the pick's u64 key per row."""
+    spec, rows, rank = w.spec, w.args["rows"], w.args["rank"]
+    if w.pick:
+        data = ref.ordered_key(space.array(w.args["pairs"], np.int32, (rows, 2)))
+    else:
+        data = ref.sanitize_ref(space.array(w.args["inp"], BF16, (rows, spec.width)))
+    data = data.view(np.uint16)
+    offset = _slot_offset(spec, w.generation, rank)
+    for s, base in enumerate(space.array(w.args["peers"], np.uint64, spec.world)):
+        slot = space.array(int(base) + offset, np.uint16, data.shape)
         if np.any(slot != ref.SENTINEL_BITS):
-            raise Deadlock(f"{spec.name} rank {rank}: slot [{generation}][{rank}] of rank {s}'s "
-                           f"buffer still holds data: rank {s} has not consumed this rank's "
-                           "previous push (a call missing on that rank?)")
+            raise Deadlock(f"{spec.name} rank {rank}: slot [{w.generation}][{rank}] of rank "
+                           f"{s}'s buffer still holds data: rank {s} has not consumed this "
+                           "rank's previous push (a call missing on that rank?)")
         slot[...] = data
 
 
-def _complete(w: _Waiting, space) -> None:
-    """The poll succeeded everywhere: sum in rank order, epilogue, reset, flip the generation."""
+def _complete_sum(w: _Waiting, space) -> None:
+    """The polls succeeded: sum in rank order, epilogue, reset, flip the generation."""
     args, rows, width = w.args, w.args["rows"], w.spec.width
     slots = w.slots(space)
     inputs = [slot.view(BF16).copy() for slot in slots]
@@ -132,8 +158,28 @@ def _complete(w: _Waiting, space) -> None:
         slot[...] = ref.SENTINEL_BITS
     space.array(args["out"], BF16, (rows, width))[...] = out
     control = space.array(args["control"], np.uint32, ref.CONTROL_WORDS)
-    control[1] = 0
+    control[1] = 0                                    # the last CTA's arrival count, reset
     control[0] = w.generation ^ 1
+
+
+def _pairs_of_keys(keys: np.ndarray) -> np.ndarray:
+    """int32 [rows, 2] (f32 bits, index) whose `ordered_key` is `keys` (-0 comes back as +0,
+    which orders the same)."""
+    ordered = (keys >> np.uint64(32)).astype(np.uint32)
+    bits = np.where(ordered & np.uint32(0x80000000), ordered ^ np.uint32(0x80000000), ~ordered)
+    index = ~(keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return np.stack([bits.view(np.int32), index.view(np.int32)], axis=1)
+
+
+def _complete_pick(w: _Waiting, space) -> None:
+    """The polls succeeded: the greedy pick over the ranks' keys, reset, flip the generation
+    (the pick's single CTA does not count arrivals)."""
+    slots = w.slots(space)
+    tokens = ref.pick_ref([_pairs_of_keys(slot.copy()) for slot in slots])
+    for slot in slots:
+        slot[...] = np.uint64(ref.PICK_SENTINEL)
+    space.array(w.args["tokens"], np.int64, w.args["rows"])[...] = tokens
+    space.array(w.args["control"], np.uint32, ref.CONTROL_WORDS)[0] = w.generation ^ 1
 
 
 def _control_of(launch) -> int | None:

@@ -18,7 +18,7 @@ def device_table(space, ptr: int, num_positions: int) -> RopeTable:
     if num_positions < 1:
         raise ValueError(f"RoPE table at {space.name_of(ptr)}: num_positions {num_positions}; "
                          "the kernel reads row 0 even for an invalid position, so it needs >= 1")
-    cos_sin = space.array(ptr, np.float32, (num_positions, PAIRS, 2)).copy()
+    cos_sin = space.array(ptr, np.float32, (num_positions, PAIRS, 2))   # a view: read only
     return RopeTable("device", np.full(PAIRS, np.nan, np.float32), cos_sin)
 
 

@@ -1,7 +1,8 @@
-"""Pointer-level launch of the one-shot all-reduce, and one rank's protocol state on host memory.
+"""Pointer-level launches of the one-shot all-reduce and pick, and a rank's state on host memory.
 
 `oneshot_launches` is what `collectives.oneshot.OneShotAllReduce.launch_spec` builds (it calls
-it), from addresses alone. Per rank the kernel touches:
+it), from addresses alone; `pick_launches` the cross-rank greedy pick on the same state. Per rank
+the all-reduce touches:
 
     inp       bf16 [rows, width]   read (its lanes are pushed, -0.0 sent as +0.0)
     residual  bf16 [rows, width]   read (residual epilogue only)
@@ -44,6 +45,21 @@ def oneshot_launches(bundle, spec: ref.OneShotSpec, ptrs: Mapping[str, int], ran
     return [LaunchSpec(kernel_for(bundle, spec), spec.grid(rows),
                        tuple(ptrs[k] for k in io) + (ptrs["peers"], ptrs["control"],
                                                      ptrs["status"], rank, rows, timeout_us))]
+
+
+def pick_launches(bundle, spec: ref.PickSpec, ptrs: Mapping[str, int], rank: int, rows: int,
+                  timeout_us: int) -> list[LaunchSpec]:
+    """The cross-rank greedy pick of `rows` rows on rank `rank`, on the all-reduce's state (ptrs:
+    pairs, tokens, peers, control, status). Reads pairs int32 [rows, 2] (the lm_head argmax's
+    f32 bits and global index per row); writes tokens int64 [rows], the same on every rank;
+    pushes one u64 key per row into slot [gen][rank] of every receive buffer, resets its own."""
+    check_ptrs(spec.name, ptrs, {"pairs": 8, "tokens": 8, "peers": 8, "control": 4,
+                                 "status": 4})
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.world:
+        raise ValueError(f"{spec.name}: rank {rank!r} outside 0..{spec.world - 1}")
+    return [LaunchSpec(kernel_for(bundle, spec), spec.grid(rows),
+                       (ptrs["pairs"], ptrs["tokens"], ptrs["peers"], ptrs["control"],
+                        ptrs["status"], rank, rows, timeout_us))]
 
 
 def rank_requests(spec: ref.OneShotSpec) -> list[tuple]:
