@@ -1,41 +1,26 @@
 """The compressor chain of one kv-source layer (A2 projection, A7-A9 publish): buffers and launches.
 
 `CompressorChain` owns an arena with every buffer the two kernels touch (x, weights, kv_score,
-ring, positions, sequence tables, RoPE table, record caches) and builds their launches; the GPU
+ring, positions, sequence tables, RoPE table, record caches) and builds their launches with
+`executor.launches.compressor` (which also holds `CompressorShape`, re-exported here); the GPU
 tests and `bench_compressor` use it. Layouts: `kernels/compressor_kernel_ref.py`.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from executor.arena import Arena
 from executor.launch import LaunchSpec
+from executor.launches.compressor import (
+    BUFFERS,
+    CompressorShape,
+    compressor_launches,
+    requests,
+)
 from kernels import compressor_kernel_ref as ck
-from kernels import kvrecord_ref, rope_ref
+from kernels import rope_ref
 
 BENCH_ROWS = (1, 6, 48)
-
-
-@dataclass(frozen=True)
-class CompressorShape:
-    ratio: int
-    hidden: int
-    max_rows: int
-    max_seqs: int
-    pages_per_seq: int
-    page_size: int
-    num_pages: int
-    num_positions: int
-
-    def __post_init__(self):
-        if self.ratio not in (1, 2) or self.max_rows < 1 or self.max_seqs < 1:
-            raise ValueError(f"compressor shape {self}: ratio 1 or 2, rows and seqs >= 1")
-
-    @property
-    def slots(self) -> int:
-        return self.num_pages * self.page_size
 
 
 class CompressorChain:
@@ -43,22 +28,10 @@ class CompressorChain:
 
     def __init__(self, device, bundle, shape: CompressorShape):
         self.shape = shape
-        s = shape
-        self.proj = ck.make_proj_spec(s.ratio, s.hidden)
-        self.pub = ck.make_publish_spec(s.ratio)
-        cols = ck.HEAD_DIM * s.ratio
-        wbytes = self.proj.weight_bytes_per_value
-        reqs = [("x", s.max_rows * s.hidden * 2), ("w", cols * s.hidden * wbytes),
-                ("kv_score", s.max_rows * cols * 4),
-                ("ring", s.max_seqs * ck.RING_ROWS * ck.RING_WIDTH * 4),
-                ("positions", s.max_rows * 4), ("seq_index", s.max_rows * 4),
-                ("state_lines", s.max_seqs * 4), ("block_tables", s.max_seqs * s.pages_per_seq * 4),
-                ("norm_w", ck.HEAD_DIM * 4), ("wk", ck.INDEX_DIM * ck.HEAD_DIM * 2),
-                ("k_norm", ck.INDEX_DIM * 4),
-                ("table", rope_ref.table_bytes(s.num_positions)),
-                ("cache", s.slots * kvrecord_ref.KV_RECORD_BYTES),
-                ("keys", s.slots * kvrecord_ref.INDEX_RECORD_BYTES)]
-        self.arena = Arena(device, reqs)
+        self.proj = ck.make_proj_spec(shape.ratio, shape.hidden)
+        self.pub = ck.make_publish_spec(shape.ratio)
+        self.arena = Arena(device, requests(shape))
+        self.bundle = bundle
         self.kernels = (bundle.kernel(self.proj.name), bundle.kernel(self.pub.name))
 
     def close(self) -> None:
@@ -74,17 +47,8 @@ class CompressorChain:
         self.arena.fill(name, byte)
 
     def launches(self, rows: int, eps: float) -> list[LaunchSpec]:
-        s, a = self.shape, self.arena
-        if not 1 <= rows <= s.max_rows:
-            raise ValueError(f"compressor chain: {rows} rows, allocated for 1..{s.max_rows}")
-        proj = LaunchSpec(self.kernels[0], self.proj.grid(rows),
-                          (a.ptr("x"), a.ptr("w"), a.ptr("kv_score"), rows))
-        names = ("kv_score", "ring", "positions", "seq_index", "state_lines", "block_tables",
-                 "norm_w", "wk", "k_norm", "table", "cache", "keys")
-        pub = LaunchSpec(self.kernels[1], self.pub.grid(rows),
-                         tuple(a.ptr(n) for n in names)
-                         + (rows, s.pages_per_seq, s.page_size, s.num_positions, float(eps)))
-        return [proj, pub]
+        ptrs = {name: self.arena.ptr(name) for name in BUFFERS}
+        return compressor_launches(self.bundle, self.shape, ptrs, rows, eps)
 
 
 def decode_rows(rows: int, context: int, per_seq: int = 6):
