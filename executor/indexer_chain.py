@@ -5,41 +5,16 @@ registered through executor/benchmarks.py FAMILY_BENCHMARKS as "executor.indexer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from executor.arena import Arena
 from executor.launch import LaunchSpec
+from executor.launches import indexer as il
+from executor.launches.indexer import IndexerShape
 from kernels import indexer_kernel_ref as ik
 
 BENCH_CONTEXTS = (4096, 65536, 131072)
 BENCH_ROWS = (1, 6, 48)                  # 1 decode row; one verify block; 8 verify blocks
-
-
-@dataclass(frozen=True)
-class IndexerShape:
-    """What one chain is sized for: the layer kind and the step's maxima."""
-
-    heads: int
-    ratio: int
-    mode: str                  # "dense" | "candidates"
-    topk: int
-    num_blocks: int            # candidate blocks per row (candidate source / consumers)
-    block_size: int
-    page_size: int
-    max_rows: int
-    max_seqs: int
-    max_entries: int           # per sequence: the scores row stride (ld)
-    candidate_source: bool = False
-
-    @property
-    def pages_per_seq(self) -> int:
-        return ik.ceil_div(self.max_entries, self.page_size)
-
-    @property
-    def tiles(self) -> int:
-        return ik.padded_heads(self.heads) // ik.HEADS_PER_TILE
 
 
 class IndexerChain:
@@ -47,45 +22,22 @@ class IndexerChain:
 
     def __init__(self, device, bundle, shape: IndexerShape):
         self.shape = s = shape
-        topk_mode = "candidates" if s.mode == "candidates" else "entries"
-        self.specs = {"prep": ik.make_prep_spec(s.heads, s.mode, s.ratio, s.page_size),
-                      "scores": ik.make_scores_spec(s.heads, s.mode, s.ratio, s.page_size),
-                      "topk": ik.make_topk_spec(topk_mode, s.topk, s.ratio, s.block_size)}
-        if s.candidate_source:
-            self.specs["blocks"] = ik.make_topk_spec("blocks", s.num_blocks, s.ratio,
-                                                     s.block_size)
+        self.bundle = bundle
+        self.specs = il.default_specs(s)
         # The cluster top-k variants, launched by `variant_launches` into their own outputs so
         # the defaults' results stay the measured reference: entries or candidate entries and
         # blocks alone (topk_c, blocks_c), both from one read (topk_b, blocks_b).
-        self.variant_specs = {}
-        if s.mode == "candidates":
-            self.variant_specs["topkc"] = ik.make_topk_cluster_spec("candidates", s.topk,
-                                                                    s.ratio, s.block_size)
-        else:
-            self.variant_specs["topkc"] = ik.make_topk_cluster_spec("entries", s.topk, s.ratio,
-                                                                    s.block_size)
-            if s.candidate_source:
-                self.variant_specs["blocksc"] = ik.make_topk_cluster_spec(
-                    "blocks", s.num_blocks, s.ratio, s.block_size)
-                self.variant_specs["bothc"] = ik.make_topk_cluster_spec(
-                    "both", s.topk, s.ratio, s.block_size, s.num_blocks)
+        self.variant_specs = il.cluster_specs(s)
         self.kernels = {k: bundle.kernel(v.name)
                         for k, v in {**self.specs, **self.variant_specs}.items()}
-        r, t, nh = s.max_rows, s.tiles, s.heads
-        pages = s.max_seqs * s.pages_per_seq
-        reqs = [("q", 2 * r * nh * ik.INDEX_DIM, f"bf16 [{r}, {nh}, 128]"),
-                ("w_raw", 2 * r * nh, f"bf16 [{r}, {nh}]"), ("positions", 4 * r),
-                ("seq_index", 4 * r), ("cands", 4 * r * s.num_blocks, "i32 [R, blocks] in"),
-                ("qfrag", 4 * r * t * ik.GROUPS * ik.LANES * 2), ("qscale", 4 * r * t * 32),
-                ("qw", 4 * r * t * 8), ("plan", 4 * ik.plan_words(r)),
-                ("keys", pages * s.page_size * ik.KEY_BYTES, "u8 [pages * page, 132]"),
-                ("block_tables", 4 * s.max_seqs * s.pages_per_seq),
-                ("scores", 4 * r * s.max_entries, f"f32 [{r}, {s.max_entries}]"),
-                ("topk", 4 * r * s.topk), ("blocks_out", 4 * r * s.num_blocks),
-                ("topk_c", 4 * r * s.topk, "cluster variant"),
-                ("blocks_c", 4 * r * s.num_blocks, "cluster variant"),
-                ("topk_b", 4 * r * s.topk, "cluster variant, both"),
-                ("blocks_b", 4 * r * s.num_blocks, "cluster variant, both")]
+        reqs = il.requests(s, ("q", "w_raw", "positions", "seq_index", "cands", "qfrag",
+                               "qscale", "qw", "plan", "keys", "block_tables", "scores",
+                               "topk", "blocks_out"))
+        r = s.max_rows
+        reqs += [("topk_c", 4 * r * s.topk, "cluster variant"),
+                 ("blocks_c", 4 * r * s.num_blocks, "cluster variant"),
+                 ("topk_b", 4 * r * s.topk, "cluster variant, both"),
+                 ("blocks_b", 4 * r * s.num_blocks, "cluster variant, both")]
         self.arena = Arena(device, reqs)
 
     def close(self) -> None:
@@ -101,37 +53,24 @@ class IndexerChain:
         for name in names:
             self.arena.fill(name, 0xFF)
 
+    def ptrs(self, **renamed: str) -> dict[str, int]:
+        """Device address of every slice by name; renamed maps a pointer name to another slice."""
+        out = {name: self.arena.ptr(name) for name in self.arena.slices}
+        out.update({name: self.arena.ptr(slice_) for name, slice_ in renamed.items()})
+        return out
+
     def launches(self, rows: int, weight_scale: float) -> list[LaunchSpec]:
-        s, p = self.shape, self.arena.ptr
-        args = {
-            "prep": (p("q"), p("w_raw"), p("positions"), p("seq_index"), p("cands"), p("qfrag"),
-                     p("qscale"), p("qw"), p("plan"), rows, s.num_blocks, float(weight_scale)),
-            "scores": (p("qfrag"), p("qscale"), p("qw"), p("plan"), p("keys"),
-                       p("block_tables"), p("cands"), p("seq_index"), p("scores"), rows,
-                       s.max_entries, s.pages_per_seq, s.num_blocks),
-            "topk": (p("scores"), p("positions"), p("seq_index"), p("cands"), p("topk"), rows,
-                     s.max_entries, s.num_blocks),
-            "blocks": (p("scores"), p("positions"), p("seq_index"), p("cands"),
-                       p("blocks_out"), rows, s.max_entries, s.num_blocks),
-        }
-        return [LaunchSpec(self.kernels[k], self.specs[k].grid(rows), args[k])
-                for k in self.specs]
+        return il.indexer_launches(self.bundle, self.shape, self.ptrs(), rows, weight_scale)
 
     def variant_launches(self, rows: int) -> dict[str, LaunchSpec]:
         """The cluster top-k variants on the scores `launches` left, by key (topkc, blocksc,
         bothc); each writes only the output(s) of its mode."""
-        s, p = self.shape, self.arena.ptr
         out = {"topkc": ("topk_c", "blocks_c"), "blocksc": ("topk_c", "blocks_c"),
                "bothc": ("topk_b", "blocks_b")}
-        launches = {}
-        for k, spec in self.variant_specs.items():
-            args = (p("scores"), p("positions"), p("seq_index"), p(out[k][0]), p(out[k][1]), rows,
-                    s.max_entries)
-            if spec.mode == "candidates":                   # the default top-k's ABI
-                args = (p("scores"), p("positions"), p("seq_index"), p("cands"), p("topk_c"),
-                        rows, s.max_entries, s.num_blocks)
-            launches[k] = LaunchSpec(self.kernels[k], spec.grid(rows), args, cluster=spec.cluster)
-        return launches
+        return {k: il.cluster_topk_launch(
+                    self.bundle, self.shape, spec,
+                    self.ptrs(topk=out[k][0], blocks_out=out[k][1]), rows)
+                for k, spec in self.variant_specs.items()}
 
 
 def random_key_records(rng, n: int) -> np.ndarray:
