@@ -9,7 +9,8 @@ that are random page permutations with -1 for pages past the context, top-k list
 visible entries (-1 padded, a few -1 inside), verify blocks whose rows share most of their
 entries, padding rows. Only the records some row must read are written: any other read is NaN.
 
-The kernel needs a thread-block-cluster launch: `LaunchSpec(..., cluster=spec.cluster)`.
+The kernel needs a thread-block-cluster launch: `LaunchSpec(..., cluster=spec.cluster)`, which
+`executor.launches.sparse_mqa.sparse_mqa_launch` builds from the arena's pointers.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.launch import LaunchSpec
+from executor.launches.sparse_mqa import BUFFERS, sparse_mqa_launch, spec_of
 from kernels import kvrecord_ref as rec
 from kernels import rope_ref
 from kernels import sparse_mqa_ref as ref
@@ -135,6 +137,7 @@ def make_case(spec: ref.SparseMqaSpec, rng, context: int, blocks: list[str], pad
 
 # ---- device side -----------------------------------------------------------------------------------
 
+# Arena slice names, in the order of the kernel's pointer parameters (launches.sparse_mqa.BUFFERS).
 ARRAYS = ("q", "out", "swa", "compressed", "topk", "block_tables", "info", "state_lines", "sink",
           "table")
 
@@ -156,15 +159,15 @@ class SparseMqaBuffers:
             else:
                 view[...] = cp.asarray(np.ascontiguousarray(arr).view(np.uint8).ravel())
         cp.cuda.Device().synchronize()
-        a = self.arena
-        self.args = tuple(a.ptr(k) for k in ARRAYS) + (
-            case.rows, case.block_tables.shape[1], case.page_size, case.table.num_positions)
+        self.ptrs = {abi: self.arena.ptr(k) for abi, k in zip(BUFFERS, ARRAYS)}
         self.launch = self.launch_of(bundle, case.spec)
 
     def launch_of(self, bundle, spec: ref.SparseMqaSpec) -> LaunchSpec:
         """A launch of `spec`'s kernel on these buffers (variants share the case's ABI)."""
-        return LaunchSpec(bundle.kernel(spec.name), spec.grid(self.case.rows), self.args,
-                          cluster=spec.cluster)
+        c = self.case
+        return sparse_mqa_launch(bundle, spec, self.ptrs, c.rows,
+                                 pages_per_seq=c.block_tables.shape[1], page_size=c.page_size,
+                                 num_positions=c.table.num_positions)
 
     @staticmethod
     def _host(case: Case) -> dict:
@@ -249,10 +252,4 @@ def _topk_specs(bundle) -> list[ref.SparseMqaSpec]:
 
 
 def _spec_from(bundle, name: str) -> ref.SparseMqaSpec:
-    s = bundle.manifest.kernels[name].spec
-    return ref.SparseMqaSpec(s["name"], s["heads"], s["window"], s["swa_cols"], s["topk"],
-                             s["ring_slots"], s["cluster"][0], s["entries_per_cta"],
-                             s["smem_bytes"], split=s.get("split", "balanced"),
-                             skip=tuple(s.get("skip", ())),
-                             ctas_per_sm=s.get("ctas_per_sm", ref.CTAS_PER_SM),
-                             qk_chains=s.get("qk_chains", 1))
+    return spec_of(bundle.manifest.kernels[name].spec)
