@@ -17,6 +17,7 @@ from executor.arena import Arena
 from executor.benchmarks import MB, BenchContext, fill_random_bf16, fill_random_u32
 from executor.graphs import Graph
 from executor.launch import LaunchSpec
+from executor.launches.dense import dense_launch, lm_head_launch
 
 ROWS = (1, 5, 6, 8, 17, 48, 192)
 QUICK_ROWS = (1, 8, 192)
@@ -116,10 +117,12 @@ def bench_dense(ctx: BenchContext) -> None:
             a.view("cnt", "uint32")[:] = 0
             for rows in (QUICK_ROWS if ctx.quick else ROWS):
                 for spec in _for_rows(variants, rows):
-                    launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
-                                           (a.ptr("x"), a.ptr(f"w{c}"), a.ptr(f"s{c}"),
-                                            a.ptr("x"), a.ptr("out"), a.ptr("ws"), a.ptr("cnt"),
-                                            rows)) for c in range(copies)]
+                    launches = [dense_launch(bundle, spec,
+                                             {"x": a.ptr("x"), "weight": a.ptr(f"w{c}"),
+                                              "scales": a.ptr(f"s{c}"), "residual": a.ptr("x"),
+                                              "out": a.ptr("out"), "workspace": a.ptr("ws"),
+                                              "counters": a.ptr("cnt")}, rows)
+                                for c in range(copies)]
                     iso, chain = _time_both(ctx, launches, reps=30 if ctx.quick else 60)
                     _report(ctx, spec.name, _label(spec), rows, spec.bytes_moved(rows),
                             spec.weight_bytes(), iso, chain, 80.0)
@@ -151,9 +154,10 @@ def bench_lm_head(ctx: BenchContext) -> None:
                 if mode == "logits" and rows not in (1, 8, 48):
                     continue
                 for spec in _for_rows([s for s in specs if s.mode == mode], rows):
-                    launches = [LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
-                                           (a.ptr("x"), a.ptr(f"w{c}"), a.ptr("out"),
-                                            a.ptr("keys"), a.ptr("cnt"), rows, 0))
+                    launches = [lm_head_launch(bundle, spec,
+                                               {"x": a.ptr("x"), "weight": a.ptr(f"w{c}"),
+                                                "out": a.ptr("out"), "keys": a.ptr("keys"),
+                                                "counters": a.ptr("cnt")}, rows, 0)
                                 for c in range(copies)]
                     iso, chain = _time_both(ctx, launches, reps=20 if ctx.quick else 40)
                     _report(ctx, spec.name, "lm_head" if mode == "argmax" else "", rows,
