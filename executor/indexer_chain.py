@@ -2,6 +2,7 @@
 
 Used by tests/gpu/test_indexer_publish.py and by `hopdec devicecheck` (benchmark "indexer",
 registered through executor/benchmarks.py FAMILY_BENCHMARKS as "executor.indexer_chain:bench_indexer").
+The launches themselves are built from the arena's pointers by executor/launches/indexer.py.
 """
 from __future__ import annotations
 

@@ -17,10 +17,12 @@ input arena is unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from executor.emulate import run
+from executor.emulate import NoEmulator, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
 from executor.indexer_chain import random_key_records
 from executor.launch import LaunchSpec
@@ -261,6 +263,17 @@ def test_ratio2_dense_layer(bundle, context, rows, padding, max_rows):
         assert (extra.buffer == 0xEE).all(), "the entries top-k wrote blocks"
 
 
+def test_shape_for_layer_matches_the_bundle(bundle):
+    """Every index-source layer of the tiny model gets a shape whose kernels the bundle has."""
+    layers = [layer for layer in CFG.layers if layer.has_indexer]
+    assert {"dense", "candidates"} <= {il.IndexerShape.for_layer(CFG, x, PAGE, 8, 2, 256).mode
+                                       for x in layers}
+    for layer in layers:
+        shape = il.IndexerShape.for_layer(CFG, layer, PAGE, 8, 2, 256)
+        for spec in {**il.default_specs(shape), **il.cluster_specs(shape)}.values():
+            assert bundle.kernel(spec.name).family == "kernels.indexer"
+
+
 def test_builder_and_emulator_refuse_bad_calls(bundle):
     space = AddressSpace()
     shape = new_shape("dense", 1, 100, 4, 2, True)
@@ -275,3 +288,6 @@ def test_builder_and_emulator_refuse_bad_calls(bundle):
     short = LaunchSpec(topk.kernel, (1,), topk.args)    # one CTA per row: 2 rows need 2
     with pytest.raises(ValueError, match=r"grid \(1, 1, 1\) for 2 rows"):
         run([short], space)
+    record = dataclasses.replace(topk.kernel, spec={**topk.kernel.spec, "kind": "gather"})
+    with pytest.raises(NoEmulator, match="kind 'gather'"):
+        run([LaunchSpec(record, topk.grid, topk.args)], space)

@@ -59,6 +59,18 @@ class IndexerShape:
     max_entries: int           # per sequence: the scores row stride (ld)
     candidate_source: bool = False
 
+    @classmethod
+    def for_layer(cls, cfg, layer, page_size: int, max_rows: int, max_seqs: int,
+                  max_entries: int) -> IndexerShape:
+        """The shape of an index-source layer of a ModelConfig (as kernels.indexer.specs builds
+        its kernels); max_entries: the scores row stride, >= every row's visible entries."""
+        if not layer.has_indexer:
+            raise ValueError(f"layer {layer.index} has no indexer")
+        return cls(cfg.index_n_heads, layer.ratio,
+                   "candidates" if layer.uses_candidates else "dense", cfg.index_topk,
+                   cfg.candidate_topk_blocks, cfg.candidate_block_size, page_size, max_rows,
+                   max_seqs, max_entries, candidate_source=layer.is_candidate_source)
+
     @property
     def pages_per_seq(self) -> int:
         return ik.ceil_div(self.max_entries, self.page_size)
