@@ -115,15 +115,19 @@ def _launch_and_check(bundle, spec, inputs: DenseInputs, rows: int) -> HostArena
 def test_every_dense_and_wo_a_launch_equals_the_reference(bundle):
     rng = np.random.default_rng()
     cases: dict = {}
-    for family, spec in _dense_specs(bundle):
-        inputs = cases.setdefault((spec.groups, spec.n, spec.k), DenseInputs(spec, rng))
+    specs = _dense_specs(bundle)
+    for family, spec in specs:
+        shape = (spec.groups, spec.n, spec.k)
+        if shape not in cases:
+            cases[shape] = DenseInputs(spec, rng)
         label, prefix = _label(family, spec), PREFIXES[family]
         for rows in _rows_for(spec):
             # the picker hands the step exactly this kernel at this R
             assert ld.dense_spec(bundle, label, rows, spec.epilogue, prefix) == spec
-            _launch_and_check(bundle, spec, inputs, rows)
-    assert any(s.variant == "stream" for _, s in _dense_specs(bundle))
-    assert any(s.split_k > 1 for _, s in _dense_specs(bundle)), "no split-K kernel covered"
+            _launch_and_check(bundle, spec, cases[shape], rows)
+    assert any(s.variant == "stream" for _, s in specs), "no streamed kernel covered"
+    assert any(s.split_k > 1 for _, s in specs), "no split-K kernel covered"
+    assert {s.epilogue for _, s in specs} == set(dr.EPILOGUES)
 
 
 def test_wo_a_picker_and_split_k_workspace(bundle):
@@ -194,6 +198,21 @@ def test_bench_launches_are_argument_for_argument_the_old_ones(bundle):
     old = LaunchSpec(bundle.kernel(head.name), head.grid(48), (q["x"], q["weight"], q["out"],
                      q["keys"], q["counters"], 48, 0))
     assert (got.kernel, got.grid, got.args, got.pdl) == (old.kernel, old.grid, old.args, old.pdl)
+
+
+def test_residual_epilogue_in_place(bundle):
+    """out = residual (the residual stream updated in place) is a legal binding."""
+    for rows in (8, 48):
+        spec = ld.dense_spec(bundle, "shared_w2", rows, "residual")
+        inputs = DenseInputs(spec, np.random.default_rng())
+        space = AddressSpace()
+        arena = inputs.arena(spec, space)
+        ptrs = {n: arena.ptr(n) for n in arena.slices}
+        run([ld.dense_launch(bundle, spec, {**ptrs, "out": ptrs["residual"]}, rows)], space)
+        got = arena.download("residual", np.uint16, (dr.MAX_ROWS, spec.n))
+        assert np.array_equal(got[rows:], inputs.res[rows:].view(np.uint16))
+        got[rows:] = 0xFFFF                      # check() wants the tail untouched = poison
+        inputs.check(spec, rows, got)
 
 
 def test_wiring_mistakes_fail_as_on_the_gpu(bundle):
