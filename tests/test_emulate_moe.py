@@ -8,16 +8,20 @@ and fp32 route weights; every scratch and output buffer poisoned (0xFF) before e
 y against moe_ref.routed_experts on the dequantized weights with mk.check_routed_close (the GPU
 test's tolerance) and bit for bit (the emulator runs moe_ref's arithmetic, on the same rows in the
 same order), routing lists and quantized x bitwise, and the bytes past the last row written (and
-the meta words no kernel writes) still poison.
+the meta words no kernel writes) still poison. One more case runs specs built from mk (no
+cubin) at the real rank's I = 576, whose w2 K has a 64-wide tail group.
 """
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from executor.bundle import KernelRecord
 from executor.emulate import NoEmulator, emulate_launch, run
+from executor.emulate.moe import _w4a8_quantized, emulate
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
 from executor.launches import moe as ml
 from kernels import moe_kernel_ref as mk
@@ -208,7 +212,6 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
 def test_grouped_gemm_of_quantized_x_is_moe_refs_w4a8():
     """The emulator's w13 GEMM (x read already quantized) is moe_ref.w4a8_matmul bit for bit,
     a short tail group included."""
-    from executor.emulate.moe import _w4a8_quantized
     rng = np.random.default_rng()
     for k in (96, 256, 576):
         x = moe_ref.round_bf16(rng.normal(0, 2, (7, k)))
@@ -226,7 +229,6 @@ def test_prep_on_one_cta_routes_but_quantizes_nothing(setup):
     for name in SCRATCH:
         s.arena.fill(name, 0xFF)
     args = {name: value for (name, _), value in zip(prep.kernel.params, prep.args)}
-    from executor.emulate.moe import emulate
     emulate(prep.kernel, (1, 1, 1), args, s.space)
     _check_lists(s, ids, "prep on one CTA")
     assert (s.arena.view("xq", np.uint8) == 0xFF).all()
@@ -252,7 +254,6 @@ def test_bad_input_and_unknown_variants_raise(setup):
     odd = dataclasses.replace(rec, spec={**rec.spec, "variant": "r9"})
     args = dict(zip([n for n, _ in rec.params], [s.ptrs["meta"]] * 7 + [2]))
     with pytest.raises(NoEmulator, match="'w2' variant 'r9'"):
-        from executor.emulate.moe import emulate
         emulate(odd, (1, 1, 1), args, s.space)
 
 
@@ -267,3 +268,56 @@ def test_requests_match_the_pointer_keys_and_the_abi(setup):
             assert key.startswith(param) or (param, key) == ("topk_ids", "ids"), (kind, param)
     with pytest.raises(ValueError, match="max_rows"):
         ml.requests(s.shape, mk.MAX_ROWS + 1)
+
+
+class _SpecBundle:
+    """A manifest-less bundle of mk's specs (no cubins): KernelRecords straight from to_dict()."""
+
+    def __init__(self, shape: mk.MoeShape):
+        specs = mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
+        self.records = {s.name: KernelRecord(s.name, "kernels.moe", Path("-"), "-", s.params,
+                                             s.block, s.smem_bytes, True, spec=s.to_dict())
+                        for s in specs}
+
+    def kernel(self, name: str):
+        return self.records[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.records)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_real_intermediate_width_with_its_tail_group(rows):
+    """I = 576 (the v41-flash TP4 rank: w2's K is four 128-groups and a 64 tail, padded to 640)
+    and D = 384 (three 128-groups), on specs built from mk (the tiny bundle has I = 96 only)."""
+    shape = mk.MoeShape(8, 6, 384, 576, 10.0)
+    bundle = _SpecBundle(shape)
+    rng = np.random.default_rng()
+    w13 = _random_fused(rng, 8, 2 * shape.inter, shape.hidden)
+    w2 = _random_fused(rng, 8, shape.hidden, shape.inter)
+    packed = mk.pack_experts(w13, w2, shape)
+    space = AddressSpace()
+    arena = HostArena(space, ml.weight_requests(shape) + ml.requests(shape, 8))
+    for name, arr in {"codes13": packed.w13.codes, "offsets13": packed.w13.offsets,
+                      "codes2": packed.w2.codes, "offsets2": packed.w2.offsets,
+                      "scales13": packed.w13.scales, "scales2": packed.w2.scales}.items():
+        arena.upload(name, arr)
+    ids = np.stack([rng.choice(8, 6, replace=False) for _ in range(rows)]).astype(np.int32)
+    weights = rng.random((rows, 6)).astype(np.float32)
+    x = moe_ref.round_bf16(rng.normal(0, 1, (rows, shape.hidden)))
+    arena.upload("x", f.to_bf16(x))
+    arena.upload("ids", ids)
+    arena.upload("route_weights", weights)
+    d13, d2 = f.fused_e8m0_dequantize(w13), f.fused_e8m0_dequantize(w2)
+    shards = [moe_ref.ExpertShard(d13[e], d2[e]) for e in range(8)]
+    want = moe_ref.routed_experts(x, moe_ref.RouterOutput(ids.astype(np.int64), weights),
+                                  shards, shape.swiglu_limit)
+    ptrs = {name: arena.ptr(name) for name in arena.slices}
+    for label, specs in (("default", ml.chain_launches(bundle, shape, ptrs, rows)),
+                         ("self-routed", ml.selfrouted_launches(bundle, shape, ptrs, rows))):
+        for name in SCRATCH:
+            arena.fill(name, 0xFF)
+        run(specs, space)
+        y = arena.download("y", np.float32, (8, shape.hidden))
+        _check_y(y, want, f"{label}, I=576, R={rows}")
+        assert (y[rows:].view(np.uint32) == 0xFFFFFFFF).all(), f"{label}: y written past R"
