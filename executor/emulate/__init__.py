@@ -64,6 +64,10 @@ def emulator_for(family: str):
 def emulate_launch(spec, space) -> None:
     """One LaunchSpec on the host address space."""
     rec = record_of(spec.kernel)
+    ctas = (rec.spec or {}).get("cluster_ctas")
+    if ctas and spec.cluster != (ctas, 1, 1):
+        raise ValueError(f"kernel {rec.name!r} needs a cluster of ({ctas}, 1, 1); the launch "
+                         f"gives {spec.cluster} (it would trap on the GPU)")
     args = {name: value for (name, _), value in zip(rec.params, spec.args)}
     emulator_for(rec.family)(rec, spec.grid, args, space)
 
