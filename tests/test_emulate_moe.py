@@ -321,3 +321,13 @@ def test_real_intermediate_width_with_its_tail_group(rows):
         y = arena.download("y", np.float32, (8, shape.hidden))
         _check_y(y, want, f"{label}, I=576, R={rows}")
         assert (y[rows:].view(np.uint32) == 0xFFFFFFFF).all(), f"{label}: y written past R"
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_scratch_buffers_are_the_requests_of_the_rank_shape(config):
+    from loader.config import ModelConfig
+    cfg = ModelConfig.preset(config)
+    shape = mk.moe_shape(cfg, 4)
+    want = {n: b for n, b, _ in ml.requests(shape, 48)}
+    got = {buf.name.removeprefix("moe."): buf.nbytes for buf in ml.scratch_buffers(cfg, 4, 48)}
+    assert got == {n: want[n] for n in ("meta", "pairs", "xq", "xs", "h", "ye", "y")}

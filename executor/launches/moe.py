@@ -30,14 +30,19 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain below
 SELFROUTED_FROM_ROWS (its w2 the single-row variant at R = 1), the self-routed "early" chain from
 there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
-`HostArena`; `executor/moe_chain.py` builds its launches here.
+`HostArena`; `scratch_buffers` the step's family scratch (executor/wiring.py FAMILY_BUFFERS
+form, "moe." + pointer key). `executor/moe_chain.py` builds its launches here.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from executor.launch import LaunchSpec
+from executor.wiring import Buffer
 from kernels import moe_kernel_ref as mk
+from kernels.common_ref import BF16
 
 DEFAULT_CHAIN = ("prep", "w13", "w2", "combine")
 # Pointer keys of each kernel's pointer parameters, in ABI order (the last parameter is rows).
@@ -184,3 +189,19 @@ def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str,
             ("h", 2 * r * k * i, f"bf16 [{r * k}, {i}] SwiGLU per pair"),
             ("ye", 2 * r * k * d, f"bf16 [{r * k}, {d}] expert output per pair"),
             ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial")]
+
+
+def scratch_buffers(cfg, tp: int, max_rows: int):
+    """The step's MoE scratch and routed output as executor.wiring Buffers, "moe." + pointer key,
+    shared by every layer (the same bytes as `requests`). ids, route_weights and x are other
+    families' outputs and the weights are per layer: the step maps those keys itself."""
+    shape = mk.moe_shape(cfg, tp)
+    r, k, g = max_rows, shape.topk, shape.groups(shape.k13)
+    return [Buffer("moe.meta", np.int32, (mk.meta_words(shape.num_experts),),
+                   "routing lists (default chain)"),
+            Buffer("moe.pairs", np.int32, (r * k,), "pairs by expert (default chain)"),
+            Buffer("moe.xq", np.uint8, (r, shape.k13), "x as E4M3, fragment order"),
+            Buffer("moe.xs", np.float32, (r, g), "x group scales"),
+            Buffer("moe.h", BF16, (r * k, shape.inter), "SwiGLU per pair"),
+            Buffer("moe.ye", BF16, (r * k, shape.hidden), "expert output per pair"),
+            Buffer("moe.y", np.float32, (r, shape.hidden), "routed partial")]
