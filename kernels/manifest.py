@@ -32,6 +32,7 @@ FAMILIES = (
     "kernels.sparse_mqa",
     "kernels.mhc", "kernels.router",
     "kernels.embed", "kernels.engram",
+    "kernels.rows",
 )
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -35,6 +35,7 @@ EMULATORS = {
     "kernels.router": "executor.emulate.router:emulate",
     "kernels.embed": "executor.emulate.embed:emulate",
     "kernels.engram": "executor.emulate.engram:emulate",
+    "kernels.rows": "executor.emulate.rows:emulate",
 }
 
 
