@@ -93,9 +93,9 @@ def test_back_to_back_calls_on_every_rank_equal_the_reference(bundle):
             assert report["mismatches"] == 0 and report["unwritten"] == 0, (seed, c, r, report)
             assert np.all(got[rows:].view(np.uint16) == 0xFFFF), f"call {c} rank {r}: past rows"
     for r, arena in enumerate(ranks.arenas):
-        assert np.all(arena.view("ar_buffer", np.uint16) == ref.SENTINEL_BITS), f"rank {r}"
+        assert np.all(arena.view("allreduce.buffer", np.uint16) == ref.SENTINEL_BITS), f"rank {r}"
         assert ranks.control(r).tolist() == [len(CALLS) % 2, 0, 0, 0]
-        assert np.all(arena.view("ar_status", np.uint32) == 0)
+        assert np.all(arena.view("allreduce.status", np.uint32) == 0)
 
 
 def test_a_rank_waits_until_the_last_rank_pushed(bundle):
@@ -222,5 +222,5 @@ def test_pick_between_all_reduces_equals_the_reference(bundle, rows):
             got = ranks.out(r, c, fused, False)[:n]
             expect = checks.expected(seed, c, ranks.world, n, ranks.width, fused)
             assert checks.compare(got, expect)["mismatches"] == 0, (r, c)
-        assert np.all(ranks.arenas[r].view("ar_buffer", np.uint16) == ref.SENTINEL_BITS)
+        assert np.all(ranks.arenas[r].view("allreduce.buffer", np.uint16) == ref.SENTINEL_BITS)
         assert ranks.control(r).tolist() == [1, 0, 0, 0]

@@ -209,3 +209,17 @@ def test_swa_insert_out_of_range_position_writes_nan_rope_dims(bundle):
     assert np.array_equal(np.delete(got, 3, axis=0), np.delete(want, 3, axis=0))
     assert np.array_equal(np.delete(got[3], np.r_[rope]), np.delete(want[3], np.r_[rope]))
     assert np.all(got[3, rope].view(np.uint16) == 0x7FFF)
+
+
+def test_swa_insert_refuses_two_rows_on_one_slot(bundle):
+    """Two real rows writing one record race on the GPU: the emulator names it."""
+    rng = np.random.default_rng()
+    spec = kp.make_swa_spec()
+    rows, num_slots = 4, BUCKET + 37
+    kv, weight, positions, slots = _swa_inputs(rng, rows, num_slots)
+    slots[:rows] = [5, 9, 5, -1]
+    space, arena, ptrs = _arena(small.swa_insert_requests(spec, BUCKET, NUM_POSITIONS, num_slots))
+    for name, arr in (("kv", kv), ("weight", weight), ("positions", positions), ("slots", slots)):
+        arena.upload(name, arr)
+    with pytest.raises(ValueError, match="share a slot"):
+        run(small.swa_insert_launches(bundle, spec, ptrs, rows, NUM_POSITIONS, 1e-6), space)

@@ -63,12 +63,13 @@ def pick_launches(bundle, spec: ref.PickSpec, ptrs: Mapping[str, int], rank: int
 
 
 def rank_requests(spec: ref.OneShotSpec) -> list[tuple]:
-    """The arena slices of one rank's all-reduce state (what OneShotAllReduce allocates)."""
+    """The arena slices of one rank's all-reduce (and pick) state, for the emulator: on the GPU
+    OneShotAllReduce allocates them (IPC buffer, 256 device bytes, pinned status)."""
     w = spec.world
-    return [("ar_buffer", spec.buffer_bytes,
+    return [("allreduce.buffer", spec.buffer_bytes,
              f"bf16 [2, {w}, {spec.max_rows}, {spec.width}] receive slots, -0.0 filled"),
-            ("ar_state", STATE_BYTES, f"u64 peers[{w}] at 0, u32 control[4] at {CONTROL_OFFSET}"),
-            ("ar_status", 4 * w, f"u32 [{w}] timed-out sources")]
+            ("allreduce.state", STATE_BYTES, f"u64 peers[{w}], u32 control[4] at {CONTROL_OFFSET}"),
+            ("allreduce.status", 4 * w, f"u32 [{w}] timed-out sources")]
 
 
 def init_host_ranks(arenas: Sequence, spec: ref.OneShotSpec) -> list[dict[str, int]]:
@@ -77,14 +78,14 @@ def init_host_ranks(arenas: Sequence, spec: ref.OneShotSpec) -> list[dict[str, i
     rank's {peers, control, status} pointers for `oneshot_launches`."""
     if len(arenas) != spec.world:
         raise ValueError(f"{spec.name}: {len(arenas)} rank arenas for world {spec.world}")
-    buffers = [a.ptr("ar_buffer") for a in arenas]
+    buffers = [a.ptr("allreduce.buffer") for a in arenas]
     out = []
     for arena in arenas:
-        arena.view("ar_buffer", np.uint16)[...] = ref.SENTINEL_BITS
-        arena.fill("ar_state", 0)
-        arena.fill("ar_status", 0)
-        arena.upload("ar_state", np.array(buffers, np.uint64))
-        out.append({"peers": arena.ptr("ar_state"),
-                    "control": arena.ptr("ar_state") + CONTROL_OFFSET,
-                    "status": arena.ptr("ar_status")})
+        arena.view("allreduce.buffer", np.uint16)[...] = ref.SENTINEL_BITS
+        arena.fill("allreduce.state", 0)
+        arena.fill("allreduce.status", 0)
+        arena.upload("allreduce.state", np.array(buffers, np.uint64))
+        out.append({"peers": arena.ptr("allreduce.state"),
+                    "control": arena.ptr("allreduce.state") + CONTROL_OFFSET,
+                    "status": arena.ptr("allreduce.status")})
     return out
