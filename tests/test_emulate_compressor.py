@@ -190,3 +190,43 @@ def test_emulator_checks_the_grid_and_refuses_unknown_kinds(bundle):
     odd = dataclasses.replace(proj.kernel, spec={**proj.kernel.spec, "kind": "x"})
     with pytest.raises(NoEmulator, match="compressor_proj_r2_k256"):
         run([LaunchSpec(odd, proj.grid, proj.args)], space)
+
+
+def test_two_steps_pool_through_the_ring(bundle):
+    """Decode rows at even positions, then the next step at odd ones: the second step's partners
+    come from the ring the first step's emulated publish wrote (r = 2, the same arena)."""
+    rng = np.random.default_rng()
+    cfg = ModelConfig.preset("tiny")
+    seqs, eps = 3, float(cfg.rms_norm_eps)
+    _, inputs = _case_inputs(rng, cfg, 2, "drafts_and_zero", cfg.hidden_size)
+    shape = CompressorShape(2, cfg.hidden_size, 4, seqs + 3, PAGES, PAGE,
+                            inputs["block_tables"].size + 5, NUM_POSITIONS)
+    start = (2 * rng.integers(10, 500, seqs)).astype(np.int32)          # even positions
+    inputs.update(positions=start, seq_index=np.arange(seqs, dtype=np.int32),
+                  ring=np.full((seqs + 3, ck.RING_ROWS, ck.RING_WIDTH), np.nan, np.float32))
+    del inputs["x"]                                                      # new rows each step
+    space = AddressSpace()
+    arena = HostArena(space, requests(shape))
+    _upload(arena, inputs, 2)
+    ptrs = {n: arena.ptr(n) for n in BUFFERS}
+    state = ck.PublishState(inputs["ring"].copy(),
+                            np.full((shape.slots, kvrecord_ref.KV_RECORD_BYTES), 0xFF, np.uint8),
+                            np.full((shape.slots, kvrecord_ref.INDEX_RECORD_BYTES), 0xFF,
+                                    np.uint8))
+    for step in range(2):
+        x = formats.bf16_round(rng.standard_normal((seqs, cfg.hidden_size)).astype(np.float32))
+        arena.upload("x", x.astype(BF16))
+        arena.upload("positions", start + step)
+        run(compressor_launches(bundle, shape, ptrs, seqs, eps), space)
+        kv_score = arena.download("kv_score", np.float32, (seqs, ck.RING_WIDTH))
+        slots, entries, keys = ck.publish_ref(
+            state, kv_score, start + step, inputs["seq_index"], inputs["state_lines"],
+            inputs["block_tables"], PAGE, inputs["norm_w"], inputs["wk"], inputs["k_norm"], eps,
+            inputs["table"], 2)
+        assert slots.size == (seqs if step else 0)
+    np.testing.assert_array_equal(arena.download("ring", np.uint32, state.ring.shape),
+                                  state.ring.view(np.uint32))
+    assert not np.isnan(entries).any(), "a partner row was not in the ring"
+    _check_records(arena.download("cache", np.uint8, state.cache.shape),
+                   arena.download("keys", np.uint8, state.keys.shape), slots, entries, keys,
+                   shape.slots)
