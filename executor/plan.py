@@ -167,7 +167,9 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
 
 def decode_plan(cfg) -> Plan:
     """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step)."""
-    stages = [Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
+    # rows_prep: the caller's int64 rows -> the int32 rows (and Engram history) every kernel reads.
+    stages = [Stage("head.rows_prep", "kernels.rows", missing=NOT_WIRED),
+              Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
               Stage("head.embed_allreduce", "collectives.oneshot", missing=NOT_WIRED)]
     if cfg.engram_layer_ids:
         stages.append(Stage("head.engram_hash", "kernels.engram", missing=NOT_WIRED))

@@ -5,7 +5,7 @@ holding three kinds of slices, all sized for `max_rows` and laid out before any 
 - boundary buffers (`boundary_buffers`): what flows between kernel families, named here once so
   every family agrees: the residual streams, the packed mHC coefficients, the collapsed and
   normed sublayer input, each sublayer's per-rank partial and all-reduced output, the final
-  hidden state and the rank's (value, index) argmax pair;
+  hidden state and the rank's (value bits, index) argmax pair `pick`;
 - stage scratch (a stage module's `buffers(cfg, tp, max_rows) -> [Buffer]`, names prefixed by
   the module's group), shared by every layer because layers run one after another;
 - this rank's weights in the kernels' formats (a stage module's `weights(cfg, tp, rank, fetch) ->
@@ -70,8 +70,8 @@ def boundary_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
         Buffer("ffn.partial", BF16, (r, d), "this rank's routed + shared expert output"),
         Buffer("ffn.out", BF16, (r, d), "FFN output (all-reduced)"),
         Buffer("hidden", BF16, (r, d), "final normed hidden state"),
-        Buffer("pick.value", np.float32, (r,), "this rank's best logit per row"),
-        Buffer("pick.index", np.int32, (r,), "its global vocab index"),
+        Buffer("pick", np.int32, (r, 2), "this rank's best logit per row (f32 bits) and its "
+               "global vocab index: the lm_head argmax output"),
     ]
 
 
