@@ -141,4 +141,5 @@ def test_builder_and_emulator_refuse_what_the_kernel_cannot_run(bundle):
     ablation = next(n for n in bundle.names() if n.startswith("sparse_mqa_topk")
                     and "_skip_" in n)
     with pytest.raises(NoEmulator, match=ablation):
-        run([LaunchSpec(bundle.kernel(ablation), launch.grid, launch.args)], space)
+        run([LaunchSpec(bundle.kernel(ablation), launch.grid, launch.args,
+                        cluster=launch.cluster)], space)

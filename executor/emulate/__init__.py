@@ -62,13 +62,22 @@ def emulator_for(family: str):
         raise
 
 
+def _cluster_of(spec: dict) -> tuple[int, int, int] | None:
+    """The cluster a kernel's manifest spec requires (families spell it two ways), or None."""
+    if spec.get("cluster"):
+        return tuple(spec["cluster"])
+    if spec.get("cluster_ctas"):
+        return (spec["cluster_ctas"], 1, 1)
+    return None
+
+
 def emulate_launch(spec, space) -> None:
     """One LaunchSpec on the host address space."""
     rec = record_of(spec.kernel)
-    ctas = (rec.spec or {}).get("cluster_ctas")
-    if ctas and spec.cluster != (ctas, 1, 1):
-        raise ValueError(f"kernel {rec.name!r} needs a cluster of ({ctas}, 1, 1); the launch "
-                         f"gives {spec.cluster} (it would trap on the GPU)")
+    want = _cluster_of(rec.spec or {})
+    if want and spec.cluster != want:
+        raise ValueError(f"kernel {rec.name!r} needs a cluster of {want}; the launch gives "
+                         f"{spec.cluster} (it would trap on the GPU)")
     args = {name: value for (name, _), value in zip(rec.params, spec.args)}
     emulator_for(rec.family)(rec, spec.grid, args, space)
 
