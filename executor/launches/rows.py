@@ -1,7 +1,8 @@
 """The rows-prep launch on pointers: the caller's int64 row tensors -> the step's int32 rows.
 
-Reads `token_ids` int64 [R], `positions` int64 [R], `token_history` int64 [R, n-1] (Engram models);
-writes `tokens32` int32 [R], `positions32` int32 [R], `history32` int32 [R, n] (kernels/rows_ref.py).
+Reads `token_ids` int64 [R], `positions` int64 [R], `token_history` int64 [R, n-1] (Engram models),
+`seq_index` int32 [R], `block_kind` int8 [R]; writes `tokens32` int32 [R], `positions32` int32
+[R], `history32` int32 [R, n], `row_info` int32 [R, 4] (kernels/rows_ref.py).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from kernels.rows_ref import RowsPrepSpec
 
 def rows_prep_requests(spec: RowsPrepSpec, max_rows: int) -> list[tuple[str, int, str]]:
     out = [("tokens32", 4 * max_rows, "int32 [R] token ids"),
-           ("positions32", 4 * max_rows, "int32 [R] positions")]
+           ("positions32", 4 * max_rows, "int32 [R] positions"),
+           ("row_info", 16 * max_rows, "int32 [R, 4] position, swa_lo, swa_hi, seq")]
     if spec.history_cols:
         out.append(("history32", 4 * max_rows * spec.history_cols,
                     f"int32 [R, {spec.history_cols}] newest-first token history"))
