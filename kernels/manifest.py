@@ -26,7 +26,7 @@ FAMILIES = (
     "kernels.rope",
     "kernels.probes",
     "kernels.allreduce",
-    "kernels.moe",
+    "kernels.moe", "kernels.swiglu",
     "kernels.dense", "kernels.wo_a", "kernels.lm_head",
     "kernels.indexer", "kernels.kv_publish", "kernels.compressor",
     "kernels.sparse_mqa",

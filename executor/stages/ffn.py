@@ -1,0 +1,272 @@
+"""The FFN sublayer's stages on one rank: router, routed experts, shared expert -> `ffn.partial`.
+
+Model doc §2.2 F1-F4 with `kernels/moe_ref.py`'s roundings (`route`, `moe_partial`), from the
+boundary buffer `xn` (bf16 [R, D], the normed FFN input) to `ffn.partial` (bf16 [R, D], this
+rank's partial, which the FFN all-reduce sums over ranks in fp32):
+
+  ffn.router         router          xn -> ffn.router_logits, ffn.topk_ids, ffn.topk_weights
+                                     (replicated: every rank computes the same bits)
+  ffn.moe_routed     moe chain       xn, ids, weights -> ffn.moe.y f32 (the routed sum, slot
+                                     order; executor/launches/moe.py `step_launches` picks the
+                                     default chain below 6 rows, the self-routed one from 6)
+  ffn.shared_expert  dense w1|w3     xn -> ffn.shared_h13 bf16 [R, 2I]   (bf16(x·W13ᵀ))
+                     swiglu          -> ffn.shared_h bf16 [R, I]         (bf16(SwiGLU))
+                     dense w2        -> ffn.shared_out bf16 [R, D]       (bf16(h·W2ᵀ))
+                     residual add    ffn.moe.y + ffn.shared_out -> ffn.partial
+                                     (bf16(routed + shared): F4's one rounding)
+
+Four launches for the shared expert, each rounding where `moe_ref.shared_expert` rounds; no
+existing epilogue adds an fp32 routed sum to a bf16 shared output, so the last is the f32 + bf16
+residual add (kernels/elementwise.py). The dense launches pick their kernel by rows (8 rows per
+pass up to 8 rows, 32 above). Padding rows (past the real ones in a bucket) run like any row:
+the FFN writes no cache, and rows >= the bucket are never touched.
+
+Scratch is shared by every layer (layers run one after another; each launch reads its
+predecessor's output only after griddepcontrol.wait). The split-K dense workspace and counters
+are shared by the two shared-expert linears, which never overlap: the SwiGLU between them waits
+for w1|w3 to finish before w2 can pass its own wait. `ffn.router_counters` and
+`ffn.dense_counters` must be ZERO before the first launch (every launch leaves them zero): the
+HostArena is zeroed at creation; on the GPU the Executor must zero the arena (cuMemAlloc does
+not) before the first step.
+
+Weights per backbone layer l (names after the checkpoint; repacked forms with a clear suffix):
+  layers.{l}.ffn.gate.weight          bf16 [E, D]     (replicated)
+  layers.{l}.ffn.gate.bias            f32 [E]
+  layers.{l}.ffn.shared_experts.w13.weight / .w13.scale   e4m3 [2I_s, D] / ue8m0 [2I_s/32, D/32]
+                                      (the rank's w1 rows, then its w3 rows; dense_shapes
+                                      "shared_w13")
+  layers.{l}.ffn.shared_experts.w2.weight / .w2.scale     e4m3 [D, I_s] / ue8m0 [D/32, I_s/32]
+  layers.{l}.ffn.experts.{codes13, offsets13, scales13, codes2, offsets2, scales2}
+                                      every expert's rank slice, Humming-padded, fused-E8M0
+                                      (as executor/reference/weights.py) and packed by
+                                      `moe_kernel_ref.pack_experts`: uint8 [E, per-expert bytes],
+                                      f32 [E]
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from executor.launches import dense as dl
+from executor.launches import moe as ml
+from executor.launches.mhc import router_launch
+from executor.launches.small import kernel_for, residual_add_launches
+from executor.launches.swiglu import swiglu_launch
+from executor.wiring import Buffer
+from kernels import dense_ref as dr
+from kernels import elementwise_ref, swiglu_ref
+from kernels import moe_kernel_ref as mk
+from kernels import router_ref as rk
+from kernels.common_ref import BF16
+from loader import formats
+
+# The router's default 16-row block: measured no slower than `_rb32` at every bucket
+# (docs/devicecheck run 17: R = 48 41.2 vs 93.1 us, R = 192 78.7 vs 108.3 us).
+ROUTER_ROWS_PER_CTA = rk.ROWS_PER_CTA
+SHARED_LABELS = ("shared_w13", "shared_w2")
+EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
+
+
+def _prefix(index: int) -> str:
+    return f"layers.{index}.ffn."
+
+
+# ---- buffers --------------------------------------------------------------------------------
+
+def _router_spec(cfg) -> rk.RouterSpec:
+    return rk.make_spec(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                        cfg.routed_scaling_factor, ROUTER_ROWS_PER_CTA)
+
+
+def _shared_dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
+    """Every shared-expert linear the step may launch (bf16 epilogue, both row tilings)."""
+    shapes = dr.dense_shapes(cfg, tp)
+    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt)
+            for label in SHARED_LABELS for rt in dr.ROW_TILE_CHOICES]
+
+
+def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
+    """The group's scratch, sized for max_rows (the MoE scratch as `launches.moe` lays it out)."""
+    r, d = max_rows, cfg.hidden_size
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    inter = cfg.rank_shapes(tp).shared_inter
+    dense = _shared_dense_specs(cfg, tp)
+    workspace = max(s.workspace_bytes() for s in dense)
+    counters = max(s.counters_bytes() for s in dense)
+    moe = [dataclasses.replace(b, name="ffn." + b.name) for b in ml.scratch_buffers(cfg, tp, r)]
+    return [
+        Buffer("ffn.router_logits", np.float32, (r, e), "router logits"),
+        Buffer("ffn.topk_ids", np.int32, (r, k), "routed experts, best first (replicated)"),
+        Buffer("ffn.topk_weights", np.float32, (r, k), "their combine weights (replicated)"),
+        Buffer("ffn.router_counters", np.int32, (rk.counter_count(r, ROUTER_ROWS_PER_CTA),),
+               "router row-block counters: zero before the first launch"),
+        *moe,
+        Buffer("ffn.shared_h13", BF16, (r, 2 * inter), "shared expert gate | up"),
+        Buffer("ffn.shared_h", BF16, (r, inter), "shared expert SwiGLU"),
+        Buffer("ffn.shared_out", BF16, (r, d), "shared expert output"),
+        Buffer("ffn.dense_workspace", np.float32, (max(workspace // 4, 1),),
+               "split-K partials of the shared-expert linears"),
+        Buffer("ffn.dense_counters", np.uint32, (max(counters // 4, 1),),
+               "split-K counters: zero before the first launch"),
+    ]
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+def _scale_bytes(array, name: str) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype.itemsize != 1:
+        raise TypeError(f"{name}: UE8M0 scales must be one byte each, got {array.dtype}")
+    return array.view(np.uint8)
+
+
+def _shared_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarray]]:
+    """The shared expert in the dense kernels' format: w13 = [w1; w3] rows, w2 as stored."""
+    base = _prefix(index) + "shared_experts."
+    shapes = dr.dense_shapes(cfg, tp)
+    parts = {w: (np.asarray(fetch(f"{base}{w}.weight")),
+                 _scale_bytes(fetch(f"{base}{w}.scale"), f"{base}{w}.scale"))
+             for w in ("w1", "w3", "w2")}
+    for w in ("w1", "w3"):
+        dr.check_weight(parts[w][0][None], parts[w][1][None], 1, shapes["shared_w13"][0] // 2,
+                        shapes["shared_w13"][1], f"{base}{w}")
+    dr.check_weight(parts["w2"][0][None], parts["w2"][1][None], 1, *shapes["shared_w2"][:2],
+                    f"{base}w2")
+    w13 = np.concatenate([parts["w1"][0], parts["w3"][0]])
+    s13 = np.concatenate([parts["w1"][1], parts["w3"][1]])
+    return [(f"{base}w13.weight", w13), (f"{base}w13.scale", s13),
+            (f"{base}w2.weight", parts["w2"][0]), (f"{base}w2.scale", parts["w2"][1])]
+
+
+def _fused(packed: np.ndarray, scales: np.ndarray, name: str) -> formats.FusedE8M0:
+    """Every expert's sublayer [E, N, K/2] through Humming's padding and fused-E8M0 step, sliced
+    back to N x K (what executor/reference/weights.py dequantizes, expert by expert)."""
+    n, half_k = packed.shape[-2:]
+    fused = formats.fused_e8m0(*formats.humming_pad_sublayer(packed, scales), name=name)
+    return formats.FusedE8M0(fused.packed[:, :n, :half_k],
+                             fused.offsets[:, :n, :half_k * 2 // formats.MXFP4_GROUP],
+                             fused.weight_scale_2, fused.lo)
+
+
+def _expert_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarray]]:
+    """This rank's slice of every routed expert of one layer, packed for the MoE kernels."""
+    shape = mk.moe_shape(cfg, tp)
+    base = _prefix(index) + "experts"
+    p13, s13, p2, s2 = [], [], [], []
+    for e in range(shape.num_experts):
+        def get(w, part, e=e):
+            name = f"{base}.{e}.{w}.{part}"
+            array = fetch(name)
+            return _scale_bytes(array, name) if part == "scale" else np.asarray(array)
+        p13.append(np.concatenate([get("w1", "weight"), get("w3", "weight")]))
+        s13.append(np.concatenate([get("w1", "scale"), get("w3", "scale")]))
+        p2.append(get("w2", "weight"))
+        s2.append(get("w2", "scale"))
+    packed = mk.pack_experts(_fused(np.stack(p13), np.stack(s13), f"{base} w13"),
+                             _fused(np.stack(p2), np.stack(s2), f"{base} w2"), shape)
+    parts = {"codes13": packed.w13.codes, "offsets13": packed.w13.offsets,
+             "scales13": packed.w13.scales, "codes2": packed.w2.codes,
+             "offsets2": packed.w2.offsets, "scales2": packed.w2.scales}
+    return [(f"{base}.{key}", np.ascontiguousarray(parts[key]).reshape(shape.num_experts, -1))
+            for key in EXPERT_KEYS]
+
+
+def _gate_weights(cfg, fetch, index: int) -> list[tuple[str, np.ndarray]]:
+    base = _prefix(index) + "gate."
+    e, d = cfg.n_routed_experts, cfg.hidden_size
+    weight, bias = np.asarray(fetch(base + "weight")), np.asarray(fetch(base + "bias"))
+    if weight.dtype != BF16 or weight.shape != (e, d):
+        raise TypeError(f"{base}weight: the router reads bf16 [{e}, {d}], got {weight.dtype} "
+                        f"{weight.shape}")
+    if bias.shape != (e,) or bias.dtype.kind != "f":
+        raise TypeError(f"{base}bias: expected a float [{e}] vector, got {bias.dtype} "
+                        f"{bias.shape}")
+    return [(base + "weight", weight), (base + "bias", bias.astype(np.float32))]  # exact
+
+
+def weights(cfg, tp: int, rank: int, fetch):
+    """Every backbone layer's FFN weights on this rank (one layer's experts packed at a time)."""
+    del rank                            # fetch already cuts this rank's slices
+    for spec in cfg.layers:
+        if spec.is_dspark:
+            continue
+        yield from _gate_weights(cfg, fetch, spec.index)
+        yield from _shared_weights(cfg, tp, fetch, spec.index)
+        yield from _expert_weights(cfg, tp, fetch, spec.index)
+
+
+# ---- builders -------------------------------------------------------------------------------
+
+def _router(ctx, layer):
+    spec = _router_spec(ctx.cfg)
+    kernel_for(ctx.bundle, spec)                       # in the bundle, built for this shape
+    base = _prefix(layer.index) + "gate."
+    ptrs = {"x": ctx.ptr("xn"), "weight": ctx.ptr(base + "weight"),
+            "bias": ctx.ptr(base + "bias"), "logits": ctx.ptr("ffn.router_logits"),
+            "ids": ctx.ptr("ffn.topk_ids"), "weights": ctx.ptr("ffn.topk_weights"),
+            "counters": ctx.ptr("ffn.router_counters")}
+
+    def build(rows):
+        return [router_launch(ctx.bundle, spec, ptrs, rows)]
+    return build
+
+
+def _moe_routed(ctx, layer):
+    shape = mk.moe_shape(ctx.cfg, ctx.tp)
+    if not ml.available_specs(ctx.bundle, shape):
+        raise LookupError(f"the bundle has no MoE kernels of shape {shape.tag()}")
+    base = _prefix(layer.index) + "experts."
+    ptrs = {"ids": ctx.ptr("ffn.topk_ids"), "route_weights": ctx.ptr("ffn.topk_weights"),
+            "x": ctx.ptr("xn"), **{key: ctx.ptr(base + key) for key in EXPERT_KEYS},
+            **{key: ctx.ptr("ffn.moe." + key)
+               for key in ("meta", "pairs", "xq", "xs", "h", "ye", "y")}}
+
+    def build(rows):
+        return ml.step_launches(ctx.bundle, shape, ptrs, rows)
+    return build
+
+
+def _dense_by_row_tiles(ctx, label: str) -> dict[int, dr.DenseSpec]:
+    """row_tiles -> the bundle's spec of `label`, checked against the arena's scratch."""
+    out = {}
+    for rows in (1, ctx.max_rows):
+        spec = dl.dense_spec(ctx.bundle, label, rows)
+        for name, need in (("ffn.dense_workspace", spec.workspace_bytes()),
+                           ("ffn.dense_counters", spec.counters_bytes())):
+            if need > ctx.arena.nbytes(name):
+                raise ValueError(f"{spec.name} needs {need} bytes of {name}; the arena has "
+                                 f"{ctx.arena.nbytes(name)} (buffers() built for another shape?)")
+        out[dl.row_tiles_for(rows)] = spec
+    return out
+
+
+def _shared_expert(ctx, layer):
+    cfg = ctx.cfg
+    base = _prefix(layer.index) + "shared_experts."
+    act = swiglu_ref.make_spec(ctx.shapes.shared_inter, cfg.swiglu_limit)
+    add = elementwise_ref.make_spec(cfg.hidden_size, "f32")
+    kernel_for(ctx.bundle, act)
+    kernel_for(ctx.bundle, add)
+    w13, w2 = _dense_by_row_tiles(ctx, "shared_w13"), _dense_by_row_tiles(ctx, "shared_w2")
+    scratch = {"workspace": ctx.ptr("ffn.dense_workspace"),
+               "counters": ctx.ptr("ffn.dense_counters")}
+    p13 = {"x": ctx.ptr("xn"), "weight": ctx.ptr(base + "w13.weight"),
+           "scales": ctx.ptr(base + "w13.scale"), "out": ctx.ptr("ffn.shared_h13"), **scratch}
+    p_act = {"h13": ctx.ptr("ffn.shared_h13"), "out": ctx.ptr("ffn.shared_h")}
+    p2 = {"x": ctx.ptr("ffn.shared_h"), "weight": ctx.ptr(base + "w2.weight"),
+          "scales": ctx.ptr(base + "w2.scale"), "out": ctx.ptr("ffn.shared_out"), **scratch}
+    p_add = {"a": ctx.ptr("ffn.moe.y"), "b": ctx.ptr("ffn.shared_out"),
+             "out": ctx.ptr("ffn.partial")}
+
+    def build(rows):
+        tiles = dl.row_tiles_for(rows)
+        return [dl.dense_launch(ctx.bundle, w13[tiles], p13, rows),
+                swiglu_launch(ctx.bundle, act, p_act, rows),
+                dl.dense_launch(ctx.bundle, w2[tiles], p2, rows),
+                *residual_add_launches(ctx.bundle, add, p_add, rows)]
+    return build
+
+
+BUILDERS = {"ffn.router": _router, "ffn.moe_routed": _moe_routed,
+            "ffn.shared_expert": _shared_expert}
