@@ -8,11 +8,11 @@ capture; it refuses (NotImplementedError naming every missing stage) before laun
 a capture never holds a partial step.
 
 `decode_plan(cfg)` lays out the whole V4.1 step (head, 40 layers, tail) with every stage missing
-today, in two kinds:
-- NO_KERNEL: no kernel exists yet (the cross-rank pick of the split-vocabulary argmax: an
-  all-gather of each rank's (value, index) pairs and the global max, ties to the lower index);
-- NOT_WIRED: the family exists in kernels/ and runs in its own chain (executor/*_chain.py), but
-  its launches on the executor's weight arena and the caller's bound buffers are not built yet.
+until `executor.wiring.wire` builds it. A missing stage is of one of two kinds:
+- NO_KERNEL: no kernel exists yet (none today: the last one, the cross-rank greedy pick, is
+  kernels.allreduce's `allreduce_pick_*`);
+- NOT_WIRED: the family exists in kernels/ and its pointer-level launch builder in
+  executor/launches/, but no stage module (executor/stages/) builds the stage yet.
 `Plan.wire(name, build)` replaces one missing stage by its launches as that work lands.
 """
 from __future__ import annotations
@@ -182,5 +182,5 @@ def decode_plan(cfg) -> Plan:
     stages += [Stage("tail.mhc_post_collapse", "kernels.mhc", missing=NOT_WIRED),
                Stage("tail.norm", "kernels.norm", missing=NOT_WIRED),
                Stage("tail.lm_head_argmax", "kernels.lm_head", missing=NOT_WIRED),
-               Stage("tail.argmax_pick", "collectives", missing=NO_KERNEL)]
+               Stage("tail.argmax_pick", "kernels.allreduce", missing=NOT_WIRED)]
     return Plan(stages)
