@@ -19,8 +19,11 @@ import numpy as np
 from executor.bind import CacheGeometry, binding_rules
 from executor.emulate import bind_host, run_lockstep
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
+from executor.launches.allreduce import init_host_ranks, rank_requests
 from executor.plan import Plan, decode_plan
+from executor.stages.collectives import HostCollectives
 from executor.wiring import StepContext, arena_contents, wire
+from kernels import allreduce_ref
 
 
 def caller_tensors(cfg, tp: int, geometry: CacheGeometry, max_rows: int) -> dict[str, np.ndarray]:
@@ -73,23 +76,33 @@ class EmulatedRanks:
         self.geometry = CacheGeometry.of(caches)
         self.space = AddressSpace()
         self.bundle = ManifestBundle(bundle_dir)
+        # The one-shot all-reduce's state lives in each rank's arena here (IPC memory on GPUs).
+        ar_spec = (allreduce_ref.make_spec(tp, self.cfg.hidden_size, "none", max_rows)
+                   if tp in allreduce_ref.WORLD_SIZES else None)
         self.arenas, self.tensors, self.contexts, self.plans = [], [], [], []
+        bounds = []
         for rank in range(tp):
             def fetch(name, rank=rank):
                 return shard(ckpt, ckpt.spec(name), tp, rank)
 
             requests, uploads = arena_contents(self.cfg, tp, rank, fetch, max_rows, modules)
+            if ar_spec is not None:
+                requests += rank_requests(ar_spec)
             arena = HostArena(self.space, requests, name=f"rank{rank}.arena")
             for name, array in uploads:
                 arena.upload(name, array)
             tensors = caller_tensors(self.cfg, tp, self.geometry, max_rows)
-            bound = bind_host(self.space, tensors, prefix=f"rank{rank}.")
+            bounds.append(bind_host(self.space, tensors, prefix=f"rank{rank}."))
             self.arenas.append(arena)
             self.tensors.append(tensors)
-            self.contexts.append(StepContext(self.cfg, tp, rank, self.bundle, arena, bound,
-                                             max_rows))
+        states = init_host_ranks(self.arenas, ar_spec) if ar_spec is not None else [None] * tp
+        for rank in range(tp):
+            collectives = (None if states[rank] is None
+                           else HostCollectives(rank, tp, states[rank]))
+            self.contexts.append(StepContext(self.cfg, tp, rank, self.bundle, self.arenas[rank],
+                                             bounds[rank], max_rows, collectives))
         for ctx in self.contexts:
-            ctx.peers = self.contexts       # what an emulated all-reduce reaches
+            ctx.peers = self.contexts
             self.plans.append(wire(decode_plan(self.cfg), ctx, modules))
 
     def load(self, rows, caches, history=None) -> None:

@@ -1,0 +1,75 @@
+"""The step's cross-rank stages: the three all-reduces and the greedy pick, on the one-shot kernels.
+
+    head.embed_allreduce   embed.partial -> embed.out     (every rank: its vocab rows, zeros elsewhere)
+    attn.allreduce         attn.partial  -> attn.out
+    ffn.allreduce          ffn.partial   -> ffn.out
+    tail.argmax_pick       pick          -> tokens        (the caller's bound int64 [192])
+
+Each is one launch of `kernels.allreduce` (executor/launches/allreduce.py) on this rank's
+collective state `ctx.collectives`: an object with `rank`, `world`, `timeout_us` and `pointers`
+({peers, control, status}) — `HostCollectives` under the CPU emulator (state in the rank arenas,
+`init_host_ranks`), the IPC-shared state of `collectives.oneshot.OneShotAllReduce` on GPUs. Every
+rank launches the same sequence of calls with the same rows, which the plan guarantees (every
+rank wires the same stages). The one-shot kernel holds up to 192 rows, every bucket; the NCCL
+path the PathTable picks above 32 rows on four GPUs is not wired yet (issue #11 measures where
+it wins). TP 1 has no all-reduce kernel: wiring at tp=1 raises.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.launches.allreduce import oneshot_launches, pick_launches
+from kernels import allreduce_ref as ref
+
+
+@dataclass(frozen=True)
+class HostCollectives:
+    """A rank's collective state by address (what the builders need from any implementation)."""
+
+    rank: int
+    world: int
+    pointers: dict
+    timeout_us: int = 10_000_000
+
+
+def _state(ctx):
+    state = ctx.collectives
+    if state is None:
+        raise RuntimeError(f"rank {ctx.rank}: the step's all-reduce stages need ctx.collectives "
+                           f"(the rank's one-shot state); none was given")
+    if ctx.tp == 1 or state.world != ctx.tp:
+        raise ValueError(f"rank {ctx.rank}: tp={ctx.tp}, collective world {state.world}: the "
+                         f"one-shot kernels exist for world sizes {ref.WORLD_SIZES}")
+    return state
+
+
+def _allreduce(inp: str, out: str):
+    def factory(ctx, layer):
+        del layer
+        state = _state(ctx)
+        spec = ref.make_spec(state.world, ctx.cfg.hidden_size, "none", ctx.max_rows)
+        ptrs = dict(state.pointers, inp=ctx.ptr(inp), out=ctx.ptr(out))
+
+        def build(rows):
+            return oneshot_launches(ctx.bundle, spec, ptrs, state.rank, rows, state.timeout_us)
+        return build
+    return factory
+
+
+def _pick(ctx, layer):
+    del layer
+    state = _state(ctx)
+    spec = ref.make_pick_spec(state.world, ctx.cfg.hidden_size, ctx.max_rows)
+    ptrs = dict(state.pointers, pairs=ctx.ptr("pick"), tokens=ctx.ptr("tokens"))
+
+    def build(rows):
+        return pick_launches(ctx.bundle, spec, ptrs, state.rank, rows, state.timeout_us)
+    return build
+
+
+BUILDERS = {
+    "head.embed_allreduce": _allreduce("embed.partial", "embed.out"),
+    "attn.allreduce": _allreduce("attn.partial", "attn.out"),
+    "ffn.allreduce": _allreduce("ffn.partial", "ffn.out"),
+    "tail.argmax_pick": _pick,
+}

@@ -1,0 +1,61 @@
+"""executor.stages.collectives on four emulated ranks: the step's all-reduces and the greedy pick."""
+import numpy as np
+import pytest
+from tiny_checkpoint import tiny_checkpoint
+
+from executor.emulate.ranks import EmulatedRanks
+from executor.reference.kvcache import KVCaches
+from kernels.allreduce_ref import allreduce_ref, pick_ref
+from kernels.common_ref import BF16
+from loader.checkpoint import Checkpoint
+
+MODULES = ("executor.stages.collectives",)
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_bundle_dir):
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+        caches = KVCaches.allocate(ckpt.config, max_seqs=2, max_context=64, page_size=16)
+        yield EmulatedRanks(ckpt, tiny_bundle_dir, 4, caches, modules=MODULES)
+
+
+def _partials(rng, rows, d):
+    return [(rng.standard_normal((rows, d)) * 4).astype(BF16) for _ in range(4)]
+
+
+@pytest.mark.parametrize("rows", [1, 13, 192])
+def test_every_allreduce_stage_sums_the_ranks_partials(ranks, rows):
+    """Bitwise allreduce_ref on every rank; rows past `rows` of the output untouched."""
+    rng = np.random.default_rng()
+    d, cap = ranks.cfg.hidden_size, ranks.max_rows
+    for role, inp, out, layers in (("head.embed_allreduce", "embed.partial", "embed.out", None),
+                                   ("attn.allreduce", "attn.partial", "attn.out", {3}),
+                                   ("ffn.allreduce", "ffn.partial", "ffn.out", {7})):
+        parts = _partials(rng, rows, d)
+        for r in range(4):
+            ranks.write(inp, parts[r], ranks=[r])
+            ranks.write(out, np.full((cap, d), 0xFFFF, np.uint16), ranks=[r])
+        assert ranks.run(rows, roles={role}, layers=layers) == 4
+        want = allreduce_ref(parts).view(np.uint16)
+        for r in range(4):
+            got = ranks.read(r, out, np.uint16, (cap, d))
+            assert np.array_equal(got[:rows], want), (role, r)
+            assert (got[rows:] == 0xFFFF).all(), (role, r)
+
+
+def test_pick_between_allreduces_writes_the_same_tokens_everywhere(ranks):
+    rng = np.random.default_rng()
+    rows, vocab_l = 9, ranks.cfg.vocab_size // 4
+    values = rng.choice(np.float32([-2.0, 0.5, 3.0]), (4, rows))
+    pairs = [np.stack([values[r].view(np.int32),
+                       rng.integers(r * vocab_l, (r + 1) * vocab_l, rows).astype(np.int32)], 1)
+             for r in range(4)]
+    for r in range(4):
+        ranks.write("pick", pairs[r], ranks=[r])
+        ranks.write("tokens", np.full(192, -7, np.int64), ranks=[r])
+    ranks.run(rows, roles={"tail.argmax_pick"})
+    want = pick_ref(pairs)
+    for r in range(4):
+        got = ranks.read(r, "tokens", np.int64, (192,))
+        assert np.array_equal(got[:rows], want) and (got[rows:] == -7).all()
+    test_every_allreduce_stage_sums_the_ranks_partials(ranks, 5)   # buffers still consistent
