@@ -21,6 +21,7 @@ that choice from the row count alone.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 from collectives.ipc import Exchange, PeerBuffers
 from executor.cuda import check, driver
@@ -34,6 +35,17 @@ _HOSTALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02   # CU_MEMHOSTALLOC_PORTABLE | _DEVI
 
 class CollectiveTimeout(RuntimeError):
     """A one-shot all-reduce waited past its timeout for data from another rank."""
+
+
+@dataclass(frozen=True)
+class CollectiveState:
+    """A rank's one-shot state by address: what the step's collective stages launch on
+    (executor/stages/collectives.py). `pointers` = {peers, control, status}."""
+
+    rank: int
+    world: int
+    pointers: dict
+    timeout_us: int = DEFAULT_TIMEOUT_MS * 1000
 
 
 class OneShotAllReduce:
@@ -81,6 +93,14 @@ class OneShotAllReduce:
     @property
     def peer_table(self) -> int:
         return int(self._state)
+
+    def state(self) -> CollectiveState:
+        """This rank's state for the step's wired collective stages (the same buffers,
+        generations and status as launch_spec's calls: the two may be interleaved)."""
+        return CollectiveState(self.rank, self.world, {"peers": self.peer_table,
+                                                       "control": self.control,
+                                                       "status": self._status_dev},
+                               self.timeout_us)
 
     @property
     def control(self) -> int:

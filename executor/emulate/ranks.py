@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.oneshot import CollectiveState
 from executor.bind import CacheGeometry, binding_rules
 from executor.emulate import bind_host, run_lockstep
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
 from executor.launches.allreduce import init_host_ranks, rank_requests
 from executor.plan import Plan, decode_plan
-from executor.stages.collectives import HostCollectives
 from executor.wiring import StepContext, arena_contents, wire
 from kernels import allreduce_ref
 
@@ -98,7 +98,7 @@ class EmulatedRanks:
         states = init_host_ranks(self.arenas, ar_spec) if ar_spec is not None else [None] * tp
         for rank in range(tp):
             collectives = (None if states[rank] is None
-                           else HostCollectives(rank, tp, states[rank]))
+                           else CollectiveState(rank, tp, states[rank]))
             self.contexts.append(StepContext(self.cfg, tp, rank, self.bundle, self.arenas[rank],
                                              bounds[rank], max_rows, collectives))
         for ctx in self.contexts:

@@ -6,9 +6,9 @@
     tail.argmax_pick       pick          -> tokens        (the caller's bound int64 [192])
 
 Each is one launch of `kernels.allreduce` (executor/launches/allreduce.py) on this rank's
-collective state `ctx.collectives`: an object with `rank`, `world`, `timeout_us` and `pointers`
-({peers, control, status}) — `HostCollectives` under the CPU emulator (state in the rank arenas,
-`init_host_ranks`), the IPC-shared state of `collectives.oneshot.OneShotAllReduce` on GPUs. Every
+collective state `ctx.collectives` (`collectives.oneshot.CollectiveState`: rank, world,
+timeout_us, pointers {peers, control, status}): `OneShotAllReduce.state()` on GPUs (IPC-shared
+buffers), the rank arenas' slices under the CPU emulator (`init_host_ranks`). Every
 rank launches the same sequence of calls with the same rows, which the plan guarantees (every
 rank wires the same stages). The one-shot kernel holds up to 192 rows, every bucket; the NCCL
 path the PathTable picks above 32 rows on four GPUs is not wired yet (issue #11 measures where
@@ -16,20 +16,8 @@ it wins). TP 1 has no all-reduce kernel: wiring at tp=1 raises.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from executor.launches.allreduce import oneshot_launches, pick_launches
 from kernels import allreduce_ref as ref
-
-
-@dataclass(frozen=True)
-class HostCollectives:
-    """A rank's collective state by address (what the builders need from any implementation)."""
-
-    rank: int
-    world: int
-    pointers: dict
-    timeout_us: int = 10_000_000
 
 
 def _state(ctx):
