@@ -121,6 +121,10 @@ class Arena:
 
         self.view(name, np.uint8)[...] = byte
 
+    def zero(self) -> None:
+        """Every byte of the arena 0 (counters and flags the kernels expect zero when bound)."""
+        check(driver().cuMemsetD8(self._devptr, 0, self.total_bytes))
+
     def describe(self) -> str:
         """One line per slice: name, offset, bytes, comment."""
         return "\n".join(f"{s.name:24s} @{s.offset:>12d} {s.nbytes:>12d} B  {s.comment}"

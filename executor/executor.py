@@ -13,9 +13,11 @@ decided before any launch, so a declined step writes nothing. How the caller dec
 other unsupported work without a device read: `executor/reasons.py`. The rows between n_rows and
 the bucket must be marked padding by the caller (slot -1, sequence -1): `executor/bind.py`.
 
-What is not built yet: the plan's stages (`executor/plan.py` names every one) and the upload of
-`weights` into an executor-owned arena they would read; until they exist `capture()` raises
-NotImplementedError naming the missing stages and `step` declines with NOT_CAPTURED.
+`capture()` first builds the rank's arena (executor/wiring.py: boundary buffers, stage scratch,
+the weights packed by the stage modules, zeroed first) and wires every stage a stage module
+(executor/stages/) builds, on the bound addresses; a plan that still misses stages raises
+NotImplementedError naming them, frees that arena again and captures nothing (`step` then
+declines with NOT_CAPTURED).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from executor.bind import (
 from executor.graphs import BUCKETS, GraphSet
 from executor.plan import Plan, decode_plan
 from executor.reasons import SUPPORTED_FEATURES, StepFeature, StepResult
+from executor.wiring import StepContext, arena_contents, wire
 
 __all__ = ["BindError", "CacheGeometry", "Executor", "StepFeature", "StepResult"]
 
@@ -48,13 +51,18 @@ class Executor:
     def __init__(self, config, bundle, weights, tp: int, rank: int, comm=None, *, device,
                  geometry: CacheGeometry, plan: Plan | None = None, buckets=BUCKETS,
                  owns_bundle: bool = False,
-                 capture_graphs: Callable = GraphSet.capture, ranges=None):
+                 capture_graphs: Callable = GraphSet.capture, ranges=None,
+                 stage_modules=None, arena_factory: Callable | None = None):
         """`device`: the runtime Device (its `ordinal` is where bound tensors must live).
         `plan`: the step plan (default `decode_plan(config)`). `capture_graphs(stream, record,
         buckets) -> GraphSet` is GraphSet.capture; tests substitute a recording fake.
         `ranges`: an nvtx_ranges.Ranges for per-layer/per-stage ranges, or None.
-        `weights` (this rank's RankWeights) and `comm` (the collectives communicator) are kept
-        for the stages that will upload and use them; no stage does yet."""
+        `weights`: this rank's weights, a `fetch(name) -> ndarray` (a checkpoint tensor's rank
+        slice in its checkpoint dtype) or a RankWeights (its `.fetch`); None = a plan given
+        complete (tests). `comm`: the rank's collective state (`CollectiveState`, e.g.
+        `OneShotAllReduce.state()`), None at tp=1. `stage_modules` (default
+        wiring.STAGE_MODULES) and `arena_factory(requests) -> Arena` (default an Arena on
+        `device`; tests pass a HostArena) shape the arena capture() builds."""
         for name, value in (("tp", tp), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Executor: {name} must be an int, got {value!r}")
@@ -72,7 +80,10 @@ class Executor:
         self.max_rows = buckets[-1]
         self.rules = binding_rules(config, tp, geometry)
         self.plan = decode_plan(config) if plan is None else plan
-        self.arena = None                # the weight/scratch arena the wired stages will own
+        self.arena = None                # the rank's arena, built by capture()
+        self._fetch = getattr(weights, "fetch", weights)
+        self._stage_modules = stage_modules
+        self._arena_factory = arena_factory
         self._owns_bundle = owns_bundle
         self._capture_graphs = capture_graphs
         self._ranges = ranges
@@ -122,6 +133,8 @@ class Executor:
                                "graphs record their addresses)")
         if self._graphs is not None:
             raise RuntimeError("Executor.capture: already captured")
+        if self.plan.missing_stages() and self._fetch is not None:
+            self._wire()
         self.plan.require_complete()
         stream = self.device.stream() if stream is None else stream
 
@@ -129,6 +142,30 @@ class Executor:
             self.plan.record(stream, rows, self._ranges)
 
         self._graphs = self._capture_graphs(stream, record, self.buckets)
+
+    def _wire(self) -> None:
+        """Build the arena and wire the plan on it; on any failure (a missing stage included)
+        the arena is freed and the plan left as it was."""
+        cfg = self.config
+        requests, uploads = arena_contents(cfg, self.tp, self.rank, self._fetch, self.max_rows,
+                                           self._stage_modules)
+        if self._arena_factory is not None:
+            arena = self._arena_factory(requests)
+        else:
+            from executor.arena import Arena
+            arena = Arena(self.device, requests)
+        try:
+            arena.zero()
+            for name, array in uploads:
+                arena.upload(name, array)
+            ctx = StepContext(cfg, self.tp, self.rank, self.bundle, arena,
+                              self._binding.pointers, self.max_rows, self.comm)
+            plan = wire(self.plan, ctx, self._stage_modules)
+            plan.require_complete()
+        except BaseException:
+            arena.close()
+            raise
+        self.arena, self.plan = arena, plan
 
     # ---- step ------------------------------------------------------------------------------
 

@@ -109,6 +109,9 @@ class HostArena:
     def fill(self, name: str, byte: int) -> None:
         self.view(name, np.uint8)[...] = byte
 
+    def zero(self) -> None:
+        self.buffer[...] = 0
+
     def close(self) -> None:
         pass
 

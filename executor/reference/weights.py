@@ -159,6 +159,11 @@ class RankWeights:
                                                self.rank, self._humming)
         return self._layers[index]
 
+    @property
+    def fetch(self) -> Fetch:
+        """name -> this rank's slice of a checkpoint tensor in its checkpoint dtype."""
+        return self._fetch
+
     def _plain(self, name: str) -> np.ndarray:
         return np.asarray(self._fetch(name)).astype(np.float32)
 

@@ -1,0 +1,72 @@
+"""Executor.capture on a CPU: it builds the rank's arena, wires the plan on the bound addresses,
+and refuses (freeing that arena, changing nothing) while stages are missing."""
+import numpy as np
+import pytest
+from test_executor_cpu import FakeCudaTensor, FakeDevice, Recorder
+from tiny_checkpoint import tiny_checkpoint
+
+from collectives.oneshot import CollectiveState
+from executor.bind import CacheGeometry
+from executor.emulate import bind_host
+from executor.executor import Executor
+from executor.hostmem import AddressSpace, HostArena, ManifestBundle
+from executor.plan import decode_plan
+from loader.checkpoint import Checkpoint
+from loader.sharding import shard
+
+GEOMETRY = CacheGeometry(max_seqs=2, ring_slots=32, ring_rows=8, page_size=16, num_pages=8,
+                         pages_per_seq=4)
+
+
+class Arenas:
+    """An arena_factory that makes HostArenas and remembers which were closed."""
+
+    def __init__(self, space):
+        self.space, self.made, self.closed = space, [], []
+
+    def __call__(self, requests):
+        arena = HostArena(self.space, requests, name=f"arena{len(self.made)}")
+        arena.close = lambda a=arena: self.closed.append(a)
+        self.made.append(arena)
+        return arena
+
+
+def _executor(ckpt, bundle_dir, space, arenas, modules):
+    cfg, tp, rank = ckpt.config, 4, 2
+    ex = Executor(cfg, ManifestBundle(bundle_dir), lambda name: shard(ckpt, ckpt.spec(name), tp,
+                                                                      rank),
+                  tp, rank, CollectiveState(rank, tp, {"peers": 1 << 40, "control": 1 << 40,
+                                                       "status": 1 << 40}),
+                  device=FakeDevice(), geometry=GEOMETRY, capture_graphs=Recorder(),
+                  stage_modules=modules, arena_factory=arenas)
+    tensors = {}
+    for rule in ex.rules.values():
+        array = np.zeros(rule.shape, np.dtype(rule.dtype))
+        tensors[rule.name] = FakeCudaTensor(rule.shape, rule.dtype,
+                                            bind_host(space, {rule.name: array})[rule.name])
+    ex.bind(**tensors)
+    return ex
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as c:
+        yield c
+
+
+def test_capture_wires_what_it_can_then_refuses_and_frees_the_arena(ckpt, tiny_bundle_dir):
+    space = AddressSpace()
+    arenas = Arenas(space)
+    modules = ("executor.stages.collectives", "stage_norm_probe")
+    ex = _executor(ckpt, tiny_bundle_dir, space, arenas, modules)
+    with pytest.raises(NotImplementedError) as info:
+        ex.capture("capture-stream")
+    msg = str(info.value)
+    assert "attn.wq_b" in msg and "attn.allreduce" not in msg and "attn.norm" not in msg
+    assert len(arenas.made) == 1 and arenas.closed == arenas.made
+    assert ex.arena is None and not ex.captured
+    assert len(ex.plan.missing_stages()) == len(decode_plan(ckpt.config).stages)
+    arena = arenas.made[0]
+    norm = "layers.2.attn_norm.weight"
+    assert np.array_equal(arena.view(norm, np.uint8), ckpt.get(norm).view(np.uint8))
+    assert "streams" in arena.slices and "pick" in arena.slices
