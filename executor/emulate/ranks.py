@@ -32,9 +32,10 @@ def caller_tensors(cfg, tp: int, geometry: CacheGeometry, max_rows: int) -> dict
             for name, rule in binding_rules(cfg, tp, geometry, max_rows).items()}
 
 
-def fill_caller_tensors(tensors: dict, rows, caches, history=None) -> None:
-    """Row metadata of `rows` (RowBatch; rows past it are padding: slot -1, sequence -1) and a
-    copy of every cache of `caches` (reference KVCaches, record layout) into `tensors`.
+def fill_caller_tensors(tensors: dict, rows, caches=None, history=None) -> None:
+    """Row metadata of `rows` (RowBatch; rows past it are padding: slot -1, sequence -1) and,
+    when `caches` is given, a copy of every cache of it (reference KVCaches, record layout)
+    into `tensors` (without: the caches keep what earlier emulated steps wrote).
 
     token_history holds the tokens at positions p-1 .. p-(n-1) of each row (history[:, 1:] of
     engram_ref.ngram_history, pad id where p-k < 0): the kernel hashes token_ids with it.
@@ -56,6 +57,8 @@ def fill_caller_tensors(tensors: dict, rows, caches, history=None) -> None:
             raise ValueError("this model has Engram: pass the step's token history")
         tensors["token_history"][...] = 0
         tensors["token_history"][:r] = history[:, 1:]
+    if caches is None:
+        return
     for layer, arr in caches.swa.items():
         tensors[f"swa_{layer}"][...] = arr
     for layer, arr in caches.compressed.items():
@@ -105,7 +108,7 @@ class EmulatedRanks:
             ctx.peers = self.contexts
             self.plans.append(wire(decode_plan(self.cfg), ctx, modules))
 
-    def load(self, rows, caches, history=None) -> None:
+    def load(self, rows, caches=None, history=None) -> None:
         for tensors in self.tensors:
             fill_caller_tensors(tensors, rows, caches, history)
 
