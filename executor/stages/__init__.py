@@ -1,1 +1,1 @@
-"""Stage modules: each group's launch builders, buffers and weights for the wired decode step."""
+"""Stage modules: the plan's roles as launches on one rank's arena (executor/wiring.py)."""

@@ -1,0 +1,379 @@
+"""Stages of the head, the mHC steps and norms, Engram and the tail, on one rank's arena.
+
+Roles (executor/plan.py): head.rows_prep, head.embed, head.engram_hash; per layer engram.lookup,
+engram.wkv, engram.gate, attn.mhc_pre, attn.norm, ffn.mhc_pre, ffn.norm; tail.mhc_post_collapse,
+tail.norm, tail.lm_head_argmax. The delayed mHC of executor/reference/step.py on the boundary
+buffers of executor/wiring.py:
+
+  attn.mhc_pre   post mode: streams += the previous FFN's post (sub_out `ffn.out`, coeff_prev
+                 `coeff.ffn`), this sublayer's coefficients -> `coeff.attn`, collapse with the
+                 carried pre -> `x`. Engram layers: plain mode (the post ran before the gate).
+                 The first layer: the embedding broadcast into the streams, then the 1-stream
+                 plain kernel on `embed.out` (fn summed over streams, one-hot carried pre).
+  ffn.mhc_pre    post mode: the attention post (sub_out `attn.out`, coeff_prev `coeff.attn`)
+                 -> `coeff.ffn`, `x`.
+  *.norm         `x` -> `xn` (RMSNorm with the sublayer's weight).
+  engram.lookup  this rank's hash columns -> `engram.local_heads` [R, cols * head_dim].
+                 THEN the lead's all-gather (no stage yet) must put every rank's local heads
+                 into `engram.heads` [R, total_cols * head_dim], rank r at columns
+                 [r * cols * head_dim, (r + 1) * cols * head_dim), on every rank.
+  engram.wkv     `engram.heads` -> `engram.kv` [R, (n + 1) D] (W8A16, replicated weight).
+  engram.gate    the pending FFN post (postonly; not at the first layer, which broadcasts the
+                 embedding instead), then the gate updates `streams` in place.
+  tail           postonly with the last FFN's post and carried pre -> `x`; RMSNorm -> `hidden`;
+                 lm_head argmax -> `pick` int32 [R, 2] (+ logits into a bound `logits`).
+
+Counters: mhc_pre, the split-K dense and the argmax lm_head keep row-block counters that must be
+zero before their first launch and are left zero by every launch. `HostArena` is zeroed at
+creation; on the GPU the Executor must zero `mhc.counters`, `engram.wkv_counters`, `tail.keys` and
+`tail.counters` once after allocating the arena (cuMemAlloc does not zero).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.launch import LaunchSpec
+from executor.launches import dense as dl
+from executor.launches.embed_engram import (
+    embed_launch,
+    engram_gate_launch,
+    engram_hash_launch,
+    engram_lookup_launch,
+)
+from executor.launches.mhc import mhc_norm_launch, mhc_pre_launch
+from executor.launches.rows import rows_prep_launch
+from executor.wiring import MHC_COEFFS, Buffer
+from kernels import dense_ref as dr
+from kernels import elementwise_ref as el
+from kernels import embed_ref as er
+from kernels import engram_kernel_ref as ek
+from kernels import lm_head_ref as lr
+from kernels import mhc_kernel_ref as mk
+from kernels import mhc_ref, rows_ref
+from kernels import norm_ref as nr
+from kernels.common_ref import BF16
+from loader.schema import UNCERTAIN
+
+ONE_HOT = "mhc.one_hot_coeff"       # constant packed coefficients whose pre is one-hot (stream 0)
+SMALL_ROWS = 8                      # mhc_pre: `_lr` up to here, `_lr_rcp` above (docs/perf.md run 20)
+
+
+# ---- names ---------------------------------------------------------------------------------------
+
+def _first_layer(cfg) -> int:
+    return min(s.index for s in cfg.layers if not s.is_dspark)
+
+
+def _fn_name(layer: int, sublayer: str, summed: bool) -> str:
+    return f"layers.{layer}.hc_{sublayer}_fn" + (".summed" if summed else "")
+
+
+def _ids_name(layer: int) -> str:
+    return f"engram.ids.l{layer}"
+
+
+def _norm_dtype() -> str:
+    return {"BF16": "bf16", "F32": "f32"}[UNCERTAIN["norm_dtype"]]
+
+
+def _broadcasts(cfg, layer) -> bool:
+    """The first layer without Engram mixes the embedding by the 1-stream kernel."""
+    return layer.index == _first_layer(cfg) and not layer.has_engram
+
+
+# ---- mHC ------------------------------------------------------------------------------------------
+
+def _mhc_spec(ctx, streams: int, mode: str, live_rows=False, approx_rcp=False) -> mk.MhcPreSpec:
+    cfg = ctx.cfg
+    spec = mk.make_spec(cfg.hidden_size, streams, mode, cfg.hc_sinkhorn_iters,
+                        live_rows=live_rows, approx_rcp=approx_rcp)
+    ctx.kernel(spec.name)           # in the bundle, or a clear error at wiring time
+    return spec
+
+
+def _mhc_scratch(ctx) -> dict[str, int]:
+    return {"mixes": ctx.ptr("mhc.mixes"), "workspace": ctx.ptr("mhc.workspace"),
+            "counters": ctx.ptr("mhc.counters")}
+
+
+def _mhc_weights(ctx, layer: int, sublayer: str, summed: bool = False) -> dict[str, int]:
+    return {"fn": ctx.ptr(_fn_name(layer, sublayer, summed)),
+            "scale": ctx.ptr(f"layers.{layer}.hc_{sublayer}_scale.padded"),
+            "base": ctx.ptr(f"layers.{layer}.hc_{sublayer}_base")}
+
+
+def _post_step(ctx, layer: int, sublayer: str, sub_out: str, coeff_prev: str, coeff_out: str):
+    """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse."""
+    small = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True)
+    large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
+    ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr(sub_out),
+            "coeff_prev": ctx.ptr(coeff_prev), "streams_out": ctx.ptr("streams"),
+            "x_out": ctx.ptr("x"), "coeff_out": ctx.ptr(coeff_out),
+            **_mhc_weights(ctx, layer, sublayer), **_mhc_scratch(ctx)}
+    eps = (ctx.cfg.rms_norm_eps, ctx.cfg.hc_eps)
+
+    def build(rows):
+        spec = small if rows <= SMALL_ROWS else large
+        return [mhc_pre_launch(ctx.bundle, spec, ptrs, rows, *eps)]
+    return build
+
+
+def _postonly(ctx):
+    """rows -> the pending FFN post on `streams` in place (its collapse into `x` is unused)."""
+    spec = _mhc_spec(ctx, mk.HC_MULT, "postonly")
+    ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr("ffn.out"),
+            "coeff_prev": ctx.ptr("coeff.ffn"), "streams_out": ctx.ptr("streams"),
+            "x_out": ctx.ptr("x")}
+    eps = (ctx.cfg.rms_norm_eps, ctx.cfg.hc_eps)
+    return lambda rows: [mhc_pre_launch(ctx.bundle, spec, ptrs, rows, *eps)]
+
+
+def _broadcast_streams(ctx):
+    """rows -> the embedding copied into every residual stream (the first layer's X)."""
+    spec = el.make_broadcast_spec(ctx.cfg.hidden_size, ctx.cfg.hc_mult)
+    kernel = ctx.kernel(spec.name)
+    x, out = ctx.ptr("embed.out"), ctx.ptr("streams")
+    return lambda rows: [LaunchSpec(kernel, spec.grid(rows), (x, out, rows), pdl=True)]
+
+
+def _attn_mhc_pre(ctx, layer):
+    cfg, i = ctx.cfg, layer.index
+    eps = (cfg.rms_norm_eps, cfg.hc_eps)
+    if not layer.has_engram and i != _first_layer(cfg):
+        return _post_step(ctx, i, "attn", "ffn.out", "coeff.ffn", "coeff.attn")
+    if ctx.max_rows > mk.MAX_ROWS:
+        raise ValueError(f"{ONE_HOT} holds {mk.MAX_ROWS} rows, the step has {ctx.max_rows}")
+    carried = ONE_HOT if i == _first_layer(cfg) else "coeff.ffn"
+    summed = _broadcasts(cfg, layer)
+    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain")
+    ptrs = {"streams": ctx.ptr("embed.out" if summed else "streams"),
+            "coeff_prev": ctx.ptr(carried), "x_out": ctx.ptr("x"),
+            "coeff_out": ctx.ptr("coeff.attn"),
+            **_mhc_weights(ctx, i, "attn", summed), **_mhc_scratch(ctx)}
+    broadcast = _broadcast_streams(ctx) if summed else (lambda rows: [])
+
+    def build(rows):
+        return [*broadcast(rows), mhc_pre_launch(ctx.bundle, spec, ptrs, rows, *eps)]
+    return build
+
+
+def _ffn_mhc_pre(ctx, layer):
+    return _post_step(ctx, layer.index, "ffn", "attn.out", "coeff.attn", "coeff.ffn")
+
+
+def _norm(ctx, weight: str, out: str):
+    spec = nr.make_spec(ctx.cfg.hidden_size, _norm_dtype())
+    ctx.kernel(spec.name)
+    ptrs = {"x_out": ctx.ptr("x"), "norm_weight": ctx.ptr(weight), "x_normed": ctx.ptr(out)}
+    eps = ctx.cfg.rms_norm_eps
+    return lambda rows: [mhc_norm_launch(ctx.bundle, spec, ptrs, rows, eps)]
+
+
+def _attn_norm(ctx, layer):
+    return _norm(ctx, f"layers.{layer.index}.attn_norm.weight", "xn")
+
+
+def _ffn_norm(ctx, layer):
+    return _norm(ctx, f"layers.{layer.index}.ffn_norm.weight", "xn")
+
+
+# ---- head -----------------------------------------------------------------------------------------
+
+def _rows_prep(ctx, layer):
+    spec = rows_ref.spec_for(ctx.cfg)
+    ptrs = {name: ctx.ptr(name) for name in ("token_ids", "positions", "seq_index", "block_kind",
+                                             "tokens32", "positions32", "row_info")}
+    if spec.history_cols:
+        ptrs.update(token_history=ctx.ptr("token_history"), history32=ctx.ptr("history32"))
+    ctx.kernel(spec.name)
+    return lambda rows: [rows_prep_launch(ctx.bundle, spec, ptrs, rows)]
+
+
+def _embed(ctx, layer):
+    spec = er.make_spec(ctx.cfg.hidden_size, ctx.shapes.vocab)
+    ptrs = {"token_ids": ctx.ptr("tokens32"), "table": ctx.ptr("embed.weight"),
+            "out": ctx.ptr("embed.partial")}
+    offset = ctx.shapes.vocab_offset(ctx.rank)
+    return lambda rows: [embed_launch(ctx.bundle, spec, ptrs, rows, offset)]
+
+
+def _engram_hash(ctx, layer):
+    """Every Engram layer's hash ids at the head (they depend on the rows only)."""
+    launches = []
+    for index in ctx.cfg.engram_layer_ids:
+        spec = ek.make_hash_spec(ctx.cfg, index)
+        ptrs = {"tokens": ctx.ptr("history32"), "positions": ctx.ptr("positions32"),
+                "ids": ctx.ptr(_ids_name(index))}
+        launches.append((spec, ptrs))
+    return lambda rows: [engram_hash_launch(ctx.bundle, spec, ptrs, rows)
+                         for spec, ptrs in launches]
+
+
+# ---- Engram ---------------------------------------------------------------------------------------
+
+def _lookup_spec(cfg, tp: int) -> ek.EngramLookupSpec:
+    total = cfg.engram_num_hash_cols
+    return ek.make_lookup_spec(cfg.engram_head_dim, total // tp, total)
+
+
+def _engram_lookup(ctx, layer):
+    cfg, i = ctx.cfg, layer.index
+    spec = _lookup_spec(cfg, ctx.tp)
+    start, stop = cfg.engram_rank_rows(i, ctx.tp, ctx.rank)
+    ptrs = {"ids": ctx.ptr(_ids_name(i)), "codes": ctx.ptr(f"layers.{i}.engram.embed.weight"),
+            "scales": ctx.ptr(f"layers.{i}.engram.embed.scale"),
+            "out": ctx.ptr("engram.local_heads")}
+    first_col = ctx.rank * spec.cols
+    return lambda rows: [engram_lookup_launch(ctx.bundle, spec, ptrs, rows, first_col, start,
+                                              stop - start)]
+
+
+def _engram_wkv(ctx, layer):
+    i = layer.index
+    small = dl.dense_spec(ctx.bundle, "engram_wkv", 1)
+    large = dl.dense_spec(ctx.bundle, "engram_wkv", ctx.max_rows)
+    ptrs = {"x": ctx.ptr("engram.heads"), "weight": ctx.ptr(f"layers.{i}.engram.wkv.weight"),
+            "scales": ctx.ptr(f"layers.{i}.engram.wkv.scale"), "out": ctx.ptr("engram.kv"),
+            "workspace": ctx.ptr("engram.wkv_workspace"),
+            "counters": ctx.ptr("engram.wkv_counters")}
+    return lambda rows: [dl.dense_launch(ctx.bundle, small if rows <= dr.ROW_TILE else large,
+                                         ptrs, rows)]
+
+
+def _engram_gate(ctx, layer):
+    cfg, i = ctx.cfg, layer.index
+    spec = ek.make_gate_spec(cfg.hidden_size, cfg.hc_mult)
+    ptrs = {"streams": ctx.ptr("streams"), "keys_and_value": ctx.ptr("engram.kv"),
+            "q_weight": ctx.ptr(f"layers.{i}.engram.q_weight"),
+            "k_weight": ctx.ptr(f"layers.{i}.engram.k_weight"), "out": ctx.ptr("streams")}
+    # The first layer's streams are the embedding's copies; later ones owe the FFN's post first.
+    before = _broadcast_streams(ctx) if i == _first_layer(cfg) else _postonly(ctx)
+    eps = cfg.rms_norm_eps
+    return lambda rows: [*before(rows), engram_gate_launch(ctx.bundle, spec, ptrs, rows, eps)]
+
+
+# ---- tail -----------------------------------------------------------------------------------------
+
+def _tail_post_collapse(ctx, layer):
+    return _postonly(ctx)
+
+
+def _tail_norm(ctx, layer):
+    return _norm(ctx, "norm.weight", "hidden")
+
+
+def _lm_head(ctx, layer):
+    """The rank's argmax pair into `pick`; also its logits when the caller bound `logits`."""
+    offset = ctx.shapes.vocab_offset(ctx.rank)
+    common = {"x": ctx.ptr("hidden"), "weight": ctx.ptr("head.weight")}
+    argmax = {"out": ctx.ptr("pick"), "keys": ctx.ptr("tail.keys"),
+              "counters": ctx.ptr("tail.counters"), **common}
+    modes = [("argmax", argmax)]
+    if "logits" in ctx.bound:
+        modes.append(("logits", {"out": ctx.ptr("logits"), **common}))
+    specs = {(mode, rows): dl.lm_head_spec(ctx.bundle, mode, rows)
+             for mode, _ in modes for rows in (1, ctx.max_rows)}
+
+    def build(rows):
+        bucket = 1 if rows <= lr.ROW_TILE else ctx.max_rows
+        return [dl.lm_head_launch(ctx.bundle, specs[mode, bucket], ptrs, rows, offset)
+                for mode, ptrs in modes]
+    return build
+
+
+BUILDERS = {
+    "head.rows_prep": _rows_prep,
+    "head.embed": _embed,
+    "head.engram_hash": _engram_hash,
+    "engram.lookup": _engram_lookup,
+    "engram.wkv": _engram_wkv,
+    "engram.gate": _engram_gate,
+    "attn.mhc_pre": _attn_mhc_pre,
+    "attn.norm": _attn_norm,
+    "ffn.mhc_pre": _ffn_mhc_pre,
+    "ffn.norm": _ffn_norm,
+    "tail.mhc_post_collapse": _tail_post_collapse,
+    "tail.norm": _tail_norm,
+    "tail.lm_head_argmax": _lm_head,
+}
+
+
+# ---- arena ----------------------------------------------------------------------------------------
+
+def _wkv_specs(cfg, tp: int) -> list[dr.DenseSpec]:
+    return [s for s in dr.dense_specs(cfg, tp) if s.name.startswith("dense_w8a16_engram_wkv_")]
+
+
+def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
+    """The int32 rows, mHC scratch, Engram ids / heads / wkv output and scratch, lm_head scratch."""
+    r, d = max_rows, cfg.hidden_size
+    spec = mk.make_spec(d, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters)
+    out = [Buffer("tokens32", np.int32, (r,), "token ids (rows prep)"),
+           Buffer("positions32", np.int32, (r,), "positions (rows prep)"),
+           Buffer("row_info", np.int32, (r, rows_ref.INFO_FIELDS),
+                  "position, swa_lo, swa_hi, seq (rows prep; sparse MQA reads it)"),
+           Buffer("mhc.mixes", np.float32, (r, MHC_COEFFS), "mhc_pre mixes (unread)"),
+           Buffer("mhc.workspace", np.float32, (spec.slices, r, mk.PARTIAL_STRIDE),
+                  "mhc_pre split-K partials"),
+           Buffer("mhc.counters", np.int32, (mk.counter_count(r),), "mhc_pre, zeroed once")]
+    heads = lr.lm_head_specs(cfg, tp)
+    out += [Buffer("tail.keys", np.uint64, (lr.MAX_ROWS,), "lm_head argmax keys, zeroed once"),
+            Buffer("tail.counters", np.uint32,
+                   (max(h.counters_bytes() for h in heads) // 4,), "lm_head, zeroed once")]
+    if not cfg.engram_layer_ids:
+        return out
+    n, hd, total = cfg.engram_max_ngram_size, cfg.engram_head_dim, cfg.engram_num_hash_cols
+    wkv = _wkv_specs(cfg, tp)
+    out.append(Buffer("history32", np.int32, (r, n), "newest-first token history (rows prep)"))
+    out += [Buffer(_ids_name(i), np.int64, (r, total), "Engram hash ids (head)")
+            for i in cfg.engram_layer_ids]
+    out += [Buffer("engram.local_heads", BF16, (r, total // tp * hd), "this rank's looked-up heads"),
+            Buffer("engram.heads", BF16, (r, total * hd), "every rank's heads (all-gathered)"),
+            Buffer("engram.kv", BF16, (r, (cfg.hc_mult + 1) * d), "wkv output: n keys, then v"),
+            Buffer("engram.wkv_workspace", np.float32,
+                   (max(1, max(s.workspace_bytes() for s in wkv) // 4),), "wkv split-K partials"),
+            Buffer("engram.wkv_counters", np.uint32,
+                   (max(1, max(s.counters_bytes() for s in wkv) // 4),), "wkv, zeroed once")]
+    return out
+
+
+def _bytes(array) -> np.ndarray:
+    """1-byte checkpoint formats (E4M3 codes, UE8M0 scales) as the raw bytes the kernels read."""
+    array = np.asarray(array)
+    if array.dtype.itemsize != 1:
+        raise TypeError(f"expected a 1-byte format, got {array.dtype}")
+    return array.view(np.uint8)
+
+
+def weights(cfg, tp: int, rank: int, fetch) -> list[tuple[str, np.ndarray]]:
+    """This rank's embed/head vocab rows, norms, mHC fn/base/scale (scale padded to 4 floats, the
+    first layer's attention fn summed over streams), Engram tables, wkv, q/k weights."""
+    del tp, rank                                    # fetch cuts this rank's slices
+    one_hot = np.zeros((mk.MAX_ROWS, MHC_COEFFS), np.float32)
+    one_hot[:, :cfg.hc_mult] = mhc_ref.one_hot_pre(mk.MAX_ROWS, cfg.hc_mult)
+    out = [(name, fetch(name)) for name in ("embed.weight", "head.weight", "norm.weight")]
+    out.append((ONE_HOT, one_hot))
+    for layer in cfg.layers:
+        if layer.is_dspark:
+            continue
+        i = layer.index
+        out += [(f"layers.{i}.{w}_norm.weight", fetch(f"layers.{i}.{w}_norm.weight"))
+                for w in ("attn", "ffn")]
+        for sub in ("attn", "ffn"):
+            fn = np.asarray(fetch(_fn_name(i, sub, False)), np.float32)
+            if sub == "attn" and _broadcasts(cfg, layer):
+                out.append((_fn_name(i, sub, True),
+                            mhc_ref.sum_fn_over_streams(fn, cfg.hc_mult).astype(np.float32)))
+            else:
+                out.append((_fn_name(i, sub, False), fn))
+            scale = np.zeros(4, np.float32)
+            scale[:3] = np.asarray(fetch(f"layers.{i}.hc_{sub}_scale"), np.float32)
+            out += [(f"layers.{i}.hc_{sub}_scale.padded", scale),
+                    (f"layers.{i}.hc_{sub}_base",
+                     np.asarray(fetch(f"layers.{i}.hc_{sub}_base"), np.float32))]
+        if layer.has_engram:
+            pre = f"layers.{i}.engram."
+            out += [(pre + name, _bytes(fetch(pre + name)))
+                    for name in ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale")]
+            out += [(pre + name, fetch(pre + name)) for name in ("q_weight", "k_weight")]
+    return out
