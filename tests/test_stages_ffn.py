@@ -1,0 +1,240 @@
+"""executor.stages.ffn on four emulated ranks (tiny, CPU): router, routed MoE and shared expert
+from `xn` to each rank's `ffn.partial`, against the model reference (kernels/moe_ref.py).
+
+Per case (fresh random bf16 xn; rows 1, 6 (a verify block's size), 13 real rows in a bucket of
+16 whose 3 padding rows hold zeros, 48), two backbone layers, every rank:
+- router: ids, weights and logits bitwise `moe_ref.route` / `matmul_t` (the emulator runs the
+  reference's arithmetic), and bitwise equal across ranks (replicated);
+- routed sum `ffn.moe.y`: bitwise `moe_ref.routed_experts` on the reference's dequantized expert
+  slices (so the fused-E8M0 packing of every expert decodes to the reference's weights);
+- shared expert, stage by stage on the emulator's own inputs: h13 and the w2 output within
+  2 x `dense_tolerance` of bf16(x·Wᵀ) (both sides are within one such bound of the exact product:
+  fp32 summation order + one bf16 rounding), h bitwise `swiglu_ref`, ffn.partial bitwise
+  bf16(y + shared) (the f32 + bf16 add);
+- end to end: ffn.partial against `moe_ref.moe_partial` (quantize_acts=True) within the bound
+  those stage errors propagate to (`_partial_bound`);
+- nothing written at or past the bucket's last row in any buffer of the group.
+The FFN is row-independent (no row metadata, no cache): which sequence a row belongs to plays no
+part, so a row count stands for any mix of sequences.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_checkpoint import tiny_checkpoint
+
+from executor.emulate import EMULATORS
+from executor.emulate.ranks import EmulatedRanks
+from executor.reference.kvcache import KVCaches
+from executor.reference.weights import rank_weights_from_checkpoint
+from executor.stages import ffn
+from kernels import dense_ref as dr
+from kernels import moe_ref
+from kernels.common_ref import BF16
+from kernels.elementwise_ref import residual_add_ref
+from kernels.swiglu_ref import swiglu_ref
+from loader.checkpoint import Checkpoint
+
+TP = 4
+ROLES = {"ffn.router", "ffn.moe_routed", "ffn.shared_expert"}
+LAUNCHES_PER_RANK = 1 + 4 + 4          # router; MoE chain; w1|w3, SwiGLU, w2, add
+CASES = [(1, 1), (6, 6), (13, 16), (48, 48)]          # (real rows, bucket)
+POISONED = ("ffn.partial", "ffn.router_logits", "ffn.topk_ids", "ffn.topk_weights",
+            "ffn.moe.meta", "ffn.moe.pairs", "ffn.moe.xq", "ffn.moe.xs", "ffn.moe.h",
+            "ffn.moe.ye", "ffn.moe.y", "ffn.shared_h13", "ffn.shared_h", "ffn.shared_out")
+ROW_BUFFERS = ("ffn.partial", "ffn.router_logits", "ffn.topk_ids", "ffn.topk_weights",
+               "ffn.moe.xq", "ffn.moe.xs", "ffn.moe.y", "ffn.shared_h13", "ffn.shared_h",
+               "ffn.shared_out")
+
+
+class Setup:
+    def __init__(self, ckpt, bundle_dir):
+        self.cfg = cfg = ckpt.config
+        caches = KVCaches.allocate(cfg, max_seqs=2, max_context=64, page_size=16)
+        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, caches, modules=("executor.stages.ffn",))
+        self.refs = [rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)]
+        backbone = [s.index for s in cfg.layers if not s.is_dspark]
+        self.layers = (backbone[0], backbone[-1])
+        self.d, self.k = cfg.hidden_size, cfg.num_experts_per_tok
+
+    def read(self, rank, name, dtype, rows, width):
+        return self.ranks.read(rank, name, dtype, (rows, width))
+
+    def run(self, x: np.ndarray, layer: int) -> None:
+        for arena in self.ranks.arenas:
+            for name in POISONED:
+                arena.fill(name, 0xFF)
+        self.ranks.write("xn", x)
+        launched = self.ranks.run(x.shape[0], roles=ROLES, layers={layer})
+        assert launched == TP * LAUNCHES_PER_RANK
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_bundle_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        # The SwiGLU family's emulator; the lead registers it in executor/emulate/__init__.py.
+        mp.setitem(EMULATORS, "kernels.swiglu", "executor.emulate.swiglu:emulate")
+        with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+            yield Setup(ckpt, tiny_bundle_dir)
+
+
+def _xn(rng, real: int, bucket: int, d: int) -> np.ndarray:
+    x = np.zeros((bucket, d), BF16)                 # padding rows: what a zero stream norms to
+    x[:real] = rng.standard_normal((real, d)).astype(BF16)
+    return x
+
+
+def _within(got, want, bound, what: str) -> float:
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = ~(err <= bound)                          # NaN fails
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} elements off, first at {i}: got "
+                             f"{got[i]}, want {want[i]}, bound {bound[i]:.3g}")
+    return float(err.max(initial=0.0))
+
+
+def _check_router(s: Setup, x32, layer: int, bucket: int) -> moe_ref.RouterOutput:
+    lw = s.refs[0].layer(layer)
+    gate = lw.vector("ffn.gate.weight")
+    routing = moe_ref.route(x32, gate, lw.vector("ffn.gate.bias"), lw.topk,
+                            s.cfg.routed_scaling_factor)
+    logits = moe_ref.matmul_t(x32, gate)
+    e = s.cfg.n_routed_experts
+    for r in range(TP):
+        ids = s.read(r, "ffn.topk_ids", np.int32, bucket, s.k)
+        weights = s.read(r, "ffn.topk_weights", np.float32, bucket, s.k)
+        np.testing.assert_array_equal(ids, routing.experts, err_msg=f"rank {r} ids")
+        np.testing.assert_array_equal(weights, routing.weights, err_msg=f"rank {r} weights")
+        np.testing.assert_array_equal(s.read(r, "ffn.router_logits", np.float32, bucket, e),
+                                      logits, err_msg=f"rank {r} logits")
+    return routing
+
+
+def _partial_bound(y, h, h_ref, w2, shared, shared_ref):
+    """|bf16(y + shared) - bf16(y + shared_ref)|, shared = bf16(h·W2ᵀ) (emulated),
+    shared_ref = bf16(h_ref·W2ᵀ) (reference): each within dense_tolerance of its exact product,
+    the exact products |W2|·|h - h_ref| apart; then each side's f32 add and bf16 rounding
+    (2^-24 + 2^-8 relative)."""
+    shared_gap = (dr.dense_tolerance(h, w2, "bf16") + dr.dense_tolerance(h_ref, w2, "bf16")
+                  + np.abs(h.astype(np.float64) - h_ref) @ np.abs(w2.astype(np.float64)).T)
+    sums = np.abs(y.astype(np.float64) + shared) + np.abs(y.astype(np.float64) + shared_ref)
+    return shared_gap + (2.0**-8 + 2.0**-24) * sums + 2.0**-133
+
+
+def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
+    lw, cfg, d = s.refs[r].layer(layer), s.cfg, s.d
+    x32, limit = x.astype(np.float32), cfg.swiglu_limit
+    inter = lw.shared.w2.shape[1]
+    y = s.read(r, "ffn.moe.y", np.float32, bucket, d)
+    np.testing.assert_array_equal(
+        y, moe_ref.routed_experts(x32, routing, lw.experts, limit, True),
+        err_msg=f"rank {r} layer {layer}: routed sum is not moe_ref's bits")
+    w13, w2 = lw.shared.w13, lw.shared.w2
+    h13 = s.read(r, "ffn.shared_h13", BF16, bucket, 2 * inter)
+    h13_ref = moe_ref.round_bf16(moe_ref.matmul_t(x32, w13))
+    errs = {"h13": _within(h13, h13_ref, 2 * dr.dense_tolerance(x, w13, "bf16"), "h13")}
+    h = s.read(r, "ffn.shared_h", BF16, bucket, inter)
+    np.testing.assert_array_equal(h, swiglu_ref(h13, limit), err_msg=f"rank {r}: SwiGLU")
+    shared = s.read(r, "ffn.shared_out", BF16, bucket, d)
+    errs["shared"] = _within(shared, moe_ref.round_bf16(moe_ref.matmul_t(h, w2)),
+                             2 * dr.dense_tolerance(h, w2, "bf16"), "shared w2")
+    partial = s.read(r, "ffn.partial", BF16, bucket, d)
+    np.testing.assert_array_equal(partial, residual_add_ref(y, shared),
+                                  err_msg=f"rank {r}: partial is not bf16(y + shared)")
+    # End to end: the reference's own shared-expert path, then moe_partial itself.
+    h_ref = moe_ref.round_bf16(moe_ref.swiglu_clamped(h13_ref[:, :inter], h13_ref[:, inter:],
+                                                      limit))
+    shared_ref = moe_ref.round_bf16(moe_ref.matmul_t(h_ref, w2))
+    want = moe_ref.moe_partial(x32, routing, lw.experts, lw.shared, limit, quantize_acts=True)
+    bound = _partial_bound(y, h, h_ref, w2, shared.astype(np.float32), shared_ref)
+    errs["partial"] = _within(partial, want, bound, f"rank {r} layer {layer}: ffn.partial")
+    return errs
+
+
+def _check_untouched_past(s: Setup, bucket: int) -> None:
+    rows = s.ranks.max_rows
+    row_bytes = {b.name: b.nbytes // rows for b in ffn.buffers(s.cfg, TP, rows)}
+    row_bytes["ffn.partial"] = 2 * s.d
+    for r, arena in enumerate(s.ranks.arenas):
+        for name in ROW_BUFFERS:
+            past = arena.view(name, np.uint8)[row_bytes[name] * bucket:row_bytes[name] * rows]
+            assert (past == 0xFF).all(), f"rank {r}: {name} written past row {bucket}"
+
+
+@pytest.mark.parametrize(("real", "bucket"), CASES)
+@pytest.mark.parametrize("which", [0, 1])
+def test_ffn_partial_matches_the_reference(setup, which, real, bucket):
+    s, rng = setup, np.random.default_rng()
+    layer = s.layers[which]
+    x = _xn(rng, real, bucket, s.d)
+    s.run(x, layer)
+    routing = _check_router(s, x.astype(np.float32), layer, bucket)
+    for r in range(TP):
+        _check_rank(s, r, x, routing, layer, bucket)
+    _check_untouched_past(s, bucket)
+
+
+@pytest.mark.parametrize(("rows", "dense", "moe_first"), [(1, "r8", "moe_prep_"),
+                                                          (6, "r8", "moe_xquant_"),
+                                                          (48, "r32", "moe_xquant_")])
+def test_launch_lists_follow_the_bucket(setup, rows, dense, moe_first):
+    s = setup
+    plan = s.ranks.plans[0]
+    layer = s.layers[0]
+
+    def names(role):
+        return [spec.kernel.name for spec in plan.stage(f"layer{layer:02d}.{role}").build(rows)]
+    assert names("ffn.router") == [f"router_e{s.cfg.n_routed_experts}_d{s.d}_k{s.k}"]
+    moe = names("ffn.moe_routed")
+    assert moe[0].startswith(moe_first) and moe[-1].startswith("moe_combine_") and len(moe) == 4
+    shared = names("ffn.shared_expert")
+    assert shared[0].startswith("dense_w8a16_shared_w13_") and shared[0].endswith(f"_{dense}_bf16")
+    assert shared[1].startswith("swiglu_bf16_i")
+    assert shared[2].startswith("dense_w8a16_shared_w2_") and shared[2].endswith(f"_{dense}_bf16")
+    assert shared[3] == f"residual_add_f32_bf16_d{s.d}"
+
+
+def test_buffers_and_weights_declared(setup):
+    s = setup
+    names = {b.name for b in ffn.buffers(s.cfg, TP, 192)}
+    assert set(POISONED) - {"ffn.partial"} <= names and all(n.startswith("ffn.") for n in names)
+    arena = s.ranks.arenas[1]
+    for layer in s.layers:
+        for key in ffn.EXPERT_KEYS:
+            assert f"layers.{layer}.ffn.experts.{key}" in arena.slices
+        w13 = arena.view(f"layers.{layer}.ffn.shared_experts.w13.weight", np.uint8)
+        w1 = s.refs[1].layer(layer).raw("ffn.shared_experts.w1.weight").view(np.uint8)
+        w3 = s.refs[1].layer(layer).raw("ffn.shared_experts.w3.weight").view(np.uint8)
+        np.testing.assert_array_equal(w13[:w1.size + w3.size],
+                                      np.concatenate([w1, w3]).reshape(-1))
+    # The router counters and split-K counters start (and, after the runs above, stay) zero.
+    for name in ("ffn.router_counters", "ffn.dense_counters"):
+        assert not arena.view(name, np.uint8).any(), name
+
+
+def _fetch_with(ckpt, override: dict):
+    from loader.sharding import shard
+
+    def fetch(name):
+        if name in override:
+            return override[name]
+        return shard(ckpt, ckpt.spec(name), TP, 0)
+    return fetch
+
+
+def test_bad_weights_name_the_tensor():
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+        cfg = ckpt.config
+        gate = "layers.0.ffn.gate.weight"
+        bad = {gate: np.zeros((cfg.n_routed_experts, cfg.hidden_size), np.float32)}
+        with pytest.raises(TypeError, match=gate):
+            list(ffn.weights(cfg, TP, 0, _fetch_with(ckpt, bad)))
+        scale = "layers.0.ffn.shared_experts.w1.scale"
+        wrong = np.zeros((1, 1), np.uint8)
+        with pytest.raises(TypeError, match="layers.0.ffn.shared_experts.w1"):
+            list(ffn.weights(cfg, TP, 0, _fetch_with(ckpt, {scale: wrong})))
+        expert = "layers.0.ffn.experts.3.w2.scale"
+        with pytest.raises(TypeError, match=expert):
+            list(ffn.weights(cfg, TP, 0, _fetch_with(ckpt, {expert: np.zeros((4, 4),
+                                                                              np.float32)})))
