@@ -238,3 +238,7 @@ def test_bad_weights_name_the_tensor():
         with pytest.raises(TypeError, match=expert):
             list(ffn.weights(cfg, TP, 0, _fetch_with(ckpt, {expert: np.zeros((4, 4),
                                                                               np.float32)})))
+        codes = "layers.0.ffn.experts.5.w1.weight"
+        short = np.zeros((8, cfg.hidden_size // 2), np.int8)
+        with pytest.raises(TypeError, match=codes + r": expected packed MXFP4 bytes \[96, 128\]"):
+            list(ffn.weights(cfg, TP, 0, _fetch_with(ckpt, {codes: short})))

@@ -139,6 +139,20 @@ def _shared_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarr
             (f"{base}w2.weight", parts["w2"][0]), (f"{base}w2.scale", parts["w2"][1])]
 
 
+def _mxfp4(fetch, base: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """One expert sublayer [n, k] as the checkpoint stores it: packed E2M1 pairs and one scale
+    byte per 32 along k (checked: pack_experts' errors would not name the tensor)."""
+    codes = np.asarray(fetch(base + ".weight"))
+    scales = _scale_bytes(fetch(base + ".scale"), base + ".scale")
+    if codes.dtype.itemsize != 1 or codes.shape != (n, k // 2):
+        raise TypeError(f"{base}.weight: expected packed MXFP4 bytes [{n}, {k // 2}], got "
+                        f"{codes.dtype} {codes.shape}")
+    if scales.shape != (n, k // formats.MXFP4_GROUP):
+        raise TypeError(f"{base}.scale: expected [{n}, {k // formats.MXFP4_GROUP}], got "
+                        f"{scales.shape}")
+    return codes, scales
+
+
 def _fused(packed: np.ndarray, scales: np.ndarray, name: str) -> formats.FusedE8M0:
     """Every expert's sublayer [E, N, K/2] through Humming's padding and fused-E8M0 step, sliced
     back to N x K (what executor/reference/weights.py dequantizes, expert by expert)."""
@@ -155,14 +169,13 @@ def _expert_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarr
     base = _prefix(index) + "experts"
     p13, s13, p2, s2 = [], [], [], []
     for e in range(shape.num_experts):
-        def get(w, part, e=e):
-            name = f"{base}.{e}.{w}.{part}"
-            array = fetch(name)
-            return _scale_bytes(array, name) if part == "scale" else np.asarray(array)
-        p13.append(np.concatenate([get("w1", "weight"), get("w3", "weight")]))
-        s13.append(np.concatenate([get("w1", "scale"), get("w3", "scale")]))
-        p2.append(get("w2", "weight"))
-        s2.append(get("w2", "scale"))
+        c1, b1 = _mxfp4(fetch, f"{base}.{e}.w1", shape.inter, shape.hidden)
+        c3, b3 = _mxfp4(fetch, f"{base}.{e}.w3", shape.inter, shape.hidden)
+        c2, b2 = _mxfp4(fetch, f"{base}.{e}.w2", shape.hidden, shape.inter)
+        p13.append(np.concatenate([c1, c3]))           # w13 = [gate; up], as the reference
+        s13.append(np.concatenate([b1, b3]))
+        p2.append(c2)
+        s2.append(b2)
     packed = mk.pack_experts(_fused(np.stack(p13), np.stack(s13), f"{base} w13"),
                              _fused(np.stack(p2), np.stack(s2), f"{base} w2"), shape)
     parts = {"codes13": packed.w13.codes, "offsets13": packed.w13.offsets,
@@ -179,7 +192,7 @@ def _gate_weights(cfg, fetch, index: int) -> list[tuple[str, np.ndarray]]:
     if weight.dtype != BF16 or weight.shape != (e, d):
         raise TypeError(f"{base}weight: the router reads bf16 [{e}, {d}], got {weight.dtype} "
                         f"{weight.shape}")
-    if bias.shape != (e,) or bias.dtype.kind != "f":
+    if bias.shape != (e,) or not (bias.dtype.kind == "f" or bias.dtype == BF16):
         raise TypeError(f"{base}bias: expected a float [{e}] vector, got {bias.dtype} "
                         f"{bias.shape}")
     return [(base + "weight", weight), (base + "bias", bias.astype(np.float32))]  # exact
