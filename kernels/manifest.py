@@ -21,7 +21,7 @@ from pathlib import Path
 # Family modules (CuTe DSL side). Each has `specs(cfg, tp)` and `compile_spec(spec, options)`;
 # its `<module>_ref` sibling holds the DSL-free spec, grid rule and reference.
 FAMILIES = (
-    "kernels.norm",
+    "kernels.norm", "kernels.split_norm",
     "kernels.elementwise",
     "kernels.rope",
     "kernels.probes",
