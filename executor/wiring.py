@@ -33,7 +33,10 @@ MHC_COEFFS = 24             # packed pre[4] | post[4] | comb[16] per row (kernel
 
 # Modules with BUILDERS {role: fn(ctx, layer) -> (rows -> [LaunchSpec])} and optionally
 # buffers(cfg, tp, max_rows) -> [Buffer] and weights(cfg, tp, rank, fetch) -> [(name, ndarray)].
-STAGE_MODULES: tuple[str, ...] = ()
+STAGE_MODULES: tuple[str, ...] = (
+    "executor.stages.ffn",
+    "executor.stages.collectives",
+)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ EMULATORS = {
     "kernels.embed": "executor.emulate.embed:emulate",
     "kernels.engram": "executor.emulate.engram:emulate",
     "kernels.rows": "executor.emulate.rows:emulate",
+    "kernels.swiglu": "executor.emulate.swiglu:emulate",
 }
 
 
