@@ -8,7 +8,10 @@ reference uses (mhc_ref, norm_ref, engram_ref, head_ref), so most outputs agree 
 the two sum in different orders (the 1-stream broadcast mixes vs hc_mixes_broadcast, the W8A16
 wkv, the Engram gate) the bound is the one the arithmetic gives, stated at the assertion.
 Padding rows (bucket > real rows) are computed like any row and nothing past the bucket is
-written; every rank's replicated outputs are bitwise equal.
+written (no stage of this group touches a KV cache); every rank's replicated outputs are bitwise
+equal. Two collectives of the lead's group have no emulated stage here and are done on the host in
+their place: the embedding all-reduce (rank-order fp32 sum, as step.all_reduce) and the Engram
+heads all-gather (each rank's `engram.local_heads` side by side into every rank's `engram.heads`).
 """
 import numpy as np
 import pytest
@@ -370,3 +373,64 @@ def test_tail_post_collapse_norm_and_argmax(env, batch):
     tokens, _ = step.head_and_argmax(model, hidden[:r].astype(np.float32))
     picked = head_ref.pick_across_ranks(np.stack(values), np.stack(indices))
     assert np.array_equal(picked, tokens)
+
+
+# ---- the group's stages chained over layers -------------------------------------------------------
+
+def _embed_allreduce(ranks, bucket, d):
+    """Stand-in for the lead's head.embed_allreduce: rank-order fp32 sum, one bf16 rounding."""
+    parts = [ranks.read(r, "embed.partial", BF16, (ranks.max_rows, d))[:bucket]
+             for r in range(ranks.tp)]
+    ranks.write("embed.out", step.all_reduce(parts).astype(BF16))
+
+
+@pytest.mark.parametrize("batch", ["one", "padded"])
+def test_chained_head_layers_and_tail(env, batch):
+    """Every stage of the group from the head through layers 0-4 (first, Engram, plain, Engram)
+    to the tail, the other groups' sublayers replaced by random outputs written into `attn.out` /
+    `ffn.out`, the lead's embedding all-reduce and Engram all-gather done on the host. This checks
+    that the buffers carry from stage to stage and layer to layer (a wrong buffer gives O(1)
+    errors); the per-stage bounds above compound through 5 layers of mixes and Sinkhorn, so the
+    check here is 2^-5 relative + 2^-5 absolute on the normed activations (entries ~1)."""
+    ranks, model, caches = env
+    cfg, rng = model.cfg, np.random.default_rng()
+    rows, history, bucket = _batch(caches, cfg, rng, *BATCHES[batch])
+    r, d, mr, last = rows.num_rows, cfg.hidden_size, ranks.max_rows, 4
+    ranks.load(rows, caches, history)
+    ranks.run(bucket, roles={"head.rows_prep", "head.embed", "head.engram_hash"})
+    _embed_allreduce(ranks, bucket, d)
+    state = step.start_streams(step.embed(model, rows.token_ids), cfg.hc_mult)
+
+    def check(name, want, what):
+        got = _read_all(ranks, name, BF16, (mr, d))[:r].astype(np.float32)
+        _close(got, want, 2.0**-5 * (np.abs(want) + 1), what)
+
+    attn_roles = {"engram.lookup", "engram.wkv", "engram.gate", "attn.mhc_pre", "attn.norm"}
+    for layer in range(last + 1):
+        lw = model.ranks[0].layer(layer)
+        if lw.spec.has_engram:
+            ranks.run(bucket, roles={"engram.lookup"}, layers={layer})
+            _all_gather_heads(ranks, bucket)
+        ranks.run(bucket, roles=attn_roles - {"engram.lookup"}, layers={layer})
+        broadcast = state.embedding is not None and not lw.spec.has_engram
+        step.apply_pending(state)
+        if lw.spec.has_engram:
+            step.engram_update(model, layer, state, history)
+        attn_coeffs = step._coefficients(cfg, lw, "attn", state, broadcast)
+        state.embedding = None
+        check("xn", step.rms_norm(mhc_ref.hc_collapse(state.streams, state.carried_pre),
+                                  lw.vector("attn_norm.weight"), cfg.rms_norm_eps),
+              f"layer {layer} attention input")
+        attn_out = step.bf16(rng.standard_normal((bucket, d)))
+        ranks.write("attn.out", attn_out.astype(BF16))
+        ranks.run(bucket, roles={"ffn.mhc_pre", "ffn.norm"}, layers={layer})
+        state.streams = mhc_ref.hc_post(attn_out[:r], state.streams, attn_coeffs)
+        ffn_coeffs = step._coefficients(cfg, lw, "ffn", state, broadcast=False)
+        check("xn", step.rms_norm(mhc_ref.hc_collapse(state.streams, attn_coeffs.pre),
+                                  lw.vector("ffn_norm.weight"), cfg.rms_norm_eps),
+              f"layer {layer} FFN input")
+        ffn_out = step.bf16(rng.standard_normal((bucket, d)))
+        ranks.write("ffn.out", ffn_out.astype(BF16))
+        state.pending, state.carried_pre = (ffn_out[:r], ffn_coeffs), ffn_coeffs.pre
+    ranks.run(bucket, roles={"tail.mhc_post_collapse", "tail.norm", "tail.lm_head_argmax"})
+    check("hidden", step.finish(model, state, model.ranks[0].norm), "final hidden")
