@@ -119,7 +119,8 @@ def _post_step(ctx, layer: int, sublayer: str, sub_out: str, coeff_prev: str, co
 
 
 def _postonly(ctx):
-    """rows -> the pending FFN post on `streams` in place (its collapse into `x` is unused)."""
+    """rows -> the pending FFN post on `streams` in place, and the collapse with the carried pre
+    (coeff.ffn's) into `x`: the tail's input; before an Engram gate attn.mhc_pre rewrites it."""
     spec = _mhc_spec(ctx, mk.HC_MULT, "postonly")
     ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr("ffn.out"),
             "coeff_prev": ctx.ptr("coeff.ffn"), "streams_out": ctx.ptr("streams"),
