@@ -23,10 +23,10 @@ buffers of executor/wiring.py:
   tail           postonly with the last FFN's post and carried pre -> `x`; RMSNorm -> `hidden`;
                  lm_head argmax -> `pick` int32 [R, 2] (+ logits into a bound `logits`).
 
-Counters: mhc_pre, the split-K dense and the argmax lm_head keep row-block counters that must be
-zero before their first launch and are left zero by every launch. `HostArena` is zeroed at
-creation; on the GPU the Executor must zero `mhc.counters`, `engram.wkv_counters`, `tail.keys` and
-`tail.counters` once after allocating the arena (cuMemAlloc does not zero).
+Counters: mhc_pre, the split-K dense and the argmax lm_head keep row-block counters (`mhc.counters`,
+`engram.wkv_counters`, `tail.keys`, `tail.counters`) that must be zero before their first launch
+and are left zero by every launch. cuMemAlloc does not zero: the Executor zeroes the whole arena
+before packing weights (executor/executor.py, `arena.zero()`); `HostArena` is zeroed at creation.
 """
 from __future__ import annotations
 
