@@ -1,0 +1,305 @@
+"""The attention sublayer's projections, KV-cache writes and output on one rank (group A).
+
+Model doc §2.2 A1-A9 and A15 with `executor/reference/attention.py`'s roundings, from the
+boundary buffer `xn` (bf16 [R, D], the normed attention input) to `attn.partial` (bf16 [R, D],
+this rank's wo_b output, which the attention all-reduce sums):
+
+  attn.wq_a_wkv        dense wqa_wkv    xn -> attn.qkv bf16 [R, q_lora + 512]  (replicated)
+  attn.q_kv_norm       split RMSNorm    attn.qkv -> attn.qr = bf16(q_norm(q half)) [R, q_lora]
+                                        and attn.kv = the kv half [R, 512], copied
+  attn.compressor      compressor       (kv sources) xn -> ring, compressed_{l}, index_keys_{l}
+                       proj + publish   (ratio 2 pools pairs through compressor_ring_{l})
+  attn.wq_b            dense wq_b       attn.qr -> attn.q bf16 [R, H_l, 512]
+  attn.rope_swa_insert RoPE in place    attn.q's rope dims at positions32 (the layer's table)
+                       SWA insert       attn.kv -> kv_norm, RoPE, 584-byte record at
+                                        slot_mapping[r] of swa_{l} (slot -1: padding, no write)
+  attn.wo_a            grouped wo_a     attn.o (group B, inverse-RoPE'd) -> attn.z [R, G_l lora]
+  attn.wo_b            dense wo_b       attn.z -> attn.partial (bf16 epilogue: the reference's
+                                        AR-1 rounds each rank's fp32 partial to bf16 first)
+
+`attn.qr` and `attn.q` are group B's inputs (indexer query, sparse MQA query); `attn.o` its
+output, declared by B. Kernel choices: the fused linear's two halves go through one
+`kernels.split_norm` launch (the RMSNorm kernel reads rows of its own width only, and the SWA
+insert reads kv rows of 512: neither takes the fused row stride); the SWA insert applies kv_norm
+itself, so kv leaves the split unnormed. Dense launches pick their kernel by rows (8 rows per pass
+up to 8 rows, 32 above) and share one split-K workspace and counters: each launch touches them
+only after griddepcontrol.wait, when its predecessor has finished. `attn.dense_counters` must be
+ZERO before the first launch (HostArena is zeroed at creation; the GPU Executor must zero it).
+
+Padding rows (past the real ones in a bucket) run through every row-wise kernel; the SWA insert
+and the compressor write no cache for them (slot -1, seq_index -1). The reference zeroes a
+padding row's partial; here it is wo_b of whatever `attn.o` holds in that row (zeros if B writes
+zeros there, as the sparse MQA kernel does).
+
+The KV cache geometry (page size, block-table width) is `ctx.geometry` (a CacheGeometry). The
+compressor kernels keep RING_ROWS = 8 ring rows per line: the bound compressor_ring_{l} must have
+ring_rows 8 (the reference's caches for blocks of up to 6 rows).
+
+Weights per backbone layer l (fp32 where the kernel reads fp32; widening bf16 is exact):
+  layers.{l}.attn.wq_a_wkv.weight / .scale   e4m3 [q_lora + 512, D] / ue8m0 (wq_a rows, then wkv)
+  layers.{l}.attn.q_norm.weight.f32 [q_lora], layers.{l}.attn.kv_norm.weight.f32 [512]
+  layers.{l}.attn.wq_b.weight / .scale       e4m3 [H_l 512, q_lora] (this rank's heads)
+  layers.{l}.attn.wo_a.weight / .scale       e4m3 [G_l, lora, hpg 512] (this rank's groups)
+  layers.{l}.attn.wo_b.weight / .scale       e4m3 [D, G_l lora] (this rank's input columns)
+  kv sources: layers.{l}.attn.compressor.wkv_wgate.weight f32 [1024, D] (ratio 2) or
+  layers.{l}.attn.compressor.wkv.weight bf16 [512, D] (ratio 1); compressor.norm.weight.f32,
+  indexer.wk.weight bf16 [128, 512], indexer.k_norm.weight.f32 (the index-key projection runs in
+  the compressor's publish)
+  rope.plain / rope.yarn f32 [max_position_embeddings, 32, 2]: the (cos, sin) tables of ratio-0
+  and compressed layers (attention.rope_for); group B reads them by these names.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.launches import dense as dl
+from executor.launches.compressor import CompressorShape, compressor_launches
+from executor.launches.small import kernel_for, rope_launches, swa_insert_launches
+from executor.launches.split_norm import split_norm_launch
+from executor.wiring import Buffer
+from kernels import compressor_kernel_ref as ck
+from kernels import dense_ref as dr
+from kernels import kv_publish_ref, rope_ref, split_norm_ref
+from kernels.common_ref import BF16
+from kernels.wo_a_ref import wo_a_shape, wo_a_specs
+
+DENSE_LABELS = ("wqa_wkv", "wq_b", "wo_b")
+ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
+
+
+def _prefix(index: int) -> str:
+    return f"layers.{index}.attn."
+
+
+def rope_name(ratio: int) -> str:
+    """The RoPE table slice of a layer of `ratio` (plain on ratio 0, YaRN on compressed layers)."""
+    return ROPE_TABLES["yarn" if ratio > 0 else "plain"]
+
+
+def _backbone(cfg):
+    return [spec for spec in cfg.layers if not spec.is_dspark]
+
+
+# ---- buffers --------------------------------------------------------------------------------
+
+def _dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
+    """Every dense / wo_a kernel the group may launch (bf16 epilogue, both row tilings)."""
+    shapes = dr.dense_shapes(cfg, tp)
+    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt)
+            for label in DENSE_LABELS for rt in dr.ROW_TILE_CHOICES] + wo_a_specs(cfg, tp)
+
+
+def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
+    """The group's intermediates and scratch, sized for max_rows; `attn.qr` and `attn.q` are
+    group B's inputs."""
+    r, shapes = max_rows, cfg.rank_shapes(tp)
+    q_lora, hd = cfg.q_lora_rank, cfg.head_dim
+    dense = _dense_specs(cfg, tp)
+    workspace = max(s.workspace_bytes() for s in dense)
+    counters = max(s.counters_bytes() for s in dense)
+    out = [Buffer("attn.qkv", BF16, (r, q_lora + hd), "wq_a | wkv output"),
+           Buffer("attn.qr", BF16, (r, q_lora), "q latent after q_norm (indexer, wq_b input)"),
+           Buffer("attn.kv", BF16, (r, hd), "kv latent before kv_norm (SWA insert input)"),
+           Buffer("attn.q", BF16, (r, shapes.heads, hd), "queries after wq_b and RoPE"),
+           Buffer("attn.z", BF16, (r, shapes.o_groups * cfg.o_lora_rank), "wo_a output"),
+           Buffer("attn.dense_workspace", np.float32, (max(workspace // 4, 1),),
+                  "split-K partials of the group's linears"),
+           Buffer("attn.dense_counters", np.uint32, (max(counters // 4, 1),),
+                  "split-K counters: zero before the first launch")]
+    ratios = {spec.ratio for spec in _backbone(cfg) if spec.owns_compressor}
+    if ratios:
+        out.append(Buffer("attn.kv_score", np.float32, (r, ck.HEAD_DIM * max(ratios)),
+                          "compressor projection (kv | score)"))
+    return out
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+def _fp8(fetch, name: str, groups: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A W8A16 weight and its scale bytes as the dense kernels read them: [G, N, K], [G, N/32,
+    K/32] (the checkpoint's row-major [G N, K] / [G N/32, K/32], reshaped)."""
+    w, s = np.asarray(fetch(name + ".weight")), np.asarray(fetch(name + ".scale"))
+    if s.dtype.itemsize != 1:
+        raise TypeError(f"{name}.scale: UE8M0 scales must be one byte each, got {s.dtype}")
+    nb, kb = n // dr.FP8_BLOCK, k // dr.FP8_BLOCK
+    if w.shape != (groups * n, k) or s.shape != (groups * nb, kb):
+        raise TypeError(f"{name}: expected weight [{groups * n}, {k}] and scale [{groups * nb}, "
+                        f"{kb}] on this rank, got {list(w.shape)} and {list(s.shape)}")
+    w, s = w.reshape(groups, n, k), s.view(np.uint8).reshape(groups, nb, kb)
+    dr.check_weight(w, s, groups, n, k, name)
+    return w, s
+
+
+def _f32(fetch, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A plain BF16/F32 tensor widened to fp32 (exact), checked against `shape`."""
+    array = np.asarray(fetch(name))
+    if array.shape != shape or array.dtype.kind not in "fV" or array.dtype.itemsize > 4:
+        raise TypeError(f"{name}: expected a bf16/f32 tensor {list(shape)}, got {array.dtype} "
+                        f"{array.shape}")
+    return array.astype(np.float32)
+
+
+def _compressor_weights(cfg, fetch, spec) -> list[tuple[str, np.ndarray]]:
+    base, d, hd = _prefix(spec.index), cfg.hidden_size, ck.HEAD_DIM
+    if spec.ratio == 2:         # fp32 in the checkpoint (schema UNCERTAIN): the kernel reads fp32
+        parts = [np.asarray(fetch(f"{base}compressor.{w}.weight")) for w in ("wkv", "wgate")]
+        for w, part in zip(("wkv", "wgate"), parts):
+            if part.dtype != np.float32 or part.shape != (hd, d):
+                raise TypeError(f"{base}compressor.{w}.weight: the ratio-2 projection reads f32 "
+                                f"[{hd}, {d}], got {part.dtype} {part.shape}")
+        out = [(f"{base}compressor.wkv_wgate.weight", np.concatenate(parts))]
+    else:
+        wkv = np.asarray(fetch(f"{base}compressor.wkv.weight"))
+        if wkv.dtype != BF16 or wkv.shape != (hd, d):
+            raise TypeError(f"{base}compressor.wkv.weight: the ratio-1 projection reads bf16 "
+                            f"[{hd}, {d}], got {wkv.dtype} {wkv.shape}")
+        out = [(f"{base}compressor.wkv.weight", wkv)]
+    wk = np.asarray(fetch(f"{base}indexer.wk.weight"))
+    if wk.dtype != BF16 or wk.shape != (ck.INDEX_DIM, hd):
+        raise TypeError(f"{base}indexer.wk.weight: the publish reads bf16 [{ck.INDEX_DIM}, "
+                        f"{hd}], got {wk.dtype} {wk.shape}")
+    return out + [
+        (f"{base}compressor.norm.weight.f32", _f32(fetch, f"{base}compressor.norm.weight", (hd,))),
+        (f"{base}indexer.wk.weight", wk),
+        (f"{base}indexer.k_norm.weight.f32",
+         _f32(fetch, f"{base}indexer.k_norm.weight", (ck.INDEX_DIM,)))]
+
+
+def _layer_weights(cfg, tp: int, fetch, spec) -> list[tuple[str, np.ndarray]]:
+    base, shapes = _prefix(spec.index), dr.dense_shapes(cfg, tp)
+    q_lora, hd, d = cfg.q_lora_rank, cfg.head_dim, cfg.hidden_size
+    wq_a, sq_a = _fp8(fetch, base + "wq_a", 1, q_lora, d)
+    wkv, skv = _fp8(fetch, base + "wkv", 1, hd, d)
+    wq_b, sq_b = _fp8(fetch, base + "wq_b", 1, *shapes["wq_b"][:2])
+    wo_a, so_a = _fp8(fetch, base + "wo_a", *wo_a_shape(cfg, tp))
+    wo_b, so_b = _fp8(fetch, base + "wo_b", 1, *shapes["wo_b"][:2])
+    out = [(base + "wq_a_wkv.weight", np.concatenate([wq_a, wkv], axis=1)),
+           (base + "wq_a_wkv.scale", np.concatenate([sq_a, skv], axis=1)),
+           (base + "q_norm.weight.f32", _f32(fetch, base + "q_norm.weight", (q_lora,))),
+           (base + "kv_norm.weight.f32", _f32(fetch, base + "kv_norm.weight", (hd,))),
+           (base + "wq_b.weight", wq_b), (base + "wq_b.scale", sq_b),
+           (base + "wo_a.weight", wo_a), (base + "wo_a.scale", so_a),
+           (base + "wo_b.weight", wo_b), (base + "wo_b.scale", so_b)]
+    if spec.owns_compressor:
+        out += _compressor_weights(cfg, fetch, spec)
+    return out
+
+
+def weights(cfg, tp: int, rank: int, fetch):
+    """Every backbone layer's attention projections on this rank, then the RoPE tables."""
+    del rank                            # fetch already cuts this rank's slices
+    layers = _backbone(cfg)
+    for spec in layers:
+        yield from _layer_weights(cfg, tp, fetch, spec)
+    for kind, name in ROPE_TABLES.items():
+        if any((spec.ratio > 0) == (kind == "yarn") for spec in layers):
+            yield name, rope_ref.RopeTable.for_ratio(cfg, 1 if kind == "yarn" else 0).cos_sin
+
+
+# ---- builders -------------------------------------------------------------------------------
+
+def _geometry(ctx):
+    geometry = getattr(ctx, "geometry", None)
+    if geometry is None:
+        raise ValueError("attn_proj stages need the KV cache geometry: StepContext.geometry "
+                         "(an executor.bind.CacheGeometry) is not set")
+    return geometry
+
+
+def _dense_by_row_tiles(ctx, label: str, wo_a: bool = False) -> dict[int, dr.DenseSpec]:
+    """row_tiles -> the bundle's spec of `label`, checked against the arena's scratch."""
+    out = {}
+    for rows in (1, ctx.max_rows):
+        spec = dl.wo_a_spec(ctx.bundle, rows) if wo_a else dl.dense_spec(ctx.bundle, label, rows)
+        for name, need in (("attn.dense_workspace", spec.workspace_bytes()),
+                           ("attn.dense_counters", spec.counters_bytes())):
+            if need > ctx.arena.nbytes(name):
+                raise ValueError(f"{spec.name} needs {need} bytes of {name}; the arena has "
+                                 f"{ctx.arena.nbytes(name)} (buffers() built for another shape?)")
+        out[dl.row_tiles_for(rows)] = spec
+    return out
+
+
+def _dense(ctx, label: str, x: str, weight: str, out: str, wo_a: bool = False):
+    """rows -> [one dense launch of `label`] from slice `x` to slice `out`."""
+    specs = _dense_by_row_tiles(ctx, label, wo_a)
+    ptrs = {"x": ctx.ptr(x), "weight": ctx.ptr(weight + ".weight"),
+            "scales": ctx.ptr(weight + ".scale"), "out": ctx.ptr(out),
+            "workspace": ctx.ptr("attn.dense_workspace"),
+            "counters": ctx.ptr("attn.dense_counters")}
+
+    def build(rows):
+        return [dl.dense_launch(ctx.bundle, specs[dl.row_tiles_for(rows)], ptrs, rows)]
+    return build
+
+
+def _wq_a_wkv(ctx, layer):
+    return _dense(ctx, "wqa_wkv", "xn", _prefix(layer.index) + "wq_a_wkv", "attn.qkv")
+
+
+def _q_kv_norm(ctx, layer):
+    cfg = ctx.cfg
+    spec = split_norm_ref.make_spec(cfg.q_lora_rank, cfg.head_dim)
+    kernel_for(ctx.bundle, spec)
+    ptrs = {"x": ctx.ptr("attn.qkv"), "weight": ctx.ptr(_prefix(layer.index) + "q_norm.weight.f32"),
+            "out": ctx.ptr("attn.qr"), "tail": ctx.ptr("attn.kv")}
+    return lambda rows: [split_norm_launch(ctx.bundle, spec, ptrs, rows, cfg.rms_norm_eps)]
+
+
+def _compressor(ctx, layer):
+    cfg, geometry, base = ctx.cfg, _geometry(ctx), _prefix(layer.index)
+    i = layer.index
+    shape = CompressorShape(layer.ratio, cfg.hidden_size, ctx.max_rows, geometry.max_seqs,
+                            geometry.pages_per_seq, geometry.page_size, geometry.num_pages,
+                            cfg.max_position_embeddings)
+    for spec in (ck.make_proj_spec(shape.ratio, shape.hidden), ck.make_publish_spec(shape.ratio)):
+        ctx.kernel(spec.name)                     # in the bundle, or a clear error now
+    weight = "compressor.wkv_wgate.weight" if layer.ratio == 2 else "compressor.wkv.weight"
+    ptrs = {"x": ctx.ptr("xn"), "w": ctx.ptr(base + weight),
+            "kv_score": ctx.ptr("attn.kv_score"),
+            # ratio 1 never touches the ring (the kernel is handed kv_score instead)
+            "ring": ctx.ptr(f"compressor_ring_{i}" if layer.ratio == 2 else "attn.kv_score"),
+            "positions": ctx.ptr("positions32"), "seq_index": ctx.ptr("seq_index"),
+            "state_lines": ctx.ptr("state_lines"), "block_tables": ctx.ptr("block_tables"),
+            "norm_w": ctx.ptr(base + "compressor.norm.weight.f32"),
+            "wk": ctx.ptr(base + "indexer.wk.weight"),
+            "k_norm": ctx.ptr(base + "indexer.k_norm.weight.f32"),
+            "table": ctx.ptr(rope_name(layer.ratio)),
+            "cache": ctx.ptr(f"compressed_{i}"), "keys": ctx.ptr(f"index_keys_{i}")}
+    return lambda rows: compressor_launches(ctx.bundle, shape, ptrs, rows, cfg.rms_norm_eps)
+
+
+def _wq_b(ctx, layer):
+    return _dense(ctx, "wq_b", "attn.qr", _prefix(layer.index) + "wq_b", "attn.q")
+
+
+def _rope_swa_insert(ctx, layer):
+    cfg, i = ctx.cfg, layer.index
+    rope = rope_ref.make_spec(ctx.shapes.heads, cfg.head_dim, inverse=False, in_place=True)
+    insert = kv_publish_ref.make_swa_spec(cfg.head_dim)
+    kernel_for(ctx.bundle, rope)
+    kernel_for(ctx.bundle, insert)
+    table, positions = ctx.ptr(rope_name(layer.ratio)), ctx.ptr("positions32")
+    p_rope = {"x": ctx.ptr("attn.q"), "table": table, "positions": positions}
+    p_insert = {"kv": ctx.ptr("attn.kv"), "weight": ctx.ptr(_prefix(i) + "kv_norm.weight.f32"),
+                "table": table, "positions": positions, "slots": ctx.ptr("slot_mapping"),
+                "cache": ctx.ptr(f"swa_{i}")}
+    num_positions, eps = cfg.max_position_embeddings, cfg.rms_norm_eps
+
+    def build(rows):
+        return [*rope_launches(ctx.bundle, rope, p_rope, rows, num_positions),
+                *swa_insert_launches(ctx.bundle, insert, p_insert, rows, num_positions, eps)]
+    return build
+
+
+def _wo_a(ctx, layer):
+    return _dense(ctx, "grouped", "attn.o", _prefix(layer.index) + "wo_a", "attn.z", wo_a=True)
+
+
+def _wo_b(ctx, layer):
+    return _dense(ctx, "wo_b", "attn.z", _prefix(layer.index) + "wo_b", "attn.partial")
+
+
+BUILDERS = {"attn.wq_a_wkv": _wq_a_wkv, "attn.q_kv_norm": _q_kv_norm,
+            "attn.compressor": _compressor, "attn.wq_b": _wq_b,
+            "attn.rope_swa_insert": _rope_swa_insert, "attn.wo_a": _wo_a, "attn.wo_b": _wo_b}
