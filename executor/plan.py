@@ -140,6 +140,7 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
     out = []
     if spec.has_engram:
         out += [("engram.lookup", "kernels.engram", NOT_WIRED),
+                ("engram.heads_allgather", "kernels.allreduce", NOT_WIRED),
                 ("engram.wkv", "kernels.dense", NOT_WIRED),
                 ("engram.gate", "kernels.engram", NOT_WIRED)]
     out += [("attn.mhc_pre", "kernels.mhc", NOT_WIRED),        # pending FFN post + mixes + collapse

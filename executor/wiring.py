@@ -34,6 +34,7 @@ MHC_COEFFS = 24             # packed pre[4] | post[4] | comb[16] per row (kernel
 # Modules with BUILDERS {role: fn(ctx, layer) -> (rows -> [LaunchSpec])} and optionally
 # buffers(cfg, tp, max_rows) -> [Buffer] and weights(cfg, tp, rank, fetch) -> [(name, ndarray)].
 STAGE_MODULES: tuple[str, ...] = (
+    "executor.stages.mhc",
     "executor.stages.ffn",
     "executor.stages.collectives",
 )
@@ -60,7 +61,13 @@ class Buffer:
 def boundary_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     """The buffers between kernel families (replicated values are computed on every rank)."""
     r, d, s = max_rows, cfg.hidden_size, cfg.hc_mult
-    return [
+    engram = []
+    if cfg.engram_layer_ids:
+        heads = cfg.engram_num_hash_cols * cfg.engram_head_dim
+        engram = [Buffer("engram.local_heads", BF16, (r, heads // tp),
+                         "this rank's looked-up Engram heads"),
+                  Buffer("engram.heads", BF16, (r, heads), "every rank's heads (all-gathered)")]
+    return engram + [
         Buffer("streams", BF16, (r, s, d), "residual streams X"),
         Buffer("coeff.attn", np.float32, (r, MHC_COEFFS), "attention sublayer's mHC pre|post|comb"),
         Buffer("coeff.ffn", np.float32, (r, MHC_COEFFS), "FFN sublayer's mHC pre|post|comb"),

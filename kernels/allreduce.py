@@ -23,8 +23,10 @@ from kernels.allreduce_ref import (
     MAX_CTAS,
     PICK_SENTINEL,
     WORLD_SIZES,
+    GatherSpec,
     OneShotSpec,
     PickSpec,
+    make_gather_spec,
     make_pick_spec,
     make_spec,
 )
@@ -253,6 +255,83 @@ class OneShotAllReduceSm90:
                                                 stream=stream, use_pdl=True)
 
 
+# ---- the all-gather (allreduce_ref GatherSpec: column blocks, the same buffers) -----------------
+
+class AllGatherSm90(OneShotAllReduceSm90):
+    """Kernel object for one GatherSpec: push C lanes per row, copy each source's slot into its
+    column block of out (the all-reduce's poll, with no arithmetic)."""
+
+    def __init__(self, spec: GatherSpec):
+        self.spec = spec
+        self.world = spec.world
+        self.chunks_per_row = spec.chunks_per_row
+        self.slot_bytes = spec.slot_bytes
+        self.cols = spec.cols
+
+    @cute.kernel
+    def kernel(self, inp: cute.Pointer, out: cute.Pointer, peers: cute.Pointer,
+               control: cute.Pointer, status: cute.Pointer, rank: Int32, rows: Int32,
+               timeout_us: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        peer_tab = cute.make_tensor(peers, cute.make_layout(self.world))
+        ctl, stat, src, dst = control.toint(), status.toint(), inp.toint(), out.toint()
+        num_chunks = rows * self.chunks_per_row
+        first = bidx * CTA_THREADS + tidx
+        stride = gdim * CTA_THREADS
+
+        cute.arch.griddepcontrol_wait()     # inp is the Engram lookup's output
+
+        gen = Int64(_ld_volatile_u32(ctl))
+        failed = _ld_volatile_u32(ctl + 8)
+        push_offset = (gen * self.world + Int64(rank)) * self.slot_bytes
+        read_base = peer_tab[rank] + gen * (self.world * self.slot_bytes)
+        push_bases = []
+        for s in cutlass.range_constexpr(self.world):
+            push_bases.append(peer_tab[s] + push_offset)
+        i = first
+        while i < num_chunks:
+            off = Int64(i) * VEC_BYTES
+            x0, x1, x2, x3 = _ld_v4(src + off)
+            x0, x1, x2, x3 = _sanitize(x0), _sanitize(x1), _sanitize(x2), _sanitize(x3)
+            for s in cutlass.range_constexpr(self.world):
+                _st_volatile_v4(push_bases[s] + off, x0, x1, x2, x3)
+            i += stride
+
+        cute.arch.griddepcontrol_launch_dependents()
+
+        timeout_ns = Int64(timeout_us) * 1000
+        sentinel = Uint32(SENTINEL_WORD)
+        i = first
+        while i < num_chunks:
+            row = i // self.chunks_per_row
+            chunk = i - row * self.chunks_per_row
+            off = Int64(i) * VEC_BYTES
+            out_row = dst + Int64(row) * (self.world * self.cols * 2) + Int64(chunk) * VEC_BYTES
+            for s in cutlass.range_constexpr(self.world):
+                addr = read_base + s * self.slot_bytes + off
+                w0, w1, w2, w3, failed = self._poll(addr, Int32(s), ctl, stat, timeout_ns,
+                                                    failed)
+                _st_v4(out_row + s * self.cols * 2, w0, w1, w2, w3)
+                _st_volatile_v4(addr, sentinel, sentinel, sentinel, sentinel)
+            i += stride
+
+        cute.arch.sync_threads()
+        if tidx == 0:
+            arrived = _atomic_inc_u32(ctl + 4)
+            if arrived == Uint32(gdim - 1):
+                _st_volatile_u32(ctl + 4, Uint32(0))
+                _st_volatile_u32(ctl, Uint32(gen ^ 1))
+
+    @cute.jit
+    def launch(self, inp: cute.Pointer, out: cute.Pointer, peers: cute.Pointer,
+               control: cute.Pointer, status: cute.Pointer, rank: Int32, rows: Int32,
+               timeout_us: Int32, stream: cuda.CUstream):
+        self.kernel(inp, out, peers, control, status, rank, rows, timeout_us).launch(
+            grid=[MAX_CTAS, 1, 1], block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=True)
+
+
 # ---- the cross-rank greedy pick (allreduce_ref: one u64 key per row on the same buffers) ---------
 
 @cute.jit
@@ -366,24 +445,31 @@ class CrossRankPickSm90:
             grid=[1, 1, 1], block=[self.spec.block[0], 1, 1], stream=stream, use_pdl=True)
 
 
-def kernel_function(spec: OneShotSpec | PickSpec):
+def kernel_function(spec: OneShotSpec | PickSpec | GatherSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
     if isinstance(spec, PickSpec):
         return CrossRankPickSm90.kernel
+    if isinstance(spec, GatherSpec):
+        return AllGatherSm90.kernel
     fused = spec.epilogue == "residual"
     return OneShotAllReduceSm90.kernel_residual if fused else OneShotAllReduceSm90.kernel
 
 
-def specs(cfg, tp: int) -> list[OneShotSpec | PickSpec]:
-    """Plain and residual-fused one-shot all-reduce at the hidden width for this TP degree, and
-    the cross-rank pick on the same buffers."""
+def specs(cfg, tp: int) -> list[OneShotSpec | PickSpec | GatherSpec]:
+    """Plain and residual-fused one-shot all-reduce at the hidden width for this TP degree, the
+    cross-rank pick on the same buffers, and (Engram models) the all-gather of a rank's
+    looked-up heads."""
     if tp not in WORLD_SIZES:
         return []                       # TP1 needs no all-reduce
-    return ([make_spec(tp, cfg.hidden_size, epilogue) for epilogue in ("none", "residual")]
-            + [make_pick_spec(tp, cfg.hidden_size)])
+    out = [make_spec(tp, cfg.hidden_size, epilogue) for epilogue in ("none", "residual")]
+    out.append(make_pick_spec(tp, cfg.hidden_size))
+    if cfg.engram_layer_ids:
+        cols = cfg.rank_shapes(tp).engram_hash_cols * cfg.engram_head_dim
+        out.append(make_gather_spec(tp, cfg.hidden_size, cols))
+    return out
 
 
-def compile_spec(spec: OneShotSpec | PickSpec, options: str = "--gpu-arch sm_90a"):
+def compile_spec(spec: OneShotSpec | PickSpec | GatherSpec, options: str = "--gpu-arch sm_90a"):
     """cute.compile one one-shot all-reduce with pointer / Int32 arguments only."""
     from cutlass.cute.runtime import make_ptr
 
@@ -394,6 +480,9 @@ def compile_spec(spec: OneShotSpec | PickSpec, options: str = "--gpu-arch sm_90a
             cuda.CUstream(0))
     if isinstance(spec, PickSpec):
         return cute.compile(CrossRankPickSm90(spec).launch, ptr(Int32, 8), ptr(Int64, 8), *tail,
+                            options=options)
+    if isinstance(spec, GatherSpec):
+        return cute.compile(AllGatherSm90(spec).launch, ptr(BFloat16), ptr(BFloat16), *tail,
                             options=options)
     kern = OneShotAllReduceSm90(spec)
     if spec.epilogue == "residual":

@@ -254,3 +254,69 @@ def pick_ref(rank_pairs) -> np.ndarray:
     keys = np.stack([ordered_key(p) for p in rank_pairs])
     best = keys.max(axis=0)
     return (~(best & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int64)
+
+
+# ---- the all-gather of bf16 column blocks (Engram's looked-up heads, model doc §2.1 E2) ----------
+#
+#   out[r, s*C:(s+1)*C] = x_s[r, :]          s = 0..world-1, x_s rank s's bf16 [rows, C]
+#
+# The same protocol, buffers, control and generations as the all-reduce: every rank pushes its
+# rows (sanitized: -0.0 sent as +0.0, the one change of value, a zero's sign) into slot [gen][rank]
+# of every rank's buffer, packed [rows, C] at the slot's start (C <= width: a slot holds
+# max_rows x width lanes), then polls its own slots, copies slot s to columns [s*C, (s+1)*C) of
+# out, resets the slots, and the last CTA flips the generation.
+#
+# PTX ABI: (u64 inp, u64 out, u64 peers, u64 control, u64 status, u32 rank, u32 rows,
+#           u32 timeout_us)
+
+
+@dataclass(frozen=True)
+class GatherSpec:
+    """The all-gather of `cols` bf16 lanes per row and rank, on the all-reduce buffers of one
+    row width."""
+
+    name: str
+    world: int
+    width: int                          # the all-reduce's row width (its slot size)
+    cols: int                           # C: lanes per row per rank
+    max_rows: int
+    params: tuple[tuple[str, str], ...] = PARAMS_PLAIN
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.cols // BF16_PER_VECTOR
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.max_rows * self.width * 2
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        if rows > self.max_rows:
+            raise ValueError(f"{self.name}: rows={rows} exceeds the buffer capacity of "
+                             f"{self.max_rows} rows")
+        return persistent_grid(rows * self.chunks_per_row, CTA_THREADS, MAX_CTAS)
+
+    def to_dict(self) -> dict:
+        return {"family": "allreduce", "name": self.name, "kind": "gather", "world": self.world,
+                "width": self.width, "cols": self.cols, "max_rows": self.max_rows,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes, "max_ctas": MAX_CTAS,
+                "generations": GENERATIONS}
+
+
+def make_gather_spec(world: int, width: int, cols: int, max_rows: int = MAX_ROWS) -> GatherSpec:
+    make_spec(world, width, "none", max_rows)          # the same buffer rules
+    if cols <= 0 or cols % BF16_PER_VECTOR or cols > width:
+        raise ValueError(f"all-gather: cols {cols} must be a positive multiple of "
+                         f"{BF16_PER_VECTOR} and at most the slot width {width}")
+    return GatherSpec(f"allreduce_gather_w{world}_d{width}_c{cols}", world, width, cols,
+                      max_rows)
+
+
+def gather_ref(inputs) -> np.ndarray:
+    """Exactly what every rank writes: the sanitized inputs side by side, [rows, world * C]."""
+    xs = _check_inputs(inputs, "gather_ref")
+    return np.concatenate([sanitize_ref(x) for x in xs], axis=1)

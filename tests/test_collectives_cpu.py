@@ -86,14 +86,14 @@ def test_spec_layout_grid_and_bad_input():
 
 
 def test_family_specs_follow_tp_and_width():
-    from kernels.allreduce_ref import make_pick_spec, make_spec
+    from kernels.allreduce_ref import make_gather_spec, make_pick_spec, make_spec
     pytest.importorskip("cutlass")
     from kernels import allreduce
     from loader.config import ModelConfig
     cfg = ModelConfig.preset("v41-flash")
     assert [s.name for s in allreduce.specs(cfg, 4)] == [
         make_spec(4, 5120).name, make_spec(4, 5120, "residual").name,
-        make_pick_spec(4, 5120).name]
+        make_pick_spec(4, 5120).name, make_gather_spec(4, 5120, 6 * 256).name]
     assert allreduce.specs(cfg, 1) == []
 
 

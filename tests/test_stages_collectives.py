@@ -59,3 +59,28 @@ def test_pick_between_allreduces_writes_the_same_tokens_everywhere(ranks):
         got = ranks.read(r, "tokens", np.int64, (192,))
         assert np.array_equal(got[:rows], want) and (got[rows:] == -7).all()
     test_every_allreduce_stage_sums_the_ranks_partials(ranks, 5)   # buffers still consistent
+
+
+@pytest.mark.parametrize("rows", [1, 6, 192])
+def test_engram_heads_allgather_puts_rank_r_at_column_block_r(tiny_bundle_dir, rows):
+    """Bitwise gather_ref (the ranks' heads side by side, -0.0 sent as +0.0) on every rank."""
+    from kernels.allreduce_ref import gather_ref
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+        caches = KVCaches.allocate(ckpt.config, max_seqs=2, max_context=64, page_size=16)
+        ranks = EmulatedRanks(ckpt, tiny_bundle_dir, 4, caches,
+                              modules=MODULES + ("executor.stages.mhc",))
+    cfg = ranks.cfg
+    layer = cfg.engram_layer_ids[-1]
+    cols = cfg.rank_shapes(4).engram_hash_cols * cfg.engram_head_dim
+    rng = np.random.default_rng()
+    heads = [rng.standard_normal((rows, cols)).astype(BF16) for _ in range(4)]
+    heads[1][0, :3] = -0.0
+    for r in range(4):
+        ranks.write("engram.local_heads", heads[r], ranks=[r])
+        ranks.write("engram.heads", np.full((192, 4 * cols), 0xFFFF, np.uint16), ranks=[r])
+    assert ranks.run(rows, roles={"engram.heads_allgather"}, layers={layer}) == 4
+    want = gather_ref(heads).view(np.uint16)
+    assert (want[0, cols:cols + 3] == 0).all()
+    for r in range(4):
+        got = ranks.read(r, "engram.heads", np.uint16, (192, 4 * cols))
+        assert np.array_equal(got[:rows], want) and (got[rows:] == 0xFFFF).all()

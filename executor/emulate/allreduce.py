@@ -13,6 +13,8 @@ kernel splits it:
 The cross-rank pick (`allreduce_pick_*`) rides on the same buffers, control and generations: its
 push is one u64 key per row (`ordered_key` of the lm_head pairs), its completion `pick_ref` over
 the keys read back, tokens int64 [rows] written, the generation flipped (no arrival count).
+The all-gather (`allreduce_gather_*`) pushes its [rows, C] block packed at the slot's start; its
+completion writes the slots side by side into out [rows, world * C] (`gather_ref`).
 The wait itself always succeeds (no timeout is modelled: status and control[2] are never
 written); a launch on a rank whose control says failed is refused.
 
@@ -44,7 +46,7 @@ class Deadlock(RuntimeError):
 class _Waiting:
     """A launch past its push, before its poll succeeded: what it reads and how it finishes."""
 
-    spec: ref.OneShotSpec | ref.PickSpec
+    spec: ref.OneShotSpec | ref.PickSpec | ref.GatherSpec
     args: dict
     generation: int
 
@@ -52,12 +54,17 @@ class _Waiting:
     def pick(self) -> bool:
         return isinstance(self.spec, ref.PickSpec)
 
+    @property
+    def lanes(self) -> int:
+        """bf16 lanes per row in a slot (all-reduce: the width; all-gather: C)."""
+        return self.spec.cols if isinstance(self.spec, ref.GatherSpec) else self.spec.width
+
     def slots(self, space) -> list[np.ndarray]:
         """Views of what this rank polls, one per source rank: rows x width bf16 lanes (as
         uint16), or one u64 key per row for the pick."""
         base = int(space.array(self.args["peers"], np.uint64, self.spec.world)[self.args["rank"]])
         rows = self.args["rows"]
-        dtype, shape = (np.uint64, rows) if self.pick else (np.uint16, (rows, self.spec.width))
+        dtype, shape = (np.uint64, rows) if self.pick else (np.uint16, (rows, self.lanes))
         return [space.array(base + _slot_offset(self.spec, self.generation, s), dtype, shape)
                 for s in range(self.spec.world)]
 
@@ -80,6 +87,8 @@ def _spec_of(record) -> ref.OneShotSpec | ref.PickSpec:
         raise NoEmulator(f"kernels.allreduce: no emulator for kernel {record.name!r}")
     if s.get("kind") == "pick":
         spec = ref.make_pick_spec(s["world"], s["width"], s["max_rows"])
+    elif s.get("kind") == "gather":
+        spec = ref.make_gather_spec(s["world"], s["width"], s["cols"], s["max_rows"])
     elif "epilogue" in s:
         spec = ref.make_spec(s["world"], s["width"], s["epilogue"], s["max_rows"])
     else:
@@ -121,7 +130,7 @@ def emulate(record, grid, args, space) -> None:
     pending[args["control"]] = w
     for ctl, w in list(pending.items()):
         if not w.missing(space):
-            (_complete_pick if w.pick else _complete_sum)(w, space)
+            _complete(w, space)
             del pending[ctl]
 
 
@@ -132,7 +141,7 @@ def _push(w: _Waiting, space) -> None:
     if w.pick:
         data = ref.ordered_key(space.array(w.args["pairs"], np.int32, (rows, 2)))
     else:
-        data = ref.sanitize_ref(space.array(w.args["inp"], BF16, (rows, spec.width)))
+        data = ref.sanitize_ref(space.array(w.args["inp"], BF16, (rows, w.lanes)))
     data = data.view(np.uint16)
     offset = _slot_offset(spec, w.generation, rank)
     for s, base in enumerate(space.array(w.args["peers"], np.uint64, spec.world)):
@@ -142,6 +151,27 @@ def _push(w: _Waiting, space) -> None:
                            f"{s}'s buffer still holds data: rank {s} has not consumed this "
                            "rank's previous push (a call missing on that rank?)")
         slot[...] = data
+
+
+def _complete(w: _Waiting, space) -> None:
+    if w.pick:
+        _complete_pick(w, space)
+    elif isinstance(w.spec, ref.GatherSpec):
+        _complete_gather(w, space)
+    else:
+        _complete_sum(w, space)
+
+
+def _complete_gather(w: _Waiting, space) -> None:
+    """The polls succeeded: the slots side by side into out, reset, flip the generation."""
+    slots = w.slots(space)
+    out = ref.gather_ref([slot.view(BF16).copy() for slot in slots])
+    for slot in slots:
+        slot[...] = ref.SENTINEL_BITS
+    space.array(w.args["out"], BF16, out.shape)[...] = out
+    control = space.array(w.args["control"], np.uint32, ref.CONTROL_WORDS)
+    control[1] = 0
+    control[0] = w.generation ^ 1
 
 
 def _complete_sum(w: _Waiting, space) -> None:

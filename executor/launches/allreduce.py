@@ -62,6 +62,19 @@ def pick_launches(bundle, spec: ref.PickSpec, ptrs: Mapping[str, int], rank: int
                         ptrs["status"], rank, rows, timeout_us))]
 
 
+def gather_launches(bundle, spec: ref.GatherSpec, ptrs: Mapping[str, int], rank: int, rows: int,
+                    timeout_us: int) -> list[LaunchSpec]:
+    """The all-gather of `rows` rows on rank `rank`, on the all-reduce's state (ptrs: inp,
+    out, peers, control, status): inp bf16 [rows, C] -> out bf16 [rows, world * C], the same on
+    every rank."""
+    check_ptrs(spec.name, ptrs, {"inp": 16, "out": 16, "peers": 8, "control": 4, "status": 4})
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.world:
+        raise ValueError(f"{spec.name}: rank {rank!r} outside 0..{spec.world - 1}")
+    return [LaunchSpec(kernel_for(bundle, spec), spec.grid(rows),
+                       (ptrs["inp"], ptrs["out"], ptrs["peers"], ptrs["control"],
+                        ptrs["status"], rank, rows, timeout_us))]
+
+
 def rank_requests(spec: ref.OneShotSpec) -> list[tuple]:
     """The arena slices of one rank's all-reduce (and pick) state, for the emulator: on the GPU
     OneShotAllReduce allocates them (IPC buffer, 256 device bytes, pinned status)."""

@@ -1,6 +1,7 @@
 """The step's cross-rank stages: the three all-reduces and the greedy pick, on the one-shot kernels.
 
     head.embed_allreduce   embed.partial -> embed.out     (every rank: its vocab rows, zeros elsewhere)
+    engram.heads_allgather engram.local_heads -> engram.heads  (rank r's hash columns at block r)
     attn.allreduce         attn.partial  -> attn.out
     ffn.allreduce          ffn.partial   -> ffn.out
     tail.argmax_pick       pick          -> tokens        (the caller's bound int64 [192])
@@ -16,7 +17,7 @@ it wins). TP 1 has no all-reduce kernel: wiring at tp=1 raises.
 """
 from __future__ import annotations
 
-from executor.launches.allreduce import oneshot_launches, pick_launches
+from executor.launches.allreduce import gather_launches, oneshot_launches, pick_launches
 from kernels import allreduce_ref as ref
 
 
@@ -44,6 +45,18 @@ def _allreduce(inp: str, out: str):
     return factory
 
 
+def _heads_allgather(ctx, layer):
+    del layer
+    state = _state(ctx)
+    cols = ctx.shapes.engram_hash_cols * ctx.cfg.engram_head_dim
+    spec = ref.make_gather_spec(state.world, ctx.cfg.hidden_size, cols, ctx.max_rows)
+    ptrs = dict(state.pointers, inp=ctx.ptr("engram.local_heads"), out=ctx.ptr("engram.heads"))
+
+    def build(rows):
+        return gather_launches(ctx.bundle, spec, ptrs, state.rank, rows, state.timeout_us)
+    return build
+
+
 def _pick(ctx, layer):
     del layer
     state = _state(ctx)
@@ -57,6 +70,7 @@ def _pick(ctx, layer):
 
 BUILDERS = {
     "head.embed_allreduce": _allreduce("embed.partial", "embed.out"),
+    "engram.heads_allgather": _heads_allgather,
     "attn.allreduce": _allreduce("attn.partial", "attn.out"),
     "ffn.allreduce": _allreduce("ffn.partial", "ffn.out"),
     "tail.argmax_pick": _pick,

@@ -323,14 +323,12 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
                    (max(h.counters_bytes() for h in heads) // 4,), "lm_head, zeroed once")]
     if not cfg.engram_layer_ids:
         return out
-    n, hd, total = cfg.engram_max_ngram_size, cfg.engram_head_dim, cfg.engram_num_hash_cols
+    n, total = cfg.engram_max_ngram_size, cfg.engram_num_hash_cols
     wkv = _wkv_specs(cfg, tp)
     out.append(Buffer("history32", np.int32, (r, n), "newest-first token history (rows prep)"))
     out += [Buffer(_ids_name(i), np.int64, (r, total), "Engram hash ids (head)")
             for i in cfg.engram_layer_ids]
-    out += [Buffer("engram.local_heads", BF16, (r, total // tp * hd), "this rank's looked-up heads"),
-            Buffer("engram.heads", BF16, (r, total * hd), "every rank's heads (all-gathered)"),
-            Buffer("engram.kv", BF16, (r, (cfg.hc_mult + 1) * d), "wkv output: n keys, then v"),
+    out += [Buffer("engram.kv", BF16, (r, (cfg.hc_mult + 1) * d), "wkv output: n keys, then v"),
             Buffer("engram.wkv_workspace", np.float32,
                    (max(1, max(s.workspace_bytes() for s in wkv) // 4),), "wkv split-K partials"),
             Buffer("engram.wkv_counters", np.uint32,
