@@ -249,6 +249,9 @@ def _q_kv_norm(ctx, layer):
 def _compressor(ctx, layer):
     cfg, geometry, base = ctx.cfg, _geometry(ctx), _prefix(layer.index)
     i = layer.index
+    if layer.ratio == 2 and geometry.ring_rows != ck.RING_ROWS:
+        raise ValueError(f"layer {i} compressor: the bound compressor_ring_{i} has "
+                         f"{geometry.ring_rows} rows per line; the kernels index {ck.RING_ROWS}")
     shape = CompressorShape(layer.ratio, cfg.hidden_size, ctx.max_rows, geometry.max_seqs,
                             geometry.pages_per_seq, geometry.page_size, geometry.num_pages,
                             cfg.max_position_embeddings)
