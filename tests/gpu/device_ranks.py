@@ -1,0 +1,130 @@
+"""All TP ranks of the wired step on ONE GPU, in one process: the device twin of EmulatedRanks.
+
+Each rank gets its own Arena (weights packed by the stage modules, zeroed first) and its own CuPy
+copy of every caller tensor, like executor.emulate.ranks.EmulatedRanks on the host. The stages run
+in lockstep on one stream: every rank's launches of stage i, then stage i + 1. The cross-rank
+stages cannot run as kernels here (a one-shot all-reduce spins until its peers push, and four
+ranks on one stream would wait forever), so they run on the host between segments: synchronize,
+read the ranks' inputs, apply exactly what the kernel computes (allreduce_ref, gather_ref,
+pick_ref), write the outputs. The collective kernels themselves are tested across processes
+(tests/gpu/test_collectives.py). What this proves on the GPU: every other kernel of the step,
+launched by the step's own wiring on the step's own buffers, computes what the reference step
+computes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.bind import CacheGeometry
+from executor.emulate.ranks import caller_tensors, fill_caller_tensors
+from executor.plan import decode_plan
+from executor.runtime import Arena
+from executor.wiring import STAGE_MODULES, StepContext, arena_contents, wire
+from kernels import allreduce_ref as ar
+from kernels.common_ref import BF16
+
+COLLECTIVES = "executor.stages.collectives"
+HOST_ROLES = {
+    "head.embed_allreduce": ("sum", "embed.partial", "embed.out"),
+    "attn.allreduce": ("sum", "attn.partial", "attn.out"),
+    "ffn.allreduce": ("sum", "ffn.partial", "ffn.out"),
+    "engram.heads_allgather": ("gather", "engram.local_heads", "engram.heads"),
+    "tail.argmax_pick": ("pick", "pick", "tokens"),
+}
+
+
+class DeviceRanks:
+    """`tp` ranks of one step on one device (tests only: the collectives are host-side)."""
+
+    def __init__(self, dev, ckpt, bundle, tp: int, caches, stream, max_rows: int = 192):
+        import cupy as cp
+
+        from loader.sharding import shard
+
+        self.cp, self.stream = cp, stream
+        self.cfg, self.tp, self.max_rows = ckpt.config, tp, max_rows
+        self.geometry = CacheGeometry.of(caches)
+        modules = tuple(m for m in STAGE_MODULES if m != COLLECTIVES)
+        self.arenas, self.tensors, self.contexts, self.plans = [], [], [], []
+        for rank in range(tp):
+            def fetch(name, rank=rank):
+                return shard(ckpt, ckpt.spec(name), tp, rank)
+
+            requests, uploads = arena_contents(self.cfg, tp, rank, fetch, max_rows, modules)
+            arena = Arena(dev, requests)
+            arena.zero()
+            for name, array in uploads:
+                arena.upload(name, array)
+            host = caller_tensors(self.cfg, tp, self.geometry, max_rows)
+            tensors = {name: cp.asarray(a) for name, a in host.items()}
+            bound = {name: int(t.data.ptr) for name, t in tensors.items()}
+            ctx = StepContext(self.cfg, tp, rank, bundle, arena, bound, max_rows)
+            self.arenas.append(arena)
+            self.tensors.append(tensors)
+            self.contexts.append(ctx)
+            self.plans.append(wire(decode_plan(self.cfg), ctx, modules))
+        cp.cuda.Device().synchronize()
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+
+    def load(self, rows, caches=None, history=None) -> None:
+        """Row metadata (and, when given, every cache) into every rank's tensors."""
+        host = caller_tensors(self.cfg, self.tp, self.geometry, self.max_rows)
+        fill_caller_tensors(host, rows, caches, history)
+        for tensors in self.tensors:
+            for name, t in tensors.items():
+                if caches is not None or not _is_cache(name):
+                    t.set(host[name])
+        self.cp.cuda.Device().synchronize()
+
+    def run(self, rows: int) -> int:
+        """The whole step for a bucket of `rows`; returns the kernel launches made."""
+        stages = [plan.stages for plan in self.plans]
+        count = 0
+        for i, stage in enumerate(stages[0]):
+            if stage.build is None:
+                if stage.range_name not in HOST_ROLES:
+                    raise NotImplementedError(f"stage {stage.name} is not wired")
+                self._host_collective(stage.range_name, rows)
+                continue
+            for r in range(self.tp):
+                for spec in stages[r][i].build(rows):
+                    spec.launch(self.stream)
+                    count += 1
+        self.stream.synchronize()
+        return count
+
+    def _host_collective(self, role: str, rows: int) -> None:
+        kind, inp, out = HOST_ROLES[role]
+        self.stream.synchronize()
+        if kind == "pick":
+            pairs = [self.read(r, inp, np.int32, (rows, 2)) for r in range(self.tp)]
+            result = ar.pick_ref(pairs)
+        else:
+            cols = self.contexts[0].arena.nbytes(inp) // (2 * self.max_rows)
+            parts = [self.read(r, inp, BF16, (rows, cols)) for r in range(self.tp)]
+            result = ar.allreduce_ref(parts) if kind == "sum" else ar.gather_ref(parts)
+        for r in range(self.tp):
+            self.write(out, result, ranks=[r])
+
+    def read(self, rank: int, name: str, dtype, shape) -> np.ndarray:
+        ctx = self.contexts[rank]
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = np.empty(nbytes, np.uint8)
+        mem = self.cp.cuda.UnownedMemory(ctx.ptr(name), nbytes, self)
+        self.cp.ndarray((nbytes,), self.cp.uint8, self.cp.cuda.MemoryPointer(mem, 0)).get(out=raw)
+        return raw.view(dtype).reshape(shape)
+
+    def write(self, name: str, array, ranks=None) -> None:
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        for rank in range(self.tp) if ranks is None else ranks:
+            mem = self.cp.cuda.UnownedMemory(self.contexts[rank].ptr(name), raw.size, self)
+            view = self.cp.ndarray((raw.size,), self.cp.uint8, self.cp.cuda.MemoryPointer(mem, 0))
+            view.set(raw)
+        self.cp.cuda.Device().synchronize()
+
+
+def _is_cache(name: str) -> bool:
+    return name.startswith(("swa_", "compressed_", "index_keys_", "compressor_ring_"))
