@@ -1,0 +1,435 @@
+"""What a torch engine (vLLM) needs to use hopdec: the opt-in switch, one rank's backend, the decision.
+
+    if decode_backend_enabled(vllm_config.additional_config):     # '{"decode_backend": ...}'
+        backend = HopdecBackend.open(config_json, bundle_dir, weights, tp=4, rank=r,
+                                     geometry=geometry, device_ordinal=local_rank)
+        backend.bind(input_ids=ids64, positions=positions[:192], ..., sampled_token_ids=out)
+        backend.capture()                               # once, outside the engine's own capture
+    # per decode step, on the host, without reading the device:
+    decision = backend.decide(num_scheduled_tokens, any_prefill=..., features=step_features(...))
+    code = backend.step(decision.n_rows, stream, decision.features) if decision.use_hopdec \
+        else decision.reason
+    if code:                                            # declined: nothing written
+        log(fallback_reason(code)); run_stock_path()
+
+Names: `bind` takes vLLM's names for the engine's tensors; VLLM_NAMES maps each to the binding
+name of executor/bind.py (the table is in the README, "Using hopdec from vLLM"). Every tensor is
+bound in place through DLPack, so the executor reads and writes the engine's own memory. A tensor
+that would need a conversion first (another dtype, a non-contiguous view, host memory) is refused,
+naming the tensor and the layout hopdec needs: a converted copy would be read once at bind while
+the engine keeps writing the original. When the memory is right and only the shape is not (a
+longer persistent buffer, cache blocks not flattened), the message names the view that fits;
+views share memory, so they cost nothing.
+
+Stream: `step` takes the raw cudaStream_t of the engine's current stream as an int,
+`torch.cuda.current_stream().cuda_stream` (about 8 us in torch: read it once per step, or once
+for good when the engine keeps one decode stream). torch's default stream is the legacy default
+stream (handle 0), which hopdec refuses because it serialises with every blocking stream: run
+decode under `with torch.cuda.stream(decode_stream):`, a `torch.cuda.Stream()` of the engine.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor.bind import MAX_ROWS, BindError, CacheGeometry, TensorRule, cuda_device
+from executor.dlpack import DLPackError, TensorView, describe, device_name
+from executor.executor import Executor
+from executor.reasons import SUPPORTED_FEATURES, StepFeature, StepResult
+
+__all__ = [
+    "DECODE_BACKEND_KEY",
+    "LATENCY_SPECIALIZED",
+    "VLLM_NAMES",
+    "HopdecBackend",
+    "NameRule",
+    "StepDecision",
+    "decide_step",
+    "decode_backend_enabled",
+    "fallback_reason",
+    "step_features",
+    "vllm_name_map",
+]
+
+# ---- the opt-in switch -----------------------------------------------------------------------
+
+DECODE_BACKEND_KEY = "decode_backend"
+LATENCY_SPECIALIZED = "latency_specialized"
+
+
+def decode_backend_enabled(additional_config) -> bool:
+    """Whether vLLM's `additional_config` opts in: `{"decode_backend": "latency_specialized"}`.
+
+    Takes what vLLM holds (`VllmConfig.additional_config`, a dict) or the JSON text of
+    `--additional-config`. The key absent (or null) means vLLM's stock path; any other value is
+    an error naming the key, so a misspelt opt-in never silently runs the stock path. Other keys
+    belong to vLLM or other plugins and are ignored.
+    """
+    if additional_config is None:
+        return False
+    if isinstance(additional_config, (str, bytes)):
+        try:
+            additional_config = json.loads(additional_config)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--additional-config is not valid JSON ({exc}); expected e.g. "
+                             f"'{{\"{DECODE_BACKEND_KEY}\": \"{LATENCY_SPECIALIZED}\"}}'") from None
+    if not isinstance(additional_config, Mapping):
+        raise TypeError(f"additional_config must be a JSON object (dict), got "
+                        f"{type(additional_config).__name__}")
+    value = additional_config.get(DECODE_BACKEND_KEY)
+    if value is None:
+        return False
+    if value != LATENCY_SPECIALIZED:
+        raise ValueError(f"additional_config[{DECODE_BACKEND_KEY!r}] = {value!r}: expected "
+                         f"{LATENCY_SPECIALIZED!r}, or the key left out for vLLM's stock path")
+    return True
+
+
+# ---- names: vLLM's tensors -> hopdec's bindings ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """One row of the mapping: `{i}` stands for a layer (caches) or kv-source index."""
+
+    vllm: str      # the keyword HopdecBackend.bind takes
+    hopdec: str    # the binding name of executor/bind.py
+    source: str    # what the engine binds there
+
+
+VLLM_NAMES: tuple[NameRule, ...] = (
+    NameRule("input_ids", "token_ids", "the step's token ids; vLLM's InputBuffers.input_ids is "
+             "int32, so keep an int64 [192] buffer the engine writes them to"),
+    NameRule("positions", "positions", "InputBuffers.positions[:192] (int64 already)"),
+    NameRule("slot_mapping", "slot_mapping", "the SWA slot each row writes: state_line * "
+             "ring_slots + position % ring_slots; PAD_SLOT_ID (-1) for padding rows"),
+    NameRule("req_indices", "seq_index", "each row's request in batch order, int32, -1 for "
+             "padding (np.repeat(arange(num_reqs), num_scheduled_tokens), on the device)"),
+    NameRule("spec_block_kind", "block_kind", "each row's block: 0 decode, 1 DSpark verify, "
+             "2 DSpark draft (executor/reference/rows.py KIND_*)"),
+    NameRule("token_history", "token_history", "the n-1 tokens before each row's position "
+             "(Engram lookback), newest first"),
+    NameRule("req_state_indices", "state_lines", "each request's line in the per-request "
+             "state (SWA rings, compressor rings): vLLM's idx_mapping, int32"),
+    NameRule("seq_lens", "context_lens", "positions with KV after the step; vLLM's "
+             "InputBuffers.seq_lens is int32, so keep an int64 [192] buffer"),
+    NameRule("block_table", "block_tables", "the compressed-KV pages of each request, int32 "
+             "[192, pages_per_seq]; -1 = no page"),
+    NameRule("swa_kv_cache_{i}", "swa_{i}", "layer i's SWA ring, 584-byte records, "
+             "[max_seqs * ring_slots, 584] uint8 (a flat view of [lines, ring_slots, 584])"),
+    NameRule("compressed_kv_cache_{i}", "compressed_{i}", "kv source i's compressed entries, "
+             "[num_pages * page_size, 584] uint8 (a flat view of [pages, page_size, 584])"),
+    NameRule("indexer_k_cache_{i}", "index_keys_{i}", "kv source i's index keys, "
+             "[num_pages * page_size, 132] uint8 (a flat view of [pages, page_size, 132])"),
+    NameRule("compressor_state_{i}", "compressor_ring_{i}", "ratio-2 source i's compressor "
+             "ring, float32 [max_seqs, ring_rows, 1024]"),
+    NameRule("sampled_token_ids", "tokens", "the greedy token of each row (output), int64"),
+    NameRule("logits", "logits", "optional output: this rank's vocab shard, float32 [192, "
+             "vocab / tp], before vLLM's tensor-parallel gather"),
+)
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + r"\Z")
+
+
+def vllm_name_map(rules: Mapping[str, TensorRule]) -> dict[str, str]:
+    """vLLM name -> binding name for every binding in `rules` (binding_rules' order).
+
+    Raises ValueError when a binding matches no row or several rows of VLLM_NAMES: the table
+    must follow executor/bind.py."""
+    out = {}
+    for name in rules:
+        hits = []
+        for row in VLLM_NAMES:
+            match = _pattern(row.hopdec).match(name)
+            if match:
+                hits.append(row.vllm.replace("{i}", match.group(1)) if match.groups()
+                            else row.vllm)
+        if len(hits) != 1:
+            raise ValueError(f"binding {name!r} matches {len(hits)} rows of VLLM_NAMES "
+                             f"({hits}); expected exactly one")
+        out[hits[0]] = name
+    return out
+
+
+def _view_hint(vllm: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """The zero-copy view of a compact tensor that has the wanted shape, if there is one."""
+    if len(got) == len(want) and got[1:] == want[1:] and got[0] > want[0]:
+        return f" Bind {vllm}[:{want[0]}]: a view of the same memory, no copy."
+    count = 1
+    for d in got:
+        count *= d
+    need = 1
+    for d in want:
+        need *= d
+    if count == need:
+        return (f" Bind {vllm}.view({', '.join(map(str, want))}): the same memory, "
+                f"reshaped, no copy.")
+    return ""
+
+
+def _copy_needed(vllm: str, hopdec: str, rule: TensorRule, view: TensorView,
+                 device: tuple[int, int]) -> str | None:
+    """Why `view` cannot be bound in place as `rule` (what hopdec needs), or None."""
+    where = f"bind: vLLM tensor {vllm!r} (hopdec {hopdec!r})"
+    need = (f"hopdec needs {rule.dtype} {list(rule.shape)}, row-major contiguous, on "
+            f"{device_name(*device)}")
+    later = "the executor would read a copy made once, never what the engine writes later"
+    if (view.device_type, view.device_id) != device:
+        return f"{where} lives on {view.device}; {need}. Moving it would copy: {later}."
+    if view.dtype != rule.dtype:
+        return (f"{where} is {view.dtype}; {need}. Converting it would copy: {later}. "
+                f"Allocate a persistent {rule.dtype} tensor of that shape for the engine to "
+                f"write.")
+    if not view.is_compact():
+        return (f"{where} has strides {list(view.strides)} (elements) for shape "
+                f"{list(view.shape)}; {need}. .contiguous() would copy: {later}.")
+    if view.shape != rule.shape:
+        return f"{where} has shape {list(view.shape)}; {need}." + _view_hint(
+            vllm, view.shape, rule.shape)
+    return None
+
+
+# ---- what the engine declares, and the decision --------------------------------------------
+
+
+def step_features(*, prefill: bool = False, non_greedy: bool = False, logprobs: bool = False,
+                  lora: bool = False, multimodal: bool = False, penalties: bool = False) -> int:
+    """The `features` int for `step` from what the engine knows on the host. In vLLM:
+    `non_greedy = not sampling_metadata.all_greedy`, `logprobs = max_num_logprobs is not None`,
+    `penalties = not no_penalties`, `lora` = any active LoRA request, `multimodal` = any
+    scheduled encoder input; `prefill` = any request still in its prompt."""
+    bits = StepFeature.NONE
+    for flag, bit in ((prefill, StepFeature.PREFILL), (non_greedy, StepFeature.NON_GREEDY_SAMPLING),
+                      (logprobs, StepFeature.LOGPROBS), (lora, StepFeature.LORA),
+                      (multimodal, StepFeature.MULTIMODAL), (penalties, StepFeature.PENALTIES)):
+        if flag:
+            bits |= bit
+    return int(bits)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """Whether to call hopdec for a batch. `reason` is SERVED when `use_hopdec`, else the code
+    `step(n_rows, stream, features)` would return for it (nothing to call then)."""
+
+    use_hopdec: bool
+    n_rows: int
+    features: int
+    reason: StepResult
+
+
+def decide_step(rows_per_request, *, any_prefill: bool = False, features: int = 0,
+                max_rows: int = MAX_ROWS, max_block_rows: int = 6) -> StepDecision:
+    """Decide on the host, from the batch description alone, in `Executor.step`'s order.
+
+    `rows_per_request`: the rows each request schedules this step (vLLM's
+    `num_scheduled_tokens`, host ints). `max_block_rows`: the longest block the executor serves
+    (a DSpark verify block, dspark_block_size + 1 = 6); a longer one is a prefill chunk, as is
+    any request the engine flags with `any_prefill`. `max_rows`: the largest captured bucket.
+    """
+    rows = [int(r) for r in rows_per_request]
+    if any(r < 1 for r in rows):
+        raise ValueError(f"decide_step: every request schedules >= 1 row, got {rows}")
+    if isinstance(features, bool) or not isinstance(features, int) or features < 0:
+        raise TypeError(f"decide_step: features must be a non-negative int (step_features), "
+                        f"got {features!r}")
+    features = int(features)
+    if any_prefill or any(r > max_block_rows for r in rows):
+        features |= int(StepFeature.PREFILL)
+    n_rows = sum(rows)
+    if n_rows == 0:
+        reason = StepResult.NO_ROWS
+    elif n_rows > max_rows:
+        reason = StepResult.TOO_MANY_ROWS
+    elif features & int(StepFeature.PREFILL):
+        reason = StepResult.PREFILL_ROWS
+    elif features & ~int(SUPPORTED_FEATURES):
+        reason = StepResult.UNSUPPORTED_FEATURE
+    else:
+        reason = StepResult.SERVED
+    return StepDecision(reason == StepResult.SERVED, n_rows, features, reason)
+
+
+_FALLBACK_REASONS = {
+    StepResult.SERVED: "served by hopdec",
+    StepResult.NOT_BOUND: "hopdec declined: the engine's tensors are not bound yet (bind())",
+    StepResult.NOT_CAPTURED: "hopdec declined: bound, but the step graphs are not captured "
+                             "(capture())",
+    StepResult.CLOSED: "hopdec declined: the backend is closed",
+    StepResult.NO_ROWS: "hopdec declined: the step has no rows",
+    StepResult.TOO_MANY_ROWS: "hopdec declined: more rows than its largest captured bucket "
+                              "(at most 192)",
+    StepResult.PREFILL_ROWS: "hopdec declined: the batch holds prefill rows",
+    StepResult.UNSUPPORTED_FEATURE: "hopdec declined: the batch needs a feature it does not "
+                                    "serve (sampling other than greedy, logprobs, LoRA, "
+                                    "multimodal or penalties)",
+}
+
+
+def fallback_reason(code: int) -> str:
+    """A log line for what `step` returned; every StepResult has one."""
+    try:
+        return _FALLBACK_REASONS[StepResult(code)]
+    except ValueError:
+        return f"hopdec declined with unknown reason code {code!r}"
+
+
+# ---- one rank's backend --------------------------------------------------------------------
+
+_LEGACY_STREAMS = (0, 1)   # the legacy default stream: 0, and CU_STREAM_LEGACY (1)
+
+
+class HopdecBackend:
+    """One TP rank's hopdec for a torch engine: owns its Executor (and, from `open`, the
+    Device and the bundle). Not thread-safe, like the Executor: one engine thread."""
+
+    def __init__(self, executor: Executor, device=None):
+        """Wrap an Executor (tests, custom plans); `device` is closed with the backend."""
+        self.executor = executor
+        self.names = vllm_name_map(executor.rules)       # vLLM name -> binding name
+        self._hopdec_to_vllm = {h: v for v, h in self.names.items()}
+        self._device = device
+        self._max_block_rows = executor.config.dspark_block_size + 1
+
+    @classmethod
+    def open(cls, config, bundle_dir, weights, *, tp: int, rank: int, geometry: CacheGeometry,
+             device_ordinal: int, comm=None, ranges=None) -> HopdecBackend:
+        """Build the rank's executor: `config` a ModelConfig or the model's config.json path,
+        `bundle_dir` the kernel bundle (python -m kernels.build), `weights` the rank's weights
+        (a `fetch(name) -> ndarray` of its slices, e.g. `lambda n: shard(ckpt, ckpt.spec(n),
+        tp, rank)`, or a RankWeights), `comm` its CollectiveState. The config and manifest
+        are validated before the GPU is touched; on any failure what was opened is closed."""
+        from executor.bundle import BundleError, read_manifest
+
+        cfg = _model_config(config)
+        manifest = read_manifest(bundle_dir)
+        if manifest.tp and manifest.tp != tp:
+            raise BundleError(f"{manifest.path}: built for tp={manifest.tp}, the engine runs "
+                              f"tp={tp}")
+        from executor.runtime import Bundle, Device
+
+        device = Device(device_ordinal)
+        try:
+            bundle = Bundle.load(device, bundle_dir)
+            try:
+                executor = Executor(cfg, bundle, weights, tp, rank, comm, device=device,
+                                    geometry=geometry, owns_bundle=True, ranges=ranges)
+            except BaseException:
+                bundle.close()
+                raise
+        except BaseException:
+            device.close()
+            raise
+        return cls(executor, device=device)
+
+    # ---- bind and capture ------------------------------------------------------------------
+
+    def bind(self, **tensors) -> None:
+        """Bind the engine's tensors by vLLM name, in place (see the module docstring). All or
+        nothing: on any error the previous binding stays, and the error names the tensor."""
+        unknown = sorted(set(tensors) - set(self.names))
+        if unknown:
+            hopdec = [f"{n!r} -> {self._hopdec_to_vllm[n]!r}" for n in unknown
+                      if n in self._hopdec_to_vllm]
+            hint = f" (hopdec names; use the vLLM names: {', '.join(hopdec)})" if hopdec else ""
+            raise BindError(f"bind: unexpected tensor(s) {unknown}{hint}; this backend binds "
+                            f"{list(self.names)}")
+        rules = self.executor.rules
+        missing = [v for v, h in self.names.items() if rules[h].required and v not in tensors]
+        if missing:
+            raise BindError(f"bind: missing tensor(s) {missing}; expected " + ", ".join(
+                f"{v}: {rules[self.names[v]].expected()}" for v in missing))
+        device = cuda_device(self.executor.device.ordinal)
+        renamed = {}
+        for vllm, obj in tensors.items():
+            hopdec = self.names[vllm]
+            try:
+                view = describe(obj, vllm)
+            except DLPackError as exc:
+                raise BindError(str(exc)) from None
+            problem = _copy_needed(vllm, hopdec, rules[hopdec], view, device)
+            if problem:
+                raise BindError(problem)
+            renamed[hopdec] = obj
+        try:
+            self.executor.bind(**renamed)
+        except BindError as exc:
+            raise BindError(self._in_vllm_names(str(exc))) from None
+
+    def _in_vllm_names(self, message: str) -> str:
+        """The executor's message with each quoted binding name followed by its vLLM name."""
+        def name(match: re.Match) -> str:
+            vllm = self._hopdec_to_vllm.get(match.group(1))
+            return match.group(0) if vllm is None else f"{match.group(0)} (vLLM {vllm!r})"
+        return re.sub(r"'(\w+)'", name, message)
+
+    @property
+    def bound_addresses(self) -> dict[str, int]:
+        """vLLM name -> the device address bound (equal to the engine's `data_ptr()`)."""
+        binding = self.executor.binding
+        if binding is None:
+            return {}
+        return {self._hopdec_to_vllm[h]: p for h, p in binding.pointers.items()}
+
+    def capture(self) -> None:
+        """Build the arena and capture one graph per bucket on the executor's own stream. Once,
+        after bind, outside any capture of the engine's (the graphs are replayed by `step`)."""
+        self.executor.capture()
+
+    # ---- step ------------------------------------------------------------------------------
+
+    @property
+    def max_rows(self) -> int:
+        return self.executor.max_rows
+
+    def decide(self, rows_per_request, *, any_prefill: bool = False,
+               features: int = 0) -> StepDecision:
+        """`decide_step` with this backend's largest bucket and DSpark block length."""
+        return decide_step(rows_per_request, any_prefill=any_prefill, features=features,
+                           max_rows=self.max_rows, max_block_rows=self._max_block_rows)
+
+    def step(self, n_rows: int, stream_handle: int, features: int = 0) -> int:
+        """`Executor.step` on the engine's stream (`torch.cuda.current_stream().cuda_stream`):
+        0 when served, else a StepResult (`fallback_reason(code)`), nothing written.
+        `features` is a plain int or a StepFeature."""
+        if stream_handle in _LEGACY_STREAMS:
+            raise ValueError(f"HopdecBackend.step: stream handle {stream_handle} is the legacy "
+                             f"default stream, which torch uses unless told otherwise; run "
+                             f"decode under `with torch.cuda.stream(torch.cuda.Stream()):`")
+        if type(features) is not int and isinstance(features, StepFeature):
+            features = int(features)
+        return self.executor.step(n_rows, stream_handle, features)
+
+    # ---- close -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the executor (graphs, arena, bundle) and the device `open` made; idempotent.
+        The engine's tensors are only un-referenced."""
+        try:
+            self.executor.close()
+        finally:
+            device, self._device = self._device, None
+            if device is not None:
+                device.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _model_config(config):
+    from loader.config import ModelConfig
+
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return ModelConfig.from_json(config)
+    raise TypeError(f"config must be a ModelConfig or the path of the model's config.json, "
+                    f"got {type(config).__name__}")
