@@ -85,14 +85,15 @@ def _prefill(cfg, lws, caches, line, length, rng):
                 ra.compress(lw, x, rows, caches, cfg)
 
 
-def _step(cfg, lws, sizes, pad_to, rng):
-    """Fresh caches with one prefilled sequence per block size, and the step's RowBatch."""
-    caches = KVCaches.allocate(cfg, max_seqs=len(sizes), max_context=MAX_CONTEXT)
+def _step(cfg, lws, kinds, pad_to, rng):
+    """Fresh caches with one prefilled sequence per block kind, and the step's RowBatch."""
+    caches = KVCaches.allocate(cfg, max_seqs=len(kinds), max_context=MAX_CONTEXT)
     blocks = []
-    for line, n in enumerate(sizes):
+    for line, kind in enumerate(kinds):
         start = int(rng.integers(40, MAX_CONTEXT - 8))
         _prefill(cfg, lws, caches, line, start, rng)
-        blocks.append(RowBlock(line, start, (0,) * n, "decode" if n == 1 else "verify"))
+        n = {"decode": 1, "verify": 6, "draft": cfg.dspark_block_size}[kind]
+        blocks.append(RowBlock(line, start, (0,) * n, kind))
     return caches, RowBatch.from_blocks(blocks, caches.block_tables, caches.ring_slots, pad_to)
 
 
@@ -298,8 +299,11 @@ def _check_caches_untouched(ranks, caches):
                 f"rank {k}: {name} changed"
 
 
-CASES = {"decode 1": ((1,), None), "verify 6": ((6,), None),
-         "mixed 13 in 16": ((1, 6, 6), 16)}
+# (block kinds, bucket, layers): 1 row; a verify block; decode + verify blocks in a padded
+# bucket; draft rows with them on the SWA-only layers (the compressed layers refuse drafts).
+CASES = {"decode 1": (("decode",), None, "all"), "verify 6": (("verify",), None, "all"),
+         "mixed 13 in 16": (("decode", "verify", "verify"), 16, "all"),
+         "draft mix 12 in 16 (swa layers)": (("decode", "draft", "verify"), 16, "swa")}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -307,16 +311,17 @@ def test_indexer_and_sparse_mqa_match_the_reference(ckpt, lws, tiny_bundle_dir, 
                                                     case):
     cfg = ckpt.config
     rng = np.random.default_rng()
-    sizes, pad_to = CASES[case]
-    caches, rows = _step(cfg, lws, sizes, pad_to, rng)
-    refs = {s.index: _reference_layer(cfg, lws, s, rows, caches, rng) for s in _backbone(cfg)}
+    kinds, pad_to, which = CASES[case]
+    layers = [s for s in _backbone(cfg) if which == "all" or not s.ratio]
+    caches, rows = _step(cfg, lws, kinds, pad_to, rng)
+    refs = {s.index: _reference_layer(cfg, lws, s, rows, caches, rng) for s in layers}
     ranks = _ranks(ckpt, tiny_bundle_dir, caches, monkeypatch)
     ranks.load(rows, caches, np.zeros((rows.num_rows, cfg.engram_max_ngram_size), np.int64))
     r, mr = rows.num_rows, ranks.max_rows
     ranks.write("positions32", rows.positions.astype(np.int32))
     ranks.write("row_info", sm.row_info(rows, cfg.sliding_window))
     got_topk, got_cands, stats = {}, {}, {}
-    for spec in _backbone(cfg):
+    for spec in layers:
         i, ref = spec.index, refs[spec.index]
         ranks.write("xn", ref["x"].astype(BF16))
         ranks.write("attn.qr", ref["qr"].astype(BF16))
