@@ -22,6 +22,11 @@ persist across layers: a REUSE layer reads its topk_source's, which ran earlier 
 The KV cache geometry (page size, block-table width, SWA ring size) comes from `ctx.geometry`
 (executor.bind.CacheGeometry): the indexer kernels are compiled for kernels.indexer.PAGE_SIZE
 and the sparse MQA kernels for one ring size, and a mismatch is refused at wiring time.
+
+Arena: the scores scratch is f32 [max_rows, cfg.max_position_embeddings] (buffers() does not see
+the cache geometry; 768 MiB at v41-flash's 1M positions and 192 rows), its row stride at wiring
+the block tables' reach. The split-K counters `attn.indexer.wq_b_counters` must be zero before
+the first launch (HostArena is zeroed; on the GPU the Executor zeroes them once after allocating).
 """
 from __future__ import annotations
 
