@@ -35,7 +35,8 @@ The KV cache geometry (page size, block-table width) is `ctx.geometry` (a CacheG
 compressor kernels keep RING_ROWS = 8 ring rows per line: the bound compressor_ring_{l} must have
 ring_rows 8 (the reference's caches for blocks of up to 6 rows).
 
-Weights per backbone layer l (fp32 where the kernel reads fp32; widening bf16 is exact):
+Weights per backbone layer l (fp32 where the kernel reads fp32; widening bf16 is exact; W8A16
+weights stored [G, N, K] with scale bytes [G, N/32, K/32], G = 1 except wo_a):
   layers.{l}.attn.wq_a_wkv.weight / .scale   e4m3 [q_lora + 512, D] / ue8m0 (wq_a rows, then wkv)
   layers.{l}.attn.q_norm.weight.f32 [q_lora], layers.{l}.attn.kv_norm.weight.f32 [512]
   layers.{l}.attn.wq_b.weight / .scale       e4m3 [H_l 512, q_lora] (this rank's heads)
