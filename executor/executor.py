@@ -159,7 +159,7 @@ class Executor:
             for name, array in uploads:
                 arena.upload(name, array)
             ctx = StepContext(cfg, self.tp, self.rank, self.bundle, arena,
-                              self._binding.pointers, self.max_rows, self.comm)
+                              self._binding.pointers, self.max_rows, self.comm, self.geometry)
             plan = wire(self.plan, ctx, self._stage_modules)
             plan.require_complete()
         except BaseException:

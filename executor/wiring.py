@@ -35,6 +35,8 @@ MHC_COEFFS = 24             # packed pre[4] | post[4] | comb[16] per row (kernel
 # buffers(cfg, tp, max_rows) -> [Buffer] and weights(cfg, tp, rank, fetch) -> [(name, ndarray)].
 STAGE_MODULES: tuple[str, ...] = (
     "executor.stages.mhc",
+    "executor.stages.attn_proj",
+    "executor.stages.attn_index",
     "executor.stages.ffn",
     "executor.stages.collectives",
 )
@@ -93,11 +95,12 @@ class StepContext:
     """What a stage builder needs: the config, this rank, the bundle, the arena, bound pointers."""
 
     def __init__(self, cfg, tp: int, rank: int, bundle, arena, bound: Mapping[str, int],
-                 max_rows: int, collectives=None):
+                 max_rows: int, collectives=None, geometry=None):
         self.cfg, self.tp, self.rank = cfg, tp, rank
         self.shapes = cfg.rank_shapes(tp)
         self.bundle, self.arena, self.bound = bundle, arena, dict(bound)
         self.max_rows = max_rows
+        self.geometry = geometry            # the caller's KV-cache CacheGeometry
         self.collectives = collectives      # this rank's all-reduce (GPU), or None
         self.peers = None                   # every rank's StepContext, when all live in one process
         clash = sorted(set(self.bound) & set(arena.slices))

@@ -103,7 +103,7 @@ class EmulatedRanks:
             collectives = (None if states[rank] is None
                            else CollectiveState(rank, tp, states[rank]))
             self.contexts.append(StepContext(self.cfg, tp, rank, self.bundle, self.arenas[rank],
-                                             bounds[rank], max_rows, collectives))
+                                             bounds[rank], max_rows, collectives, self.geometry))
         for ctx in self.contexts:
             ctx.peers = self.contexts
             self.plans.append(wire(decode_plan(self.cfg), ctx, modules))

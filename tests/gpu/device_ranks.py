@@ -58,7 +58,8 @@ class DeviceRanks:
             host = caller_tensors(self.cfg, tp, self.geometry, max_rows)
             tensors = {name: cp.asarray(a) for name, a in host.items()}
             bound = {name: int(t.data.ptr) for name, t in tensors.items()}
-            ctx = StepContext(self.cfg, tp, rank, bundle, arena, bound, max_rows)
+            ctx = StepContext(self.cfg, tp, rank, bundle, arena, bound, max_rows,
+                              geometry=self.geometry)
             self.arenas.append(arena)
             self.tensors.append(tensors)
             self.contexts.append(ctx)
