@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from executor.emulate import EMULATORS, emulate_launch
+from executor.emulate import emulate_launch
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
 from executor.launches.linear_bf16 import linear_bf16_launch, linear_bf16_requests
 from kernels import linear_bf16_ref as lr
@@ -31,8 +31,7 @@ def test_reference_is_the_exact_sum_rounded_twice():
     assert (np.abs(got.astype(np.float64) - exact) <= lr.linear_tolerance(x, w)).all()
 
 
-def test_emulated_launch_writes_its_rows_only(tiny_bundle_dir, monkeypatch):
-    monkeypatch.setitem(EMULATORS, "kernels.linear_bf16", "executor.emulate.linear_bf16:emulate")
+def test_emulated_launch_writes_its_rows_only(tiny_bundle_dir):
     bundle = ManifestBundle(tiny_bundle_dir)
     spec = next(lr.spec_of(r.spec) for r in bundle.manifest.kernels.values()
                 if r.family == "kernels.linear_bf16")

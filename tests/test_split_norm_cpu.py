@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from executor.bundle import KernelRecord
-from executor.emulate import EMULATORS, run
+from executor.emulate import run
 from executor.hostmem import AddressSpace, HostArena
 from executor.launch import LaunchSpec
 from executor.launches.split_norm import split_norm_launch, split_norm_requests
@@ -37,12 +37,6 @@ class _Bundle:
     def kernel(self, name):
         assert name == self.record.name
         return self.record
-
-
-@pytest.fixture(autouse=True)
-def _emulator(monkeypatch):
-    # The lead registers the family in executor/emulate/__init__.py.
-    monkeypatch.setitem(EMULATORS, "kernels.split_norm", "executor.emulate.split_norm:emulate")
 
 
 def _launch(spec, rows, max_rows, rng, scale=1.0):

@@ -25,14 +25,11 @@ import numpy as np
 import pytest
 from tiny_checkpoint import tiny_checkpoint
 
-from executor.bind import CacheGeometry
-from executor.emulate import EMULATORS
 from executor.emulate.ranks import EmulatedRanks
 from executor.reference import attention as ra
 from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.weights import rank_weights_from_checkpoint
-from executor.wiring import StepContext
 from kernels import attention_ref, indexer_ref
 from kernels import dense_ref as dr
 from kernels import sparse_mqa_ref as sm
@@ -56,12 +53,6 @@ def ckpt():
 @pytest.fixture(scope="module")
 def lws(ckpt):
     return [rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)]
-
-
-@pytest.fixture(autouse=True)
-def linear_bf16_emulator(monkeypatch):
-    # Until executor.emulate.EMULATORS lists the new family (requested from the lead).
-    monkeypatch.setitem(EMULATORS, "kernels.linear_bf16", "executor.emulate.linear_bf16:emulate")
 
 
 def _backbone(cfg):
@@ -190,10 +181,7 @@ def _q_bound(cfg, ref, lws, spec, got):
     return bound
 
 
-def _ranks(ckpt, bundle_dir, caches, monkeypatch):
-    # StepContext has no cache geometry yet (requested from the lead): the stages read
-    # ctx.geometry, set here for the ranks' construction.
-    monkeypatch.setattr(StepContext, "geometry", CacheGeometry.of(caches), raising=False)
+def _ranks(ckpt, bundle_dir, caches):
     return EmulatedRanks(ckpt, bundle_dir, TP, caches, modules=MODULES)
 
 
@@ -315,7 +303,7 @@ def test_indexer_and_sparse_mqa_match_the_reference(ckpt, lws, tiny_bundle_dir, 
     layers = [s for s in _backbone(cfg) if which == "all" or not s.ratio]
     caches, rows = _step(cfg, lws, kinds, pad_to, rng)
     refs = {s.index: _reference_layer(cfg, lws, s, rows, caches, rng) for s in layers}
-    ranks = _ranks(ckpt, tiny_bundle_dir, caches, monkeypatch)
+    ranks = _ranks(ckpt, tiny_bundle_dir, caches)
     ranks.load(rows, caches, np.zeros((rows.num_rows, cfg.engram_max_ngram_size), np.int64))
     r, mr = rows.num_rows, ranks.max_rows
     ranks.write("positions32", rows.positions.astype(np.int32))

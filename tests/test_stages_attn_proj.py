@@ -33,15 +33,12 @@ import numpy as np
 import pytest
 from tiny_checkpoint import tiny_checkpoint
 
-from executor.bind import CacheGeometry
-from executor.emulate import EMULATORS
 from executor.emulate.ranks import EmulatedRanks
 from executor.reference import attention as ra
 from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.weights import rank_weights_from_checkpoint
 from executor.stages import attn_proj
-from executor.wiring import StepContext
 from kernels import dense_ref as dr
 from kernels import kvrecord_ref, rope_ref
 from kernels.common_ref import BF16
@@ -102,15 +99,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tiny_bundle_dir):
     with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
-        geometry = CacheGeometry.of(KVCaches.allocate(ckpt.config, max_seqs=4, max_context=64,
-                                                      page_size=16))
-        with pytest.MonkeyPatch.context() as mp:
-            # The split_norm family's emulator; the lead registers it in executor/emulate.
-            mp.setitem(EMULATORS, "kernels.split_norm", "executor.emulate.split_norm:emulate")
-            # The cache geometry the lead's StepContext is to carry (ctx.geometry); a class
-            # attribute until then (an instance attribute, once it exists, takes precedence).
-            mp.setattr(StepContext, "geometry", geometry, raising=False)
-            yield Setup(ckpt, tiny_bundle_dir)
+        yield Setup(ckpt, tiny_bundle_dir)
 
 
 # ---- comparisons --------------------------------------------------------------------------------

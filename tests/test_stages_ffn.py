@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from tiny_checkpoint import tiny_checkpoint
 
-from executor.emulate import EMULATORS
 from executor.emulate.ranks import EmulatedRanks
 from executor.reference.kvcache import KVCaches
 from executor.reference.weights import rank_weights_from_checkpoint
@@ -71,11 +70,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tiny_bundle_dir):
-    with pytest.MonkeyPatch.context() as mp:
-        # The SwiGLU family's emulator; the lead registers it in executor/emulate/__init__.py.
-        mp.setitem(EMULATORS, "kernels.swiglu", "executor.emulate.swiglu:emulate")
-        with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
-            yield Setup(ckpt, tiny_bundle_dir)
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+        yield Setup(ckpt, tiny_bundle_dir)
 
 
 def _xn(rng, real: int, bucket: int, d: int) -> np.ndarray:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from executor.emulate import EMULATORS, emulate_launch
+from executor.emulate import emulate_launch
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
 from executor.launches.swiglu import swiglu_launch, swiglu_requests
 from kernels import swiglu_ref as sr
@@ -85,13 +85,10 @@ def test_kernel_arithmetic_is_within_one_ulp_of_the_reference():
 
 @pytest.fixture(scope="module")
 def arena(tiny_bundle_dir):
-    with pytest.MonkeyPatch.context() as mp:
-        # Registered by the lead in executor/emulate/__init__.py; set here until then.
-        mp.setitem(EMULATORS, "kernels.swiglu", "executor.emulate.swiglu:emulate")
-        bundle = ManifestBundle(tiny_bundle_dir)
-        spec = sr.specs_for(ModelConfig.preset("tiny"), 4)[0]
-        space = AddressSpace()
-        yield bundle, spec, space, HostArena(space, swiglu_requests(spec, 192))
+    bundle = ManifestBundle(tiny_bundle_dir)
+    spec = sr.specs_for(ModelConfig.preset("tiny"), 4)[0]
+    space = AddressSpace()
+    return bundle, spec, space, HostArena(space, swiglu_requests(spec, 192))
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13, 48, 192])
