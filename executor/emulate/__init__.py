@@ -37,6 +37,7 @@ EMULATORS = {
     "kernels.engram": "executor.emulate.engram:emulate",
     "kernels.rows": "executor.emulate.rows:emulate",
     "kernels.swiglu": "executor.emulate.swiglu:emulate",
+    "kernels.dspark": "executor.emulate.dspark:emulate",
     "kernels.linear_bf16": "executor.emulate.linear_bf16:emulate",
     "kernels.split_norm": "executor.emulate.split_norm:emulate",
 }

@@ -1,0 +1,87 @@
+"""kernels.dspark on the host: aux states, greedy acceptance and ring rollback (kernels/dspark_ref.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.emulate import NoEmulator
+from kernels import dspark_ref as ref
+from kernels.common_ref import BF16
+
+
+def _check(spec, record, grid, rows) -> None:
+    if spec.name != record.name:
+        raise NoEmulator(f"kernels.dspark: kernel {record.name!r} rebuilds as {spec.name!r}")
+    if tuple(grid) != spec.grid(rows):
+        raise ValueError(f"{spec.name}: launched with grid {tuple(grid)}, the kernel needs "
+                         f"{spec.grid(rows)}")
+
+
+def _aux(record, grid, args, space) -> None:
+    s = record.spec
+    spec = ref.make_aux_spec(s["width"], s["streams"], s["targets"])
+    rows, target = args["rows"], args["target"]
+    _check(spec, record, grid, rows)
+    if not 0 <= target < spec.targets:
+        raise ValueError(f"{spec.name}: target {target} outside 0..{spec.targets - 1} (the "
+                         f"kernel would write another row's slot)")
+    streams = space.array(args["streams"], BF16, (rows, spec.streams, spec.width))
+    aux = space.array(args["aux"], BF16, (rows, spec.targets, spec.width))
+    aux[:, target] = ref.aux_ref(streams)
+
+
+def _seq_rows(space, args, rows):
+    seq = space.array(args["seq_index"], np.int32, rows).copy()
+    starts = np.count_nonzero((seq >= 0) & np.r_[True, seq[1:] != seq[:-1]])
+    if starts != np.unique(seq[seq >= 0]).size:
+        raise ValueError("kernels.dspark: the rows of a sequence must be adjacent in seq_index")
+    return seq
+
+
+def _check_blocks(spec, seq) -> None:
+    first = ref.block_starts(seq)
+    length = np.arange(seq.size) - first
+    if np.any(length[seq >= 0] >= spec.max_block):
+        raise ValueError(f"{spec.name}: a sequence has more than {spec.max_block} rows (the "
+                         f"kernel scans back at most {spec.max_block - 1})")
+
+
+def _accept(record, grid, args, space) -> None:
+    spec = ref.make_accept_spec(record.spec["max_block"])
+    rows = args["rows"]
+    _check(spec, record, grid, rows)
+    seq = _seq_rows(space, args, rows)
+    _check_blocks(spec, seq)
+    num_seqs = int(seq.max()) + 1 if (seq >= 0).any() else 0
+    accepted, bonus, slots = ref.accept_ref(
+        space.array(args["token_ids"], np.int64, rows), space.array(args["tokens"], np.int64, rows),
+        seq, space.array(args["slot_mapping"], np.int64, rows), num_seqs)
+    mine = np.unique(seq[seq >= 0])
+    space.array(args["accepted"], np.int32, num_seqs)[mine] = accepted[mine]
+    space.array(args["bonus"], np.int64, num_seqs)[mine] = bonus[mine]
+    space.array(args["context_slots"], np.int64, rows)[...] = slots
+
+
+def _rollback(record, grid, args, space) -> None:
+    spec = ref.make_rollback_spec(record.spec["ring_rows"], record.spec["max_block"])
+    rows = args["rows"]
+    _check(spec, record, grid, rows)
+    seq = _seq_rows(space, args, rows)
+    _check_blocks(spec, seq)
+    if not (seq >= 0).any():
+        return
+    num_seqs = int(seq.max()) + 1
+    lines = space.array(args["state_lines"], np.int32, num_seqs)
+    accepted = space.array(args["accepted"], np.int32, num_seqs)
+    ring = space.array(args["ring"], np.float32, (int(lines[np.unique(seq[seq >= 0])].max()) + 1,
+                                                  spec.ring_rows, ref.RING_WIDTH))
+    ref.rollback_ref(ring, space.array(args["positions"], np.int64, rows), seq, lines, accepted)
+
+
+_KINDS = {"aux": _aux, "accept": _accept, "rollback": _rollback}
+
+
+def emulate(record, grid, args, space) -> None:
+    kind = (record.spec or {}).get("kind")
+    if kind not in _KINDS:
+        raise NoEmulator(f"kernels.dspark: no emulator for kernel {record.name!r}")
+    _KINDS[kind](record, grid, args, space)

@@ -1,0 +1,46 @@
+"""The DSpark round launches on pointers: aux states, greedy acceptance, ring rollback.
+
+    aux_launch(bundle, spec, {streams, aux}, rows, target)
+        streams bf16 [R, S, D] -> aux bf16 [R, T, D] at slot `target`
+    accept_launch(bundle, spec, {token_ids, tokens, seq_index, slot_mapping, accepted, bonus,
+                  context_slots}, rows)
+        int64 [R] verify tokens and greedy picks -> accepted int32 [S], bonus int64 [S],
+        context_slots int64 [R] (slot_mapping up to the accepted count, -1 past it)
+    rollback_launch(bundle, spec, {ring, positions, seq_index, state_lines, accepted}, rows)
+        NaN into the ring rows of rejected positions of one ratio-2 kv source
+
+Each returns one LaunchSpec (PDL on), allocates nothing (kernels/dspark_ref.py has the ABIs).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from executor.launch import LaunchSpec
+from kernels.dspark_ref import AcceptSpec, AuxSpec, RollbackSpec
+
+
+def _pointers(spec, ptrs: Mapping[str, int], scalars: int = 1) -> list[int]:
+    names = [name for name, _ in spec.params[:-scalars]]
+    missing = [n for n in names if n not in ptrs]
+    if missing:
+        raise KeyError(f"{spec.name}: no pointer for {missing}")
+    return [ptrs[n] for n in names]
+
+
+def aux_launch(bundle, spec: AuxSpec, ptrs: Mapping[str, int], rows: int,
+               target: int) -> LaunchSpec:
+    if not 0 <= target < spec.targets:
+        raise ValueError(f"{spec.name}: target slot {target} outside 0..{spec.targets - 1}")
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
+                      (*_pointers(spec, ptrs, 2), target, rows), pdl=True)
+
+
+def accept_launch(bundle, spec: AcceptSpec, ptrs: Mapping[str, int], rows: int) -> LaunchSpec:
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), (*_pointers(spec, ptrs), rows),
+                      pdl=True)
+
+
+def rollback_launch(bundle, spec: RollbackSpec, ptrs: Mapping[str, int],
+                    rows: int) -> LaunchSpec:
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), (*_pointers(spec, ptrs), rows),
+                      pdl=True)

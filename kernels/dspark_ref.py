@@ -1,0 +1,216 @@
+"""DSpark round kernels (model doc §4, §2.5): aux states, greedy acceptance, compressor-ring rollback.
+
+Three small kernels keep a DSpark round on the device (no host read between verify and draft):
+
+Aux states (verify step, after each target layer's attn.mhc_pre has applied the pending post):
+
+    aux[r, target, :] = bf16( (((s0 + s1) + s2) + s3) * 0.25 )      s_i = float(streams[r, i, :])
+
+  streams BF16 [R, S, D], aux BF16 [R, T, D] (T target layers; `target` picks the slot). The sum
+  is sequential in fp32 and 0.25 is exact, which is what NumPy's mean over axis 1 does
+  (executor/reference/step.py's aux), so the two agree bitwise.
+  PTX ABI: (u64 streams, u64 aux, u32 target, u32 rows).
+
+Greedy acceptance (after the verify step's argmax pick), one thread per row:
+
+    a_s        = longest k with token_ids[f + 1 + j] == tokens[f + j] for all j < k
+                 (f the first row of sequence s's block; drafts are the block's rows 1..)
+    accepted[s] = a_s,  bonus[s] = tokens[f + a_s]
+    context_slots[r] = slot_mapping[r] if r - f <= a_s else -1     (padding rows: -1)
+
+  token_ids int64 [R] (the verify rows: bonus, d_1..d_k), tokens int64 [R] (the greedy pick),
+  seq_index int32 [R] (-1 padding; a sequence's rows adjacent, in position order), slot_mapping
+  int64 [R]; accepted int32 [S], bonus int64 [S] indexed by seq_index; context_slots int64 [R] are
+  the SWA slots the draft stages' context KV is written at (rows past the accepted count write
+  nothing). A block of one row (decode) accepts 0 and its bonus is its greedy token.
+  PTX ABI: (u64 token_ids, u64 tokens, u64 seq_index, u64 slot_mapping, u64 accepted,
+  u64 bonus, u64 context_slots, u32 rows).
+
+Compressor-ring rollback (one ratio-2 kv source's ring), one CTA per row:
+
+    row r of sequence s with positions[r] - positions[f] > accepted[s] (rejected):
+        ring[state_lines[s], positions[r] % ring_rows, :] = NaN      (1024 fp32)
+
+  The rejected rows are exactly the positions >= P + a + 1 the block wrote into the ring, which
+  is what KVCaches.rollback_compressor_rings forgets (the ring holds no later position). Poison
+  rather than nothing: the GPU path relies on the positional invariant and never reads them, so
+  writing NaN makes any violation visible instead of silently pooling a rejected position.
+  PTX ABI: (u64 ring, u64 positions, u64 seq_index, u64 state_lines, u64 accepted, u32 rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.common_ref import (
+    BF16_PER_VECTOR,
+    H200_NUM_SMS,
+    check_rows,
+    params_dict,
+    to_bf16,
+)
+
+CTA_THREADS = 256
+MAX_CTAS = 8
+RING_WIDTH = 1024                   # fp32 kv | score (executor/reference/kvcache.py)
+NAN_BITS = 0x7FC00000               # the canonical quiet NaN, np.float32(np.nan)
+AUX_PARAMS = (("streams", "u64"), ("aux", "u64"), ("target", "u32"), ("rows", "u32"))
+ACCEPT_PARAMS = (("token_ids", "u64"), ("tokens", "u64"), ("seq_index", "u64"),
+                 ("slot_mapping", "u64"), ("accepted", "u64"), ("bonus", "u64"),
+                 ("context_slots", "u64"), ("rows", "u32"))
+ROLLBACK_PARAMS = (("ring", "u64"), ("positions", "u64"), ("seq_index", "u64"),
+                   ("state_lines", "u64"), ("accepted", "u64"), ("rows", "u32"))
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"dspark: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """Mean of S bf16 streams of width D into one of T aux slots; one 8-element chunk a thread."""
+
+    name: str
+    width: int
+    streams: int
+    targets: int
+    params: tuple[tuple[str, str], ...] = AUX_PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.width // BF16_PER_VECTOR
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        return (min(-(-rows * self.chunks_per_row // CTA_THREADS), H200_NUM_SMS), 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "dspark", "kind": "aux", "name": self.name, "width": self.width,
+                "streams": self.streams, "targets": self.targets,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes}
+
+
+@dataclass(frozen=True)
+class AcceptSpec:
+    """Greedy acceptance over blocks of at most `max_block` rows; one thread a row."""
+
+    name: str
+    max_block: int
+    params: tuple[tuple[str, str], ...] = ACCEPT_PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        check_rows(rows, self.name)
+        return (min(-(-rows // CTA_THREADS), MAX_CTAS), 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "dspark", "kind": "accept", "name": self.name,
+                "max_block": self.max_block, "params": params_dict(self.params),
+                "block": list(self.block), "smem_bytes": self.smem_bytes}
+
+
+@dataclass(frozen=True)
+class RollbackSpec:
+    """NaN the ring rows of rejected positions; one CTA (of RING_WIDTH / 4 threads) a row."""
+
+    name: str
+    ring_rows: int
+    max_block: int
+    params: tuple[tuple[str, str], ...] = ROLLBACK_PARAMS
+    block: tuple[int, int, int] = (RING_WIDTH // 4, 1, 1)
+    smem_bytes: int = 0
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        return (check_rows(rows, self.name), 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "dspark", "kind": "rollback", "name": self.name,
+                "ring_rows": self.ring_rows, "max_block": self.max_block,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes}
+
+
+def make_aux_spec(width: int, streams: int, targets: int) -> AuxSpec:
+    _positive("width", width), _positive("streams", streams), _positive("targets", targets)
+    if width % BF16_PER_VECTOR:
+        raise ValueError(f"dspark aux: width {width} is not a multiple of {BF16_PER_VECTOR}")
+    return AuxSpec(f"dspark_aux_d{width}_s{streams}_t{targets}", width, streams, targets)
+
+
+def make_accept_spec(max_block: int) -> AcceptSpec:
+    return AcceptSpec(f"dspark_accept_b{_positive('max_block', max_block)}", max_block)
+
+
+def make_rollback_spec(ring_rows: int, max_block: int) -> RollbackSpec:
+    _positive("ring_rows", ring_rows), _positive("max_block", max_block)
+    if ring_rows & (ring_rows - 1) or ring_rows < max_block + 2:
+        raise ValueError(f"dspark rollback: ring_rows {ring_rows} must be a power of two >= "
+                         f"max_block + 2 = {max_block + 2}")
+    return RollbackSpec(f"dspark_rollback_r{ring_rows}_b{max_block}", ring_rows, max_block)
+
+
+def specs_for(cfg) -> list:
+    """The round's kernels for a config with DSpark stages (none without them)."""
+    if not cfg.dspark_target_layer_ids:
+        return []
+    block = cfg.dspark_block_size + 1          # verify rows: bonus + k drafts
+    return [make_aux_spec(cfg.hidden_size, cfg.hc_mult, len(cfg.dspark_target_layer_ids)),
+            make_accept_spec(block),
+            make_rollback_spec(1 << (block + 1).bit_length(), block)]
+
+
+# ---- references ------------------------------------------------------------------------------
+
+def aux_ref(streams: np.ndarray) -> np.ndarray:
+    """bf16 [R, D]: the sequential fp32 sum of the S streams times 0.25, rounded once."""
+    s = np.asarray(streams).astype(np.float32)
+    total = s[:, 0].copy()
+    for i in range(1, s.shape[1]):
+        total = total + s[:, i]
+    return to_bf16(total * np.float32(1.0 / s.shape[1]))
+
+
+def block_starts(seq_index: np.ndarray) -> np.ndarray:
+    """int64 [R]: the first row of each row's block (-1 for padding rows)."""
+    seq = np.asarray(seq_index, np.int64)
+    first = np.full(seq.shape, -1, np.int64)
+    for r in np.flatnonzero(seq >= 0):
+        first[r] = r if r == 0 or seq[r - 1] != seq[r] else first[r - 1]
+    return first
+
+
+def accept_ref(token_ids, tokens, seq_index, slot_mapping, num_seqs: int):
+    """(accepted int32 [S], bonus int64 [S], context_slots int64 [R]); sequences without rows
+    keep accepted -1, bonus -1 here (the kernel leaves them untouched)."""
+    ids, toks = np.asarray(token_ids, np.int64), np.asarray(tokens, np.int64)
+    seq = np.asarray(seq_index, np.int64)
+    first = block_starts(seq)
+    accepted = np.full(num_seqs, -1, np.int32)
+    bonus = np.full(num_seqs, -1, np.int64)
+    slots = np.full(seq.shape, -1, np.int64)
+    for r in np.flatnonzero(seq >= 0):
+        f, a = first[r], 0
+        while f + a + 1 < seq.size and seq[f + a + 1] == seq[r] and ids[f + a + 1] == toks[f + a]:
+            a += 1
+        if r == f:
+            accepted[seq[r]], bonus[seq[r]] = a, toks[f + a]
+        if r - f <= a:
+            slots[r] = np.asarray(slot_mapping, np.int64)[r]
+    return accepted, bonus, slots
+
+
+def rollback_ref(ring: np.ndarray, positions, seq_index, state_lines, accepted) -> None:
+    """NaN (in place) the ring rows of every row past its sequence's accepted count."""
+    pos, seq = np.asarray(positions, np.int64), np.asarray(seq_index, np.int64)
+    first = block_starts(seq)
+    ring_rows = ring.shape[1]
+    for r in np.flatnonzero(seq >= 0):
+        if pos[r] - pos[first[r]] > accepted[seq[r]]:
+            ring[state_lines[seq[r]], pos[r] % ring_rows] = np.uint32(NAN_BITS).view(np.float32)

@@ -1,0 +1,188 @@
+"""kernels.dspark: aux states, greedy acceptance and ring rollback; refs against the reference
+model's own formulation, emulated launches against the refs (CPU; the GPU kernels are compiled
+into the bundle but not run here)."""
+import shutil
+
+import numpy as np
+import pytest
+
+from executor.emulate import run
+from executor.hostmem import AddressSpace, HostArena, ManifestBundle
+from executor.launches.dspark import accept_launch, aux_launch, rollback_launch
+from executor.reference.kvcache import KVCaches
+from kernels import dspark_ref as ref
+from kernels.common_ref import BF16
+from kernels.manifest import FAMILIES
+from loader.config import ModelConfig
+
+CAP = 192
+
+
+@pytest.fixture(scope="session")
+def dspark_bundle_dir(tiny_bundle_dir, tmp_path_factory):
+    """The tiny bundle with kernels.dspark in it: the shared one once the family is registered
+    in kernels.manifest.FAMILIES, else a copy of it plus the family (the rest stays cached)."""
+    from kernels import build
+
+    if "kernels.dspark" in FAMILIES:
+        return tiny_bundle_dir
+    path = tmp_path_factory.mktemp("bundle_dspark")
+    shutil.copytree(tiny_bundle_dir, path, dirs_exist_ok=True)
+    build.build_bundle("tiny", 4, path, families=(*FAMILIES, "kernels.dspark"),
+                       log=lambda *_: None)
+    return path
+
+
+def _blocks(rng, num_seqs: int, block: int, rows_cap: int):
+    """seq_index of adjacent blocks of 1..block rows (random lengths), padded with -1."""
+    lengths = rng.integers(1, block + 1, num_seqs)
+    seq = np.full(rows_cap, -1, np.int32)
+    seq[:lengths.sum()] = np.repeat(np.arange(num_seqs), lengths)
+    return seq, int(lengths.sum())
+
+
+def _arena(space, arrays: dict):
+    arena = HostArena(space, [(n, max(a.nbytes, 16)) for n, a in arrays.items()])
+    for name, a in arrays.items():
+        arena.upload(name, a)
+    return arena
+
+
+# ---- aux -------------------------------------------------------------------------------------
+
+def test_aux_ref_is_the_reference_steps_stream_mean():
+    rng = np.random.default_rng()
+    streams = (rng.standard_normal((33, 4, 256)) * rng.uniform(0.1, 50)).astype(BF16)
+    want = streams.astype(np.float32).mean(axis=1).astype(BF16)   # executor/reference/step.py
+    assert np.array_equal(ref.aux_ref(streams).view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 13, 192])
+def test_emulated_aux_writes_one_slot_of_the_rows(dspark_bundle_dir, rows):
+    cfg = ModelConfig.preset("tiny")
+    spec = ref.specs_for(cfg)[0]
+    d, t = cfg.hidden_size, spec.targets
+    rng = np.random.default_rng()
+    streams = rng.standard_normal((CAP, 4, d)).astype(BF16)
+    aux = np.full((CAP, t, d), np.nan, np.float32).astype(BF16)
+    space = AddressSpace()
+    arena = _arena(space, {"streams": streams, "aux": aux})
+    target = int(rng.integers(0, t))
+    ptrs = {n: arena.ptr(n) for n in ("streams", "aux")}
+    run([aux_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, rows, target)], space)
+    got = arena.download("aux", BF16, (CAP, t, d))
+    # bitwise: one sequential fp32 sum, an exact * 0.25, one rounding (kernels/dspark_ref.py)
+    assert np.array_equal(got[:rows, target].view(np.uint16),
+                          ref.aux_ref(streams[:rows]).view(np.uint16))
+    untouched = np.ones((CAP, t), bool)
+    untouched[:rows, target] = False
+    assert np.isnan(got[untouched].astype(np.float32)).all()
+    with pytest.raises(ValueError, match="target slot"):
+        aux_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, rows, t)
+
+
+# ---- acceptance ------------------------------------------------------------------------------
+
+def _reference_acceptance(block_tokens, greedy):
+    """executor/reference/dspark.py verify_and_accept's loop on one block."""
+    drafts, accepted = block_tokens[1:], 0
+    while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+        accepted += 1
+    return accepted, int(greedy[accepted])
+
+
+def _verify_rows(rng, seq, n):
+    """Verify tokens whose drafts match the greedy picks for a random prefix of each block."""
+    tokens = rng.integers(0, 50, CAP)
+    ids = rng.integers(0, 50, CAP)
+    for s in np.unique(seq[:n]):
+        rows = np.flatnonzero(seq == s)
+        keep = int(rng.integers(0, rows.size))           # drafts that match the target
+        ids[rows[1:1 + keep]] = tokens[rows[:keep]]
+        if keep + 1 < rows.size:                         # a guaranteed mismatch after them
+            ids[rows[keep + 1]] = tokens[rows[keep]] + 1
+    return ids, tokens
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 7, 32])
+def test_emulated_accept_matches_the_reference_rule(dspark_bundle_dir, num_seqs):
+    spec = ref.make_accept_spec(6)
+    rng = np.random.default_rng()
+    seq, n = _blocks(rng, num_seqs, 6, CAP)
+    ids, tokens = _verify_rows(rng, seq, n)
+    slots = rng.integers(0, 1 << 40, CAP)
+    space = AddressSpace()
+    arena = _arena(space, {"token_ids": ids, "tokens": tokens, "seq_index": seq,
+                           "slot_mapping": slots, "accepted": np.full(CAP, -7, np.int32),
+                           "bonus": np.full(CAP, -7, np.int64),
+                           "context_slots": np.full(CAP, -7, np.int64)})
+    ptrs = {n: arena.ptr(n) for n in arena.slices}
+    run([accept_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, n)], space)
+    accepted = arena.download("accepted", np.int32, (CAP,))
+    bonus = arena.download("bonus", np.int64, (CAP,))
+    context = arena.download("context_slots", np.int64, (CAP,))
+    for s in range(num_seqs):
+        rows = np.flatnonzero(seq == s)
+        a, b = _reference_acceptance(ids[rows].tolist(), tokens[rows].tolist())
+        assert (accepted[s], bonus[s]) == (a, b), f"sequence {s}"
+        assert context[rows].tolist() == [*slots[rows[:a + 1]], *[-1] * (rows.size - a - 1)]
+    assert (accepted[num_seqs:] == -7).all() and (bonus[num_seqs:] == -7).all()
+    assert (context[n:] == -7).all()
+
+
+def test_accept_refuses_split_or_overlong_blocks(dspark_bundle_dir):
+    spec = ref.make_accept_spec(6)
+    bundle = ManifestBundle(dspark_bundle_dir)
+    for seq in ([0, 1, 0, -1], [0] * 7):
+        seq = np.array(seq + [-1] * (CAP - len(seq)), np.int32)
+        space = AddressSpace()
+        arena = _arena(space, {"token_ids": np.zeros(CAP, np.int64),
+                               "tokens": np.zeros(CAP, np.int64), "seq_index": seq,
+                               "slot_mapping": np.zeros(CAP, np.int64),
+                               "accepted": np.zeros(CAP, np.int32),
+                               "bonus": np.zeros(CAP, np.int64),
+                               "context_slots": np.zeros(CAP, np.int64)})
+        ptrs = {n: arena.ptr(n) for n in arena.slices}
+        with pytest.raises(ValueError, match="adjacent|more than 6 rows"):
+            run([accept_launch(bundle, spec, ptrs, 8)], space)
+
+
+# ---- rollback --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 5])
+def test_emulated_rollback_forgets_what_the_reference_forgets(dspark_bundle_dir, num_seqs):
+    """Rejected rows' ring rows == KVCaches.rollback_compressor_rings(line, P + a + 1)."""
+    cfg = ModelConfig.preset("tiny")
+    spec = ref.specs_for(cfg)[2]
+    rng = np.random.default_rng()
+    caches = KVCaches.allocate(cfg, max_seqs=8, max_context=256)
+    layer = next(iter(caches.ring))
+    lines = rng.permutation(8)[:num_seqs].astype(np.int32)
+    lengths = rng.integers(1, 7, num_seqs)
+    seq = np.full(CAP, -1, np.int32)
+    seq[:lengths.sum()] = np.repeat(np.arange(num_seqs), lengths)
+    positions = np.zeros(CAP, np.int64)
+    accepted = np.zeros(CAP, np.int32)
+    ring, ring_pos = caches.ring[layer], caches.ring_pos[layer]
+    for s in range(num_seqs):
+        start = int(rng.integers(2, 100))
+        rows = np.flatnonzero(seq == s)
+        positions[rows] = start + np.arange(rows.size)
+        accepted[s] = rng.integers(0, rows.size)
+        for p in range(start - 2, start + rows.size):     # the ring after the verify step
+            ring[lines[s], p % 8] = rng.standard_normal(1024)
+            ring_pos[lines[s], p % 8] = p
+    state_lines = np.zeros(CAP, np.int32)
+    state_lines[:num_seqs] = lines
+    space = AddressSpace()
+    arena = _arena(space, {"ring": ring.copy(), "positions": positions, "seq_index": seq,
+                           "state_lines": state_lines, "accepted": accepted})
+    ptrs = {n: arena.ptr(n) for n in arena.slices}
+    n = int(lengths.sum())
+    run([rollback_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, n)], space)
+    for s in range(num_seqs):
+        first = positions[np.flatnonzero(seq == s)[0]]
+        caches.rollback_compressor_rings(int(lines[s]), int(first + accepted[s] + 1))
+    got = arena.download("ring", np.float32, ring.shape)
+    # bitwise, NaN included: the same canonical quiet NaN and untouched rows elsewhere
+    assert np.array_equal(got.view(np.uint32), caches.ring[layer].view(np.uint32))
