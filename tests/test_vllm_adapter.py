@@ -277,6 +277,11 @@ def test_decision_rules():
     assert decide_step(np.array([3, 5], np.int32)).use_hopdec
     with pytest.raises(ValueError, match=">= 1 row"):
         decide_step([1, 0])
+    with pytest.raises(ValueError, match=">= 1 row"):
+        decide_step(np.array([2, -1]))
+    for bad in ([1.0, 2], [[1], [2]], np.array([1.5])):
+        with pytest.raises(TypeError, match="rows_per_request must hold ints"):
+            decide_step(bad)
     for bad in (-1, 1.0, True, None):
         with pytest.raises(TypeError, match="features must be a non-negative int"):
             decide_step([1], features=bad)
