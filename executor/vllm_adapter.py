@@ -16,9 +16,9 @@ Names: `bind` takes vLLM's names for the engine's tensors; VLLM_NAMES maps each 
 name of executor/bind.py (the table is in the README, "Using hopdec from vLLM"). Every tensor is
 bound in place through DLPack, so the executor reads and writes the engine's own memory. A tensor
 that would need a conversion first (another dtype, a non-contiguous view, host memory) is refused,
-naming the tensor and the layout hopdec needs: a converted copy would be read once at bind while
-the engine keeps writing the original. When the memory is right and only the shape is not (a
-longer persistent buffer, cache blocks not flattened), the message names the view that fits;
+naming the tensor and the layout hopdec needs: a converted copy would be made once, at bind, and
+never see what the engine writes afterwards. When the memory is right and only the shape is not
+(a longer persistent buffer, cache blocks not flattened), the message names the view that fits;
 views share memory, so they cost nothing.
 
 Stream: `step` takes the raw cudaStream_t of the engine's current stream as an int,
@@ -26,6 +26,8 @@ Stream: `step` takes the raw cudaStream_t of the engine's current stream as an i
 for good when the engine keeps one decode stream). torch's default stream is the legacy default
 stream (handle 0), which hopdec refuses because it serialises with every blocking stream: run
 decode under `with torch.cuda.stream(decode_stream):`, a `torch.cuda.Stream()` of the engine.
+`step` replays graphs hopdec captured itself; calling it while the engine captures its own CUDA
+graph (vLLM's FULL cudagraph mode) has not been verified, so serve hopdec steps outside it.
 """
 from __future__ import annotations
 
@@ -299,6 +301,7 @@ class HopdecBackend:
         self.names = vllm_name_map(executor.rules)       # vLLM name -> binding name
         self._hopdec_to_vllm = {h: v for v, h in self.names.items()}
         self._device = device
+        self._closed = False
         self._max_block_rows = executor.config.dspark_block_size + 1
 
     @classmethod
@@ -394,9 +397,16 @@ class HopdecBackend:
 
     def decide(self, rows_per_request, *, any_prefill: bool = False,
                features: int = 0) -> StepDecision:
-        """`decide_step` with this backend's largest bucket and DSpark block length."""
-        return decide_step(rows_per_request, any_prefill=any_prefill, features=features,
-                           max_rows=self.max_rows, max_block_rows=self._max_block_rows)
+        """`decide_step` with this backend's largest bucket and DSpark block length, after the
+        backend's own state (closed, not bound, not captured), as `step` checks them."""
+        decision = decide_step(rows_per_request, any_prefill=any_prefill, features=features,
+                               max_rows=self.max_rows, max_block_rows=self._max_block_rows)
+        state = (StepResult.CLOSED if self._closed else
+                 StepResult.NOT_BOUND if self.executor.binding is None else
+                 StepResult.NOT_CAPTURED if not self.executor.captured else StepResult.SERVED)
+        if state == StepResult.SERVED:
+            return decision
+        return StepDecision(False, decision.n_rows, decision.features, state)
 
     def step(self, n_rows: int, stream_handle: int, features: int = 0) -> int:
         """`Executor.step` on the engine's stream (`torch.cuda.current_stream().cuda_stream`):
@@ -415,6 +425,7 @@ class HopdecBackend:
     def close(self) -> None:
         """Close the executor (graphs, arena, bundle) and the device `open` made; idempotent.
         The engine's tensors are only un-referenced."""
+        self._closed = True
         try:
             self.executor.close()
         finally:

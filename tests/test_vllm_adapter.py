@@ -265,6 +265,26 @@ def test_decision_matches_what_step_returns():
     assert {StepResult.SERVED, StepResult.PREFILL_ROWS, StepResult.UNSUPPORTED_FEATURE} <= seen
 
 
+def test_decision_follows_the_backend_state_as_step_does():
+    rng = np.random.default_rng()
+    b, rec = backend()
+    rows = [int(r) for r in rng.choice([1, 5, 6], size=int(rng.integers(1, 20)))]
+
+    def agree(expected):
+        decision = b.decide(rows)
+        assert decision.reason == expected and not decision.use_hopdec
+        assert b.step(decision.n_rows, 5, decision.features) == expected
+
+    agree(StepResult.NOT_BOUND)
+    b.bind(**vllm_fakes(b))
+    agree(StepResult.NOT_CAPTURED)
+    b.executor.capture("capture-stream")
+    assert b.decide(rows).use_hopdec
+    b.close()
+    agree(StepResult.CLOSED)
+    assert rec.graph_launches == []
+
+
 def test_decision_rules():
     assert decide_step([1] * 192).reason == StepResult.SERVED
     assert decide_step([6] * 32).reason == StepResult.SERVED

@@ -161,6 +161,7 @@ def test_open_binds_torch_tensors_and_declines_until_captured(bundle, tmp_path):
         b.bind(**t)
         assert b.bound_addresses == {n: x.data_ptr() for n, x in t.items()}
         stream = torch.cuda.Stream()
+        assert b.decide([1]).reason == StepResult.NOT_CAPTURED
         assert b.step(1, stream.cuda_stream) == StepResult.NOT_CAPTURED
         with pytest.raises(NotImplementedError):      # no weights given: the plan stays unwired
             b.capture()
