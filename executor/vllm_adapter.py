@@ -116,7 +116,8 @@ VLLM_NAMES: tuple[NameRule, ...] = (
     NameRule("token_history", "token_history", "the n-1 tokens before each row's position "
              "(Engram lookback), newest first"),
     NameRule("req_state_indices", "state_lines", "each request's line in the per-request "
-             "state (SWA rings, compressor rings): vLLM's idx_mapping, int32"),
+             "state (SWA rings, compressor rings), as vLLM's idx_mapping (int64 there: keep an "
+             "int32 [192] buffer)"),
     NameRule("seq_lens", "context_lens", "positions with KV after the step; vLLM's "
              "InputBuffers.seq_lens is int32, so keep an int64 [192] buffer"),
     NameRule("block_table", "block_tables", "the compressed-KV pages of each request, int32 "
