@@ -14,6 +14,10 @@ dtype and shape from the model config and the KV-cache geometry (the layouts of
                  index_keys_{k} uint8 [num_pages * page_size, 132] for every kv source k;
                  compressor_ring_{k} float32 [max_seqs, ring_rows, 1024] for ratio-2 sources
     outputs      tokens int64 [192]; optional logits float32 [192, vocab / tp] (this rank's shard)
+    DSpark       (binding_rules(..., dspark=True): an executor that runs DSpark rounds)
+                 accepted int32 [192], bonus int64 [192]: per sequence of the verify step, the
+                 drafts accepted and the bonus token (kernels/dspark_ref.py), written on the
+                 device; the caller reads them when it wants (no host read inside the round)
 
 Padding rows: a step of n rows replays the graph of bucket b >= n, whose kernels also process rows
 n..b-1. The caller owns those rows' metadata and must mark them padding, as vLLM does
@@ -81,11 +85,14 @@ class TensorRule:
         return f"{self.dtype} {list(self.shape)}"
 
 
-def binding_rules(cfg, tp: int, geometry: CacheGeometry,
-                  max_rows: int = MAX_ROWS) -> dict[str, TensorRule]:
+def binding_rules(cfg, tp: int, geometry: CacheGeometry, max_rows: int = MAX_ROWS,
+                  dspark: bool = False) -> dict[str, TensorRule]:
     """Every tensor bind() takes, by name, in a stable order (see the module docstring)."""
     if cfg.vocab_size % tp:
         raise ValueError(f"vocab_size {cfg.vocab_size} is not divisible by tp={tp}")
+    if dspark and not cfg.dspark_target_layer_ids:
+        raise ValueError("binding_rules(dspark=True): this model config has no DSpark stages "
+                         "(dspark_target_layer_ids is empty)")
     g, r = geometry, max_rows
     entries = g.num_pages * g.page_size
     rules = [TensorRule("token_ids", "int64", (r,)), TensorRule("positions", "int64", (r,)),
@@ -109,6 +116,8 @@ def binding_rules(cfg, tp: int, geometry: CacheGeometry,
                                         (g.max_seqs, g.ring_rows, RING_WIDTH)))
     rules.append(TensorRule("tokens", "int64", (r,)))
     rules.append(TensorRule("logits", "float32", (r, cfg.vocab_size // tp), required=False))
+    if dspark:
+        rules += [TensorRule("accepted", "int32", (r,)), TensorRule("bonus", "int64", (r,))]
     return {rule.name: rule for rule in rules}
 
 

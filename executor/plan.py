@@ -166,8 +166,15 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
     return out
 
 
-def decode_plan(cfg) -> Plan:
-    """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step)."""
+def decode_plan(cfg, dspark: bool = False) -> Plan:
+    """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step).
+
+    dspark=True: the verify step of a DSpark round (executor/stages/dspark.py): the aux states
+    after each target layer's attn.mhc_pre, then after the pick the device-side acceptance, the
+    ratio-2 ring rollback and the draft stages' context KV at the accepted positions.
+    """
+    if dspark and not cfg.dspark_target_layer_ids:
+        raise ValueError("decode_plan(dspark=True): the config has no DSpark target layers")
     # rows_prep: the caller's int64 rows -> the int32 rows (and Engram history) every kernel reads.
     stages = [Stage("head.rows_prep", "kernels.rows", missing=NOT_WIRED),
               Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
@@ -180,8 +187,24 @@ def decode_plan(cfg) -> Plan:
         for role, family, missing in _layer_stages(spec):
             stages.append(Stage(f"layer{spec.index:02d}.{role}", family, spec.index,
                                 missing=missing))
+            if dspark and role == "attn.mhc_pre" and spec.index in cfg.dspark_target_layer_ids:
+                stages.append(Stage(f"layer{spec.index:02d}.dspark.aux", "kernels.dspark",
+                                    spec.index, missing=NOT_WIRED))
     stages += [Stage("tail.mhc_post_collapse", "kernels.mhc", missing=NOT_WIRED),
                Stage("tail.norm", "kernels.norm", missing=NOT_WIRED),
                Stage("tail.lm_head_argmax", "kernels.lm_head", missing=NOT_WIRED),
                Stage("tail.argmax_pick", "kernels.allreduce", missing=NOT_WIRED)]
+    if dspark:
+        stages += _accept_stages(cfg)
     return Plan(stages)
+
+
+def _accept_stages(cfg) -> list[Stage]:
+    """After the verify step's pick: acceptance, ring rollback, the draft stages' context KV."""
+    stages = [Stage("dspark.accept", "kernels.dspark", missing=NOT_WIRED),
+              Stage("dspark.ring_rollback", "kernels.dspark", missing=NOT_WIRED),
+              Stage("dspark.main_proj", "kernels.dense", missing=NOT_WIRED),
+              Stage("dspark.main_norm", "kernels.norm", missing=NOT_WIRED)]
+    return stages + [Stage(f"layer{spec.index:02d}.dspark.context_kv", "kernels.kv_publish",
+                           spec.index, missing=NOT_WIRED)
+                     for spec in cfg.layers if spec.is_dspark]
