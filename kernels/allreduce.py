@@ -161,6 +161,33 @@ class OneShotAllReduceSm90:
         return w0, w1, w2, w3, failed
 
     @cute.jit
+    def _push(self, src: Int64, peer_tab, push_offset: Int64, first: Int32, stride: Int32,
+              num_chunks: Int32):
+        """Every 16-byte chunk of src (grid stride), sanitized, into slot [gen][rank] of every
+        rank's buffer (push_offset = that slot's offset)."""
+        push_bases = []
+        for s in cutlass.range_constexpr(self.world):
+            push_bases.append(peer_tab[s] + push_offset)
+        i = first
+        while i < num_chunks:
+            off = Int64(i) * VEC_BYTES
+            x0, x1, x2, x3 = _ld_v4(src + off)
+            x0, x1, x2, x3 = _sanitize(x0), _sanitize(x1), _sanitize(x2), _sanitize(x3)
+            for s in cutlass.range_constexpr(self.world):
+                _st_volatile_v4(push_bases[s] + off, x0, x1, x2, x3)
+            i += stride
+
+    @cute.jit
+    def _finish(self, ctl: Int64, gen: Int64, tidx: Int32, gdim: Int32):
+        """The last CTA out flips the generation (read by the next launch after its PDL wait)."""
+        cute.arch.sync_threads()
+        if tidx == 0:
+            arrived = _atomic_inc_u32(ctl + 4)
+            if arrived == Uint32(gdim - 1):
+                _st_volatile_u32(ctl + 4, Uint32(0))
+                _st_volatile_u32(ctl, Uint32(gen ^ 1))
+
+    @cute.jit
     def _body(self, inp: Int64, residual: Int64, out: Int64, peers: cute.Pointer, ctl: Int64,
               status: Int64, rank: Int32, rows: Int32, timeout_us: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -178,17 +205,7 @@ class OneShotAllReduceSm90:
         push_offset = (gen * self.world + Int64(rank)) * self.slot_bytes
         read_base = peer_tab[rank] + gen * (self.world * self.slot_bytes)
 
-        push_bases = []
-        for s in cutlass.range_constexpr(self.world):
-            push_bases.append(peer_tab[s] + push_offset)
-        i = first
-        while i < num_chunks:
-            off = Int64(i) * VEC_BYTES
-            x0, x1, x2, x3 = _ld_v4(inp + off)
-            x0, x1, x2, x3 = _sanitize(x0), _sanitize(x1), _sanitize(x2), _sanitize(x3)
-            for s in cutlass.range_constexpr(self.world):
-                _st_volatile_v4(push_bases[s] + off, x0, x1, x2, x3)
-            i += stride
+        self._push(inp, peer_tab, push_offset, first, stride, num_chunks)
 
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -217,13 +234,7 @@ class OneShotAllReduceSm90:
                    _pack_bf16x2(acc[4], acc[5]), _pack_bf16x2(acc[6], acc[7]))
             i += stride
 
-        # The last CTA out flips the generation (read by the next launch after its PDL wait).
-        cute.arch.sync_threads()
-        if tidx == 0:
-            arrived = _atomic_inc_u32(ctl + 4)
-            if arrived == Uint32(gdim - 1):
-                _st_volatile_u32(ctl + 4, Uint32(0))
-                _st_volatile_u32(ctl, Uint32(gen ^ 1))
+        self._finish(ctl, gen, tidx, gdim)
 
     @cute.kernel
     def kernel(self, inp: cute.Pointer, out: cute.Pointer, peers: cute.Pointer,
@@ -287,17 +298,7 @@ class AllGatherSm90(OneShotAllReduceSm90):
         failed = _ld_volatile_u32(ctl + 8)
         push_offset = (gen * self.world + Int64(rank)) * self.slot_bytes
         read_base = peer_tab[rank] + gen * (self.world * self.slot_bytes)
-        push_bases = []
-        for s in cutlass.range_constexpr(self.world):
-            push_bases.append(peer_tab[s] + push_offset)
-        i = first
-        while i < num_chunks:
-            off = Int64(i) * VEC_BYTES
-            x0, x1, x2, x3 = _ld_v4(src + off)
-            x0, x1, x2, x3 = _sanitize(x0), _sanitize(x1), _sanitize(x2), _sanitize(x3)
-            for s in cutlass.range_constexpr(self.world):
-                _st_volatile_v4(push_bases[s] + off, x0, x1, x2, x3)
-            i += stride
+        self._push(src, peer_tab, push_offset, first, stride, num_chunks)
 
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -317,12 +318,7 @@ class AllGatherSm90(OneShotAllReduceSm90):
                 _st_volatile_v4(addr, sentinel, sentinel, sentinel, sentinel)
             i += stride
 
-        cute.arch.sync_threads()
-        if tidx == 0:
-            arrived = _atomic_inc_u32(ctl + 4)
-            if arrived == Uint32(gdim - 1):
-                _st_volatile_u32(ctl + 4, Uint32(0))
-                _st_volatile_u32(ctl, Uint32(gen ^ 1))
+        self._finish(ctl, gen, tidx, gdim)
 
     @cute.jit
     def launch(self, inp: cute.Pointer, out: cute.Pointer, peers: cute.Pointer,
