@@ -1,0 +1,233 @@
+"""Stages of the DSpark round's verify side on one rank: aux states, acceptance, rollback, context KV.
+
+Model doc §4 and executor/reference/dspark.py (`verify_and_accept`), on the device, no host read:
+
+  layerTT.dspark.aux     after a target layer's attn.mhc_pre (which applied the pending FFN post
+                         to `streams` in place): the mean of the streams -> `dspark.aux` [R, T, D]
+                         at the target's slot (decode_step's `aux`)
+  dspark.accept          after the greedy pick: the verify rows' token_ids (bonus, drafts) and
+                         `tokens` -> the caller's `accepted` int32 / `bonus` int64 per sequence,
+                         and `dspark.context_slots` int64 [R] (slot_mapping up to the accepted
+                         count, -1 past it: those rows write no context KV)
+  dspark.ring_rollback   every ratio-2 kv source: NaN into the ring rows of rejected positions
+                         (KVCaches.rollback_compressor_rings)
+  dspark.main_proj       dense main_proj: `dspark.aux` read as [R, T D] -> `dspark.main_raw`
+  dspark.main_norm       main_norm (RMSNorm) -> `dspark.main_x`
+  layerSS.dspark.context_kv  per DSpark stage: wq_a|wkv over main_x -> split (q half normed into
+                         scratch, the kv half copied) -> kv_norm, RoPE, SWA insert at
+                         `dspark.context_slots` into swa_{S} (write_context_kv)
+
+The caller binds `accepted` and `bonus` (executor.bind.binding_rules(..., dspark=True)). The
+context KV projects the DSpark stage's fused wq_a|wkv (the q half is wasted work: dense_shapes has
+no wkv-only label); its weights live here under the checkpoint's `mtp.{s}.` prefix until the draft
+forward's attention stages own them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from executor.launches import dense as dl
+from executor.launches.dspark import accept_launch, aux_launch, rollback_launch
+from executor.launches.mhc import mhc_norm_launch
+from executor.launches.small import kernel_for, swa_insert_launches
+from executor.launches.split_norm import split_norm_launch
+from executor.wiring import Buffer
+from kernels import dense_ref as dr
+from kernels import dspark_ref, kv_publish_ref, split_norm_ref
+from kernels import norm_ref as nr
+from kernels.common_ref import BF16
+from loader.schema import UNCERTAIN
+
+ROPE_PLAIN = "rope.plain"           # executor/stages/attn_proj.py packs it (ratio-0 layers)
+
+
+def _stages(cfg) -> list:
+    return [spec for spec in cfg.layers if spec.is_dspark]
+
+
+def _prefix(cfg, index: int) -> str:
+    return f"mtp.{index - cfg.num_hidden_layers}."
+
+
+def _norm_dtype() -> str:
+    return {"BF16": "bf16", "F32": "f32"}[UNCERTAIN["norm_dtype"]]
+
+
+def _dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
+    shapes = dr.dense_shapes(cfg, tp)
+    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt)
+            for label in ("main_proj", "wqa_wkv") for rt in dr.ROW_TILE_CHOICES]
+
+
+# ---- arena ----------------------------------------------------------------------------------
+
+def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
+    """The aux states, context slots, main_x and the context KV's scratch (none without DSpark)."""
+    if not cfg.dspark_target_layer_ids:
+        return []
+    r, d, hd, q_lora = max_rows, cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    dense = _dense_specs(cfg, tp)
+    return [
+        Buffer("dspark.aux", BF16, (r, len(cfg.dspark_target_layer_ids), d),
+               "mean of the streams at each target layer's input"),
+        Buffer("dspark.context_slots", np.int64, (r,), "SWA slot of accepted rows, -1 past"),
+        Buffer("dspark.main_raw", BF16, (r, d), "main_proj output"),
+        Buffer("dspark.main_x", BF16, (r, d), "main_norm output: the context KV's input"),
+        Buffer("dspark.qkv", BF16, (r, q_lora + hd), "a stage's wq_a | wkv of main_x"),
+        Buffer("dspark.qr", BF16, (r, q_lora), "q half (unread: the split writes it)"),
+        Buffer("dspark.kv", BF16, (r, hd), "kv half before kv_norm"),
+        Buffer("dspark.dense_workspace", np.float32,
+               (max(1, max(s.workspace_bytes() for s in dense) // 4),), "split-K partials"),
+        Buffer("dspark.dense_counters", np.uint32,
+               (max(1, max(s.counters_bytes() for s in dense) // 4),),
+               "split-K counters: zero before the first launch")]
+
+
+def _fp8(fetch, name: str, n: int, k: int) -> list[tuple[str, np.ndarray]]:
+    w, s = np.asarray(fetch(name + ".weight")), np.asarray(fetch(name + ".scale"))
+    nb, kb = n // dr.FP8_BLOCK, k // dr.FP8_BLOCK
+    if w.shape != (n, k) or s.shape != (nb, kb) or s.dtype.itemsize != 1:
+        raise TypeError(f"{name}: expected weight [{n}, {k}] and one-byte scales [{nb}, {kb}], "
+                        f"got {w.dtype} {list(w.shape)} and {s.dtype} {list(s.shape)}")
+    w, s = w.reshape(1, n, k), s.view(np.uint8).reshape(1, nb, kb)
+    dr.check_weight(w, s, 1, n, k, name)
+    return [(name + ".weight", w), (name + ".scale", s)]
+
+
+def weights(cfg, tp: int, rank: int, fetch) -> list[tuple[str, np.ndarray]]:
+    """main_proj, main_norm and each stage's wq_a|wkv, q_norm and kv_norm (replicated)."""
+    del rank
+    stages = _stages(cfg)
+    if not stages or not cfg.dspark_target_layer_ids:
+        return []
+    d, hd, q_lora = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    first = _prefix(cfg, stages[0].index)
+    n, k = dr.dense_shapes(cfg, tp)["main_proj"][:2]
+    out = _fp8(fetch, first + "main_proj", n, k)
+    out.append((first + "main_norm.weight", np.asarray(fetch(first + "main_norm.weight"))))
+    for spec in stages:
+        base = _prefix(cfg, spec.index) + "attn."
+        (_, wq_a), (_, sq_a) = _fp8(fetch, base + "wq_a", q_lora, d)
+        (_, wkv), (_, skv) = _fp8(fetch, base + "wkv", hd, d)
+        out += [(base + "wq_a_wkv.weight", np.concatenate([wq_a, wkv], axis=1)),
+                (base + "wq_a_wkv.scale", np.concatenate([sq_a, skv], axis=1))]
+        out += [(base + f"{w}.weight.f32", np.asarray(fetch(base + f"{w}.weight"), np.float32))
+                for w in ("q_norm", "kv_norm")]
+    return out
+
+
+# ---- builders -------------------------------------------------------------------------------
+
+def _target_slot(cfg, layer) -> int:
+    targets = tuple(cfg.dspark_target_layer_ids)
+    if layer is None or layer.index not in targets:
+        raise ValueError(f"dspark.aux: layer {getattr(layer, 'index', None)} is not a DSpark "
+                         f"target layer {targets}")
+    if layer.has_engram:
+        # The reference takes the mean between the pending post and the Engram gate, which run
+        # inside one stage (engram.gate) here: no boundary to read them at.
+        raise NotImplementedError(f"dspark.aux at Engram layer {layer.index}: not wired")
+    return targets.index(layer.index)
+
+
+def _aux(ctx, layer):
+    cfg = ctx.cfg
+    slot = _target_slot(cfg, layer)
+    spec = dspark_ref.make_aux_spec(cfg.hidden_size, cfg.hc_mult,
+                                    len(cfg.dspark_target_layer_ids))
+    ctx.kernel(spec.name)
+    ptrs = {"streams": ctx.ptr("streams"), "aux": ctx.ptr("dspark.aux")}
+    return lambda rows: [aux_launch(ctx.bundle, spec, ptrs, rows, slot)]
+
+
+def _block_rows(cfg) -> int:
+    return cfg.dspark_block_size + 1            # bonus + k drafts
+
+
+def _accept(ctx, layer):
+    del layer
+    spec = dspark_ref.make_accept_spec(_block_rows(ctx.cfg))
+    ctx.kernel(spec.name)
+    ptrs = {name: ctx.ptr(name) for name in ("token_ids", "tokens", "seq_index", "slot_mapping",
+                                             "accepted", "bonus")}
+    ptrs["context_slots"] = ctx.ptr("dspark.context_slots")
+    return lambda rows: [accept_launch(ctx.bundle, spec, ptrs, rows)]
+
+
+def _ring_rollback(ctx, layer):
+    del layer
+    cfg, geometry = ctx.cfg, getattr(ctx, "geometry", None)
+    if geometry is None:
+        raise ValueError("dspark.ring_rollback needs the KV cache geometry: StepContext.geometry "
+                         "(an executor.bind.CacheGeometry) is not set")
+    spec = dspark_ref.make_rollback_spec(geometry.ring_rows, _block_rows(cfg))
+    ctx.kernel(spec.name)
+    common = {name: ctx.ptr(name) for name in ("positions", "seq_index", "state_lines",
+                                               "accepted")}
+    rings = [dict(common, ring=ctx.ptr(f"compressor_ring_{s.index}"))
+             for s in cfg.layers if s.owns_compressor and s.ratio == 2]
+    return lambda rows: [rollback_launch(ctx.bundle, spec, p, rows) for p in rings]
+
+
+def _dense(ctx, label: str, x: str, weight: str, out: str):
+    specs = {dl.row_tiles_for(rows): dl.dense_spec(ctx.bundle, label, rows)
+             for rows in (1, ctx.max_rows)}
+    ptrs = {"x": ctx.ptr(x), "weight": ctx.ptr(weight + ".weight"),
+            "scales": ctx.ptr(weight + ".scale"), "out": ctx.ptr(out),
+            "workspace": ctx.ptr("dspark.dense_workspace"),
+            "counters": ctx.ptr("dspark.dense_counters")}
+    return lambda rows: [dl.dense_launch(ctx.bundle, specs[dl.row_tiles_for(rows)], ptrs, rows)]
+
+
+def _first_stage(cfg) -> str:
+    return _prefix(cfg, _stages(cfg)[0].index)
+
+
+def _main_proj(ctx, layer):
+    del layer
+    return _dense(ctx, "main_proj", "dspark.aux", _first_stage(ctx.cfg) + "main_proj",
+                  "dspark.main_raw")
+
+
+def _main_norm(ctx, layer):
+    del layer
+    spec = nr.make_spec(ctx.cfg.hidden_size, _norm_dtype())
+    ctx.kernel(spec.name)
+    ptrs = {"x_out": ctx.ptr("dspark.main_raw"),
+            "norm_weight": ctx.ptr(_first_stage(ctx.cfg) + "main_norm.weight"),
+            "x_normed": ctx.ptr("dspark.main_x")}
+    eps = ctx.cfg.rms_norm_eps
+    return lambda rows: [mhc_norm_launch(ctx.bundle, spec, ptrs, rows, eps)]
+
+
+def _context_kv(ctx, layer):
+    cfg = ctx.cfg
+    if layer is None or not layer.is_dspark:
+        raise ValueError("dspark.context_kv runs at a DSpark stage layer")
+    base = _prefix(cfg, layer.index) + "attn."
+    proj = _dense(ctx, "wqa_wkv", "dspark.main_x", base + "wq_a_wkv", "dspark.qkv")
+    split = split_norm_ref.make_spec(cfg.q_lora_rank, cfg.head_dim)
+    insert = kv_publish_ref.make_swa_spec(cfg.head_dim)
+    kernel_for(ctx.bundle, split)
+    kernel_for(ctx.bundle, insert)
+    p_split = {"x": ctx.ptr("dspark.qkv"), "weight": ctx.ptr(base + "q_norm.weight.f32"),
+               "out": ctx.ptr("dspark.qr"), "tail": ctx.ptr("dspark.kv")}
+    p_insert = {"kv": ctx.ptr("dspark.kv"), "weight": ctx.ptr(base + "kv_norm.weight.f32"),
+                "table": ctx.ptr(ROPE_PLAIN), "positions": ctx.ptr("positions32"),
+                "slots": ctx.ptr("dspark.context_slots"), "cache": ctx.ptr(f"swa_{layer.index}")}
+    num_positions, eps = cfg.max_position_embeddings, cfg.rms_norm_eps
+
+    def build(rows):
+        return [*proj(rows), split_norm_launch(ctx.bundle, split, p_split, rows, eps),
+                *swa_insert_launches(ctx.bundle, insert, p_insert, rows, num_positions, eps)]
+    return build
+
+
+BUILDERS = {
+    "dspark.aux": _aux,
+    "dspark.accept": _accept,
+    "dspark.ring_rollback": _ring_rollback,
+    "dspark.main_proj": _main_proj,
+    "dspark.main_norm": _main_norm,
+    "dspark.context_kv": _context_kv,
+}

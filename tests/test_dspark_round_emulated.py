@@ -1,0 +1,244 @@
+"""The verify side of DSpark rounds on four emulated ranks (tiny, CPU) against
+executor/reference/dspark.py: aux states, device-side acceptance, ring rollback, context KV.
+
+Two sequences (state lines 0 and 1) share every verify step, for ROUNDS rounds. Each round the
+drafts are the reference's greedy continuation for a random number of tokens, then random ones,
+so every accepted count 0..5 occurs. The reference runs the verify forward (decode_step's loop,
+kept here to expose the streams at each target layer), then `verify_and_accept`'s bookkeeping per
+sequence: acceptance, `rollback_compressor_rings`, `write_context_kv`.
+
+The emulated ranks get the caller's rows and the caches as the target forward left them (the
+backbone's attention stages are not all wired yet, so the forward itself is the reference's),
+the greedy `tokens` and, at each target layer, the streams after its attn.mhc_pre; then they run
+the wired DSpark stages of decode_plan(cfg, dspark=True) in lockstep. Checked on every rank:
+- dspark.aux bitwise the reference's aux (sequential fp32 sum, exact * 0.25, one rounding);
+- accepted / bonus exactly the reference's, for both sequences, every round;
+- every ratio-2 compressor ring bitwise the reference's after its rollback (NaN included);
+- main_proj within 2 x dense_tolerance of the reference's bf16(aux · main_projᵀ) (each within one
+  bound of the exact product), main_x bitwise rms_norm of the emulated main_proj output;
+- per DSpark stage: the kv half within 2 x dense_tolerance of the reference's wkv on the emulated
+  main_x; the SWA records at the accepted rows bitwise the reference insert_swa composition on the
+  emulated kv, and bitwise the reference caches' records wherever the emulated kv row equals the
+  reference's; every other slot (rejected rows, other lines) keeps its bytes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ref_model import random_prompt
+from ref_model import tiny_checkpoint as synth_tiny
+from test_dspark_kernels import dspark_bundle_dir  # noqa: F401 (fixture)
+
+from executor.emulate import bind_host
+from executor.emulate.ranks import EmulatedRanks
+from executor.plan import decode_plan
+from executor.reference import attention as ra
+from executor.reference import dspark as ref_dspark
+from executor.reference import step as ref_step
+from executor.reference.kvcache import KVCaches
+from executor.reference.rows import RowBatch, RowBlock
+from executor.reference.weights import rank_weights_from_checkpoint
+from executor.wiring import Buffer, wire
+from kernels import dense_ref as dr
+from kernels import engram_ref, kvrecord_ref, moe_ref
+from kernels.common_ref import BF16
+from loader.formats import bf16_round
+
+TP = 4
+ROUNDS = 3
+BUCKET = 16
+MODULES = ("executor.stages.mhc", "executor.stages.ffn", "executor.stages.collectives",
+           "executor.stages.attn_proj", "executor.stages.dspark", __name__)
+DSPARK_ROLES = {"dspark.accept", "dspark.ring_rollback", "dspark.main_proj", "dspark.main_norm"}
+
+
+# This module doubles as a stand-in stage module: attn_proj's wo_a reads `attn.o`, which the
+# attention-index group declares (executor/stages/attn_index.py, not wired here).
+BUILDERS: dict = {}
+
+
+def buffers(cfg, tp, max_rows):
+    heads = cfg.rank_shapes(tp).heads
+    return [Buffer("attn.o", BF16, (max_rows, heads, cfg.head_dim), "stand-in: group B's")]
+
+
+class Round:
+    """The reference model, its caches and the emulated ranks wired for the verify step."""
+
+    def __init__(self, bundle_dir):
+        self.ckpt = ckpt = synth_tiny()
+        self.cfg = cfg = ckpt.config
+        self.model = ref_step.ReferenceModel(
+            cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
+        self.caches = KVCaches.allocate(cfg, max_seqs=2, max_context=128)
+        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=MODULES)
+        for r, ctx in enumerate(self.ranks.contexts):      # the caller's DSpark outputs
+            outputs = {"accepted": np.full(192, -1, np.int32), "bonus": np.full(192, -1, np.int64)}
+            self.ranks.tensors[r].update(outputs)
+            ctx.bound.update(bind_host(self.ranks.space, outputs, prefix=f"rank{r}.dspark."))
+        self.ranks.plans = [wire(decode_plan(cfg, dspark=True), ctx, MODULES)
+                            for ctx in self.ranks.contexts]
+
+
+@pytest.fixture(scope="module")
+def setup(dspark_bundle_dir):  # noqa: F811
+    return Round(dspark_bundle_dir)
+
+
+def _history(cfg, rows, seqs):
+    raw = ref_step.ngram_lookback(rows, seqs, cfg.engram_max_ngram_size)
+    return engram_ref.ngram_history(ref_step.compressed_ids(cfg, raw), rows.positions,
+                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
+
+
+def _forward(model, rows, caches, history):
+    """decode_step's loop, also returning the streams each target layer's aux is taken from."""
+    cfg = model.cfg
+    state = ref_step.start_streams(ref_step.embed(model, rows.token_ids), cfg.hc_mult)
+    aux, streams = [], []
+    for layer in range(cfg.num_hidden_layers):
+        if layer in cfg.dspark_target_layer_ids:
+            ref_step.apply_pending(state)
+            streams.append(state.streams.copy())
+            aux.append(ref_step.bf16(state.streams.mean(axis=1)))
+        ref_step.run_layer(model, layer, state, rows, caches, history)
+    hidden = ref_step.finish(model, state, model.ranks[0].norm)
+    tokens, _ = ref_step.head_and_argmax(model, hidden)
+    return tokens, np.stack(aux, axis=1), streams
+
+
+def _greedy(model, caches, seq, n):
+    """The next n greedy tokens after seq.bonus by plain decode steps (on a copy)."""
+    caches, tokens, out = caches.copy(), list(seq.tokens) + [seq.bonus], []
+    for _ in range(n):
+        rows = RowBatch.from_blocks([RowBlock(seq.state_line, len(tokens) - 1, (tokens[-1],),
+                                              "decode")], caches.block_tables, caches.ring_slots)
+        t = int(ref_step.decode_step(model, rows, caches, [np.array(tokens[:-1])]).tokens[0])
+        tokens.append(t)
+        out.append(t)
+    return out
+
+
+def _drafts(rng, s: Round, seq, k: int) -> tuple[int, ...]:
+    good = int(rng.integers(0, k + 1))
+    noise = [int(t) for t in rng.integers(0, s.cfg.vocab_size - 1, k - good)]
+    return tuple(_greedy(s.model, s.caches, seq, good) + noise)
+
+
+def _within(got, want, bound, what):
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements off, first at "
+                           f"{np.argwhere(bad)[0].tolist()}")
+
+
+def _check_context(s: Round, rows, before, accepted, kvs):
+    """main_proj, main_x, and each stage's kv and SWA records (see the module docstring)."""
+    cfg = s.cfg
+    lw0 = s.model.ranks[0].layer(cfg.num_hidden_layers)
+    n, d = rows.num_rows, cfg.hidden_size
+    slots = np.full(BUCKET, -1, np.int64)
+    for q, a in enumerate(accepted):
+        mine = rows.seq_rows(q)[:a + 1]
+        slots[mine] = rows.slot_mapping[mine]
+    keep = slots >= 0
+    for r in range(TP):
+        aux = s.ranks.read(r, "dspark.aux", BF16, (BUCKET, 3 * d)).astype(np.float32)
+        raw = s.ranks.read(r, "dspark.main_raw", BF16, (BUCKET, d))
+        w = lw0.dense("main_proj")
+        want = bf16_round(moe_ref.matmul_t(aux, w))
+        _within(raw[:n], want[:n], 2 * dr.dense_tolerance(aux[:n], w, "bf16"), "main_proj")
+        main_x = s.ranks.read(r, "dspark.main_x", BF16, (BUCKET, d))
+        norm = ref_step.rms_norm(raw.astype(np.float32), lw0.vector("main_norm.weight"),
+                                 cfg.rms_norm_eps)
+        assert np.array_equal(main_x.astype(np.float32), norm), f"rank {r}: main_x"
+    matched = 0
+    for layer in (spec.index for spec in cfg.layers if spec.is_dspark):
+        lw = s.model.ranks[0].layer(layer)
+        main_x = s.ranks.read(0, "dspark.main_x", BF16, (BUCKET, d)).astype(np.float32)
+        want_swa = before.swa[layer].copy()
+        kv = kvs[layer]
+        kv_ref = ra._linear(main_x, lw, "attn.wkv")
+        _within(kv[:n], kv_ref[:n], 2 * dr.dense_tolerance(main_x[:n], ra._weight(lw, "attn.wkv"),
+                                                           "bf16"), f"layer {layer} kv")
+        y = ra._norm(kv.astype(np.float32), lw.vector("attn.kv_norm.weight"), cfg.rms_norm_eps)
+        entries = bf16_round(ra._rope(y[keep], rows.positions[keep], ra.rope_for(cfg, 0)))
+        want_swa[slots[keep]] = kvrecord_ref.encode_kv_record(entries)
+        same = (kv[keep].astype(BF16).view(np.uint16)
+                == bf16_round(kv_ref[keep]).astype(BF16).view(np.uint16)).all(axis=1)
+        for r in range(TP):
+            got = s.ranks.tensors[r][f"swa_{layer}"]
+            np.testing.assert_array_equal(got, want_swa, err_msg=f"rank {r}: swa_{layer}")
+            np.testing.assert_array_equal(got[slots[keep][same]],
+                                          s.caches.swa[layer][slots[keep][same]],
+                                          err_msg=f"rank {r}: swa_{layer} vs write_context_kv")
+        matched += int(same.sum())
+    return matched
+
+
+def test_dspark_verify_rounds_match_the_reference(setup):
+    s, cfg = setup, setup.cfg
+    rng = np.random.default_rng()
+    k = cfg.dspark_block_size
+    seqs = [ref_dspark.start_sequence(s.model, s.caches, line, random_prompt(rng, 10 + 3 * line))[0]
+            for line in range(2)]
+    first_round = True
+    for rnd in range(ROUNDS):
+        drafts = [_drafts(rng, s, seq, k) for seq in seqs]
+        rows = RowBatch.from_blocks(
+            [RowBlock(q.state_line, q.position, (q.bonus, *d), "verify")
+             for q, d in zip(seqs, drafts)], s.caches.block_tables, s.caches.ring_slots,
+            pad_to=BUCKET)
+        prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
+        history = _history(cfg, rows, prior)
+        if first_round:         # the loop above is decode_step's: same tokens and aux
+            check = ref_step.decode_step(s.model, rows, s.caches.copy(),
+                                         [np.array(q.tokens, np.int64) for q in seqs])
+        tokens, aux, streams = _forward(s.model, rows, s.caches, history)
+        if first_round:
+            assert np.array_equal(tokens, check.tokens) and np.array_equal(aux, check.aux)
+            first_round = False
+        before = s.caches.copy()              # the caches the target forward left
+        # reference: verify_and_accept's bookkeeping per sequence
+        want = []
+        for q, (seq, d) in enumerate(zip(seqs, drafts)):
+            mine = rows.seq_rows(q)
+            g = tokens[mine]
+            a = 0
+            while a < k and d[a] == g[a]:
+                a += 1
+            p = seq.position
+            seq.tokens.extend((seq.bonus, *d)[:a + 1])
+            seq.bonus = int(g[a])
+            want.append((a, seq.bonus))
+            s.caches.rollback_compressor_rings(seq.state_line, seq.position)
+            ref_dspark.write_context_kv(s.model, s.caches, seq.state_line, p, aux[mine][:a + 1])
+        # emulated: the caller's rows and caches, the greedy pick, the target streams
+        s.ranks.load(rows, before, history)
+        for tensors in s.ranks.tensors:
+            tensors["tokens"][...] = 0
+            tensors["tokens"][:rows.num_rows] = tokens
+        s.ranks.run(rows.num_rows, roles={"head.rows_prep"})
+        for t, layer in enumerate(cfg.dspark_target_layer_ids):
+            padded = np.zeros((BUCKET, cfg.hc_mult, cfg.hidden_size), BF16)
+            padded[:rows.num_rows] = streams[t]
+            s.ranks.write("streams", padded)
+            s.ranks.run(rows.num_rows, roles={"dspark.aux"}, layers={layer})
+        for r in range(TP):
+            got = s.ranks.read(r, "dspark.aux", BF16, (BUCKET, 3, cfg.hidden_size))
+            assert np.array_equal(got[:rows.num_rows].view(np.uint16),
+                                  aux.astype(BF16).view(np.uint16)), f"round {rnd} rank {r} aux"
+        s.ranks.run(rows.num_rows, roles=DSPARK_ROLES)
+        kvs = {}
+        for spec in cfg.layers:
+            if spec.is_dspark:
+                s.ranks.run(rows.num_rows, roles={"dspark.context_kv"}, layers={spec.index})
+                kvs[spec.index] = s.ranks.read(0, "dspark.kv", BF16, (BUCKET, cfg.head_dim))
+        for r in range(TP):
+            got = list(zip(s.ranks.read(r, "accepted", np.int32, (192,))[:2].tolist(),
+                           s.ranks.read(r, "bonus", np.int64, (192,))[:2].tolist()))
+            assert got == want, f"round {rnd} rank {r}: (accepted, bonus) {got}, reference {want}"
+            for layer, ring in s.caches.ring.items():
+                assert np.array_equal(s.ranks.tensors[r][f"compressor_ring_{layer}"].view(np.uint32),
+                                      ring.view(np.uint32)), f"round {rnd} rank {r} ring {layer}"
+        _check_context(s, rows, before, [a for a, _ in want], kvs)
