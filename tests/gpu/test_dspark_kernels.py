@@ -1,0 +1,124 @@
+"""GPU test of kernels/dspark.py (aux states, greedy acceptance, ring rollback) against its refs.
+
+All three are exact: the aux mean is one sequential fp32 sum, an exact * 0.25 and one bf16
+rounding (bitwise), the acceptance compares integers, the rollback stores the canonical NaN. Every
+output buffer starts poisoned; what a launch must not write (rows past `rows`, other aux slots,
+sequences without rows, accepted rows' ring rows) must keep its poison. Bundles: HOPDEC_BUNDLE
+(tiny) and HOPDEC_BUNDLE_V41 (v41-flash widths), which need kernels.dspark in
+kernels.manifest.FAMILIES. Written while no GPU was available: not yet run on one.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.launches.dspark import accept_launch, aux_launch, rollback_launch
+from executor.runtime import Arena, Bundle
+from kernels import dspark_ref as ref
+from kernels.common_ref import BF16
+from loader.config import ModelConfig
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+CAP = 192
+RNG = np.random.default_rng()
+BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
+           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
+
+
+@pytest.fixture(scope="module", params=sorted(BUNDLES))
+def setup(request, dev):
+    env, default = BUNDLES[request.param]
+    path = Path(os.environ.get(env, default))
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
+    bundle = Bundle.load(dev, path)
+    yield ModelConfig.preset(request.param), bundle
+    bundle.close()
+
+
+def _run(dev, stream, arrays: dict, launch):
+    """Upload `arrays` into one arena, run `launch(ptrs)`, return every slice back as numpy."""
+    with Arena(dev, [(n, max(a.nbytes, 16)) for n, a in arrays.items()]) as arena:
+        for name, a in arrays.items():
+            raw = np.ascontiguousarray(a).view(np.uint8).ravel()
+            arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
+        cp.cuda.Device().synchronize()
+        launch({n: arena.ptr(n) for n in arrays}).launch(stream)
+        stream.synchronize()
+        return {n: cp.asnumpy(arena.view(n, np.uint8, (a.nbytes,))).view(a.dtype).reshape(a.shape)
+                for n, a in arrays.items()}
+
+
+@pytest.mark.parametrize("rows", [1, 6, 13, 192])
+def test_aux_is_the_bitwise_stream_mean(dev, stream, setup, rows):
+    cfg, bundle = setup
+    spec = ref.specs_for(cfg)[0]
+    d, t = cfg.hidden_size, spec.targets
+    streams = (RNG.standard_normal((CAP, cfg.hc_mult, d)) * 8).astype(BF16)
+    aux = np.full((CAP, t, d), 0xFFFF, np.uint16)
+    target = int(RNG.integers(0, t))
+    got = _run(dev, stream, {"streams": streams, "aux": aux},
+               lambda p: aux_launch(bundle, spec, p, rows, target))["aux"]
+    assert np.array_equal(got[:rows, target], ref.aux_ref(streams[:rows]).view(np.uint16))
+    poisoned = np.ones((CAP, t), bool)
+    poisoned[:rows, target] = False
+    assert (got[poisoned] == 0xFFFF).all(), "aux written outside (rows, target)"
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 32])
+def test_accept_is_the_reference_rule(dev, stream, setup, num_seqs):
+    cfg, bundle = setup
+    spec = ref.specs_for(cfg)[1]
+    lengths = RNG.integers(1, spec.max_block + 1, num_seqs)
+    n = int(lengths.sum())
+    seq = np.full(CAP, -1, np.int32)
+    seq[:n] = np.repeat(np.arange(num_seqs), lengths)
+    tokens, ids = RNG.integers(0, 50, CAP), RNG.integers(0, 50, CAP)
+    for s in range(num_seqs):              # a random matching prefix, then a mismatch
+        rows = np.flatnonzero(seq == s)
+        keep = int(RNG.integers(0, rows.size))
+        ids[rows[1:1 + keep]] = tokens[rows[:keep]]
+        if keep + 1 < rows.size:
+            ids[rows[keep + 1]] = tokens[rows[keep]] + 1
+    slots = RNG.integers(0, 1 << 40, CAP)
+    arrays = {"token_ids": ids, "tokens": tokens, "seq_index": seq, "slot_mapping": slots,
+              "accepted": np.full(CAP, -7, np.int32), "bonus": np.full(CAP, -7, np.int64),
+              "context_slots": np.full(CAP, -7, np.int64)}
+    got = _run(dev, stream, arrays, lambda p: accept_launch(bundle, spec, p, n))
+    accepted, bonus, context = ref.accept_ref(ids[:n], tokens[:n], seq[:n], slots[:n], num_seqs)
+    assert np.array_equal(got["accepted"][:num_seqs], accepted)
+    assert np.array_equal(got["bonus"][:num_seqs], bonus)
+    assert np.array_equal(got["context_slots"][:n], context)
+    assert (got["accepted"][num_seqs:] == -7).all() and (got["bonus"][num_seqs:] == -7).all()
+    assert (got["context_slots"][n:] == -7).all()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_rollback_poisons_exactly_the_rejected_ring_rows(dev, stream, setup, num_seqs):
+    cfg, bundle = setup
+    spec = ref.specs_for(cfg)[2]
+    lines = 4
+    ring = RNG.standard_normal((lines, spec.ring_rows, ref.RING_WIDTH)).astype(np.float32)
+    lengths = RNG.integers(1, spec.max_block + 1, num_seqs)
+    n = int(lengths.sum())
+    seq = np.full(CAP, -1, np.int32)
+    seq[:n] = np.repeat(np.arange(num_seqs), lengths)
+    positions = np.zeros(CAP, np.int64)
+    accepted = np.zeros(CAP, np.int32)
+    state_lines = np.zeros(CAP, np.int32)
+    state_lines[:num_seqs] = RNG.permutation(lines)[:num_seqs]
+    for s in range(num_seqs):
+        rows = np.flatnonzero(seq == s)
+        positions[rows] = int(RNG.integers(0, 1000)) + np.arange(rows.size)
+        accepted[s] = RNG.integers(0, rows.size)
+    arrays = {"ring": ring, "positions": positions, "seq_index": seq,
+              "state_lines": state_lines, "accepted": accepted}
+    got = _run(dev, stream, arrays, lambda p: rollback_launch(bundle, spec, p, n))["ring"]
+    want = ring.copy()
+    ref.rollback_ref(want, positions[:n], seq[:n], state_lines, accepted)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
