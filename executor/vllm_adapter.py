@@ -133,6 +133,9 @@ VLLM_NAMES: tuple[NameRule, ...] = (
     NameRule("sampled_token_ids", "tokens", "the greedy token of each row (output), int64"),
     NameRule("logits", "logits", "optional output: this rank's vocab shard, float32 [192, "
              "vocab / tp], before vLLM's tensor-parallel gather"),
+    NameRule("num_accepted_tokens", "accepted", "DSpark output: drafts each request's verify "
+             "block accepted, int32, written on the device (read it when wanted)"),
+    NameRule("bonus_token_ids", "bonus", "DSpark output: each request's bonus token, int64"),
 )
 
 
