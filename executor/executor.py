@@ -181,9 +181,10 @@ class Executor:
             raise TypeError(f"Executor.step takes plain ints (n_rows, stream, features), got "
                             f"{type(n_rows).__name__}, {type(stream).__name__}, "
                             f"{type(features).__name__}")
-        if n_rows < 0 or stream <= 0 or features < 0:
-            raise ValueError(f"Executor.step: need n_rows >= 0, a stream handle > 0 (never the "
-                             f"legacy default stream) and features >= 0; got n_rows={n_rows}, "
+        if n_rows < 0 or stream <= 1 or features < 0:
+            raise ValueError(f"Executor.step: need n_rows >= 0, a stream handle > 1 (0 and 1 are "
+                             f"the legacy default stream: CU_STREAM_LEGACY) and features >= 0; "
+                             f"got n_rows={n_rows}, "
                              f"stream={stream}, features={features}")
         reason = self._decline_reason(n_rows, features)
         if reason:

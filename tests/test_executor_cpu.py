@@ -405,8 +405,8 @@ def test_step_takes_plain_ints_only():
             ex.step(*bad)
     with pytest.raises(TypeError, match="plain ints"):
         ex.step(4, 7, StepFeature.PREFILL)                    # an IntFlag is not a plain int
-    for bad in [(4, 0), (-1, 7), (4, -3)]:
-        with pytest.raises(ValueError, match="never the legacy default stream"):
+    for bad in [(4, 0), (4, 1), (-1, 7), (4, -3)]:         # 0 and 1: CU_STREAM_LEGACY
+        with pytest.raises(ValueError, match="legacy default stream"):
             ex.step(*bad)
     assert rec.graph_launches == []
 
