@@ -20,7 +20,9 @@ ctx)` puts every registered builder into the plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +34,8 @@ from kernels.common_ref import BF16
 MHC_COEFFS = 24             # packed pre[4] | post[4] | comb[16] per row (kernels/mhc_kernel_ref.py)
 
 # Modules with BUILDERS {role: fn(ctx, layer) -> (rows -> [LaunchSpec])} and optionally
-# buffers(cfg, tp, max_rows) -> [Buffer] and weights(cfg, tp, rank, fetch) -> [(name, ndarray)].
+# buffers(cfg, tp, max_rows) -> [Buffer] and weights(cfg, tp, rank, fetch, layers=None) ->
+# [(name, ndarray)] (`layers`: the backbone layers whose per-layer weights to pack; None = all).
 STAGE_MODULES: tuple[str, ...] = (
     "executor.stages.mhc",
     "executor.stages.attn_proj",
@@ -120,9 +123,66 @@ class StepContext:
         return self.bundle.kernel(name)
 
 
+def representatives(cfg) -> dict[int, int]:
+    """backbone layer -> its representative: the first layer of the same role (LayerSpec without
+    its index and sources, plus "is the first layer", whose mHC fn is stored summed). Layers of
+    one role have weights of the same names, shapes and formats, so a benchmark can pack the
+    representative's once and give every layer of the role its own copy (arena_contents)."""
+    first = _first_backbone(cfg)
+    out, seen = {}, {}
+    for spec in cfg.layers:
+        if spec.is_dspark:
+            continue
+        role = _role(spec, first)
+        out[spec.index] = seen.setdefault(role, spec.index)
+    return out
+
+
+def _first_backbone(cfg) -> int:
+    return min(spec.index for spec in cfg.layers if not spec.is_dspark)
+
+
+def _role(spec, first: int) -> tuple:
+    fields = dataclasses.asdict(spec)
+    for name in ("index", "kv_source", "topk_source"):
+        del fields[name]
+    return (*fields.items(), ("is_first", spec.index == first))
+
+
+def _check_layer_map(cfg, layer_map: Mapping[int, int]) -> list[int]:
+    """The representatives of a valid layer map (every backbone layer mapped to a layer of its
+    role that maps to itself); ValueError naming the first bad entry otherwise."""
+    first = _first_backbone(cfg)
+    roles = {spec.index: _role(spec, first) for spec in cfg.layers if not spec.is_dspark}
+    if set(layer_map) != set(roles):
+        raise ValueError(f"layer_map covers layers {sorted(layer_map)}; expected every backbone "
+                         f"layer {sorted(roles)}")
+    for layer, rep in sorted(layer_map.items()):
+        if rep not in roles or layer_map[rep] != rep or roles[rep] != roles[layer]:
+            raise ValueError(f"layer_map: layer {layer} -> {rep}, which is not a representative "
+                             f"of the same role (it must map to itself and share the LayerSpec "
+                             f"role: see representatives())")
+    return sorted(set(layer_map.values()))
+
+
+def _per_layer(name: str) -> tuple[int, str] | None:
+    """'layers.12.attn.wq_b.weight' -> (12, 'attn.wq_b.weight'); None for a global name."""
+    head, _, rest = name.partition(".")
+    index, _, tail = rest.partition(".")
+    return (int(index), tail) if head == "layers" and index.isdigit() and tail else None
+
+
 def arena_contents(cfg, tp: int, rank: int, fetch, max_rows: int,
-                   modules: Sequence[str] | None = None):
-    """(requests, uploads): every slice of one rank's arena and the host arrays to put in them."""
+                   modules: Sequence[str] | None = None,
+                   layer_map: Mapping[int, int] | None = None):
+    """(requests, uploads): every slice of one rank's arena and the host arrays to put in them.
+
+    layer_map (layer -> representative, see representatives()): the stage modules pack the
+    representatives' weights only (`weights(..., layers=...)`), and every layer mapped to one
+    gets its own slices holding the same bytes (the same array object, uploaded once per layer).
+    The uploads then hold the representatives' arrays and the global ones, not the whole rank;
+    without a layer_map they hold every array of the rank (sizes are needed before packing).
+    """
     buffers = boundary_buffers(cfg, tp, max_rows)
     mods = _modules(modules)
     for mod in mods:
@@ -130,12 +190,33 @@ def arena_contents(cfg, tp: int, rank: int, fetch, max_rows: int,
             buffers += mod.buffers(cfg, tp, max_rows)
     requests = [b.request() for b in buffers]
     uploads = []
+    reps = None if layer_map is None else _check_layer_map(cfg, layer_map)
+    copies: dict[int, list[int]] = {}
+    for layer, rep in sorted((layer_map or {}).items()):
+        if layer != rep:
+            copies.setdefault(rep, []).append(layer)
     for mod in mods:
-        for name, array in (mod.weights(cfg, tp, rank, fetch) if hasattr(mod, "weights") else ()):
+        for name, array in _weights(mod, cfg, tp, rank, fetch, reps):
             array = np.ascontiguousarray(array)
-            requests.append((name, max(array.nbytes, 1), f"{array.dtype} {list(array.shape)}"))
-            uploads.append((name, array))
+            per_layer = _per_layer(name)
+            layers = [None] if per_layer is None else [per_layer[0], *copies.get(per_layer[0], ())]
+            for layer in layers:
+                slice_name = name if layer is None else f"layers.{layer}.{per_layer[1]}"
+                requests.append((slice_name, max(array.nbytes, 1),
+                                 f"{array.dtype} {list(array.shape)}"))
+                uploads.append((slice_name, array))
     return requests, uploads
+
+
+def _weights(mod, cfg, tp: int, rank: int, fetch, layers):
+    if not hasattr(mod, "weights"):
+        return ()
+    if layers is None:
+        return mod.weights(cfg, tp, rank, fetch)
+    if "layers" not in inspect.signature(mod.weights).parameters:
+        raise TypeError(f"{mod.__name__}.weights() takes no `layers` argument: it cannot pack "
+                        f"representative layers only (arena_contents(layer_map=...))")
+    return mod.weights(cfg, tp, rank, fetch, layers=layers)
 
 
 def builders(modules: Sequence[str] | None = None) -> dict[str, Callable]:

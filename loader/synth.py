@@ -51,6 +51,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from loader import sharding
 from loader.config import ModelConfig
 from loader.config_checks import NO_CANDIDATE_SOURCE
 from loader.formats import E4M3_MAX, fp8_block_quantize, ue8m0_scale_for_amax
@@ -204,6 +205,28 @@ class ValueSource:
             n, k = n * block_rows, k * BLOCK
         std = np.float32(1.0 if block_rows == 1 else k**-0.5 * output_gain(spec.name))
         return fp8_quantize(rng.standard_normal((n, k), dtype=np.float32) * std, block_rows)
+
+
+def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
+    """fetch(name) -> rank `rank`'s slice of the tensor a synthetic checkpoint of `cfg` would hold.
+
+    The values `synth(cfg, out, seed)` writes, generated on demand without any file (the whole
+    tensor is drawn, then cut by `loader.sharding.shard`): a stage module's `weights()` can pack
+    a rank from it directly. An unknown name raises KeyError naming it.
+    """
+    specs = {t.name: t for t in checkpoint_schema(cfg)}
+    sharding.rank_range(next(iter(specs.values())), tp, rank)   # a bad tp or rank fails here
+    source = ValueSource(seed)
+
+    def fetch(name: str) -> np.ndarray:
+        try:
+            spec = specs[name]
+        except KeyError:
+            raise KeyError(f"synthetic {cfg.model_type} checkpoint (seed {seed}): no tensor "
+                           f"{name!r} in the schema of this config") from None
+        return sharding.shard(source(spec), spec, tp, rank)
+
+    return fetch
 
 
 # ---- writing -------------------------------------------------------------------------------------

@@ -215,12 +215,15 @@ def _bytes(array) -> np.ndarray:
     return array.view(np.uint8)
 
 
-def weights(cfg, tp: int, rank: int, fetch) -> list[tuple[str, np.ndarray]]:
+def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """The rank's attention sinks (its heads), the indexer's wq_b (E4M3 + UE8M0 bytes, checkpoint
-    layout) and head weights (bf16 [nh, D]); all but the sinks replicated."""
+    layout) and head weights (bf16 [nh, D]); all but the sinks replicated; of `layers` (None:
+    every backbone layer)."""
     del tp, rank                                    # fetch cuts this rank's slices
     out = []
     for layer in _backbone(cfg):
+        if layers is not None and layer.index not in layers:
+            continue
         pre = f"layers.{layer.index}.attn."
         out.append((pre + "attn_sink", np.asarray(fetch(pre + "attn_sink"), np.float32)))
         if layer.has_indexer:

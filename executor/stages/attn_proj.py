@@ -186,14 +186,16 @@ def _layer_weights(cfg, tp: int, fetch, spec) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def weights(cfg, tp: int, rank: int, fetch):
-    """Every backbone layer's attention projections on this rank, then the RoPE tables."""
+def weights(cfg, tp: int, rank: int, fetch, layers=None):
+    """The attention projections on this rank of `layers` (None: every backbone layer), then the
+    RoPE tables."""
     del rank                            # fetch already cuts this rank's slices
-    layers = _backbone(cfg)
-    for spec in layers:
-        yield from _layer_weights(cfg, tp, fetch, spec)
+    backbone = _backbone(cfg)
+    for spec in backbone:
+        if layers is None or spec.index in layers:
+            yield from _layer_weights(cfg, tp, fetch, spec)
     for kind, name in ROPE_TABLES.items():
-        if any((spec.ratio > 0) == (kind == "yarn") for spec in layers):
+        if any((spec.ratio > 0) == (kind == "yarn") for spec in backbone):
             yield name, rope_ref.RopeTable.for_ratio(cfg, 1 if kind == "yarn" else 0).cos_sin
 
 

@@ -198,11 +198,12 @@ def _gate_weights(cfg, fetch, index: int) -> list[tuple[str, np.ndarray]]:
     return [(base + "weight", weight), (base + "bias", bias.astype(np.float32))]  # exact
 
 
-def weights(cfg, tp: int, rank: int, fetch):
-    """Every backbone layer's FFN weights on this rank (one layer's experts packed at a time)."""
+def weights(cfg, tp: int, rank: int, fetch, layers=None):
+    """The FFN weights on this rank of `layers` (None: every backbone layer), one layer's experts
+    packed at a time."""
     del rank                            # fetch already cuts this rank's slices
     for spec in cfg.layers:
-        if spec.is_dspark:
+        if spec.is_dspark or (layers is not None and spec.index not in layers):
             continue
         yield from _gate_weights(cfg, fetch, spec.index)
         yield from _shared_weights(cfg, tp, fetch, spec.index)

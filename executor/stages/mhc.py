@@ -344,16 +344,17 @@ def _bytes(array) -> np.ndarray:
     return array.view(np.uint8)
 
 
-def weights(cfg, tp: int, rank: int, fetch) -> list[tuple[str, np.ndarray]]:
+def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """This rank's embed/head vocab rows, norms, mHC fn/base/scale (scale padded to 4 floats, the
-    first layer's attention fn summed over streams), Engram tables, wkv, q/k weights."""
+    first layer's attention fn summed over streams), Engram tables, wkv, q/k weights; the
+    per-layer ones of `layers` only (None: every backbone layer)."""
     del tp, rank                                    # fetch cuts this rank's slices
     one_hot = np.zeros((mk.MAX_ROWS, MHC_COEFFS), np.float32)
     one_hot[:, :cfg.hc_mult] = mhc_ref.one_hot_pre(mk.MAX_ROWS, cfg.hc_mult)
     out = [(name, fetch(name)) for name in ("embed.weight", "head.weight", "norm.weight")]
     out.append((ONE_HOT, one_hot))
     for layer in cfg.layers:
-        if layer.is_dspark:
+        if layer.is_dspark or (layers is not None and layer.index not in layers):
             continue
         i = layer.index
         out += [(f"layers.{i}.{w}_norm.weight", fetch(f"layers.{i}.{w}_norm.weight"))
