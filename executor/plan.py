@@ -208,3 +208,31 @@ def _accept_stages(cfg) -> list[Stage]:
     return stages + [Stage(f"layer{spec.index:02d}.dspark.context_kv", "kernels.kv_publish",
                            spec.index, missing=NOT_WIRED)
                      for spec in cfg.layers if spec.is_dspark]
+
+
+def draft_plan(cfg) -> Plan:
+    """The draft step of a DSpark round on one rank (model doc §4, executor/reference/dspark.py).
+
+    Rows: k = dspark_block_size per sequence, [bonus, noise x (k - 1)], kind "draft". The head
+    embeds them; the DSpark stages run like backbone layers; the last stage's collapse, its norm
+    and the shared head give the base logits U (`dspark.base`); then k Markov steps (a local
+    argmax and the cross-rank pick each) and a last copy write the next verify step's token_ids
+    (executor/stages/dspark.py). The stage layers' roles carry a `draft.` prefix: the backbone
+    stage modules pack and name `layers.{i}.` weights only (DSpark stages are `mtp.{s}.`), so
+    their builders must not be applied to these layers yet; they stay NOT_WIRED until then.
+    """
+    stage_layers = [spec for spec in cfg.layers if spec.is_dspark]
+    if not stage_layers or not cfg.dspark_target_layer_ids:
+        raise ValueError("draft_plan: the config has no DSpark stages")
+    stages = [Stage("head.rows_prep", "kernels.rows", missing=NOT_WIRED),
+              Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
+              Stage("head.embed_allreduce", "collectives.oneshot", missing=NOT_WIRED)]
+    for spec in stage_layers:
+        stages += [Stage(f"layer{spec.index:02d}.draft.{role}", family, spec.index,
+                         missing=missing) for role, family, missing in _layer_stages(spec)]
+    stages += [Stage("draft.mhc_post_collapse", "kernels.mhc", missing=NOT_WIRED),
+               Stage("draft.norm", "kernels.norm", missing=NOT_WIRED),
+               Stage("draft.lm_head_logits", "kernels.lm_head", missing=NOT_WIRED)]
+    stages += [Stage(f"dspark.markov{i}", "kernels.dspark", missing=NOT_WIRED)
+               for i in range(cfg.dspark_block_size + 1)]
+    return Plan(stages)

@@ -6,7 +6,12 @@ inside the captured round, so they read the device-side counts and never the hos
   one bf16 rounding; grid-stride over rows * D / 8 chunks;
 - accept: one thread per row; it finds its block's first row (a backward scan of at most
   max_block - 1 rows: a sequence's rows are adjacent) and walks the block's drafts forward;
-- rollback: one CTA per row, 256 threads of four fp32 NaN each over the 1024-wide ring row.
+- rollback: one CTA per row, 256 threads of four fp32 NaN each over the 1024-wide ring row;
+- markov: one CTA per 256 local vocab columns, one column a thread; per sequence the w1 row of
+  `prev` goes to shared memory (fp32), each thread sums its column's m products in order (w2 as
+  16-byte loads), thread 0 scans the 256 results in column order (ties to the lower index,
+  np.argmax's first maximum) into partials; the last CTA (an acq_rel counter) reduces the tiles
+  in order into the pairs and re-zeroes the counter.
 Nothing precedes the PDL wait: every input is an earlier kernel's output (or the previous
 step's), and the outputs may still be read by the previous step's kernels.
 """
@@ -23,8 +28,22 @@ from kernels.dspark_ref import (
     RING_WIDTH,
     AcceptSpec,
     AuxSpec,
+    MarkovSpec,
     RollbackSpec,
+    markov_specs_for,
     specs_for,
+)
+from kernels.mhc import atomic_add_acq_rel, bf16x2_to_f32, fence_gpu
+from kernels.ptx import (
+    ld_f32,
+    ld_f32_gpu,
+    ld_v4_u32,
+    lds_f32,
+    lds_s32,
+    st_f32,
+    st_s32,
+    sts_f32,
+    sts_s32,
 )
 
 VEC = BF16_PER_VECTOR
@@ -187,7 +206,119 @@ class RollbackSm90:
         cute.arch.griddepcontrol_launch_dependents()
 
 
-_KERNELS = {AuxSpec: AuxSm90, AcceptSpec: AcceptSm90, RollbackSpec: RollbackSm90}
+class MarkovSm90:
+    """Kernel object for one MarkovSpec."""
+
+    def __init__(self, spec: MarkovSpec):
+        self.spec = spec
+        self.best_offset = 4 * spec.rank                # smem: w1 row | bests | flag
+        self.flag_offset = self.best_offset + 8 * CTA_THREADS
+
+    @cute.jit
+    def __call__(self, base: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer,
+                 prev: cute.Pointer, pairs: cute.Pointer, ids: cute.Pointer,
+                 partials: cute.Pointer, counter: cute.Pointer, step: Int32,
+                 vocab_offset: Int32, seqs: Int32, stream: cuda.CUstream):
+        self.kernel(base, w1, w2, prev, pairs, ids, partials, counter, step, vocab_offset,
+                    seqs).launch(grid=[self.spec.tiles, 1, 1], block=list(self.spec.block),
+                                 smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, base: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer,
+               prev: cute.Pointer, pairs: cute.Pointer, ids: cute.Pointer,
+               partials: cute.Pointer, counter: cute.Pointer, step: Int32,
+               vocab_offset: Int32, seqs: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, _, _ = cute.arch.block_idx()
+        spec = self.spec
+        smem = cutlass.memory.SmemAllocator()
+        sbase = Int32(smem.allocate(spec.smem_bytes, byte_alignment=16).toint())
+        v = tile * CTA_THREADS + tidx
+
+        cute.arch.griddepcontrol_wait()     # prev: the accept kernel's bonus or the last pick
+
+        for s in range(seqs):
+            token = _load(prev, s)
+            if tile == 0 and tidx == 0:
+                _store(ids, s * (spec.steps + 1) + step, token)
+            if step < spec.steps and token >= 0:        # prev < 0: a padding sequence
+                self._tile_best(base, w1, w2, partials, sbase, tidx, tile, v, s, step, token)
+        if step < spec.steps:
+            fence_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = atomic_add_acq_rel(counter.toint(), Int32(1))
+                sts_s32(sbase + self.flag_offset, Int32(old == spec.tiles - 1))
+            cute.arch.sync_threads()
+            if lds_s32(sbase + self.flag_offset) != 0:  # the last CTA: reduce the tiles
+                fence_gpu()
+                s = tidx
+                while s < seqs:
+                    if _load(prev, s) >= 0:
+                        self._reduce(partials, pairs, s, vocab_offset)
+                    s += CTA_THREADS
+                if tidx == 0:
+                    st_s32(counter.toint(), Int32(0))
+
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _tile_best(self, base: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer,
+                   partials: cute.Pointer, sbase: Int32, tidx: Int32, tile: Int32, v: Int32,
+                   s: Int32, step: Int32, token: Int64):
+        """This tile's first best (value, index) of sequence s into partials[s, tile]."""
+        spec = self.spec
+        if tidx < spec.rank // VEC:                     # the w1 row of prev, as fp32, in smem
+            words = ld_v4_u32(w1.toint() + token * (spec.rank * 2) + tidx * 16)
+            for q in cutlass.range_constexpr(4):
+                lo, hi = bf16x2_to_f32(words[q])
+                sts_f32(sbase + (tidx * VEC + 2 * q) * 4, lo)
+                sts_f32(sbase + (tidx * VEC + 2 * q + 1) * 4, hi)
+        cute.arch.sync_threads()
+        best, best_i = Float32(-float("inf")), Int32(0x7FFFFFFF)
+        if v < spec.vocab:
+            acc = Float32(0.0)
+            row2 = w2.toint() + Int64(v) * (spec.rank * 2)
+            for c in range(spec.rank // VEC):
+                words = ld_v4_u32(row2 + c * 16, streaming=True)
+                for q in cutlass.range_constexpr(4):
+                    lo, hi = bf16x2_to_f32(words[q])
+                    acc = acc + lds_f32(sbase + (c * VEC + 2 * q) * 4) * lo
+                    acc = acc + lds_f32(sbase + (c * VEC + 2 * q + 1) * 4) * hi
+            row = Int64(s * spec.steps + step)
+            best = ld_f32(base.toint() + (row * spec.vocab + v) * 4) + acc
+            best_i = v
+        sts_f32(sbase + self.best_offset + tidx * 4, best)
+        sts_s32(sbase + self.best_offset + (CTA_THREADS + tidx) * 4, best_i)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for t in range(1, CTA_THREADS):
+                value = lds_f32(sbase + self.best_offset + t * 4)
+                index = lds_s32(sbase + self.best_offset + (CTA_THREADS + t) * 4)
+                if value > best or (value == best and index < best_i):
+                    best, best_i = value, index
+            out = partials.toint() + (Int64(s) * spec.tiles + tile) * 8
+            st_f32(out, best)
+            st_f32(out + 4, Float32(best_i))
+        cute.arch.sync_threads()                        # smem is reused by the next sequence
+
+    @cute.jit
+    def _reduce(self, partials: cute.Pointer, pairs: cute.Pointer, s: Int32,
+                vocab_offset: Int32):
+        spec = self.spec
+        row = partials.toint() + Int64(s) * (spec.tiles * 8)
+        best, best_i = ld_f32_gpu(row), Int32(ld_f32_gpu(row + 4))
+        for t in range(1, spec.tiles):
+            value, index = ld_f32_gpu(row + t * 8), Int32(ld_f32_gpu(row + t * 8 + 4))
+            if value > best or (value == best and index < best_i):
+                best, best_i = value, index
+        out = pairs.toint() + Int64(s) * 8
+        st_f32(out, best)
+        st_s32(out + 4, best_i + vocab_offset)
+
+
+_KERNELS = {AuxSpec: AuxSm90, AcceptSpec: AcceptSm90, RollbackSpec: RollbackSm90,
+            MarkovSpec: MarkovSm90}
 
 
 def kernel_function(spec):
@@ -196,8 +327,7 @@ def kernel_function(spec):
 
 
 def specs(cfg, tp: int) -> list:
-    del tp
-    return specs_for(cfg)
+    return specs_for(cfg) + markov_specs_for(cfg, tp)
 
 
 def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
@@ -215,5 +345,10 @@ def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
         return cute.compile(AcceptSm90(spec), ptr(Int64, 8), ptr(Int64, 8), ptr(Int32, 4),
                             ptr(Int64, 8), ptr(Int32, 4), ptr(Int64, 8), ptr(Int64, 8),
                             Int32(1), stream, options=options)
+    if isinstance(spec, MarkovSpec):
+        return cute.compile(MarkovSm90(spec), ptr(Float32, 16), ptr(BFloat16, 16),
+                            ptr(BFloat16, 16), ptr(Int64, 8), ptr(Int32, 8), ptr(Int64, 8),
+                            ptr(Float32, 8), ptr(Int32, 4), Int32(0), Int32(0), Int32(1), stream,
+                            options=options)
     return cute.compile(RollbackSm90(spec), ptr(Float32, 16), ptr(Int64, 8), ptr(Int32, 4),
                         ptr(Int32, 4), ptr(Int32, 4), Int32(1), stream, options=options)

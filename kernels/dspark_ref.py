@@ -36,6 +36,26 @@ Compressor-ring rollback (one ratio-2 kv source's ring), one CTA per row:
   rather than nothing: the GPU path relies on the positional invariant and never reads them, so
   writing NaN makes any violation visible instead of silently pooling a rejected position.
   PTX ABI: (u64 ring, u64 positions, u64 seq_index, u64 state_lines, u64 accepted, u32 rows).
+
+Markov correction, step i of k (draft step, after the base logits U):
+
+    ids[s * (k + 1) + i] = prev[s]                                   (every step, i = 0..k)
+    i < k:  logit[v] = U[s * k + i, v] + sum_j w1[prev[s], j] * w2[v, j]   (fp32, j in order)
+            pairs[s] = (f32 bits of max logit, first local argmax + vocab_offset)
+
+  U fp32 [S k, V_l] (this rank's vocab columns of the draft rows' base logits), w1 bf16 [V, m]
+  (markov_w1, replicated), w2 bf16 [V_l, m] (this rank's markov_w2 rows), prev int64 [S] (the
+  anchor `bonus` at i = 0, then the cross-rank pick of step i - 1), pairs int32 [S, 2] (what
+  kernels.allreduce's pick reads), ids int64 [S (k + 1)]: the next verify step's token_ids
+  (bonus, d_1..d_k per sequence). A product of two bf16 values is exact in fp32, so fused or not
+  the kernel's sum is the sequential fp32 sum the reference computes: bitwise. Launch i = k only
+  writes ids (the last draft). A negative prev marks a padding sequence of the bucket: only its
+  ids row is written. One CTA per 256 vocab columns (w2 is read once per step whatever S is);
+  each CTA's best per sequence goes to `partials` f32 [S, tiles, 2] (value, index as f32: exact
+  below 2^24), the last CTA (by `counter`, u32, zero before and after every launch) reduces them
+  in tile order, ties to the lower index.
+  PTX ABI: (u64 base, u64 w1, u64 w2, u64 prev, u64 pairs, u64 ids, u64 partials, u64 counter,
+  u32 step, u32 vocab_offset, u32 seqs).
 """
 from __future__ import annotations
 
@@ -59,6 +79,9 @@ AUX_PARAMS = (("streams", "u64"), ("aux", "u64"), ("target", "u32"), ("rows", "u
 ACCEPT_PARAMS = (("token_ids", "u64"), ("tokens", "u64"), ("seq_index", "u64"),
                  ("slot_mapping", "u64"), ("accepted", "u64"), ("bonus", "u64"),
                  ("context_slots", "u64"), ("rows", "u32"))
+MARKOV_PARAMS = (("base", "u64"), ("w1", "u64"), ("w2", "u64"), ("prev", "u64"),
+                 ("pairs", "u64"), ("ids", "u64"), ("partials", "u64"), ("counter", "u64"),
+                 ("step", "u32"), ("vocab_offset", "u32"), ("seqs", "u32"))
 ROLLBACK_PARAMS = (("ring", "u64"), ("positions", "u64"), ("seq_index", "u64"),
                    ("state_lines", "u64"), ("accepted", "u64"), ("rows", "u32"))
 
@@ -137,6 +160,48 @@ class RollbackSpec:
                 "smem_bytes": self.smem_bytes}
 
 
+@dataclass(frozen=True)
+class MarkovSpec:
+    """One Markov step over `vocab` local logits with a rank-`rank` correction, k = `steps`."""
+
+    name: str
+    vocab: int
+    rank: int
+    steps: int
+    params: tuple[tuple[str, str], ...] = MARKOV_PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.vocab // CTA_THREADS)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * self.rank + 8 * CTA_THREADS + 16       # w1 row, the threads' bests, a flag
+
+    def partials_bytes(self, max_seqs: int) -> int:
+        return 8 * self.tiles * max_seqs
+
+    def grid(self, seqs: int) -> tuple[int, int, int]:
+        check_rows(seqs, self.name)
+        return (self.tiles, 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "dspark", "kind": "markov", "name": self.name, "vocab": self.vocab,
+                "rank": self.rank, "steps": self.steps, "params": params_dict(self.params),
+                "block": list(self.block), "smem_bytes": self.smem_bytes}
+
+
+def make_markov_spec(vocab: int, rank: int, steps: int) -> MarkovSpec:
+    _positive("vocab", vocab), _positive("rank", rank), _positive("steps", steps)
+    if rank % BF16_PER_VECTOR or rank > CTA_THREADS * BF16_PER_VECTOR:
+        raise ValueError(f"dspark markov: rank {rank} must be a multiple of {BF16_PER_VECTOR} "
+                         f"and at most {CTA_THREADS * BF16_PER_VECTOR}")
+    if vocab >= 1 << 24:
+        raise ValueError(f"dspark markov: {vocab} local columns: indices pass through f32")
+    return MarkovSpec(f"dspark_markov_v{vocab}_m{rank}_k{steps}", vocab, rank, steps)
+
+
 def make_aux_spec(width: int, streams: int, targets: int) -> AuxSpec:
     _positive("width", width), _positive("streams", streams), _positive("targets", targets)
     if width % BF16_PER_VECTOR:
@@ -164,6 +229,13 @@ def specs_for(cfg) -> list:
     return [make_aux_spec(cfg.hidden_size, cfg.hc_mult, len(cfg.dspark_target_layer_ids)),
             make_accept_spec(block),
             make_rollback_spec(1 << (block + 1).bit_length(), block)]
+
+
+def markov_specs_for(cfg, tp: int) -> list[MarkovSpec]:
+    if not cfg.dspark_target_layer_ids:
+        return []
+    return [make_markov_spec(cfg.vocab_size // tp, cfg.dspark_markov_rank,
+                             cfg.dspark_block_size)]
 
 
 # ---- references ------------------------------------------------------------------------------
@@ -214,3 +286,24 @@ def rollback_ref(ring: np.ndarray, positions, seq_index, state_lines, accepted) 
     for r in np.flatnonzero(seq >= 0):
         if pos[r] - pos[first[r]] > accepted[seq[r]]:
             ring[state_lines[seq[r]], pos[r] % ring_rows] = np.uint32(NAN_BITS).view(np.float32)
+
+
+def markov_ref(base, w1, w2, prev, step: int, steps: int, vocab_offset: int):
+    """({s: (f32 bits, index)} this rank's argmax pairs, {row: token} ids written) of Markov
+    step `step`; a sequence whose prev is negative (a padding sequence of the bucket) gets its
+    ids row only."""
+    prev = np.asarray(prev, np.int64)
+    ids = {s * (steps + 1) + step: int(p) for s, p in enumerate(prev)}
+    pairs = {}
+    if step == steps:
+        return pairs, ids
+    w2 = np.asarray(w2).astype(np.float32)
+    for s in np.flatnonzero(prev >= 0):
+        x = np.asarray(w1[int(prev[s])]).astype(np.float32)
+        acc = np.zeros(w2.shape[0], np.float32)
+        for j in range(x.size):                 # exact products, one fp32 rounding per add
+            acc = acc + x[j] * w2[:, j]
+        logits = np.asarray(base[s * steps + step], np.float32) + acc
+        local = int(np.argmax(logits))
+        pairs[int(s)] = (int(logits[local:local + 1].view(np.int32)[0]), local + vocab_offset)
+    return pairs, ids

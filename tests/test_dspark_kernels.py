@@ -8,7 +8,7 @@ import pytest
 
 from executor.emulate import run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
-from executor.launches.dspark import accept_launch, aux_launch, rollback_launch
+from executor.launches.dspark import accept_launch, aux_launch, markov_launch, rollback_launch
 from executor.reference.kvcache import KVCaches
 from kernels import dspark_ref as ref
 from kernels.common_ref import BF16
@@ -186,3 +186,75 @@ def test_emulated_rollback_forgets_what_the_reference_forgets(dspark_bundle_dir,
     got = arena.download("ring", np.float32, ring.shape)
     # bitwise, NaN included: the same canonical quiet NaN and untouched rows elsewhere
     assert np.array_equal(got.view(np.uint32), caches.ring[layer].view(np.uint32))
+
+
+# ---- Markov correction -----------------------------------------------------------------------
+
+def _markov_arrays(rng, spec, seqs, vocab_total):
+    base = rng.standard_normal((CAP, spec.vocab)).astype(np.float32)
+    w1 = (rng.standard_normal((vocab_total, spec.rank)) * 0.3).astype(BF16)
+    w2 = (rng.standard_normal((spec.vocab, spec.rank)) * 0.3).astype(BF16)
+    prev = np.full(CAP, -5, np.int64)
+    prev[:seqs] = rng.integers(0, vocab_total, seqs)
+    prev[int(rng.integers(0, seqs))] = -1                 # one padding sequence
+    return {"base": base, "w1": w1, "w2": w2, "prev": prev,
+            "pairs": np.full((CAP, 2), -7, np.int32), "ids": np.full(CAP, -7, np.int64),
+            "partials": np.zeros((CAP, spec.tiles, 2), np.float32),
+            "counter": np.zeros(4, np.uint32)}
+
+
+def test_markov_ref_is_the_reference_markov_logits():
+    """One rank's pair == head_ref.local_argmax of U_i + w1[prev] · w2ᵀ (the reference's
+    markov_drafts) wherever the reference's float64-summed dot gives the same fp32 logits."""
+    from kernels import head_ref
+    rng = np.random.default_rng()
+    spec = ref.make_markov_spec(256, 32, 5)
+    a = _markov_arrays(rng, spec, 4, 1024)
+    a["prev"][:4] = np.abs(a["prev"][:4])
+    pairs, ids = ref.markov_ref(a["base"], a["w1"], a["w2"], a["prev"][:4], 2, 5, 512)
+    assert ids == {s * 6 + 2: int(a["prev"][s]) for s in range(4)}
+    for s in range(4):
+        w1 = a["w1"][a["prev"][s]].astype(np.float32)[None, :]
+        logits = a["base"][s * 5 + 2:s * 5 + 3] + (w1.astype(np.float64)
+                                                   @ a["w2"].astype(np.float64).T).astype(
+                                                       np.float32)
+        value, index = head_ref.local_argmax(logits, 512)
+        got_value = np.array([pairs[s][0]], np.int32).view(np.float32)[0]
+        # the sequential fp32 sum of 32 exact products is within 31 * 2^-24 * sum|x w| of the
+        # float64 sum: the argmax may differ only where the top two are that close
+        bound = 31 * 2.0**-24 * float((np.abs(w1) @ np.abs(a["w2"].astype(np.float32)).T).max())
+        assert abs(got_value - value[0]) <= bound + 2.0**-23 * abs(value[0])
+        if pairs[s][1] != index[0]:
+            top2 = np.sort(logits[0].astype(np.float64))[-2:]
+            assert top2[1] - top2[0] <= 2 * bound, f"sequence {s}: not a near tie"
+
+
+@pytest.mark.parametrize("step", [0, 3, 5])
+def test_emulated_markov_step(dspark_bundle_dir, step):
+    cfg = ModelConfig.preset("tiny")
+    spec = ref.make_markov_spec(cfg.vocab_size // 4, cfg.dspark_markov_rank, 5)
+    rng = np.random.default_rng()
+    seqs = int(rng.integers(1, 33))
+    arrays = _markov_arrays(rng, spec, seqs, cfg.vocab_size)
+    space = AddressSpace()
+    arena = _arena(space, arrays)
+    ptrs = {n: arena.ptr(n) for n in arrays}
+    launch = markov_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, seqs, step, 768)
+    assert launch.grid == (spec.tiles, 1, 1)
+    run([launch], space)
+    pairs, ids = ref.markov_ref(arrays["base"], arrays["w1"], arrays["w2"], arrays["prev"][:seqs],
+                                step, 5, 768)
+    got_pairs = arena.download("pairs", np.int32, (CAP, 2))
+    got_ids = arena.download("ids", np.int64, (CAP,))
+    want_pairs = np.full((CAP, 2), -7, np.int32)
+    for s, pair in pairs.items():
+        want_pairs[s] = pair
+    want_ids = np.full(CAP, -7, np.int64)
+    for row, token in ids.items():
+        want_ids[row] = token
+    assert np.array_equal(got_pairs, want_pairs)
+    assert np.array_equal(got_ids, want_ids)
+    assert (step == 5) == (len(pairs) == 0)
+    arena.upload("counter", np.ones(4, np.uint32))
+    with pytest.raises(ValueError, match="counter is 1"):
+        run([launch], space)

@@ -77,7 +77,34 @@ def _rollback(record, grid, args, space) -> None:
     ref.rollback_ref(ring, space.array(args["positions"], np.int64, rows), seq, lines, accepted)
 
 
-_KINDS = {"aux": _aux, "accept": _accept, "rollback": _rollback}
+def _markov(record, grid, args, space) -> None:
+    s = record.spec
+    spec = ref.make_markov_spec(s["vocab"], s["rank"], s["steps"])
+    seqs, step = args["seqs"], args["step"]
+    _check(spec, record, grid, seqs)
+    if not 0 <= step <= spec.steps:
+        raise ValueError(f"{spec.name}: step {step} outside 0..{spec.steps}")
+    counter = space.array(args["counter"], np.int32, 1)
+    if counter[0] != 0:
+        raise ValueError(f"{spec.name}: counter is {counter[0]}, must be zero before a launch "
+                         f"(zero the arena once; every launch leaves it zero)")
+    prev = space.array(args["prev"], np.int64, seqs).copy()
+    base = w1 = w2 = None
+    if step < spec.steps:
+        m = spec.rank
+        w1 = {int(p): space.array(args["w1"] + int(p) * m * 2, BF16, m) for p in prev if p >= 0}
+        base = space.array(args["base"], np.float32, (seqs * spec.steps, spec.vocab))
+        w2 = space.array(args["w2"], BF16, (spec.vocab, m))
+    pairs, written = ref.markov_ref(base, w1, w2, prev, step, spec.steps, args["vocab_offset"])
+    out = space.array(args["pairs"], np.int32, (seqs, 2))
+    for seq, pair in pairs.items():
+        out[seq] = pair
+    ids = space.array(args["ids"], np.int64, seqs * (spec.steps + 1))
+    for row, token in written.items():
+        ids[row] = token
+
+
+_KINDS = {"aux": _aux, "accept": _accept, "rollback": _rollback, "markov": _markov}
 
 
 def emulate(record, grid, args, space) -> None:

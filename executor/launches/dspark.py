@@ -8,6 +8,9 @@
         context_slots int64 [R] (slot_mapping up to the accepted count, -1 past it)
     rollback_launch(bundle, spec, {ring, positions, seq_index, state_lines, accepted}, rows)
         NaN into the ring rows of rejected positions of one ratio-2 kv source
+    markov_launch(bundle, spec, {base, w1, w2, prev, pairs, ids}, seqs, step, vocab_offset)
+        Markov step `step` of every sequence: this rank's argmax pair, and prev into the next
+        verify step's token_ids (step = k: only that copy)
 
 Each returns one LaunchSpec (PDL on), allocates nothing (kernels/dspark_ref.py has the ABIs).
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from executor.launch import LaunchSpec
-from kernels.dspark_ref import AcceptSpec, AuxSpec, RollbackSpec
+from kernels.dspark_ref import AcceptSpec, AuxSpec, MarkovSpec, RollbackSpec
 
 
 def _pointers(spec, ptrs: Mapping[str, int], scalars: int = 1) -> list[int]:
@@ -44,3 +47,11 @@ def rollback_launch(bundle, spec: RollbackSpec, ptrs: Mapping[str, int],
                     rows: int) -> LaunchSpec:
     return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), (*_pointers(spec, ptrs), rows),
                       pdl=True)
+
+
+def markov_launch(bundle, spec: MarkovSpec, ptrs: Mapping[str, int], seqs: int, step: int,
+                  vocab_offset: int) -> LaunchSpec:
+    if not 0 <= step <= spec.steps:
+        raise ValueError(f"{spec.name}: step {step} outside 0..{spec.steps}")
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(seqs),
+                      (*_pointers(spec, ptrs, 3), step, vocab_offset, seqs), pdl=True)

@@ -17,6 +17,14 @@ Model doc §4 and executor/reference/dspark.py (`verify_and_accept`), on the dev
                          scratch, the kv half copied) -> kv_norm, RoPE, SWA insert at
                          `dspark.context_slots` into swa_{S} (write_context_kv)
 
+The draft step's Markov correction (roles dspark.markov0 .. dspark.markov{k}, in
+executor/dspark_plan.py's draft_plan): step i < k: this rank's argmax pair of U_i + markov_w2 ·
+markov_w1[prev] into `dspark.pairs` (prev = the bound `bonus` at i = 0, else `dspark.prev`), then
+the cross-rank pick (kernels.allreduce) -> `dspark.prev`; each step also writes prev into the
+bound `token_ids` at row s (k + 1) + i, so after step k the next verify step's rows (bonus,
+d_1..d_k) are in place with no host round trip. U is `dspark.base` fp32 [R, V_l] (the draft rows'
+base logits, written by the draft forward's head).
+
 The caller binds `accepted` and `bonus` (executor.bind.binding_rules(..., dspark=True)). The
 context KV projects the DSpark stage's fused wq_a|wkv (the q half is wasted work: dense_shapes has
 no wkv-only label); its weights live here under the checkpoint's `mtp.{s}.` prefix until the draft
@@ -27,18 +35,20 @@ from __future__ import annotations
 import numpy as np
 
 from executor.launches import dense as dl
-from executor.launches.dspark import accept_launch, aux_launch, rollback_launch
+from executor.launches.allreduce import pick_launches
+from executor.launches.dspark import accept_launch, aux_launch, markov_launch, rollback_launch
 from executor.launches.mhc import mhc_norm_launch
 from executor.launches.small import kernel_for, swa_insert_launches
 from executor.launches.split_norm import split_norm_launch
 from executor.wiring import Buffer
+from kernels import allreduce_ref, dspark_ref, kv_publish_ref, split_norm_ref
 from kernels import dense_ref as dr
-from kernels import dspark_ref, kv_publish_ref, split_norm_ref
 from kernels import norm_ref as nr
 from kernels.common_ref import BF16
 from loader.schema import UNCERTAIN
 
 ROPE_PLAIN = "rope.plain"           # executor/stages/attn_proj.py packs it (ratio-0 layers)
+MAX_DRAFTS = 8                      # roles dspark.markov0 .. dspark.markov{MAX_DRAFTS} exist
 
 
 def _stages(cfg) -> list:
@@ -80,7 +90,24 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
                (max(1, max(s.workspace_bytes() for s in dense) // 4),), "split-K partials"),
         Buffer("dspark.dense_counters", np.uint32,
                (max(1, max(s.counters_bytes() for s in dense) // 4),),
-               "split-K counters: zero before the first launch")]
+               "split-K counters: zero before the first launch"),
+        *_markov_buffers(cfg, tp, max_rows)]
+
+
+def _markov_spec(cfg, tp: int) -> dspark_ref.MarkovSpec:
+    return dspark_ref.make_markov_spec(cfg.vocab_size // tp, cfg.dspark_markov_rank,
+                                       cfg.dspark_block_size)
+
+
+def _markov_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
+    spec = _markov_spec(cfg, tp)
+    return [Buffer("dspark.base", np.float32, (max_rows, spec.vocab),
+                   "draft rows' base logits U (this rank's vocab columns)"),
+            Buffer("dspark.pairs", np.int32, (max_rows, 2), "Markov step's argmax pair"),
+            Buffer("dspark.prev", np.int64, (max_rows,), "the last Markov step's pick"),
+            Buffer("dspark.markov_partials", np.float32, (max_rows, spec.tiles, 2),
+                   "per-tile bests (value, index)"),
+            Buffer("dspark.markov_counter", np.uint32, (4,), "zero before the first launch")]
 
 
 def _fp8(fetch, name: str, n: int, k: int) -> list[tuple[str, np.ndarray]]:
@@ -113,6 +140,15 @@ def weights(cfg, tp: int, rank: int, fetch) -> list[tuple[str, np.ndarray]]:
                 (base + "wq_a_wkv.scale", np.concatenate([sq_a, skv], axis=1))]
         out += [(base + f"{w}.weight.f32", np.asarray(fetch(base + f"{w}.weight"), np.float32))
                 for w in ("q_norm", "kv_norm")]
+    head = _prefix(cfg, stages[-1].index) + "markov_head."
+    spec = _markov_spec(cfg, tp)
+    for name, shape in (("markov_w1", (cfg.vocab_size, spec.rank)),
+                        ("markov_w2", (spec.vocab, spec.rank))):
+        w = np.asarray(fetch(head + name + ".weight"))
+        if w.dtype != BF16 or w.shape != shape:
+            raise TypeError(f"{head}{name}.weight: the Markov kernel reads bf16 {list(shape)}, "
+                            f"got {w.dtype} {list(w.shape)}")
+        out.append((head + name + ".weight", w))
     return out
 
 
@@ -223,7 +259,49 @@ def _context_kv(ctx, layer):
     return build
 
 
+def _markov(step: int):
+    """Markov step `step`: the argmax pairs and the cross-rank pick (step < k), the ids copy."""
+    def factory(ctx, layer):
+        del layer
+        cfg, k = ctx.cfg, ctx.cfg.dspark_block_size
+        if step > k:
+            raise ValueError(f"dspark.markov{step}: the draft has {k} steps")
+        spec = _markov_spec(cfg, ctx.tp)
+        ctx.kernel(spec.name)
+        head = _prefix(cfg, _stages(cfg)[-1].index) + "markov_head."
+        ptrs = {"base": ctx.ptr("dspark.base"), "w1": ctx.ptr(head + "markov_w1.weight"),
+                "w2": ctx.ptr(head + "markov_w2.weight"),
+                "prev": ctx.ptr("bonus" if step == 0 else "dspark.prev"),
+                "pairs": ctx.ptr("dspark.pairs"), "ids": ctx.ptr("token_ids"),
+                "partials": ctx.ptr("dspark.markov_partials"),
+                "counter": ctx.ptr("dspark.markov_counter")}
+        offset = ctx.shapes.vocab_offset(ctx.rank)
+        pick = None
+        if step < k:
+            state = ctx.collectives
+            if state is None:
+                raise RuntimeError(f"rank {ctx.rank}: dspark.markov{step} needs ctx.collectives")
+            pick = (allreduce_ref.make_pick_spec(state.world, cfg.hidden_size, ctx.max_rows),
+                    dict(state.pointers, pairs=ctx.ptr("dspark.pairs"),
+                         tokens=ctx.ptr("dspark.prev")), state)
+
+        def build(rows):
+            if rows % k or (rows // k) * (k + 1) > ctx.max_rows:
+                raise ValueError(f"dspark.markov{step}: a draft bucket of {rows} rows is not "
+                                 f"{k} rows per sequence within {ctx.max_rows} verify rows")
+            seqs = rows // k
+            out = [markov_launch(ctx.bundle, spec, ptrs, seqs, step, offset)]
+            if pick is not None:
+                p_spec, p_ptrs, state = pick
+                out += pick_launches(ctx.bundle, p_spec, p_ptrs, state.rank, seqs,
+                                     state.timeout_us)
+            return out
+        return build
+    return factory
+
+
 BUILDERS = {
+    **{f"dspark.markov{i}": _markov(i) for i in range(MAX_DRAFTS + 1)},
     "dspark.aux": _aux,
     "dspark.accept": _accept,
     "dspark.ring_rollback": _ring_rollback,
