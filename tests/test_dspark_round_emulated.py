@@ -1,5 +1,6 @@
-"""The verify side of DSpark rounds on four emulated ranks (tiny, CPU) against
-executor/reference/dspark.py: aux states, device-side acceptance, ring rollback, context KV.
+"""DSpark rounds on four emulated ranks (tiny, CPU) against executor/reference/dspark.py: the
+verify side (aux states, device-side acceptance, ring rollback, context KV) and the draft step's
+Markov correction on the accepted `bonus`.
 
 Two sequences (state lines 0 and 1) share every verify step, for ROUNDS rounds. Each round the
 drafts are the reference's greedy continuation for a random number of tokens, then random ones,
@@ -19,7 +20,14 @@ the wired DSpark stages of decode_plan(cfg, dspark=True) in lockstep. Checked on
 - per DSpark stage: the kv half within 2 x dense_tolerance of the reference's wkv on the emulated
   main_x; the SWA records at the accepted rows bitwise the reference insert_swa composition on the
   emulated kv, and bitwise the reference caches' records wherever the emulated kv row equals the
-  reference's; every other slot (rejected rows, other lines) keeps its bytes.
+  reference's; every other slot (rejected rows, other lines) keeps its bytes;
+- the draft step's Markov stages (draft_plan's dspark.markov0..k: local argmax + cross-rank pick,
+  k times) on the reference's base logits U of the next draft block and the device's `bonus`:
+  the next verify step's token_ids rows (bonus, d_1..d_k) equal reference draft()'s tokens; a
+  token may differ only at a near tie of its Markov logits (the kernel sums the m exact products
+  in fp32, the reference in float64: m 2^-24 sum |w1 w2| apart at most), after which that
+  sequence's later drafts are not compared. (The draft stages' forward that produces U is not
+  wired: the reference's U is written into `dspark.base`.)
 """
 from __future__ import annotations
 
@@ -29,9 +37,9 @@ from ref_model import random_prompt
 from ref_model import tiny_checkpoint as synth_tiny
 from test_dspark_kernels import dspark_bundle_dir  # noqa: F401 (fixture)
 
-from executor.emulate import bind_host
+from executor.emulate import bind_host, run_lockstep
 from executor.emulate.ranks import EmulatedRanks
-from executor.plan import decode_plan
+from executor.plan import decode_plan, draft_plan
 from executor.reference import attention as ra
 from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
@@ -78,6 +86,9 @@ class Round:
             ctx.bound.update(bind_host(self.ranks.space, outputs, prefix=f"rank{r}.dspark."))
         self.ranks.plans = [wire(decode_plan(cfg, dspark=True), ctx, MODULES)
                             for ctx in self.ranks.contexts]
+        markov = {f"dspark.markov{i}" for i in range(cfg.dspark_block_size + 1)}
+        self.markov = [self.ranks.subplan(wire(draft_plan(cfg), ctx, MODULES), roles=markov)
+                       for ctx in self.ranks.contexts]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +188,45 @@ def _check_context(s: Round, rows, before, accepted, kvs):
     return matched
 
 
+def _markov_margin(s: Round, base, prev: int, token: int, want: int) -> None:
+    """A Markov token that differs from the reference's must be a near tie of its logits: the
+    kernel sums the m exact products in order in fp32, the reference in float64."""
+    cfg = s.cfg
+    last = s.model.ranks[0].layer(cfg.num_layers_total - 1)
+    w1 = last.vector("markov_head.markov_w1.weight")[prev].astype(np.float64)
+    logits, bound = [], []
+    for r, rank in enumerate(s.model.ranks):
+        w2 = rank.layer(cfg.num_layers_total - 1).vector("markov_head.markov_w2.weight")
+        logits.append(base[r].astype(np.float64) + w2.astype(np.float64) @ w1)
+        bound.append(cfg.dspark_markov_rank * 2.0**-24 * (np.abs(w2) @ np.abs(w1)))
+    logits, bound = np.concatenate(logits), np.concatenate(bound)
+    assert abs(logits[token] - logits[want]) <= bound[token] + bound[want] + 2.0**-22 * abs(
+        logits[want]), f"Markov token {token} vs reference {want}: not a near tie"
+
+
+def _check_markov(s: Round, seqs, rnd: int) -> None:
+    """The draft step's Markov correction on the device `bonus` vs reference draft()."""
+    cfg, k = s.cfg, s.cfg.dspark_block_size
+    vocab = cfg.vocab_size // TP
+    bases = [ref_dspark.draft_base_logits(s.model, s.caches.copy(), q) for q in seqs]
+    for r in range(TP):
+        u = np.zeros((BUCKET * k, vocab), np.float32)
+        for q, base in enumerate(bases):
+            u[q * k:(q + 1) * k] = base[r]
+        s.ranks.write("dspark.base", u, ranks=[r])
+    run_lockstep(s.markov, len(seqs) * k, s.ranks.space)
+    for q, (seq, base) in enumerate(zip(seqs, bases)):
+        want = ref_dspark.markov_drafts(s.model, base, seq.bonus)
+        for r in range(TP):
+            ids = s.ranks.read(r, "token_ids", np.int64, (192,))[q * (k + 1):(q + 1) * (k + 1)]
+            assert ids[0] == seq.bonus, f"round {rnd} rank {r} seq {q}: verify row 0"
+            for i in range(k):
+                if ids[i + 1] != want[i]:
+                    prev = int(ids[i])
+                    _markov_margin(s, [b[i] for b in base], prev, int(ids[i + 1]), want[i])
+                    break                       # later steps follow a different prev
+
+
 def test_dspark_verify_rounds_match_the_reference(setup):
     s, cfg = setup, setup.cfg
     rng = np.random.default_rng()
@@ -244,6 +294,7 @@ def test_dspark_verify_rounds_match_the_reference(setup):
                 assert np.array_equal(s.ranks.tensors[r][f"compressor_ring_{layer}"].view(np.uint32),
                                       ring.view(np.uint32)), f"round {rnd} rank {r} ring {layer}"
         matched += _check_context(s, rows, before, [a for a, _ in want], kvs)
+        _check_markov(s, seqs, rnd)
         accepted += [a for a, _ in want]
     # the comparison with write_context_kv's own records ran (rows whose kv matched bitwise)
     assert matched > 0, f"no context row matched the reference's kv bitwise ({accepted})"
