@@ -7,7 +7,7 @@ import pytest
 
 from executor.bind import BindError, CacheGeometry, binding_rules, validate_binding
 from executor.dlpack import KDL_CPU
-from executor.plan import NOT_WIRED, decode_plan
+from executor.plan import NOT_WIRED, decode_plan, draft_plan
 from loader.config import ModelConfig
 
 CPU = (KDL_CPU, 0)
@@ -72,3 +72,22 @@ def test_binding_rules_add_the_round_outputs():
 def test_binding_rules_refuse_dspark_without_stages():
     with pytest.raises(ValueError, match="no DSpark stages"):
         binding_rules(_without_dspark(), 4, GEOMETRY, dspark=True)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "v41-flash"])
+def test_draft_plan_lays_out_the_draft_step(preset):
+    cfg = ModelConfig.preset(preset)
+    plan = draft_plan(cfg)
+    names = [s.name for s in plan.stages]
+    k = cfg.dspark_block_size
+    assert names[:3] == ["head.rows_prep", "head.embed", "head.embed_allreduce"]
+    assert names[-(k + 4):] == ["draft.mhc_post_collapse", "draft.norm", "draft.lm_head_logits",
+                                *[f"dspark.markov{i}" for i in range(k + 1)]]
+    stage_layers = {s.layer for s in plan.stages if s.layer is not None}
+    assert stage_layers == {s.index for s in cfg.layers if s.is_dspark}
+    # the stage layers' roles are draft.*: no backbone builder (layers.{i}. weights) claims them
+    assert all(s.range_name.startswith("draft.") for s in plan.stages if s.layer is not None)
+    with pytest.raises(NotImplementedError, match="stages have no launches"):
+        plan.require_complete()
+    with pytest.raises(ValueError, match="no DSpark stages"):
+        draft_plan(_without_dspark())

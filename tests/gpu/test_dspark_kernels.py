@@ -1,6 +1,7 @@
-"""GPU test of kernels/dspark.py (aux states, greedy acceptance, ring rollback) against its refs.
+"""GPU test of kernels/dspark.py (aux states, greedy acceptance, ring rollback, Markov step)
+against its refs.
 
-All three are exact: the aux mean is one sequential fp32 sum, an exact * 0.25 and one bf16
+All four are exact (the Markov step: bf16 products are exact in fp32, summed in order): the aux mean is one sequential fp32 sum, an exact * 0.25 and one bf16
 rounding (bitwise), the acceptance compares integers, the rollback stores the canonical NaN. Every
 output buffer starts poisoned; what a launch must not write (rows past `rows`, other aux slots,
 sequences without rows, accepted rows' ring rows) must keep its poison. Bundles: HOPDEC_BUNDLE
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.launches.dspark import accept_launch, aux_launch, rollback_launch
+from executor.launches.dspark import accept_launch, aux_launch, markov_launch, rollback_launch
 from executor.runtime import Arena, Bundle
 from kernels import dspark_ref as ref
 from kernels.common_ref import BF16
@@ -122,3 +123,36 @@ def test_rollback_poisons_exactly_the_rejected_ring_rows(dev, stream, setup, num
     want = ring.copy()
     ref.rollback_ref(want, positions[:n], seq[:n], state_lines, accepted)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("step", [0, 4, 5])
+def test_markov_step_is_the_ref_bitwise(dev, stream, setup, step):
+    """Pairs bitwise markov_ref (exact bf16 products summed in order in fp32, first maximum),
+    ids rows exactly prev, the counter left zero, padding sequences (prev -1) without a pair."""
+    cfg, bundle = setup
+    tp = 4
+    spec = ref.markov_specs_for(cfg, tp)[0]
+    seqs = int(RNG.integers(1, 33))
+    base = (RNG.standard_normal((CAP, spec.vocab)) * 2).astype(np.float32)
+    w1 = (RNG.standard_normal((cfg.vocab_size, spec.rank)) * 0.2).astype(BF16)
+    w2 = (RNG.standard_normal((spec.vocab, spec.rank)) * 0.2).astype(BF16)
+    prev = np.full(CAP, -1, np.int64)
+    prev[:seqs] = RNG.integers(0, cfg.vocab_size, seqs)
+    prev[int(RNG.integers(0, seqs))] = -1
+    offset = spec.vocab * int(RNG.integers(0, tp))
+    arrays = {"base": base, "w1": w1, "w2": w2, "prev": prev,
+              "pairs": np.full((CAP, 2), -7, np.int32), "ids": np.full(CAP, -7, np.int64),
+              "partials": np.zeros((CAP, spec.tiles, 2), np.float32),
+              "counter": np.zeros(4, np.uint32)}
+    got = _run(dev, stream, arrays,
+               lambda p: markov_launch(bundle, spec, p, seqs, step, offset))
+    pairs, ids = ref.markov_ref(base, w1, w2, prev[:seqs], step, spec.steps, offset)
+    want_pairs = np.full((CAP, 2), -7, np.int32)
+    for s, pair in pairs.items():
+        want_pairs[s] = pair
+    want_ids = np.full(CAP, -7, np.int64)
+    for row, token in ids.items():
+        want_ids[row] = token
+    assert np.array_equal(got["pairs"], want_pairs)
+    assert np.array_equal(got["ids"], want_ids)
+    assert (got["counter"] == 0).all(), "the last CTA must re-zero the counter"
