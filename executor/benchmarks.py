@@ -427,6 +427,7 @@ FAMILY_BENCHMARKS = (
     ("collectives", "collectives.bench:bench_collectives"),
     ("embed_engram", "executor.embed_engram_chain:bench_embed_engram"),
     ("mhc_router", "executor.mhc_router_chain:bench_mhc_router"),
+    ("step", "executor.bench_step:bench_step"),      # last: it holds ~85 GB of the GPU
 )
 
 

@@ -1,0 +1,428 @@
+"""Whole-rank decode step benchmark on one GPU: rank 0 of TP4, 40 layers at real dimensions.
+
+    hopdec devicecheck --only step --bundle build/bundle-v41-bench-step-tp4 ...
+
+What runs: `decode_plan(cfg)` wired by the step's own stage modules (BENCH_MODULES) on one
+rank's arena, with synthetic weights (`loader.synth.synth_fetch`, no checkpoint file), for
+buckets R = 1, 5, 6, 48, 192 (CASES) at 4k and 64k tokens of context (CONTEXTS). What differs
+from a real TP4 step, and why:
+- Config: `bench_config` = v41-flash with engram_vocab_size cut to BENCH_ENGRAM_VOCAB, so each
+  Engram table is ~100 MB (25 MB on this rank) instead of 98 GB; the hash, lookup and gate run
+  and read the same way (a bundle built for this config carries its hash constants).
+- Weights: layers of one role share the bytes of a representative (`wiring.representatives`,
+  8 of 40 are packed), each layer in its own slices, so the step reads 40 layers' bytes; routed
+  expert e holds expert e % 16's values (`stages.ffn_tiled`; packing 384 x 8 experts would take
+  half an hour).
+- Cross-rank stages: `stages.local_collectives` (a copy per all-reduce, no-op gather and pick);
+  the one-shot all-reduce's own latency (collectives benchmark: peers pre-arrived, one GPU) is
+  added in the "+ AR" column, 81 calls (embedding + 2 per layer).
+- KV caches: zero records (valid: they decode to zeros) and random finite index keys (so top-k
+  sees distinct scores); every sequence has its own pages; block tables, slots and context
+  lengths are consistent (RowBatch validates them).
+
+Timed per (bucket, context): graph replay (CUDA events, median of GRAPH_REPS), the same graph
+captured without PDL, the same launches eagerly with and without PDL (host-bound: Python issues
+~4 us per launch), and per stage role a graph of that role's launches over all layers (the
+per-family breakdown; replayed alone, so boundaries with the neighbours are not in it). No L2
+flush: a step reads ~4-10 GB, 70-170x the 60 MB L2. Bytes that must be read: the dense weights
+the step touches, the distinct experts the router picked (counted per layer in an eager pass),
+KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 ms at R = 1 / 6).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from executor.bind import CacheGeometry, binding_rules
+from executor.plan import decode_plan
+from executor.reference.kvcache import next_pow2
+from executor.reference.rows import RowBatch, RowBlock
+from executor.wiring import StepContext, arena_contents, representatives, wire
+from kernels import engram_kernel_ref
+from kernels.kvrecord_ref import INDEX_RECORD_BYTES, KV_RECORD_BYTES
+from loader.config import ModelConfig
+
+TP, RANK, MAX_ROWS, PAGE_SIZE, SEED = 4, 0, 192, 64, 0
+BENCH_ENGRAM_VOCAB = 16384
+BENCH_MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.stages.attn_index",
+                 "executor.stages.ffn_tiled", "executor.stages.local_collectives")
+CONTEXTS = (4096, 65536)
+GRAPH_REPS, EAGER_REPS = 30, 8
+HBM_BYTES_PER_S = 4.8e12
+DOC_FLOOR_MS = {1: 0.85, 6: 1.97}              # model doc §3
+TARGET_MS = {1: 1.1, 6: 2.4}                   # issue 8
+ALLREDUCES = 81                                # embedding + attention and FFN of 40 layers
+# one-shot all-reduce, 1 rank with peers pre-arrived (docs/perf.md run 16): rows -> us
+ONESHOT_US = {1: 3.0, 8: 3.5, 32: 3.8, 192: 8.1}
+ONESHOT_METRIC = "one-shot kernel, 1 rank, peers pre-arrived (floor): {} rows"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bucket: `seqs` sequences of `rows // seqs` rows each (decode: one row each)."""
+
+    rows: int
+    seqs: int
+    kind: str                 # executor.reference.rows.BLOCK_KINDS
+
+    @property
+    def block(self) -> int:
+        return self.rows // self.seqs
+
+
+CASES = (Case(1, 1, "decode"), Case(5, 1, "verify"), Case(6, 1, "verify"),
+         Case(48, 8, "verify"), Case(192, 32, "verify"))
+
+
+def bench_config(cfg: ModelConfig | None = None) -> ModelConfig:
+    """`cfg` (default v41-flash) with the Engram tables cut to BENCH_ENGRAM_VOCAB buckets per
+    hash column (the prime walk starts there): engram_num_embeddings follows."""
+    cfg = cfg or ModelConfig.preset("v41-flash")
+    if cfg.engram_vocab_size <= BENCH_ENGRAM_VOCAB:
+        return cfg
+    data = cfg.to_dict()
+    data["engram_vocab_size"] = BENCH_ENGRAM_VOCAB
+    del data["engram_num_embeddings"]                          # derived again from the walk
+    return ModelConfig.from_dict(data, source=f"step benchmark config (engram_vocab_size "
+                                              f"{BENCH_ENGRAM_VOCAB})")
+
+
+def cache_geometry(cfg, cases=CASES, contexts=CONTEXTS) -> CacheGeometry:
+    """One geometry for every case: a line and its own pages for each sequence of the widest."""
+    block, seqs = max(c.block for c in cases), max(c.seqs for c in cases)
+    pages = -(-max(contexts) // PAGE_SIZE)
+    return CacheGeometry(max_seqs=seqs, ring_slots=next_pow2(cfg.sliding_window + block),
+                         ring_rows=next_pow2(block + 2), page_size=PAGE_SIZE,
+                         num_pages=seqs * pages, pages_per_seq=pages)
+
+
+def row_batch(cfg, geometry: CacheGeometry, case: Case, context: int, rng):
+    """(RowBatch, Engram history [R, max_ngram]): sequence s on line s and its own pages, rows
+    at positions context - block .. context - 1 (context_lens = context)."""
+    if context < case.block:
+        raise ValueError(f"context {context} is shorter than a block of {case.block} rows")
+    blocks = [RowBlock(s, context - case.block,
+                       tuple(int(t) for t in rng.integers(0, cfg.vocab_size, case.block)),
+                       case.kind) for s in range(case.seqs)]
+    tables = np.arange(geometry.num_pages, dtype=np.int32).reshape(geometry.max_seqs, -1)
+    rows = RowBatch.from_blocks(blocks, tables, geometry.ring_slots)
+    vocab = min(cfg.vocab_size, cfg.engram_compressed_vocab_size)
+    history = rng.integers(0, vocab, (case.rows, max(cfg.engram_max_ngram_size, 1)))
+    return rows, history
+
+
+def metadata_names(cfg, geometry) -> list[str]:
+    """The bound tensors the row metadata fills (everything but caches and outputs)."""
+    cache = ("swa_", "compressed_", "index_keys_", "compressor_ring_")
+    return [n for n in binding_rules(cfg, TP, geometry, MAX_ROWS)
+            if not n.startswith(cache) and n not in ("tokens", "logits")]
+
+
+# ---- bytes that must be read ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightBytes:
+    dense: int            # every weight slice a step reads whole (layers, head, Engram wkv...)
+    per_expert: int       # one routed expert of one layer, all its packed arrays
+    engram_row: int       # one Engram table row: codes + scales
+
+
+def weight_bytes(cfg, uploads) -> WeightBytes:
+    """From arena_contents' uploads: what a step reads whole, and the per-row/per-expert parts
+    read only where the rows lead (experts, Engram tables, embedding rows, RoPE rows)."""
+    dense = experts = 0
+    for name, array in uploads:
+        if ".ffn.experts." in name:
+            experts += array.nbytes
+        elif not (".engram.embed." in name or name == "embed.weight" or name.startswith("rope.")):
+            dense += array.nbytes
+    layers = sum(1 for s in cfg.layers if not s.is_dspark)
+    return WeightBytes(dense, experts // (layers * cfg.n_routed_experts),
+                       cfg.engram_head_dim + cfg.engram_head_dim // 32)
+
+
+def kv_read_bytes(cfg, case: Case, context: int) -> int:
+    """KV bytes a step must read (a floor): per sequence and layer its SWA window (+ the block's
+    earlier rows), top-k gathered entries of the compressed cache, and the index keys its
+    indexer scores (the candidate blocks only on candidate-masked layers)."""
+    total = 0
+    for spec in cfg.layers:
+        if spec.is_dspark:
+            continue
+        total += min(context, cfg.sliding_window + case.block - 1) * KV_RECORD_BYTES
+        if spec.ratio:
+            total += min(cfg.index_topk, context // spec.ratio) * KV_RECORD_BYTES
+        if spec.has_indexer:
+            entries = context // cfg.layer(spec.kv_source).ratio
+            if spec.uses_candidates:
+                entries = min(entries, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+            total += entries * INDEX_RECORD_BYTES
+    return case.seqs * total
+
+
+def step_bytes(cfg, weights: WeightBytes, case: Case, context: int, distinct: list[int]) -> int:
+    engram = 0
+    if cfg.engram_layer_ids:
+        cols = cfg.rank_shapes(TP).engram_hash_cols
+        engram = len(cfg.engram_layer_ids) * case.rows * cols * weights.engram_row
+    embed = case.rows * cfg.hidden_size * 2
+    return (weights.dense + weights.per_expert * sum(distinct) + engram + embed
+            + kv_read_bytes(cfg, case, context))
+
+
+def allreduce_us(rows: int, measured: dict[int, float] | None = None) -> float:
+    """One one-shot all-reduce at `rows`, interpolated in rows between measured points."""
+    table = measured or ONESHOT_US
+    xs = sorted(table)
+    return float(np.interp(rows, xs, [table[x] for x in xs]))
+
+
+# ---- the rank's memory ----------------------------------------------------------------------------
+
+def host_contents(cfg, seed: int = SEED):
+    """(requests, uploads, seconds): the rank's arena contents from synthetic weights."""
+    from loader.synth import synth_fetch
+
+    t0 = time.perf_counter()
+    fetch = synth_fetch(cfg, seed, TP, RANK)
+    requests, uploads = arena_contents(cfg, TP, RANK, fetch, MAX_ROWS, BENCH_MODULES,
+                                       representatives(cfg))
+    return requests, uploads, time.perf_counter() - t0
+
+
+def upload_all(arena, uploads) -> None:
+    """H2D once per distinct array; the layers sharing it get a device-to-device copy."""
+    first: dict[int, str] = {}
+    for name, array in uploads:
+        source = first.get(id(array))
+        if source is None:
+            arena.upload(name, array)
+            first[id(array)] = name
+        else:
+            nbytes = array.nbytes
+            arena.view(name, np.uint8, (nbytes,))[...] = arena.view(source, np.uint8, (nbytes,))
+
+
+def role_groups(built) -> dict[str, list]:
+    """Stage role -> its launches over the whole step, in step order."""
+    groups: dict[str, list] = {}
+    for stage, specs in built:
+        groups.setdefault(stage.range_name, []).extend(specs)
+    return groups
+
+
+def without_pdl(specs) -> list:
+    from executor.launch import LaunchSpec
+
+    return [LaunchSpec(s.kernel, s.grid, s.args, pdl=False, smem=s.smem, cluster=s.cluster)
+            for s in specs]
+
+
+# ---- the benchmark (GPU) --------------------------------------------------------------------------
+
+def find_bundle(ctx, cfg):
+    """The loaded bundle built for `cfg`: its Engram hash kernels carry cfg's primes."""
+    names = [engram_kernel_ref.make_hash_spec(cfg, i) for i in cfg.engram_layer_ids]
+    for bundle in ctx.bundles.values():
+        records = bundle.manifest.kernels
+        if all(s.name in records and list((records[s.name].spec or {}).get("primes", ())) ==
+               list(s.primes) for s in names) and "residual_add_bf16_bf16_d5120" in records:
+            return bundle
+    raise LookupError("step benchmark: no loaded bundle is built for the benchmark config "
+                      "(build it: python -m executor.bench_step --write-config "
+                      "build/v41-flash-bench-step.json, then python -m kernels.build --config "
+                      "build/v41-flash-bench-step.json --tp 4 --out "
+                      "build/bundle-v41-bench-step-tp4)")
+
+
+class DeviceStep:
+    """Rank 0's arena, bound caller tensors and wired plan on the device."""
+
+    def __init__(self, ctx, cfg, bundle):
+        import cupy as cp
+
+        from executor.runtime import Arena
+
+        self.cp, self.cfg, self.stream = cp, cfg, ctx.stream
+        requests, uploads, self.pack_s = host_contents(cfg)
+        self.weights = weight_bytes(cfg, uploads)
+        t0 = time.perf_counter()
+        self.arena = Arena(ctx.device, requests)
+        self.arena.zero()
+        upload_all(self.arena, uploads)
+        del uploads
+        self.geometry = cache_geometry(cfg)
+        rules = binding_rules(cfg, TP, self.geometry, MAX_ROWS)
+        self.tensors = {n: cp.zeros(r.shape, np.dtype(r.dtype)) for n, r in rules.items()}
+        for name, keys in self.tensors.items():
+            if name.startswith("index_keys_"):   # finite FP8 codes (no 0x7F/0xFF), scale 1.0
+                keys[...] = cp.random.randint(0, 256, keys.shape, dtype=cp.uint8) & 0x77
+                keys[:, 128:132] = cp.asarray(np.float32(1.0).tobytes(), cp.uint8)
+        cp.get_default_memory_pool().free_all_blocks()
+        cp.cuda.Device().synchronize()
+        self.upload_s = time.perf_counter() - t0
+        bound = {n: int(t.data.ptr) for n, t in self.tensors.items()}
+        step = StepContext(cfg, TP, RANK, bundle, self.arena, bound, MAX_ROWS,
+                           geometry=self.geometry)
+        self.plan = wire(decode_plan(cfg), step, BENCH_MODULES)
+        self.plan.require_complete()
+
+    def load(self, case: Case, context: int, seed: int = SEED) -> None:
+        from executor.emulate.ranks import fill_caller_tensors
+
+        rows, history = row_batch(self.cfg, self.geometry, case, context,
+                                  np.random.default_rng(seed))
+        host = {n: np.zeros(self.tensors[n].shape, self.tensors[n].dtype)
+                for n in metadata_names(self.cfg, self.geometry)}
+        fill_caller_tensors(host, rows, history=history)
+        for name, array in host.items():
+            self.tensors[name].set(array)
+        self.cp.cuda.Device().synchronize()
+
+    def distinct_experts(self, built, rows: int) -> list[int]:
+        """Run the step eagerly stage by stage; after each router, the distinct experts it
+        picked for the `rows` rows (a host read: this pass is not timed)."""
+        k = self.cfg.num_experts_per_tok
+        out = []
+        for stage, specs in built:
+            for spec in specs:
+                spec.launch(self.stream)
+            if stage.range_name == "ffn.router":
+                self.stream.synchronize()
+                ids = self.arena.download("ffn.topk_ids", np.int32, (rows, k))
+                if ids.min() < 0 or ids.max() >= self.cfg.n_routed_experts:
+                    raise RuntimeError(f"{stage.name}: expert ids outside 0.."
+                                       f"{self.cfg.n_routed_experts - 1}: {np.unique(ids)}")
+                out.append(len(np.unique(ids)))
+        self.stream.synchronize()
+        return out
+
+    def nonfinite(self, rows: int) -> int:
+        from kernels.common_ref import BF16
+
+        hidden = self.arena.download("hidden", BF16, (rows, self.cfg.hidden_size))
+        return int(np.count_nonzero(~np.isfinite(hidden.astype(np.float32))))
+
+    def close(self) -> None:
+        self.tensors.clear()
+        self.arena.close()
+
+
+def _capture(stream, specs):
+    from executor.graphs import Graph
+
+    with Graph.capture(stream) as graph:
+        for spec in specs:
+            spec.launch(stream)
+    return graph
+
+
+def _measured_allreduce(ctx) -> dict[int, float] | None:
+    """The collectives benchmark's one-shot floor from this run, when it ran first."""
+    found = {}
+    for row in ctx.metric_rows:
+        for rows in ONESHOT_US:
+            if row.metric == ONESHOT_METRIC.format(rows):
+                found[rows] = row.value
+    return found if len(found) >= 2 else None
+
+
+def bench_step(ctx) -> None:
+    """The whole-rank step per bucket and context (see the module docstring)."""
+    cfg = bench_config()
+    bundle = find_bundle(ctx, cfg)
+    ar_table = _measured_allreduce(ctx)
+    ar_source = "this run" if ar_table else "docs/perf.md run 16"
+    t0 = time.perf_counter()
+    dev = DeviceStep(ctx, cfg, bundle)
+    ctx.metric("step: host packing of the representative layers (8 of 40)", dev.pack_s, "s")
+    ctx.metric("step: arena upload + cache set-up", dev.upload_s, "s")
+    ctx.metric("step: dense weight bytes per step", dev.weights.dense / 1e9, "GB")
+    lines = []
+    try:
+        for case in CASES[:2] if ctx.quick else CASES:
+            lines += _bench_case(ctx, dev, case, cfg, ar_table)
+    finally:
+        dev.close()
+    ctx.metric("step: benchmark wall time", time.perf_counter() - t0, "s")
+    header = (f"{'R':>4s} {'ctx':>4s} {'graph us':>9s} {'+AR us':>8s} {'no-PDL g':>9s} "
+              f"{'eager':>8s} {'eager-noPDL':>11s} {'GB read':>8s} {'GB/s':>6s} {'%4.8':>5s} "
+              f"{'floor us':>8s} {'doc floor':>9s} {'experts':>7s}")
+    print(f"step benchmark (rank 0 of TP4, 1 GPU; + AR: {ALLREDUCES} one-shot calls from "
+          f"{ar_source})\n" + header + "\n" + "\n".join(lines), flush=True)
+
+
+def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
+    built = dev.plan.launches(case.rows)
+    specs = [s for _, group in built for s in group]
+    plain = without_pdl(specs)
+    graphs = {"pdl": _capture(dev.stream, specs), "plain": _capture(dev.stream, plain)}
+    roles = {role: _capture(dev.stream, group) for role, group in role_groups(built).items()
+             if group}
+    timer, lines = ctx.timer, []
+    try:
+        for context in CONTEXTS:
+            dev.load(case, context)
+            distinct = dev.distinct_experts(built, case.rows)
+            times = {name: timer.median_us(lambda g=g: g.launch(dev.stream), reps=GRAPH_REPS)
+                     for name, g in graphs.items()}
+            for name, group in (("eager", specs), ("eager_plain", plain)):
+                times[name] = timer.median_us(lambda group=group: _eager(group, dev.stream),
+                                              reps=EAGER_REPS, warmup=1)
+            tag = f"step R={case.rows} ctx={context // 1024}k"
+            nbytes = step_bytes(cfg, dev.weights, case, context, distinct)
+            row = ctx.bandwidth("step graph (rank 0 of TP4)", f"R{case.rows} {context // 1024}k",
+                                case.rows, times["pdl"], nbytes)
+            with_ar = times["pdl"] + ALLREDUCES * allreduce_us(case.rows, ar_table)
+            target = TARGET_MS.get(case.rows)
+            ctx.metric(f"{tag}: graph replay", times["pdl"], "us")
+            ctx.metric(f"{tag}: graph + AR (measured one-shot, {ALLREDUCES} calls)", with_ar, "us",
+                       f"<= {target * 1e3:.0f}" if target else "",
+                       with_ar <= target * 1e3 if target else None)
+            ctx.metric(f"{tag}: graph without PDL", times["plain"], "us")
+            ctx.metric(f"{tag}: eager with PDL", times["eager"], "us")
+            ctx.metric(f"{tag}: eager without PDL", times["eager_plain"], "us")
+            floor = nbytes / HBM_BYTES_PER_S * 1e6
+            ctx.metric(f"{tag}: HBM floor of its bytes at 4.8 TB/s", floor, "us")
+            ctx.metric(f"{tag}: distinct experts per layer (mean)", statistics.mean(distinct), "")
+            ctx.metric(f"{tag}: non-finite values in the final hidden state",
+                       dev.nonfinite(case.rows), "")
+            for role, graph in roles.items():
+                us = timer.median_us(lambda g=graph: g.launch(dev.stream), reps=GRAPH_REPS)
+                ctx.metric(f"{tag}: role {role} (its launches alone, graph)", us, "us")
+            doc = DOC_FLOOR_MS.get(case.rows)
+            lines.append(f"{case.rows:>4d} {context // 1024:>3d}k {times['pdl']:>9.1f} "
+                         f"{with_ar:>8.1f} {times['plain']:>9.1f} {times['eager']:>8.1f} "
+                         f"{times['eager_plain']:>11.1f} {nbytes / 1e9:>8.2f} {row.gbps:>6.0f} "
+                         f"{row.pct_hbm:>5.1f} {floor:>8.1f} "
+                         f"{f'{doc * 1e3:.0f}' if doc else '-':>9s} "
+                         f"{statistics.mean(distinct):>7.1f}")
+    finally:
+        for graph in [*graphs.values(), *roles.values()]:
+            graph.close()
+    return lines
+
+
+def _eager(specs, stream) -> None:
+    for spec in specs:
+        spec.launch(stream)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m executor.bench_step",
+                                     description="write the step benchmark's model config")
+    parser.add_argument("--write-config", required=True, help="config.json path to write")
+    args = parser.parse_args(argv)
+    bench_config().to_json(args.write_config)
+    print(f"wrote {args.write_config}: build its bundle with python -m kernels.build --config "
+          f"{args.write_config} --tp 4 --out build/bundle-v41-bench-step-tp4")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The step benchmark's host path at tiny scale, without a GPU (executor/bench_step.py).
+
+Synthetic weights without a file equal a synthesized checkpoint's; representative layers packed
+once give the same arena bytes as every layer packed; the tiled experts equal packing an aliasing
+fetch; the local collectives wire and copy; every bucket's launch list builds against the tiny
+manifest (LaunchSpec validates each launch against its kernel's ABI), and the one-rank step with
+the stand-ins runs under the emulator with a finite result.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from executor import bench_step as bs
+from executor.bind import binding_rules
+from executor.emulate import bind_host, run_lockstep
+from executor.emulate.ranks import caller_tensors, fill_caller_tensors
+from executor.hostmem import AddressSpace, HostArena, ManifestBundle
+from executor.plan import Plan, decode_plan
+from executor.stages import ffn, ffn_tiled
+from executor.wiring import StepContext, arena_contents, representatives, wire
+from kernels.common_ref import BF16
+from loader.checkpoint import Checkpoint
+from loader.config import ModelConfig
+from loader.sharding import shard
+from loader.synth import slice_config, synth, synth_fetch
+
+TINY_CONTEXTS = (40, 300)          # tiny: window 16, max_position_embeddings 1024
+LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ModelConfig.preset("tiny")
+
+
+def _aliasing(fetch, layer_map):
+    """A fetch where every layer's tensors are its representative's (same role, same values)."""
+    def aliased(name):
+        m = LAYER.fullmatch(name)
+        if m and int(m[1]) in layer_map:
+            name = f"layers.{layer_map[int(m[1])]}.{m[2]}"
+        return fetch(name)
+    return aliased
+
+
+def test_synth_fetch_equals_a_synthesized_checkpoint(tmp_path, tiny):
+    synth(tiny, tmp_path, seed=7, layers=3, progress=False)
+    cfg = slice_config(tiny, 3)
+    with Checkpoint.open(tmp_path, progress=False) as ckpt:
+        for rank in range(4):
+            fetch = synth_fetch(cfg, 7, 4, rank)
+            for name in ckpt.names:
+                want = shard(ckpt, ckpt.spec(name), 4, rank)
+                got = fetch(name)
+                assert got.dtype == want.dtype and got.shape == want.shape, name
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (name, rank)
+    with pytest.raises(KeyError, match="layers.9.attn.wq_b.weight"):
+        synth_fetch(cfg, 7, 4, 0)("layers.9.attn.wq_b.weight")
+    with pytest.raises(ValueError, match="rank 4"):
+        synth_fetch(cfg, 7, 4, 4)
+
+
+def test_representatives_group_layers_by_role(tiny):
+    v41 = ModelConfig.preset("v41-flash")
+    reps = representatives(v41)
+    assert sorted(set(reps.values())) == [0, 1, 2, 3, 14, 20, 21, 24]
+    assert reps[8] == 2 and reps[39] == 21 and reps[36] == 24 and reps[19] == 3
+    for cfg in (tiny, v41):
+        reps = representatives(cfg)
+        assert sorted(reps) == [s.index for s in cfg.layers if not s.is_dspark]
+        for layer, rep in reps.items():
+            a, b = cfg.layer(layer), cfg.layer(rep)
+            assert rep <= layer and reps[rep] == rep
+            assert (a.ratio, a.mode, a.has_indexer, a.has_engram, a.owns_compressor,
+                    a.uses_candidates) == (b.ratio, b.mode, b.has_indexer, b.has_engram,
+                                           b.owns_compressor, b.uses_candidates)
+
+
+def test_layer_map_arena_equals_every_layer_packed(tiny):
+    layer_map = representatives(tiny)
+    assert layer_map != {k: k for k in layer_map}         # tiny has shared roles (5->3, 9->7)
+    fetch = synth_fetch(tiny, 11, 4, 2)
+    full_req, full_up = arena_contents(tiny, 4, 2, _aliasing(fetch, layer_map), 16,
+                                       bs.BENCH_MODULES)
+    req, up = arena_contents(tiny, 4, 2, fetch, 16, bs.BENCH_MODULES, layer_map)
+    assert sorted(r[:2] for r in req) == sorted(r[:2] for r in full_req)
+    full = dict(full_up)
+    assert sorted(full) == sorted(name for name, _ in up)
+    for name, array in up:
+        assert array.dtype == full[name].dtype and array.shape == full[name].shape, name
+        assert np.array_equal(array.view(np.uint8), full[name].view(np.uint8)), name
+    # the copies are the representative's array object, not new arrays
+    ids = {name: id(a) for name, a in up}
+    assert ids["layers.5.attn.wq_b.weight"] == ids["layers.3.attn.wq_b.weight"]
+    assert ids["layers.9.ffn.experts.codes13"] == ids["layers.7.ffn.experts.codes13"]
+
+
+def test_layer_map_refuses_bad_maps(tiny):
+    fetch = synth_fetch(tiny, 0, 4, 0)
+    good = representatives(tiny)
+    bad_maps = {"covers": {k: v for k, v in good.items() if k != 4},
+                "not a representative": {**good, 5: 2}}
+    for match, layer_map in bad_maps.items():
+        with pytest.raises(ValueError, match=match):
+            arena_contents(tiny, 4, 0, fetch, 8, bs.BENCH_MODULES, layer_map)
+    with pytest.raises(TypeError, match="stage_norm_probe.weights"):
+        arena_contents(tiny, 4, 0, fetch, 8, ("stage_norm_probe",), good)
+
+
+def test_tiled_experts_equal_packing_an_aliasing_fetch(tiny):
+    fetch = synth_fetch(tiny, 3, 4, 1)
+    expert = re.compile(r"(layers\.\d+\.ffn\.experts\.)(\d+)(\..*)")
+
+    def aliased(name):
+        m = expert.fullmatch(name)
+        return fetch(f"{m[1]}{int(m[2]) % 8}{m[3]}" if m else name)
+
+    want = dict(ffn.weights(tiny, 4, 1, aliased, layers=[2, 5]))
+    got = dict(ffn_tiled.weights(tiny, 4, 1, fetch, layers=[2, 5], unique=8))
+    assert sorted(got) == sorted(want)
+    for name, array in want.items():
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
+        assert np.array_equal(got[name].view(np.uint8), array.view(np.uint8)), name
+    with pytest.raises(ValueError, match="whole number of repeats"):
+        list(ffn_tiled.weights(tiny, 4, 1, fetch, unique=6))
+
+
+def test_bench_config_cuts_only_the_engram_tables(tiny):
+    v41 = ModelConfig.preset("v41-flash")
+    cfg = bs.bench_config(v41)
+    assert cfg.engram_vocab_size == bs.BENCH_ENGRAM_VOCAB
+    assert all(16384 * 24 < rows < 17000 * 24 for rows in cfg.engram_num_embeddings)
+    assert all(384e6 < rows for rows in v41.engram_num_embeddings)
+    same = {k: v for k, v in cfg.to_dict().items()
+            if not k.startswith(("engram_vocab_size", "engram_num_embeddings"))}
+    assert same == {k: v for k, v in v41.to_dict().items() if k in same}
+    assert bs.bench_config(tiny) is tiny              # tiny's tables are small already
+
+
+class TinyRank:
+    """Rank 0 of tiny on a HostArena with the benchmark's modules, weights and caches."""
+
+    def __init__(self, cfg, bundle_dir):
+        self.cfg, self.space = cfg, AddressSpace()
+        self.geometry = bs.cache_geometry(cfg, contexts=TINY_CONTEXTS)
+        fetch = synth_fetch(cfg, 0, bs.TP, bs.RANK)
+        requests, self.uploads = arena_contents(cfg, bs.TP, bs.RANK, fetch, bs.MAX_ROWS,
+                                                bs.BENCH_MODULES, representatives(cfg))
+        self.arena = HostArena(self.space, requests)
+        for name, array in self.uploads:
+            self.arena.upload(name, array)
+        self.tensors = caller_tensors(cfg, bs.TP, self.geometry, bs.MAX_ROWS)
+        bound = bind_host(self.space, self.tensors)
+        self.ctx = StepContext(cfg, bs.TP, bs.RANK, ManifestBundle(bundle_dir), self.arena,
+                               bound, bs.MAX_ROWS, geometry=self.geometry)
+        self.plan = wire(decode_plan(cfg), self.ctx, bs.BENCH_MODULES)
+
+    def load(self, case, context):
+        rows, history = bs.row_batch(self.cfg, self.geometry, case, context,
+                                     np.random.default_rng(case.rows))
+        fill_caller_tensors(self.tensors, rows, history=history)
+
+
+@pytest.fixture(scope="module")
+def tiny_rank(tiny, tiny_bundle_dir):
+    return TinyRank(tiny, tiny_bundle_dir)
+
+
+def test_every_bucket_builds_its_launches(tiny_rank):
+    tiny_rank.plan.require_complete()
+    names = set(binding_rules(tiny_rank.cfg, bs.TP, tiny_rank.geometry, bs.MAX_ROWS))
+    assert set(bs.metadata_names(tiny_rank.cfg, tiny_rank.geometry)) < names
+    counts = {}
+    for case in bs.CASES:
+        for context in TINY_CONTEXTS:
+            tiny_rank.load(case, context)               # RowBatch validates the metadata
+        built = tiny_rank.plan.launches(case.rows)
+        specs = [s for _, group in built for s in group]
+        plain = bs.without_pdl(specs)
+        assert all(s.pdl for s in specs) and not any(s.pdl for s in plain)
+        assert [(s.kernel.name, s.grid, s.args) for s in plain] == \
+            [(s.kernel.name, s.grid, s.args) for s in specs]
+        groups = bs.role_groups(built)
+        assert sum(len(g) for g in groups.values()) == len(specs)
+        assert groups["engram.heads_allgather"] == [] and groups["tail.argmax_pick"] == []
+        counts[case.rows] = len(specs)
+    assert min(counts.values()) > 10 * tiny_rank.cfg.num_hidden_layers
+
+
+def test_local_allreduce_copies_the_partial(tiny_rank):
+    rows, d = 6, tiny_rank.cfg.hidden_size
+    partial = np.random.default_rng(1).standard_normal((rows, d)).astype(BF16)
+    tiny_rank.space.array(tiny_rank.ctx.ptr("ffn.partial"), BF16, (rows, d))[...] = partial
+    out = tiny_rank.space.array(tiny_rank.ctx.ptr("ffn.out"), BF16, (rows, d))
+    out[...] = np.nan
+    stage = tiny_rank.plan.stage("layer03.ffn.allreduce")
+    run_lockstep([Plan([stage])], rows, tiny_rank.space)
+    assert np.array_equal(out.view(np.uint16), partial.view(np.uint16))
+
+
+def test_one_rank_step_with_the_stand_ins_runs_finite(tiny_rank):
+    case = bs.CASES[2]                                   # one verify block of 6 rows
+    tiny_rank.load(case, TINY_CONTEXTS[1])
+    hidden = tiny_rank.space.array(tiny_rank.ctx.ptr("hidden"), BF16,
+                                   (case.rows, tiny_rank.cfg.hidden_size))
+    hidden[...] = np.nan
+    run_lockstep([tiny_rank.plan], case.rows, tiny_rank.space)
+    assert np.isfinite(hidden.astype(np.float32)).all()
+
+
+def test_step_bytes(tiny_rank):
+    cfg = tiny_rank.cfg
+    weights = bs.weight_bytes(cfg, tiny_rank.uploads)
+    experts = sum(a.nbytes for n, a in tiny_rank.uploads if ".ffn.experts." in n)
+    assert weights.per_expert * cfg.num_hidden_layers * cfg.n_routed_experts == experts
+    assert weights.dense > 0 and weights.engram_row == cfg.engram_head_dim * 33 // 32
+    case = bs.CASES[0]
+    # at a context inside the window: SWA only on the ratio-0 layers, plus compressed gathers
+    # and index scans elsewhere; the bytes grow with the context and with the sequences
+    small, large = (bs.kv_read_bytes(cfg, case, t) for t in TINY_CONTEXTS)
+    assert 0 < small < large
+    assert bs.kv_read_bytes(cfg, bs.CASES[3], 300) > bs.kv_read_bytes(cfg, bs.CASES[2], 300)
+    # T = 1: one SWA record per layer; ratio-1 layers gather their one entry, indexers over a
+    # ratio-1 source score one key; ratio-2 layers have no entry yet
+    backbone = [s for s in cfg.layers if not s.is_dspark]
+    want = 584 * (len(backbone) + sum(s.ratio == 1 for s in backbone)) + 132 * sum(
+        s.has_indexer and cfg.layer(s.kv_source).ratio == 1 for s in backbone)
+    assert bs.kv_read_bytes(cfg, case, 1) == want
+    total = bs.step_bytes(cfg, weights, case, 40, [3] * cfg.num_hidden_layers)
+    assert total > weights.dense + 3 * cfg.num_hidden_layers * weights.per_expert
+    assert bs.allreduce_us(1) == 3.0 and bs.allreduce_us(192) == 8.1
+    assert 3.0 < bs.allreduce_us(6) < 3.5
