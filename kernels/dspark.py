@@ -9,9 +9,10 @@ inside the captured round, so they read the device-side counts and never the hos
 - rollback: one CTA per row, 256 threads of four fp32 NaN each over the 1024-wide ring row;
 - markov: one CTA per 256 local vocab columns, one column a thread; per sequence the w1 row of
   `prev` goes to shared memory (fp32), each thread sums its column's m products in order (w2 as
-  16-byte loads), thread 0 scans the 256 results in column order (ties to the lower index,
-  np.argmax's first maximum) into partials; the last CTA (an acq_rel counter) reduces the tiles
-  in order into the pairs and re-zeroes the counter.
+  16-byte loads); the best (larger value, then lower index: a strict order, so np.argmax's first
+  maximum whatever the reduction order) by warp butterflies, then thread 0 over the 8 warps, into
+  partials; the last CTA (an acq_rel counter) reduces the tiles, a warp per sequence, into the
+  pairs and re-zeroes the counter.
 Nothing precedes the PDL wait: every input is an earlier kernel's output (or the previous
 step's), and the outputs may still be read by the previous step's kernels.
 """
@@ -33,13 +34,14 @@ from kernels.dspark_ref import (
     markov_specs_for,
     specs_for,
 )
-from kernels.mhc import atomic_add_acq_rel, bf16x2_to_f32, fence_gpu
+from kernels.mhc import atomic_add_acq_rel, bf16x2_to_f32, fence_gpu, shfl_xor_i32
 from kernels.ptx import (
     ld_f32,
     ld_f32_gpu,
     ld_v4_u32,
     lds_f32,
     lds_s32,
+    shfl_xor_f32,
     st_f32,
     st_s32,
     sts_f32,
@@ -48,6 +50,8 @@ from kernels.ptx import (
 
 VEC = BF16_PER_VECTOR
 ONE = (1,)
+WARP = 32
+WARPS = CTA_THREADS // WARP
 
 
 @cute.jit
@@ -69,6 +73,19 @@ def _block_start(seq_index: cute.Pointer, r: Int32, seq: Int32, max_block: int) 
             if _load(seq_index, first - 1) == seq:
                 first -= 1
     return first
+
+
+@cute.jit
+def _warp_best(value: Float32, index: Int32):
+    """The warp's best (value, index): larger value, then lower index. A strict total order on
+    distinct indices, so the butterfly's result does not depend on the exchange order and is
+    np.argmax's first maximum."""
+    for sh in cutlass.range_constexpr(5):
+        other_v = shfl_xor_f32(value, 16 >> sh)
+        other_i = shfl_xor_i32(index, 16 >> sh)
+        if other_v > value or (other_v == value and other_i < index):
+            value, index = other_v, other_i
+    return value, index
 
 
 class AuxSm90:
@@ -212,7 +229,7 @@ class MarkovSm90:
     def __init__(self, spec: MarkovSpec):
         self.spec = spec
         self.best_offset = 4 * spec.rank                # smem: w1 row | bests | flag
-        self.flag_offset = self.best_offset + 8 * CTA_THREADS
+        self.flag_offset = self.best_offset + 8 * WARPS
 
     @cute.jit
     def __call__(self, base: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer,
@@ -252,11 +269,12 @@ class MarkovSm90:
             cute.arch.sync_threads()
             if lds_s32(sbase + self.flag_offset) != 0:  # the last CTA: reduce the tiles
                 fence_gpu()
-                s = tidx
-                while s < seqs:
+                warp, lane = tidx // WARP, tidx % WARP
+                s = warp
+                while s < seqs:                         # a warp per sequence
                     if _load(prev, s) >= 0:
-                        self._reduce(partials, pairs, s, vocab_offset)
-                    s += CTA_THREADS
+                        self._reduce(partials, pairs, s, lane, vocab_offset)
+                    s += WARPS
                 if tidx == 0:
                     st_s32(counter.toint(), Int32(0))
 
@@ -288,13 +306,16 @@ class MarkovSm90:
             row = Int64(s * spec.steps + step)
             best = ld_f32(base.toint() + (row * spec.vocab + v) * 4) + acc
             best_i = v
-        sts_f32(sbase + self.best_offset + tidx * 4, best)
-        sts_s32(sbase + self.best_offset + (CTA_THREADS + tidx) * 4, best_i)
+        best, best_i = _warp_best(best, best_i)
+        warp, lane = tidx // WARP, tidx % WARP
+        if lane == 0:
+            sts_f32(sbase + self.best_offset + warp * 4, best)
+            sts_s32(sbase + self.best_offset + (WARPS + warp) * 4, best_i)
         cute.arch.sync_threads()
         if tidx == 0:
-            for t in range(1, CTA_THREADS):
-                value = lds_f32(sbase + self.best_offset + t * 4)
-                index = lds_s32(sbase + self.best_offset + (CTA_THREADS + t) * 4)
+            for w in cutlass.range_constexpr(1, WARPS):
+                value = lds_f32(sbase + self.best_offset + w * 4)
+                index = lds_s32(sbase + self.best_offset + (WARPS + w) * 4)
                 if value > best or (value == best and index < best_i):
                     best, best_i = value, index
             out = partials.toint() + (Int64(s) * spec.tiles + tile) * 8
@@ -303,18 +324,23 @@ class MarkovSm90:
         cute.arch.sync_threads()                        # smem is reused by the next sequence
 
     @cute.jit
-    def _reduce(self, partials: cute.Pointer, pairs: cute.Pointer, s: Int32,
+    def _reduce(self, partials: cute.Pointer, pairs: cute.Pointer, s: Int32, lane: Int32,
                 vocab_offset: Int32):
+        """The tiles' bests of sequence s (lanes stride over the tiles) -> pairs[s]."""
         spec = self.spec
         row = partials.toint() + Int64(s) * (spec.tiles * 8)
-        best, best_i = ld_f32_gpu(row), Int32(ld_f32_gpu(row + 4))
-        for t in range(1, spec.tiles):
+        best, best_i = Float32(-float("inf")), Int32(0x7FFFFFFF)
+        t = lane
+        while t < spec.tiles:
             value, index = ld_f32_gpu(row + t * 8), Int32(ld_f32_gpu(row + t * 8 + 4))
             if value > best or (value == best and index < best_i):
                 best, best_i = value, index
-        out = pairs.toint() + Int64(s) * 8
-        st_f32(out, best)
-        st_s32(out + 4, best_i + vocab_offset)
+            t += WARP
+        best, best_i = _warp_best(best, best_i)
+        if lane == 0:
+            out = pairs.toint() + Int64(s) * 8
+            st_f32(out, best)
+            st_s32(out + 4, best_i + vocab_offset)
 
 
 _KERNELS = {AuxSpec: AuxSm90, AcceptSpec: AcceptSm90, RollbackSpec: RollbackSm90,

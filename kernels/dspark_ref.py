@@ -52,8 +52,9 @@ Markov correction, step i of k (draft step, after the base logits U):
   writes ids (the last draft). A negative prev marks a padding sequence of the bucket: only its
   ids row is written. One CTA per 256 vocab columns (w2 is read once per step whatever S is);
   each CTA's best per sequence goes to `partials` f32 [S, tiles, 2] (value, index as f32: exact
-  below 2^24), the last CTA (by `counter`, u32, zero before and after every launch) reduces them
-  in tile order, ties to the lower index.
+  below 2^24), the last CTA (by `counter`, u32, zero before and after every launch) reduces them:
+  larger value, then lower index, a strict order, so any reduction order gives np.argmax's first
+  maximum (NaN logits are not ordered: the kernel never picks one).
   PTX ABI: (u64 base, u64 w1, u64 w2, u64 prev, u64 pairs, u64 ids, u64 partials, u64 counter,
   u32 step, u32 vocab_offset, u32 seqs).
 """
@@ -177,7 +178,7 @@ class MarkovSpec:
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * self.rank + 8 * CTA_THREADS + 16       # w1 row, the threads' bests, a flag
+        return 4 * self.rank + 8 * (CTA_THREADS // 32) + 16   # w1 row, the warps' bests, a flag
 
     def partials_bytes(self, max_seqs: int) -> int:
         return 8 * self.tiles * max_seqs
