@@ -121,9 +121,11 @@ def _fp8(fetch, name: str, n: int, k: int) -> list[tuple[str, np.ndarray]]:
     return [(name + ".weight", w), (name + ".scale", s)]
 
 
-def weights(cfg, tp: int, rank: int, fetch) -> list[tuple[str, np.ndarray]]:
-    """main_proj, main_norm and each stage's wq_a|wkv, q_norm and kv_norm (replicated)."""
-    del rank
+def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
+    """main_proj, main_norm, each stage's wq_a|wkv, q_norm and kv_norm (replicated), the Markov
+    head (w1 replicated, w2 this rank's vocab rows). `layers` selects backbone layers, of which
+    this module packs none: all of it is packed whatever `layers` says."""
+    del rank, layers
     stages = _stages(cfg)
     if not stages or not cfg.dspark_target_layer_ids:
         return []
