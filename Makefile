@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/hopdec demo
+demo: $(STAMP) bundle
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/hopdec demo --bundle $(BUNDLE)
 
 bundle: $(STAMP)
 	$(VPY) -m kernels.build --config tiny --tp 4 --out $(BUNDLE)

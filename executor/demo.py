@@ -1,11 +1,15 @@
-"""`hopdec demo`: the tiny model end to end on the NumPy reference: prefill, greedy DSpark decode.
+"""`hopdec demo`: the tiny model end to end: the NumPy reference (prefill, greedy DSpark decode),
+then the executor's own wired step on the CPU emulator, step by step beside the reference.
 
 Synthesizes the tiny checkpoint once (cached under ~/.cache/hopdec/checkpoints, or build/ when the
 home cache is not writable; the cache key hashes the synthesizer, schema and preset, so a changed
 synthesizer writes a new one), loads it at tensor parallelism 4 (per-rank weights, all-reduces
 summed in rank order), prefills a prompt and decodes with DSpark k = 5, printing every round's
-drafts, acceptance and times. The GPU executor is not used yet; the first line says whether this
-machine could run it.
+drafts, acceptance and times. Then, with a kernel bundle (`--bundle`, what `make demo` builds), it
+runs the executor's decode step as the GPU would receive it: every launch of the wired plan on
+four TP ranks, each kernel emulated by its NumPy reference (executor/emulate/), and prints its
+tokens and logits beside the reference's. The first line says whether this machine has an SM90
+GPU; the demo itself runs on the CPU.
 """
 from __future__ import annotations
 
@@ -29,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, help="use this checkpoint directory instead")
     parser.add_argument("--exact", action="store_true",
                         help="no FP8 activation / KV quantization, plain MXFP4 experts")
+    parser.add_argument("--bundle", default=None,
+                        help="tiny TP4 kernel bundle: also run the executor's wired step on the "
+                             "CPU emulator (make demo passes build/bundle-tiny)")
+    parser.add_argument("--executor-steps", type=int, default=4,
+                        help="decode steps of the emulated executor (default 4)")
 
 
 def gpu_status() -> str:
@@ -43,8 +52,8 @@ def gpu_status() -> str:
         return f"no GPU usable here ({type(exc).__name__}); running the NumPy reference on the CPU."
     if (major, minor) != (9, 0):
         return f"GPU {name} is sm_{major}{minor}, not SM90: running the NumPy reference on the CPU."
-    return (f"SM90 GPU found ({name}): the GPU executor will run here once it exists; this demo "
-            f"runs the NumPy reference on the CPU.")
+    return (f"SM90 GPU found ({name}); this demo runs on the CPU (the reference, then the "
+            f"executor's launches emulated): tests/gpu and `hopdec devicecheck` use the GPU.")
 
 
 def _cache_key(seed: int) -> str:
@@ -124,8 +133,52 @@ def run(args: argparse.Namespace) -> int:
                                exact=args.exact)
     result = dspark.generate(model, caches, prompt, args.tokens)
     _report(result, len(prompt))
+    if args.bundle and not args.exact:
+        if args.tp != 4:
+            print(f"executor: the tiny bundle is built for tp=4; skipped at tp={args.tp}")
+        else:
+            _emulated_executor(ckpt, Path(args.bundle), model, prompt, args.executor_steps)
     ckpt.close()
     return 0
+
+
+def _emulated_executor(ckpt, bundle: Path, model, prompt: list[int], steps: int) -> None:
+    """The executor's wired decode step, emulated, teacher-forced beside the reference."""
+    from executor.emulate.ranks import EmulatedRanks
+    from executor.reference.kvcache import KVCaches
+    from executor.reference.prefill import prefill
+    from executor.reference.rows import RowBatch, RowBlock
+    from executor.reference.step import compressed_ids, decode_step, ngram_lookback
+    from kernels import engram_ref
+
+    cfg = model.cfg
+    caches = KVCaches.allocate(cfg, max_seqs=1, max_context=len(prompt) + steps + 16)
+    seq = list(prompt) + [prefill(model, caches, 0, prompt).next_token]
+    t0 = time.perf_counter()
+    ranks = EmulatedRanks(ckpt, bundle, model.tp, caches)
+    launches = sum(s.build is not None for s in ranks.plans[0].stages)
+    print(f"executor: {launches} wired stages per rank, 4 ranks, arenas "
+          f"{ranks.arenas[0].total_bytes / 2**20:.1f} MiB each ({time.perf_counter() - t0:.1f} s); "
+          f"each step emulated launch by launch on the CPU")
+    print("step | position | reference | executor | max |logit diff| | launches/rank | s")
+    for step in range(steps):
+        rows = RowBatch.from_blocks([RowBlock(0, len(seq) - 1, (seq[-1],), "decode")],
+                                    caches.block_tables, caches.ring_slots)
+        raw = ngram_lookback(rows, [np.asarray(seq, np.int64)], cfg.engram_max_ngram_size)
+        history = engram_ref.ngram_history(compressed_ids(cfg, raw), rows.positions,
+                                           cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
+        t = time.perf_counter()
+        ranks.load(rows, caches if step == 0 else None, history)
+        count = ranks.run(rows.num_rows) // model.tp
+        out = decode_step(model, rows, caches, [np.asarray(seq, np.int64)])
+        vocab_l = cfg.vocab_size // model.tp
+        logits = np.concatenate([ranks.read(r, "logits", np.float32, (192, vocab_l))[:1]
+                                 for r in range(model.tp)], axis=1)
+        token = int(ranks.read(0, "tokens", np.int64, (192,))[0])
+        diff = float(np.abs(logits.astype(np.float64) - out.logits).max())
+        print(f"{step:4d} | {len(seq) - 1:8d} | {int(out.tokens[0]):9d} | {token:8d} | "
+              f"{diff:19.3g} | {count:13d} | {time.perf_counter() - t:.1f}")
+        seq.append(int(out.tokens[0]))
 
 
 def _report(result, prompt_len: int) -> None:
