@@ -8,8 +8,8 @@ so every accepted count 0..5 occurs. The reference runs the verify forward (deco
 kept here to expose the streams at each target layer), then `verify_and_accept`'s bookkeeping per
 sequence: acceptance, `rollback_compressor_rings`, `write_context_kv`.
 
-The emulated ranks get the caller's rows and the caches as the target forward left them (the
-backbone's attention stages are not all wired yet, so the forward itself is the reference's),
+In the first test the emulated ranks get the caller's rows and the caches as the reference's
+target forward left them (isolating the DSpark stages from the forward's roundings),
 the greedy `tokens` and, at each target layer, the streams after its attn.mhc_pre; then they run
 the wired DSpark stages of decode_plan(cfg, dspark=True) in lockstep. Checked on every rank:
 - dspark.aux bitwise the reference's aux (sequential fp32 sum, exact * 0.25, one rounding);
@@ -20,7 +20,8 @@ the wired DSpark stages of decode_plan(cfg, dspark=True) in lockstep. Checked on
 - per DSpark stage: the kv half within 2 x dense_tolerance of the reference's wkv on the emulated
   main_x; the SWA records at the accepted rows bitwise the reference insert_swa composition on the
   emulated kv, and bitwise the reference caches' records wherever the emulated kv row equals the
-  reference's; every other slot (rejected rows, other lines) keeps its bytes;
+  one write_context_kv projected (from the reference's own main_x); every other slot (rejected
+  rows, other lines) keeps its bytes;
 - the draft step's Markov stages (draft_plan's dspark.markov0..k: local argmax + cross-rank pick,
   k times) on the reference's base logits U of the next draft block and the device's `bonus`:
   the next verify step's token_ids rows (bonus, d_1..d_k) equal reference draft()'s tokens; a
@@ -28,6 +29,11 @@ the wired DSpark stages of decode_plan(cfg, dspark=True) in lockstep. Checked on
   in fp32, the reference in float64: m 2^-24 sum |w1 w2| apart at most), after which that
   sequence's later drafts are not compared. (The draft stages' forward that produces U is not
   wired: the reference's U is written into `dspark.base`.)
+
+test_whole_verify_steps_accept_what_the_reference_accepts runs the whole wired verify step
+(every stage module: the target forward, the pick, then the DSpark stages) for the same two
+sequences over ROUNDS rounds, the emulated caches carried from round to round, against the
+reference's own verify_and_accept per sequence (see its docstring for the near-tie rule).
 """
 from __future__ import annotations
 
@@ -164,6 +170,10 @@ def _check_context(s: Round, rows, before, accepted, kvs):
         norm = ref_step.rms_norm(raw.astype(np.float32), lw0.vector("main_norm.weight"),
                                  cfg.rms_norm_eps)
         assert np.array_equal(main_x.astype(np.float32), norm), f"rank {r}: main_x"
+    # the main_x the reference's write_context_kv projected (aux of the verify rows, bitwise ours)
+    aux0 = s.ranks.read(0, "dspark.aux", BF16, (BUCKET, 3 * d)).astype(np.float32)
+    main_ref = ref_step.rms_norm(bf16_round(moe_ref.matmul_t(aux0, lw0.dense("main_proj"))),
+                                 lw0.vector("main_norm.weight"), cfg.rms_norm_eps)
     matched = 0
     for layer in (spec.index for spec in cfg.layers if spec.is_dspark):
         lw = s.model.ranks[0].layer(layer)
@@ -176,8 +186,9 @@ def _check_context(s: Round, rows, before, accepted, kvs):
         y = ra._norm(kv.astype(np.float32), lw.vector("attn.kv_norm.weight"), cfg.rms_norm_eps)
         entries = bf16_round(ra._rope(y[keep], rows.positions[keep], ra.rope_for(cfg, 0)))
         want_swa[slots[keep]] = kvrecord_ref.encode_kv_record(entries)
+        kv_true = ra._linear(main_ref, lw, "attn.wkv")     # what wrote the reference's record
         same = (kv[keep].astype(BF16).view(np.uint16)
-                == bf16_round(kv_ref[keep]).astype(BF16).view(np.uint16)).all(axis=1)
+                == kv_true[keep].astype(BF16).view(np.uint16)).all(axis=1)
         for r in range(TP):
             got = s.ranks.tensors[r][f"swa_{layer}"]
             np.testing.assert_array_equal(got, want_swa, err_msg=f"rank {r}: swa_{layer}")
@@ -298,3 +309,106 @@ def test_dspark_verify_rounds_match_the_reference(setup):
         accepted += [a for a, _ in want]
     # the comparison with write_context_kv's own records ran (rows whose kv matched bitwise)
     assert matched > 0, f"no context row matched the reference's kv bitwise ({accepted})"
+
+
+# ---- the whole verify step ----------------------------------------------------------------------
+
+LOGIT_BOUND = 0.25          # tests/test_emulate_step.py: emulated vs reference step logits
+
+
+class WholeStep:
+    """Every stage module (the whole target forward) plus the DSpark stages, 4 emulated ranks."""
+
+    def __init__(self, bundle_dir):
+        from executor.wiring import STAGE_MODULES
+
+        self.ckpt = ckpt = synth_tiny()
+        self.cfg = cfg = ckpt.config
+        self.model = ref_step.ReferenceModel(
+            cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
+        self.caches = KVCaches.allocate(cfg, max_seqs=2, max_context=128)
+        modules = (*STAGE_MODULES, "executor.stages.dspark")
+        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=modules)
+        for r, ctx in enumerate(self.ranks.contexts):
+            outputs = {"accepted": np.full(192, -1, np.int32), "bonus": np.full(192, -1, np.int64)}
+            self.ranks.tensors[r].update(outputs)
+            ctx.bound.update(bind_host(self.ranks.space, outputs, prefix=f"rank{r}.dspark."))
+        self.ranks.plans = [wire(decode_plan(cfg, dspark=True), ctx, modules)
+                            for ctx in self.ranks.contexts]
+        for plan in self.ranks.plans:
+            plan.require_complete()         # the whole verify step is wired
+
+
+@pytest.fixture(scope="module")
+def whole(dspark_bundle_dir):  # noqa: F811
+    return WholeStep(dspark_bundle_dir)
+
+
+def _written(cache: np.ndarray) -> np.ndarray:
+    return (cache != 0xFF).any(axis=1)
+
+
+def test_whole_verify_steps_accept_what_the_reference_accepts(whole):
+    """ROUNDS verify steps of 2 sequences through the whole wired step (caches carried by the
+    emulated ranks from round to round) vs the reference's verify_and_accept per sequence:
+    (accepted, bonus) equal on every rank, unless the reference's deciding row is a near tie
+    (top-2 margin <= LOGIT_BOUND), after which that sequence is no longer compared; the draft
+    stages' SWA slots written (context KV) and the ring rows rolled back (NaN) are the
+    reference's."""
+    s, cfg = whole, whole.cfg
+    rng = np.random.default_rng()
+    k = cfg.dspark_block_size
+    seqs = [ref_dspark.start_sequence(s.model, s.caches, line, random_prompt(rng, 9 + 4 * line))[0]
+            for line in range(2)]
+    live, first, compared = [True, True], True, 0
+    for rnd in range(ROUNDS):
+        drafts = [_drafts(rng, s, q, k)[0] for q in seqs]
+        rows = RowBatch.from_blocks(
+            [RowBlock(q.state_line, q.position, (q.bonus, *d), "verify")
+             for q, d in zip(seqs, drafts)], s.caches.block_tables, s.caches.ring_slots,
+            pad_to=BUCKET)
+        prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
+        s.ranks.load(rows, s.caches if first else None, _history(cfg, rows, prior))
+        first = False
+        s.ranks.run(rows.num_rows)
+        for q, (seq, d) in enumerate(zip(seqs, drafts)):
+            logits = ref_step.decode_step(
+                s.model, RowBatch.from_blocks([RowBlock(seq.state_line, seq.position,
+                                                        (seq.bonus, *d), "verify")],
+                                              s.caches.block_tables, s.caches.ring_slots),
+                s.caches.copy(), [np.array(seq.tokens, np.int64)]).logits
+            a, emitted = ref_dspark.verify_and_accept(s.model, s.caches, seq, d)
+            if not live[q]:
+                continue
+            top2 = np.sort(logits[a].astype(np.float64))[-2:]
+            for r in range(TP):
+                got = (int(s.ranks.read(r, "accepted", np.int32, (192,))[q]),
+                       int(s.ranks.read(r, "bonus", np.int64, (192,))[q]))
+                if got != (a, emitted[-1]):
+                    assert top2[1] - top2[0] <= LOGIT_BOUND, (
+                        f"round {rnd} rank {r} seq {q}: emulated (accepted, bonus) {got}, "
+                        f"reference {(a, emitted[-1])} at a top-2 margin {top2[1] - top2[0]}")
+                    live[q] = False
+            if live[q]:
+                compared += 1
+        for layer, ring in s.caches.ring.items():
+            for q in (q for q in range(2) if live[q]):
+                line = seqs[q].state_line
+                for r in range(TP):
+                    got = s.ranks.tensors[r][f"compressor_ring_{layer}"][line]
+                    assert np.array_equal(np.isnan(got).all(axis=1), np.isnan(ring[line]).all(
+                        axis=1)), f"round {rnd} rank {r} seq {q}: ring {layer} rollback"
+        for spec in cfg.layers:
+            if not spec.is_dspark:
+                continue
+            want = _written(s.caches.swa[spec.index])
+            for q in range(2):
+                if not live[q]:
+                    continue
+                line = seqs[q].state_line
+                mine = slice(line * s.caches.ring_slots, (line + 1) * s.caches.ring_slots)
+                for r in range(TP):
+                    got = _written(s.ranks.tensors[r][f"swa_{spec.index}"][mine])
+                    assert np.array_equal(got, want[mine]), (
+                        f"round {rnd} rank {r} seq {q}: swa_{spec.index} context slots")
+    assert compared > 0, "no sequence was compared"
