@@ -372,9 +372,10 @@ def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
             for name, group in (("eager", specs), ("eager_plain", plain)):
                 times[name] = timer.median_us(lambda group=group: _eager(group, dev.stream),
                                               reps=EAGER_REPS, warmup=1)
-            tag = f"step R={case.rows} ctx={context // 1024}k"
+            label = _context_label(context)
+            tag = f"step R={case.rows} ctx={label}"
             nbytes = step_bytes(cfg, dev.weights, case, context, distinct)
-            row = ctx.bandwidth("step graph (rank 0 of TP4)", f"R{case.rows} {context // 1024}k",
+            row = ctx.bandwidth("step graph (rank 0 of TP4)", f"R{case.rows} {label}",
                                 case.rows, times["pdl"], nbytes)
             with_ar = times["pdl"] + ALLREDUCES * allreduce_us(case.rows, ar_table)
             target = TARGET_MS.get(case.rows)
@@ -394,7 +395,7 @@ def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
                 us = timer.median_us(lambda g=graph: g.launch(dev.stream), reps=GRAPH_REPS)
                 ctx.metric(f"{tag}: role {role} (its launches alone, graph)", us, "us")
             doc = DOC_FLOOR_MS.get(case.rows)
-            lines.append(f"{case.rows:>4d} {context // 1024:>3d}k {times['pdl']:>9.1f} "
+            lines.append(f"{case.rows:>4d} {label:>4s} {times['pdl']:>9.1f} "
                          f"{with_ar:>8.1f} {times['plain']:>9.1f} {times['eager']:>8.1f} "
                          f"{times['eager_plain']:>11.1f} {nbytes / 1e9:>8.2f} {row.gbps:>6.0f} "
                          f"{row.pct_hbm:>5.1f} {floor:>8.1f} "
@@ -404,6 +405,10 @@ def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
         for graph in [*graphs.values(), *roles.values()]:
             graph.close()
     return lines
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}k" if context % 1024 == 0 else str(context)
 
 
 def _eager(specs, stream) -> None:

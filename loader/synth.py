@@ -41,6 +41,7 @@ layers at or below it (model doc §1.2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -210,9 +211,11 @@ class ValueSource:
 def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
     """fetch(name) -> rank `rank`'s slice of the tensor a synthetic checkpoint of `cfg` would hold.
 
-    The values `synth(cfg, out, seed)` writes, generated on demand without any file (the whole
-    tensor is drawn, then cut by `loader.sharding.shard`): a stage module's `weights()` can pack
-    a rank from it directly. An unknown name raises KeyError naming it.
+    The values `synth(cfg, out, seed)` writes, generated on demand without any file: a stage
+    module's `weights()` can pack a rank from it directly. A tensor cut along its rows whose
+    values are drawn row after row (`_drawn_by_rows`) is drawn only up to the rank's last row
+    (the first rows of a longer draw are the same values); any other is drawn whole and cut by
+    `loader.sharding.shard`. An unknown name raises KeyError naming it.
     """
     specs = {t.name: t for t in checkpoint_schema(cfg)}
     sharding.rank_range(next(iter(specs.values())), tp, rank)   # a bad tp or rank fails here
@@ -224,9 +227,23 @@ def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
         except KeyError:
             raise KeyError(f"synthetic {cfg.model_type} checkpoint (seed {seed}): no tensor "
                            f"{name!r} in the schema of this config") from None
+        cut = sharding.rank_range(spec, tp, rank)
+        if cut is not None and spec.split.dim == 0 and _drawn_by_rows(spec):
+            head = dataclasses.replace(spec, shape=(cut[1], *spec.shape[1:]))
+            return source(head)[cut[0]:]
         return sharding.shard(source(spec), spec, tp, rank)
 
     return fetch
+
+
+def _drawn_by_rows(spec: TensorSpec) -> bool:
+    """Whether rows [0, n) of the tensor are what drawing an n-row tensor gives: one sequential
+    draw in row-major order (normal / ones laws, MXFP4 codes), or an FP8 pair quantized per
+    32-row block (or per row) from such a draw, cut on whole blocks. MXFP4 scales are not
+    (their far groups are drawn after the whole spread)."""
+    if spec.fmt in (Fmt.BF16, Fmt.FP32):
+        return spec.init in ("normal", "ones")
+    return spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE, Fmt.MXFP4)
 
 
 # ---- writing -------------------------------------------------------------------------------------
