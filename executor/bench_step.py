@@ -114,6 +114,12 @@ def row_batch(cfg, geometry: CacheGeometry, case: Case, context: int, rng):
     return rows, history
 
 
+def bound_rules(cfg, geometry) -> dict:
+    """The caller tensors the benchmark binds: the required ones (no `logits`: bound, it would
+    add the logits-mode lm_head, 331 MB more per step, which greedy decoding does not run)."""
+    return {n: r for n, r in binding_rules(cfg, TP, geometry, MAX_ROWS).items() if r.required}
+
+
 def metadata_names(cfg, geometry) -> list[str]:
     """The bound tensors the row metadata fills (everything but caches and outputs)."""
     cache = ("swa_", "compressed_", "index_keys_", "compressor_ring_")
@@ -255,8 +261,8 @@ class DeviceStep:
         upload_all(self.arena, uploads)
         del uploads
         self.geometry = cache_geometry(cfg)
-        rules = binding_rules(cfg, TP, self.geometry, MAX_ROWS)
-        self.tensors = {n: cp.zeros(r.shape, np.dtype(r.dtype)) for n, r in rules.items()}
+        self.tensors = {n: cp.zeros(r.shape, np.dtype(r.dtype))
+                        for n, r in bound_rules(cfg, self.geometry).items()}
         for name, keys in self.tensors.items():
             if name.startswith("index_keys_"):   # finite FP8 codes (no 0x7F/0xFF), scale 1.0
                 keys[...] = cp.random.randint(0, 256, keys.shape, dtype=cp.uint8) & 0x77

@@ -152,7 +152,9 @@ class TinyRank:
         self.arena = HostArena(self.space, requests)
         for name, array in self.uploads:
             self.arena.upload(name, array)
-        self.tensors = caller_tensors(cfg, bs.TP, self.geometry, bs.MAX_ROWS)
+        self.tensors = {n: a for n, a in caller_tensors(cfg, bs.TP, self.geometry,
+                                                        bs.MAX_ROWS).items()
+                        if n in bs.bound_rules(cfg, self.geometry)}
         bound = bind_host(self.space, self.tensors)
         self.ctx = StepContext(cfg, bs.TP, bs.RANK, ManifestBundle(bundle_dir), self.arena,
                                bound, bs.MAX_ROWS, geometry=self.geometry)
@@ -188,6 +190,8 @@ def test_every_bucket_builds_its_launches(tiny_rank):
         assert groups["engram.heads_allgather"] == [] and groups["tail.argmax_pick"] == []
         counts[case.rows] = len(specs)
     assert min(counts.values()) > 10 * tiny_rank.cfg.num_hidden_layers
+    lm_head = [s for s, _ in built if s.name == "tail.lm_head_argmax"]
+    assert [len(g) for s, g in built if s in lm_head] == [1]   # argmax only: logits unbound
 
 
 def test_local_allreduce_copies_the_partial(tiny_rank):
