@@ -250,31 +250,44 @@ class DeviceStep:
     def __init__(self, ctx, cfg, bundle):
         import cupy as cp
 
+        from executor.arena import plan_slices
         from executor.runtime import Arena
 
         self.cp, self.cfg, self.stream = cp, cfg, ctx.stream
         requests, uploads, self.pack_s = host_contents(cfg)
         self.weights = weight_bytes(cfg, uploads)
+        self.geometry = cache_geometry(cfg)
+        rules = bound_rules(cfg, self.geometry)
+        need = plan_slices(requests)[1] + sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize
+                                              for r in rules.values())
+        if need > ctx.device.mem_free_bytes():
+            raise MemoryError(f"step benchmark: the rank's arena and caches need {need / 2**30:.1f}"
+                              f" GiB, the device has {ctx.device.mem_free_bytes() / 2**30:.1f} "
+                              f"GiB free")
         t0 = time.perf_counter()
         self.arena = Arena(ctx.device, requests)
-        self.arena.zero()
-        upload_all(self.arena, uploads)
-        del uploads
-        self.geometry = cache_geometry(cfg)
-        self.tensors = {n: cp.zeros(r.shape, np.dtype(r.dtype))
-                        for n, r in bound_rules(cfg, self.geometry).items()}
-        for name, keys in self.tensors.items():
-            if name.startswith("index_keys_"):   # finite FP8 codes (no 0x7F/0xFF), scale 1.0
-                keys[...] = cp.random.randint(0, 256, keys.shape, dtype=cp.uint8) & 0x77
-                keys[:, 128:132] = cp.asarray(np.float32(1.0).tobytes(), cp.uint8)
-        cp.get_default_memory_pool().free_all_blocks()
-        cp.cuda.Device().synchronize()
-        self.upload_s = time.perf_counter() - t0
-        bound = {n: int(t.data.ptr) for n, t in self.tensors.items()}
-        step = StepContext(cfg, TP, RANK, bundle, self.arena, bound, MAX_ROWS,
-                           geometry=self.geometry)
-        self.plan = wire(decode_plan(cfg), step, BENCH_MODULES)
-        self.plan.require_complete()
+        try:
+            self.arena.zero()
+            upload_all(self.arena, uploads)
+            del uploads
+            self.tensors = {n: cp.zeros(r.shape, np.dtype(r.dtype)) for n, r in rules.items()}
+            for name, keys in self.tensors.items():
+                if name.startswith("index_keys_"):   # finite FP8 codes (no 0x7F/0xFF), scale 1
+                    bits = cp.random.randint(0, 2**31, size=keys.size // 4, dtype=cp.int32)
+                    keys[...] = bits.view(cp.uint8).reshape(keys.shape) & 0x77
+                    keys[:, 128:132] = cp.asarray(np.frombuffer(np.float32(1).tobytes(),
+                                                                np.uint8))
+            cp.get_default_memory_pool().free_all_blocks()
+            cp.cuda.Device().synchronize()
+            self.upload_s = time.perf_counter() - t0
+            bound = {n: int(t.data.ptr) for n, t in self.tensors.items()}
+            step = StepContext(cfg, TP, RANK, bundle, self.arena, bound, MAX_ROWS,
+                               geometry=self.geometry)
+            self.plan = wire(decode_plan(cfg), step, BENCH_MODULES)
+            self.plan.require_complete()
+        except BaseException:
+            self.close()
+            raise
 
     def load(self, case: Case, context: int, seed: int = SEED) -> None:
         from executor.emulate.ranks import fill_caller_tensors
@@ -313,8 +326,9 @@ class DeviceStep:
         return int(np.count_nonzero(~np.isfinite(hidden.astype(np.float32))))
 
     def close(self) -> None:
-        self.tensors.clear()
+        getattr(self, "tensors", {}).clear()
         self.arena.close()
+        self.cp.get_default_memory_pool().free_all_blocks()
 
 
 def _capture(stream, specs):
