@@ -52,7 +52,8 @@ class Executor:
                  geometry: CacheGeometry, plan: Plan | None = None, buckets=BUCKETS,
                  owns_bundle: bool = False,
                  capture_graphs: Callable = GraphSet.capture, ranges=None,
-                 stage_modules=None, arena_factory: Callable | None = None):
+                 stage_modules=None, arena_factory: Callable | None = None,
+                 dspark: bool = False):
         """`device`: the runtime Device (its `ordinal` is where bound tensors must live).
         `plan`: the step plan (default `decode_plan(config)`). `capture_graphs(stream, record,
         buckets) -> GraphSet` is GraphSet.capture; tests substitute a recording fake.
@@ -62,7 +63,9 @@ class Executor:
         complete (tests). `comm`: the rank's collective state (`CollectiveState`, e.g.
         `OneShotAllReduce.state()`), None at tp=1. `stage_modules` (default
         wiring.STAGE_MODULES) and `arena_factory(requests) -> Arena` (default an Arena on
-        `device`; tests pass a HostArena) shape the arena capture() builds."""
+        `device`; tests pass a HostArena) shape the arena capture() builds. `dspark`: serve
+        DSpark verify steps (the plan adds the aux states, device-side acceptance, ring
+        rollback and context KV; bind() then also takes `accepted` and `bonus`)."""
         for name, value in (("tp", tp), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Executor: {name} must be an int, got {value!r}")
@@ -78,8 +81,8 @@ class Executor:
         self.geometry = geometry
         self.buckets = buckets
         self.max_rows = buckets[-1]
-        self.rules = binding_rules(config, tp, geometry)
-        self.plan = decode_plan(config) if plan is None else plan
+        self.rules = binding_rules(config, tp, geometry, dspark=dspark)
+        self.plan = decode_plan(config, dspark=dspark) if plan is None else plan
         self.arena = None                # the rank's arena, built by capture()
         self._fetch = getattr(weights, "fetch", weights)
         self._stage_modules = stage_modules

@@ -42,6 +42,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "executor.stages.attn_index",
     "executor.stages.ffn",
     "executor.stages.collectives",
+    "executor.stages.dspark",
 )
 
 

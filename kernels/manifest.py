@@ -33,6 +33,7 @@ FAMILIES = (
     "kernels.mhc", "kernels.router",
     "kernels.embed", "kernels.engram",
     "kernels.rows",
+    "kernels.dspark",
     "kernels.linear_bf16",
 )
 MANIFEST_NAME = "manifest.json"

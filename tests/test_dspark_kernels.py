@@ -1,7 +1,6 @@
 """kernels.dspark: aux states, greedy acceptance and ring rollback; refs against the reference
 model's own formulation, emulated launches against the refs (CPU; the GPU kernels are compiled
 into the bundle but not run here)."""
-import shutil
 
 import numpy as np
 import pytest
@@ -12,25 +11,9 @@ from executor.launches.dspark import accept_launch, aux_launch, markov_launch, r
 from executor.reference.kvcache import KVCaches
 from kernels import dspark_ref as ref
 from kernels.common_ref import BF16
-from kernels.manifest import FAMILIES
 from loader.config import ModelConfig
 
 CAP = 192
-
-
-@pytest.fixture(scope="session")
-def dspark_bundle_dir(tiny_bundle_dir, tmp_path_factory):
-    """The tiny bundle with kernels.dspark in it: the shared one once the family is registered
-    in kernels.manifest.FAMILIES, else a copy of it plus the family (the rest stays cached)."""
-    from kernels import build
-
-    if "kernels.dspark" in FAMILIES:
-        return tiny_bundle_dir
-    path = tmp_path_factory.mktemp("bundle_dspark")
-    shutil.copytree(tiny_bundle_dir, path, dirs_exist_ok=True)
-    build.build_bundle("tiny", 4, path, families=(*FAMILIES, "kernels.dspark"),
-                       log=lambda *_: None)
-    return path
 
 
 def _blocks(rng, num_seqs: int, block: int, rows_cap: int):
@@ -58,7 +41,7 @@ def test_aux_ref_is_the_reference_steps_stream_mean():
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13, 192])
-def test_emulated_aux_writes_one_slot_of_the_rows(dspark_bundle_dir, rows):
+def test_emulated_aux_writes_one_slot_of_the_rows(tiny_bundle_dir, rows):
     cfg = ModelConfig.preset("tiny")
     spec = ref.specs_for(cfg)[0]
     d, t = cfg.hidden_size, spec.targets
@@ -69,7 +52,7 @@ def test_emulated_aux_writes_one_slot_of_the_rows(dspark_bundle_dir, rows):
     arena = _arena(space, {"streams": streams, "aux": aux})
     target = int(rng.integers(0, t))
     ptrs = {n: arena.ptr(n) for n in ("streams", "aux")}
-    run([aux_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, rows, target)], space)
+    run([aux_launch(ManifestBundle(tiny_bundle_dir), spec, ptrs, rows, target)], space)
     got = arena.download("aux", BF16, (CAP, t, d))
     # bitwise: one sequential fp32 sum, an exact * 0.25, one rounding (kernels/dspark_ref.py)
     assert np.array_equal(got[:rows, target].view(np.uint16),
@@ -78,7 +61,7 @@ def test_emulated_aux_writes_one_slot_of_the_rows(dspark_bundle_dir, rows):
     untouched[:rows, target] = False
     assert np.isnan(got[untouched].astype(np.float32)).all()
     with pytest.raises(ValueError, match="target slot"):
-        aux_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, rows, t)
+        aux_launch(ManifestBundle(tiny_bundle_dir), spec, ptrs, rows, t)
 
 
 # ---- acceptance ------------------------------------------------------------------------------
@@ -105,7 +88,7 @@ def _verify_rows(rng, seq, n):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 7, 32])
-def test_emulated_accept_matches_the_reference_rule(dspark_bundle_dir, num_seqs):
+def test_emulated_accept_matches_the_reference_rule(tiny_bundle_dir, num_seqs):
     spec = ref.make_accept_spec(6)
     rng = np.random.default_rng()
     seq, n = _blocks(rng, num_seqs, 6, CAP)
@@ -117,7 +100,7 @@ def test_emulated_accept_matches_the_reference_rule(dspark_bundle_dir, num_seqs)
                            "bonus": np.full(CAP, -7, np.int64),
                            "context_slots": np.full(CAP, -7, np.int64)})
     ptrs = {n: arena.ptr(n) for n in arena.slices}
-    run([accept_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, n)], space)
+    run([accept_launch(ManifestBundle(tiny_bundle_dir), spec, ptrs, n)], space)
     accepted = arena.download("accepted", np.int32, (CAP,))
     bonus = arena.download("bonus", np.int64, (CAP,))
     context = arena.download("context_slots", np.int64, (CAP,))
@@ -130,9 +113,9 @@ def test_emulated_accept_matches_the_reference_rule(dspark_bundle_dir, num_seqs)
     assert (context[n:] == -7).all()
 
 
-def test_accept_refuses_split_or_overlong_blocks(dspark_bundle_dir):
+def test_accept_refuses_split_or_overlong_blocks(tiny_bundle_dir):
     spec = ref.make_accept_spec(6)
-    bundle = ManifestBundle(dspark_bundle_dir)
+    bundle = ManifestBundle(tiny_bundle_dir)
     for seq in ([0, 1, 0, -1], [0] * 7):
         seq = np.array(seq + [-1] * (CAP - len(seq)), np.int32)
         space = AddressSpace()
@@ -150,7 +133,7 @@ def test_accept_refuses_split_or_overlong_blocks(dspark_bundle_dir):
 # ---- rollback --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 5])
-def test_emulated_rollback_forgets_what_the_reference_forgets(dspark_bundle_dir, num_seqs):
+def test_emulated_rollback_forgets_what_the_reference_forgets(tiny_bundle_dir, num_seqs):
     """Rejected rows' ring rows == KVCaches.rollback_compressor_rings(line, P + a + 1)."""
     cfg = ModelConfig.preset("tiny")
     spec = ref.specs_for(cfg)[2]
@@ -179,7 +162,7 @@ def test_emulated_rollback_forgets_what_the_reference_forgets(dspark_bundle_dir,
                            "state_lines": state_lines, "accepted": accepted})
     ptrs = {n: arena.ptr(n) for n in arena.slices}
     n = int(lengths.sum())
-    run([rollback_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, n)], space)
+    run([rollback_launch(ManifestBundle(tiny_bundle_dir), spec, ptrs, n)], space)
     for s in range(num_seqs):
         first = positions[np.flatnonzero(seq == s)[0]]
         caches.rollback_compressor_rings(int(lines[s]), int(first + accepted[s] + 1))
@@ -230,16 +213,16 @@ def test_markov_ref_is_the_reference_markov_logits():
 
 
 @pytest.mark.parametrize("step", [0, 3, 5])
-def test_emulated_markov_step(dspark_bundle_dir, step):
+def test_emulated_markov_step(tiny_bundle_dir, step):
     cfg = ModelConfig.preset("tiny")
     spec = ref.make_markov_spec(cfg.vocab_size // 4, cfg.dspark_markov_rank, 5)
     rng = np.random.default_rng()
-    seqs = int(rng.integers(1, 33))
+    seqs = int(rng.integers(2, 33))                # one of them padding (below), one real at least
     arrays = _markov_arrays(rng, spec, seqs, cfg.vocab_size)
     space = AddressSpace()
     arena = _arena(space, arrays)
     ptrs = {n: arena.ptr(n) for n in arrays}
-    launch = markov_launch(ManifestBundle(dspark_bundle_dir), spec, ptrs, seqs, step, 768)
+    launch = markov_launch(ManifestBundle(tiny_bundle_dir), spec, ptrs, seqs, step, 768)
     assert launch.grid == (spec.tiles, 1, 1)
     run([launch], space)
     pairs, ids = ref.markov_ref(arrays["base"], arrays["w1"], arrays["w2"], arrays["prev"][:seqs],

@@ -41,11 +41,10 @@ import numpy as np
 import pytest
 from ref_model import random_prompt
 from ref_model import tiny_checkpoint as synth_tiny
-from test_dspark_kernels import dspark_bundle_dir  # noqa: F401 (fixture)
 
-from executor.emulate import bind_host, run_lockstep
+from executor.emulate import run_lockstep
 from executor.emulate.ranks import EmulatedRanks
-from executor.plan import decode_plan, draft_plan
+from executor.plan import draft_plan
 from executor.reference import attention as ra
 from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
@@ -85,21 +84,19 @@ class Round:
         self.model = ref_step.ReferenceModel(
             cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
         self.caches = KVCaches.allocate(cfg, max_seqs=2, max_context=128)
-        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=MODULES)
-        for r, ctx in enumerate(self.ranks.contexts):      # the caller's DSpark outputs
-            outputs = {"accepted": np.full(192, -1, np.int32), "bonus": np.full(192, -1, np.int64)}
-            self.ranks.tensors[r].update(outputs)
-            ctx.bound.update(bind_host(self.ranks.space, outputs, prefix=f"rank{r}.dspark."))
-        self.ranks.plans = [wire(decode_plan(cfg, dspark=True), ctx, MODULES)
-                            for ctx in self.ranks.contexts]
+        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=MODULES,
+                                   dspark=True)
+        for tensors in self.ranks.tensors:                 # the caller's DSpark outputs
+            tensors["accepted"][...] = -1
+            tensors["bonus"][...] = -1
         markov = {f"dspark.markov{i}" for i in range(cfg.dspark_block_size + 1)}
         self.markov = [self.ranks.subplan(wire(draft_plan(cfg), ctx, MODULES), roles=markov)
                        for ctx in self.ranks.contexts]
 
 
 @pytest.fixture(scope="module")
-def setup(dspark_bundle_dir):  # noqa: F811
-    return Round(dspark_bundle_dir)
+def setup(tiny_bundle_dir):
+    return Round(tiny_bundle_dir)
 
 
 def _history(cfg, rows, seqs):
@@ -327,21 +324,19 @@ class WholeStep:
         self.model = ref_step.ReferenceModel(
             cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
         self.caches = KVCaches.allocate(cfg, max_seqs=2, max_context=128)
-        modules = (*STAGE_MODULES, "executor.stages.dspark")
-        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=modules)
-        for r, ctx in enumerate(self.ranks.contexts):
-            outputs = {"accepted": np.full(192, -1, np.int32), "bonus": np.full(192, -1, np.int64)}
-            self.ranks.tensors[r].update(outputs)
-            ctx.bound.update(bind_host(self.ranks.space, outputs, prefix=f"rank{r}.dspark."))
-        self.ranks.plans = [wire(decode_plan(cfg, dspark=True), ctx, modules)
-                            for ctx in self.ranks.contexts]
+        modules = STAGE_MODULES
+        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=modules,
+                                   dspark=True)
+        for tensors in self.ranks.tensors:
+            tensors["accepted"][...] = -1
+            tensors["bonus"][...] = -1
         for plan in self.ranks.plans:
             plan.require_complete()         # the whole verify step is wired
 
 
 @pytest.fixture(scope="module")
-def whole(dspark_bundle_dir):  # noqa: F811
-    return WholeStep(dspark_bundle_dir)
+def whole(tiny_bundle_dir):
+    return WholeStep(tiny_bundle_dir)
 
 
 def _written(cache: np.ndarray) -> np.ndarray:

@@ -26,10 +26,11 @@ from executor.wiring import StepContext, arena_contents, wire
 from kernels import allreduce_ref
 
 
-def caller_tensors(cfg, tp: int, geometry: CacheGeometry, max_rows: int) -> dict[str, np.ndarray]:
+def caller_tensors(cfg, tp: int, geometry: CacheGeometry, max_rows: int,
+                   dspark: bool = False) -> dict[str, np.ndarray]:
     """Zeroed host arrays for every tensor bind() takes (optional logits included)."""
     return {name: np.zeros(rule.shape, np.dtype(rule.dtype))
-            for name, rule in binding_rules(cfg, tp, geometry, max_rows).items()}
+            for name, rule in binding_rules(cfg, tp, geometry, max_rows, dspark).items()}
 
 
 def fill_caller_tensors(tensors: dict, rows, caches=None, history=None) -> None:
@@ -72,7 +73,7 @@ class EmulatedRanks:
     """`tp` ranks of one step in one AddressSpace."""
 
     def __init__(self, ckpt, bundle_dir, tp: int, caches, max_rows: int = 192,
-                 modules=None):
+                 modules=None, dspark: bool = False):
         from loader.sharding import shard
 
         self.cfg, self.tp, self.max_rows = ckpt.config, tp, max_rows
@@ -94,7 +95,7 @@ class EmulatedRanks:
             arena = HostArena(self.space, requests, name=f"rank{rank}.arena")
             for name, array in uploads:
                 arena.upload(name, array)
-            tensors = caller_tensors(self.cfg, tp, self.geometry, max_rows)
+            tensors = caller_tensors(self.cfg, tp, self.geometry, max_rows, dspark)
             bounds.append(bind_host(self.space, tensors, prefix=f"rank{rank}."))
             self.arenas.append(arena)
             self.tensors.append(tensors)
@@ -106,7 +107,7 @@ class EmulatedRanks:
                                              bounds[rank], max_rows, collectives, self.geometry))
         for ctx in self.contexts:
             ctx.peers = self.contexts
-            self.plans.append(wire(decode_plan(self.cfg), ctx, modules))
+            self.plans.append(wire(decode_plan(self.cfg, dspark=dspark), ctx, modules))
 
     def load(self, rows, caches=None, history=None) -> None:
         for tensors in self.tensors:
