@@ -63,8 +63,10 @@ def _table(rows: list[tuple], header: tuple, out) -> None:
             print("  " + "  ".join("-" * w for w in widths), file=out)
 
 
-def print_report(cfg: ModelConfig, specs: list[TensorSpec], tp: int, out=sys.stdout) -> None:
-    """Tensor counts and bytes by class and format; per-rank bytes; the §3 comparison."""
+def print_report(cfg: ModelConfig, specs: list[TensorSpec], tp: int, out=None) -> None:
+    """Tensor counts and bytes by class and format; per-rank bytes; the §3 comparison (to `out`,
+    default the sys.stdout of the call: a default bound at import would outlive a redirect)."""
+    out = sys.stdout if out is None else out
     count, total = Counter(t.cls for t in specs), Counter()
     fmt_count, fmt_bytes = Counter(t.fmt for t in specs), Counter()
     for t in specs:
