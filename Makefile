@@ -22,9 +22,12 @@ demo: $(STAMP) bundle
 bundle: $(STAMP)
 	$(VPY) -m kernels.build --config tiny --tp 4 --out $(BUNDLE)
 
-# Both bundles the GPU machine needs (carry `build` there; see docs/device.md).
+# Every bundle the GPU machine needs (carry them there; see docs/device.md).
 bundles: bundle
 	$(VPY) -m kernels.build --config v41-flash --tp 4 --out build/bundle-v41-flash-tp4
+	$(VPY) -m executor.bench_step --write-config build/v41-flash-bench-step.json
+	$(VPY) -m kernels.build --config build/v41-flash-bench-step.json --tp 4 \
+	    --out build/bundle-v41-bench-step-tp4
 
 test: $(STAMP) bundle
 	OPENBLAS_NUM_THREADS=1 HOPDEC_BUNDLE=$(BUNDLE) $(VPY) -m pytest -q

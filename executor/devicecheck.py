@@ -22,7 +22,8 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-DEFAULT_BUNDLES = ("build/bundle-tiny", "build/bundle-v41-flash-tp4")
+DEFAULT_BUNDLES = ("build/bundle-tiny", "build/bundle-v41-flash-tp4",
+                   "build/bundle-v41-bench-step-tp4")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@
 #   bash scripts/device-run.sh [extra devicecheck args]       (from the repository root)
 #
 # Expects the bundles built on the build machine under build/ (build/bundle-tiny,
-# build/bundle-v41-flash-tp4) and missing Python packages as wheels under .whl/ (see docs/device.md).
+# build/bundle-v41-flash-tp4, build/bundle-v41-bench-step-tp4 for the step benchmark) and missing
+# Python packages as wheels under .whl/ (see docs/device.md).
 # HOPDEC_BUNDLES="dir1 dir2" overrides the bundle directories.
 # Writes everything under $OUT (default ./devicecheck-out): report.json, table.txt, junit.xml,
 # pytest.log and this script's log, device-run.log.
@@ -39,7 +40,7 @@ for name in ("numpy", "ml_dtypes", "cupy", "cuda.bindings", "cuda.core", "nvtx",
     except Exception as exc:
         print(f"{name:14s} MISSING ({type(exc).__name__}: {exc})")
 PYEOF
-BUNDLE_DIRS="${HOPDEC_BUNDLES:-build/bundle-tiny build/bundle-v41-flash-tp4}"
+BUNDLE_DIRS="${HOPDEC_BUNDLES:-build/bundle-tiny build/bundle-v41-flash-tp4 build/bundle-v41-bench-step-tp4}"
 for b in $BUNDLE_DIRS; do
   if [ -f "$b/manifest.json" ]; then echo "bundle $b: $(ls "$b"/*.cubin | wc -l) cubins"; \
   else echo "bundle $b: MISSING"; fi
