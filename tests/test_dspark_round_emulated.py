@@ -406,4 +406,9 @@ def test_whole_verify_steps_accept_what_the_reference_accepts(whole):
                     got = _written(s.ranks.tensors[r][f"swa_{spec.index}"][mine])
                     assert np.array_equal(got, want[mine]), (
                         f"round {rnd} rank {r} seq {q}: swa_{spec.index} context slots")
+        if not all(live):
+            # After a near-tie the emulated ranks accepted another length than the reference:
+            # their caches (rolled back to their own count) no longer match the positions the
+            # reference's next block starts at, so running further rounds would test nothing.
+            break
     assert compared > 0, "no sequence was compared"
