@@ -217,9 +217,9 @@ def draft_plan(cfg) -> Plan:
     embeds them; the DSpark stages run like backbone layers; the last stage's collapse, its norm
     and the shared head give the base logits U (`dspark.base`); then k Markov steps (a local
     argmax and the cross-rank pick each) and a last copy write the next verify step's token_ids
-    (executor/stages/dspark.py). The stage layers' roles carry a `draft.` prefix: the backbone
-    stage modules pack and name `layers.{i}.` weights only (DSpark stages are `mtp.{s}.`), so
-    their builders must not be applied to these layers yet; they stay NOT_WIRED until then.
+    (executor/stages/dspark.py). The stage layers' roles carry a `draft.` prefix:
+    executor/stages/draft.py maps each to the backbone builder of the same role, which names the
+    stage's weights `mtp.{s}.` (wiring.weight_prefix).
     """
     stage_layers = [spec for spec in cfg.layers if spec.is_dspark]
     if not stage_layers or not cfg.dspark_target_layer_ids:

@@ -43,6 +43,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "executor.stages.ffn",
     "executor.stages.collectives",
     "executor.stages.dspark",
+    "executor.stages.draft",
 )
 
 
@@ -124,6 +125,29 @@ class StepContext:
         return self.bundle.kernel(name)
 
 
+def weight_prefix(cfg, spec) -> str:
+    """The checkpoint prefix of a layer's weights: `layers.{i}.` for a backbone layer, `mtp.{s}.`
+    for DSpark stage s (layer cfg.num_hidden_layers + s)."""
+    if spec.is_dspark:
+        return f"mtp.{spec.index - cfg.num_hidden_layers}."
+    return f"layers.{spec.index}."
+
+
+def packed_layers(cfg, layers=None) -> list:
+    """The LayerSpecs whose per-layer weights the stage modules pack: those in `layers` (None:
+    every backbone layer, and the DSpark stages when the config drafts with them)."""
+    if layers is not None:
+        return [spec for spec in cfg.layers if spec.index in layers]
+    return [spec for spec in cfg.layers if not spec.is_dspark] + _drafting_stages(cfg)
+
+
+def _drafting_stages(cfg) -> list:
+    """The DSpark stages, when the config drafts with them (it names target layers)."""
+    if not cfg.dspark_target_layer_ids:
+        return []
+    return [spec for spec in cfg.layers if spec.is_dspark]
+
+
 def representatives(cfg) -> dict[int, int]:
     """backbone layer -> its representative: the first layer of the same role (LayerSpec without
     its index and sources, plus "is the first layer", whose mHC fn is stored summed). Layers of
@@ -183,6 +207,7 @@ def arena_contents(cfg, tp: int, rank: int, fetch, max_rows: int,
     gets its own slices holding the same bytes (the same array object, uploaded once per layer).
     The uploads then hold the representatives' arrays and the global ones, not the whole rank;
     without a layer_map they hold every array of the rank (sizes are needed before packing).
+    The DSpark stages (`mtp.{s}.` names) are packed as themselves either way.
     """
     buffers = boundary_buffers(cfg, tp, max_rows)
     mods = _modules(modules)
@@ -191,7 +216,9 @@ def arena_contents(cfg, tp: int, rank: int, fetch, max_rows: int,
             buffers += mod.buffers(cfg, tp, max_rows)
     requests = [b.request() for b in buffers]
     uploads = []
-    reps = None if layer_map is None else _check_layer_map(cfg, layer_map)
+    reps = None
+    if layer_map is not None:
+        reps = _check_layer_map(cfg, layer_map) + [s.index for s in _drafting_stages(cfg)]
     copies: dict[int, list[int]] = {}
     for layer, rep in sorted((layer_map or {}).items()):
         if layer != rep:

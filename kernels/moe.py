@@ -720,9 +720,13 @@ def kernel_function(spec: mk.MoeSpec):
 def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     """The four kernels of the routed MoE at this config's rank shape, then the candidate
     w13 / w2 variants (`mk.variant_specs`) and the self-routed chain (`mk.selfrouted_specs`)
-    the benchmark measures beside them."""
-    shape = mk.moe_shape(cfg, tp)
-    return mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
+    the benchmark measures beside them; for the DSpark stages' shape (when it differs) the
+    four kernels and the self-routed chain the step launches."""
+    shape, *others = mk.moe_shapes(cfg, tp)
+    out = mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
+    for other in others:
+        out += mk.make_specs(other) + mk.selfrouted_specs(other)
+    return out
 
 
 def compile_spec(spec: mk.MoeSpec, options: str = "--gpu-arch sm_90a"):

@@ -131,9 +131,24 @@ class MoeShape:
         return f"e{self.num_experts}_k{self.topk}_d{self.hidden}_i{self.inter}"
 
 
-def moe_shape(cfg, tp: int) -> MoeShape:
+def moe_shape(cfg, tp: int, dspark: bool = False) -> MoeShape:
+    """The routed MoE of the backbone layers, or (dspark=True) of the DSpark stages (their own
+    expert count, top-k and intermediate: the dspark_* config keys)."""
+    if dspark:
+        return MoeShape(cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok,
+                        cfg.hidden_size, cfg.dspark_moe_intermediate_size // tp,
+                        float(cfg.swiglu_limit))
     return MoeShape(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                     cfg.moe_intermediate_size // tp, float(cfg.swiglu_limit))
+
+
+def moe_shapes(cfg, tp: int) -> list[MoeShape]:
+    """Every distinct routed-MoE shape of the model: the backbone's, then the DSpark stages'
+    when the config has stages that differ."""
+    shapes = [moe_shape(cfg, tp)]
+    if any(spec.is_dspark for spec in cfg.layers) and moe_shape(cfg, tp, True) != shapes[0]:
+        shapes.append(moe_shape(cfg, tp, True))
+    return shapes
 
 
 # ---- kernel specs -------------------------------------------------------------------------------

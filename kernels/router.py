@@ -42,6 +42,7 @@ from kernels.router_ref import (
     ROWS_PER_STEP,
     WARP,
     RouterSpec,
+    make_spec,
     router_specs,
 )
 
@@ -209,9 +210,15 @@ def kernel_function(spec: RouterSpec):
 
 
 def specs(cfg, tp: int) -> list[RouterSpec]:
-    """The router of the config's routed experts (replicated on every rank: tp plays no part)."""
+    """The router of the config's routed experts (replicated on every rank: tp plays no part),
+    and the DSpark stages' router (their own expert count and top-k) when the config has them."""
     del tp
-    return router_specs(cfg)
+    out = router_specs(cfg)
+    if any(spec.is_dspark for spec in cfg.layers):
+        dspark = make_spec(cfg.hidden_size, cfg.dspark_n_routed_experts,
+                           cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor)
+        out += [dspark] if dspark.name not in {s.name for s in out} else []
+    return out
 
 
 def compile_spec(spec: RouterSpec, options: str = "--gpu-arch sm_90a"):

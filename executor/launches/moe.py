@@ -194,14 +194,17 @@ def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str,
 def scratch_buffers(cfg, tp: int, max_rows: int):
     """The step's MoE scratch and routed output as executor.wiring Buffers, "moe." + pointer key,
     shared by every layer (the same bytes as `requests`). ids, route_weights and x are other
-    families' outputs and the weights are per layer: the step maps those keys itself."""
-    shape = mk.moe_shape(cfg, tp)
-    r, k, g = max_rows, shape.topk, shape.groups(shape.k13)
-    return [Buffer("moe.meta", np.int32, (mk.meta_words(shape.num_experts),),
+    families' outputs and the weights are per layer: the step maps those keys itself. Sized for
+    the largest of the model's MoE shapes (the DSpark stages' experts may differ: mk.moe_shapes)."""
+    shapes = mk.moe_shapes(cfg, tp)
+    shape = shapes[0]
+    r, k, g = max_rows, max(s.topk for s in shapes), shape.groups(shape.k13)
+    inter = max(s.inter for s in shapes)
+    return [Buffer("moe.meta", np.int32, (max(mk.meta_words(s.num_experts) for s in shapes),),
                    "routing lists (default chain)"),
             Buffer("moe.pairs", np.int32, (r * k,), "pairs by expert (default chain)"),
             Buffer("moe.xq", np.uint8, (r, shape.k13), "x as E4M3, fragment order"),
             Buffer("moe.xs", np.float32, (r, g), "x group scales"),
-            Buffer("moe.h", BF16, (r * k, shape.inter), "SwiGLU per pair"),
+            Buffer("moe.h", BF16, (r * k, inter), "SwiGLU per pair"),
             Buffer("moe.ye", BF16, (r * k, shape.hidden), "expert output per pair"),
             Buffer("moe.y", np.float32, (r, shape.hidden), "routed partial")]

@@ -37,7 +37,7 @@ from executor.launches import indexer as il
 from executor.launches.linear_bf16 import linear_bf16_launch
 from executor.launches.small import rope_launches
 from executor.launches.sparse_mqa import sparse_mqa_launch
-from executor.wiring import Buffer
+from executor.wiring import Buffer, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import linear_bf16_ref as lr
 from kernels import rope_ref
@@ -155,7 +155,7 @@ def _sparse_mqa(ctx, layer):
     spec = mqa_spec(cfg, ctx.tp, layer, geometry)
     ptrs = {"q": ctx.ptr("attn.q"), "out": ctx.ptr("attn.o"), "swa": ctx.ptr(f"swa_{i}"),
             "row_info": ctx.ptr("row_info"), "state_lines": ctx.ptr("state_lines"),
-            "sink": ctx.ptr(f"layers.{i}.attn.attn_sink"),
+            "sink": ctx.ptr(weight_prefix(cfg, layer) + "attn.attn_sink"),
             "rope_table": ctx.ptr(_rope_name(layer.ratio))}
     if spec.topk:
         ptrs.update(compressed=ctx.ptr(f"compressed_{layer.kv_source}"),
@@ -218,13 +218,11 @@ def _bytes(array) -> np.ndarray:
 def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """The rank's attention sinks (its heads), the indexer's wq_b (E4M3 + UE8M0 bytes, checkpoint
     layout) and head weights (bf16 [nh, D]); all but the sinks replicated; of `layers` (None:
-    every backbone layer)."""
+    every backbone layer and the DSpark stages, wiring.packed_layers)."""
     del tp, rank                                    # fetch cuts this rank's slices
     out = []
-    for layer in _backbone(cfg):
-        if layers is not None and layer.index not in layers:
-            continue
-        pre = f"layers.{layer.index}.attn."
+    for layer in packed_layers(cfg, layers):
+        pre = weight_prefix(cfg, layer) + "attn."
         out.append((pre + "attn_sink", np.asarray(fetch(pre + "attn_sink"), np.float32)))
         if layer.has_indexer:
             out += [(pre + name, _bytes(fetch(pre + name)))

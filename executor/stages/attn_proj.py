@@ -46,6 +46,7 @@ weights stored [G, N, K] with scale bytes [G, N/32, K/32], G = 1 except wo_a):
   layers.{l}.attn.compressor.wkv.weight bf16 [512, D] (ratio 1); compressor.norm.weight.f32,
   indexer.wk.weight bf16 [128, 512], indexer.k_norm.weight.f32 (the index-key projection runs in
   the compressor's publish)
+  DSpark stage s (layer L + s, SWA only): the same under `mtp.{s}.attn.` (wiring.weight_prefix)
   rope.plain / rope.yarn f32 [max_position_embeddings, 32, 2]: the (cos, sin) tables of ratio-0
   and compressed layers (attention.rope_for); group B reads them by these names.
 """
@@ -57,7 +58,7 @@ from executor.launches import dense as dl
 from executor.launches.compressor import CompressorShape, compressor_launches
 from executor.launches.small import kernel_for, rope_launches, swa_insert_launches
 from executor.launches.split_norm import split_norm_launch
-from executor.wiring import Buffer
+from executor.wiring import Buffer, packed_layers, weight_prefix
 from kernels import compressor_kernel_ref as ck
 from kernels import dense_ref as dr
 from kernels import kv_publish_ref, rope_ref, split_norm_ref
@@ -68,8 +69,8 @@ DENSE_LABELS = ("wqa_wkv", "wq_b", "wo_b")
 ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
 
 
-def _prefix(index: int) -> str:
-    return f"layers.{index}.attn."
+def _prefix(cfg, spec) -> str:
+    return weight_prefix(cfg, spec) + "attn."
 
 
 def rope_name(ratio: int) -> str:
@@ -141,7 +142,7 @@ def _f32(fetch, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _compressor_weights(cfg, fetch, spec) -> list[tuple[str, np.ndarray]]:
-    base, d, hd = _prefix(spec.index), cfg.hidden_size, ck.HEAD_DIM
+    base, d, hd = _prefix(cfg, spec), cfg.hidden_size, ck.HEAD_DIM
     if spec.ratio == 2:         # fp32 in the checkpoint (schema UNCERTAIN): the kernel reads fp32
         parts = [np.asarray(fetch(f"{base}compressor.{w}.weight")) for w in ("wkv", "wgate")]
         for w, part in zip(("wkv", "wgate"), parts):
@@ -167,7 +168,7 @@ def _compressor_weights(cfg, fetch, spec) -> list[tuple[str, np.ndarray]]:
 
 
 def _layer_weights(cfg, tp: int, fetch, spec) -> list[tuple[str, np.ndarray]]:
-    base, shapes = _prefix(spec.index), dr.dense_shapes(cfg, tp)
+    base, shapes = _prefix(cfg, spec), dr.dense_shapes(cfg, tp)
     q_lora, hd, d = cfg.q_lora_rank, cfg.head_dim, cfg.hidden_size
     wq_a, sq_a = _fp8(fetch, base + "wq_a", 1, q_lora, d)
     wkv, skv = _fp8(fetch, base + "wkv", 1, hd, d)
@@ -187,15 +188,13 @@ def _layer_weights(cfg, tp: int, fetch, spec) -> list[tuple[str, np.ndarray]]:
 
 
 def weights(cfg, tp: int, rank: int, fetch, layers=None):
-    """The attention projections on this rank of `layers` (None: every backbone layer), then the
-    RoPE tables."""
+    """The attention projections on this rank of `layers` (None: every backbone layer and the
+    DSpark stages, wiring.packed_layers), then the RoPE tables."""
     del rank                            # fetch already cuts this rank's slices
-    backbone = _backbone(cfg)
-    for spec in backbone:
-        if layers is None or spec.index in layers:
-            yield from _layer_weights(cfg, tp, fetch, spec)
+    for spec in packed_layers(cfg, layers):
+        yield from _layer_weights(cfg, tp, fetch, spec)
     for kind, name in ROPE_TABLES.items():
-        if any((spec.ratio > 0) == (kind == "yarn") for spec in backbone):
+        if any((spec.ratio > 0) == (kind == "yarn") for spec in cfg.layers):
             yield name, rope_ref.RopeTable.for_ratio(cfg, 1 if kind == "yarn" else 0).cos_sin
 
 
@@ -237,20 +236,21 @@ def _dense(ctx, label: str, x: str, weight: str, out: str, wo_a: bool = False):
 
 
 def _wq_a_wkv(ctx, layer):
-    return _dense(ctx, "wqa_wkv", "xn", _prefix(layer.index) + "wq_a_wkv", "attn.qkv")
+    return _dense(ctx, "wqa_wkv", "xn", _prefix(ctx.cfg, layer) + "wq_a_wkv", "attn.qkv")
 
 
 def _q_kv_norm(ctx, layer):
     cfg = ctx.cfg
     spec = split_norm_ref.make_spec(cfg.q_lora_rank, cfg.head_dim)
     kernel_for(ctx.bundle, spec)
-    ptrs = {"x": ctx.ptr("attn.qkv"), "weight": ctx.ptr(_prefix(layer.index) + "q_norm.weight.f32"),
+    ptrs = {"x": ctx.ptr("attn.qkv"),
+            "weight": ctx.ptr(_prefix(cfg, layer) + "q_norm.weight.f32"),
             "out": ctx.ptr("attn.qr"), "tail": ctx.ptr("attn.kv")}
     return lambda rows: [split_norm_launch(ctx.bundle, spec, ptrs, rows, cfg.rms_norm_eps)]
 
 
 def _compressor(ctx, layer):
-    cfg, geometry, base = ctx.cfg, _geometry(ctx), _prefix(layer.index)
+    cfg, geometry, base = ctx.cfg, _geometry(ctx), _prefix(ctx.cfg, layer)
     i = layer.index
     if layer.ratio == 2 and geometry.ring_rows != ck.RING_ROWS:
         raise ValueError(f"layer {i} compressor: the bound compressor_ring_{i} has "
@@ -276,7 +276,7 @@ def _compressor(ctx, layer):
 
 
 def _wq_b(ctx, layer):
-    return _dense(ctx, "wq_b", "attn.qr", _prefix(layer.index) + "wq_b", "attn.q")
+    return _dense(ctx, "wq_b", "attn.qr", _prefix(ctx.cfg, layer) + "wq_b", "attn.q")
 
 
 def _rope_swa_insert(ctx, layer):
@@ -287,7 +287,8 @@ def _rope_swa_insert(ctx, layer):
     kernel_for(ctx.bundle, insert)
     table, positions = ctx.ptr(rope_name(layer.ratio)), ctx.ptr("positions32")
     p_rope = {"x": ctx.ptr("attn.q"), "table": table, "positions": positions}
-    p_insert = {"kv": ctx.ptr("attn.kv"), "weight": ctx.ptr(_prefix(i) + "kv_norm.weight.f32"),
+    p_insert = {"kv": ctx.ptr("attn.kv"),
+                "weight": ctx.ptr(_prefix(cfg, layer) + "kv_norm.weight.f32"),
                 "table": table, "positions": positions, "slots": ctx.ptr("slot_mapping"),
                 "cache": ctx.ptr(f"swa_{i}")}
     num_positions, eps = cfg.max_position_embeddings, cfg.rms_norm_eps
@@ -299,11 +300,12 @@ def _rope_swa_insert(ctx, layer):
 
 
 def _wo_a(ctx, layer):
-    return _dense(ctx, "grouped", "attn.o", _prefix(layer.index) + "wo_a", "attn.z", wo_a=True)
+    return _dense(ctx, "grouped", "attn.o", _prefix(ctx.cfg, layer) + "wo_a", "attn.z",
+                  wo_a=True)
 
 
 def _wo_b(ctx, layer):
-    return _dense(ctx, "wo_b", "attn.z", _prefix(layer.index) + "wo_b", "attn.partial")
+    return _dense(ctx, "wo_b", "attn.z", _prefix(ctx.cfg, layer) + "wo_b", "attn.partial")
 
 
 BUILDERS = {"attn.wq_a_wkv": _wq_a_wkv, "attn.q_kv_norm": _q_kv_norm,

@@ -27,8 +27,8 @@ base logits, written by the draft forward's head).
 
 The caller binds `accepted` and `bonus` (executor.bind.binding_rules(..., dspark=True)). The
 context KV projects the DSpark stage's fused wq_a|wkv (the q half is wasted work: dense_shapes has
-no wkv-only label); its weights live here under the checkpoint's `mtp.{s}.` prefix until the draft
-forward's attention stages own them.
+no wkv-only label) with the weights executor/stages/attn_proj.py packs for the draft forward
+(`mtp.{s}.attn.wq_a_wkv`, `q_norm.weight.f32`, `kv_norm.weight.f32`): list that module too.
 """
 from __future__ import annotations
 
@@ -122,26 +122,17 @@ def _fp8(fetch, name: str, n: int, k: int) -> list[tuple[str, np.ndarray]]:
 
 
 def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
-    """main_proj, main_norm, each stage's wq_a|wkv, q_norm and kv_norm (replicated), the Markov
-    head (w1 replicated, w2 this rank's vocab rows). `layers` selects backbone layers, of which
-    this module packs none: all of it is packed whatever `layers` says."""
+    """main_proj, main_norm (replicated), the Markov head (w1 replicated, w2 this rank's vocab
+    rows). The stages' attention weights are attn_proj's (the draft forward's). `layers` selects
+    backbone layers, of which this module packs none: all of it is packed whatever it says."""
     del rank, layers
     stages = _stages(cfg)
     if not stages or not cfg.dspark_target_layer_ids:
         return []
-    d, hd, q_lora = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
     first = _prefix(cfg, stages[0].index)
     n, k = dr.dense_shapes(cfg, tp)["main_proj"][:2]
     out = _fp8(fetch, first + "main_proj", n, k)
     out.append((first + "main_norm.weight", np.asarray(fetch(first + "main_norm.weight"))))
-    for spec in stages:
-        base = _prefix(cfg, spec.index) + "attn."
-        (_, wq_a), (_, sq_a) = _fp8(fetch, base + "wq_a", q_lora, d)
-        (_, wkv), (_, skv) = _fp8(fetch, base + "wkv", hd, d)
-        out += [(base + "wq_a_wkv.weight", np.concatenate([wq_a, wkv], axis=1)),
-                (base + "wq_a_wkv.scale", np.concatenate([sq_a, skv], axis=1))]
-        out += [(base + f"{w}.weight.f32", np.asarray(fetch(base + f"{w}.weight"), np.float32))
-                for w in ("q_norm", "kv_norm")]
     head = _prefix(cfg, stages[-1].index) + "markov_head."
     spec = _markov_spec(cfg, tp)
     for name, shape in (("markov_w1", (cfg.vocab_size, spec.rank)),

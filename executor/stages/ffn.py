@@ -41,6 +41,9 @@ Weights per backbone layer l (names after the checkpoint; repacked forms with a 
                                       (as executor/reference/weights.py) and packed by
                                       `moe_kernel_ref.pack_experts`: uint8 [E, per-expert bytes],
                                       f32 [E]
+DSpark stage s (layer L + s) has the same weights under `mtp.{s}.ffn.` (wiring.weight_prefix),
+with its own expert count and top-k (the dspark_* config keys: kernels of their shape, and the
+scratch above sized for the larger of the two).
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ from executor.launches import moe as ml
 from executor.launches.mhc import router_launch
 from executor.launches.small import kernel_for, residual_add_launches
 from executor.launches.swiglu import swiglu_launch
-from executor.wiring import Buffer
+from executor.wiring import Buffer, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import elementwise_ref, swiglu_ref
 from kernels import moe_kernel_ref as mk
@@ -68,14 +71,19 @@ SHARED_LABELS = ("shared_w13", "shared_w2")
 EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
 
 
-def _prefix(index: int) -> str:
-    return f"layers.{index}.ffn."
+def _prefix(cfg, layer) -> str:
+    return weight_prefix(cfg, layer) + "ffn."
+
+
+def _shape(cfg, tp: int, layer) -> mk.MoeShape:
+    return mk.moe_shape(cfg, tp, dspark=layer.is_dspark)
 
 
 # ---- buffers --------------------------------------------------------------------------------
 
-def _router_spec(cfg) -> rk.RouterSpec:
-    return rk.make_spec(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+def _router_spec(cfg, layer) -> rk.RouterSpec:
+    shape = _shape(cfg, 1, layer)
+    return rk.make_spec(cfg.hidden_size, shape.num_experts, shape.topk,
                         cfg.routed_scaling_factor, ROUTER_ROWS_PER_CTA)
 
 
@@ -89,7 +97,8 @@ def _shared_dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
 def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     """The group's scratch, sized for max_rows (the MoE scratch as `launches.moe` lays it out)."""
     r, d = max_rows, cfg.hidden_size
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    shapes = mk.moe_shapes(cfg, tp)
+    e, k = max(s.num_experts for s in shapes), max(s.topk for s in shapes)
     inter = cfg.rank_shapes(tp).shared_inter
     dense = _shared_dense_specs(cfg, tp)
     workspace = max(s.workspace_bytes() for s in dense)
@@ -121,9 +130,9 @@ def _scale_bytes(array, name: str) -> np.ndarray:
     return array.view(np.uint8)
 
 
-def _shared_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarray]]:
+def _shared_weights(cfg, tp: int, fetch, layer) -> list[tuple[str, np.ndarray]]:
     """The shared expert in the dense kernels' format: w13 = [w1; w3] rows, w2 as stored."""
-    base = _prefix(index) + "shared_experts."
+    base = _prefix(cfg, layer) + "shared_experts."
     shapes = dr.dense_shapes(cfg, tp)
     parts = {w: (np.asarray(fetch(f"{base}{w}.weight")),
                  _scale_bytes(fetch(f"{base}{w}.scale"), f"{base}{w}.scale"))
@@ -163,10 +172,10 @@ def _fused(packed: np.ndarray, scales: np.ndarray, name: str) -> formats.FusedE8
                              fused.weight_scale_2, fused.lo)
 
 
-def _expert_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarray]]:
+def _expert_weights(cfg, tp: int, fetch, layer) -> list[tuple[str, np.ndarray]]:
     """This rank's slice of every routed expert of one layer, packed for the MoE kernels."""
-    shape = mk.moe_shape(cfg, tp)
-    base = _prefix(index) + "experts"
+    shape = _shape(cfg, tp, layer)
+    base = _prefix(cfg, layer) + "experts"
     p13, s13, p2, s2 = [], [], [], []
     for e in range(shape.num_experts):
         c1, b1 = _mxfp4(fetch, f"{base}.{e}.w1", shape.inter, shape.hidden)
@@ -185,9 +194,9 @@ def _expert_weights(cfg, tp: int, fetch, index: int) -> list[tuple[str, np.ndarr
             for key in EXPERT_KEYS]
 
 
-def _gate_weights(cfg, fetch, index: int) -> list[tuple[str, np.ndarray]]:
-    base = _prefix(index) + "gate."
-    e, d = cfg.n_routed_experts, cfg.hidden_size
+def _gate_weights(cfg, fetch, layer) -> list[tuple[str, np.ndarray]]:
+    base = _prefix(cfg, layer) + "gate."
+    e, d = _shape(cfg, 1, layer).num_experts, cfg.hidden_size
     weight, bias = np.asarray(fetch(base + "weight")), np.asarray(fetch(base + "bias"))
     if weight.dtype != BF16 or weight.shape != (e, d):
         raise TypeError(f"{base}weight: the router reads bf16 [{e}, {d}], got {weight.dtype} "
@@ -199,23 +208,21 @@ def _gate_weights(cfg, fetch, index: int) -> list[tuple[str, np.ndarray]]:
 
 
 def weights(cfg, tp: int, rank: int, fetch, layers=None):
-    """The FFN weights on this rank of `layers` (None: every backbone layer), one layer's experts
-    packed at a time."""
+    """The FFN weights on this rank of `layers` (None: every backbone layer and the DSpark
+    stages, wiring.packed_layers), one layer's experts packed at a time."""
     del rank                            # fetch already cuts this rank's slices
-    for spec in cfg.layers:
-        if spec.is_dspark or (layers is not None and spec.index not in layers):
-            continue
-        yield from _gate_weights(cfg, fetch, spec.index)
-        yield from _shared_weights(cfg, tp, fetch, spec.index)
-        yield from _expert_weights(cfg, tp, fetch, spec.index)
+    for spec in packed_layers(cfg, layers):
+        yield from _gate_weights(cfg, fetch, spec)
+        yield from _shared_weights(cfg, tp, fetch, spec)
+        yield from _expert_weights(cfg, tp, fetch, spec)
 
 
 # ---- builders -------------------------------------------------------------------------------
 
 def _router(ctx, layer):
-    spec = _router_spec(ctx.cfg)
+    spec = _router_spec(ctx.cfg, layer)
     kernel_for(ctx.bundle, spec)                       # in the bundle, built for this shape
-    base = _prefix(layer.index) + "gate."
+    base = _prefix(ctx.cfg, layer) + "gate."
     ptrs = {"x": ctx.ptr("xn"), "weight": ctx.ptr(base + "weight"),
             "bias": ctx.ptr(base + "bias"), "logits": ctx.ptr("ffn.router_logits"),
             "ids": ctx.ptr("ffn.topk_ids"), "weights": ctx.ptr("ffn.topk_weights"),
@@ -227,10 +234,10 @@ def _router(ctx, layer):
 
 
 def _moe_routed(ctx, layer):
-    shape = mk.moe_shape(ctx.cfg, ctx.tp)
+    shape = _shape(ctx.cfg, ctx.tp, layer)
     if not ml.available_specs(ctx.bundle, shape):
         raise LookupError(f"the bundle has no MoE kernels of shape {shape.tag()}")
-    base = _prefix(layer.index) + "experts."
+    base = _prefix(ctx.cfg, layer) + "experts."
     ptrs = {"ids": ctx.ptr("ffn.topk_ids"), "route_weights": ctx.ptr("ffn.topk_weights"),
             "x": ctx.ptr("xn"), **{key: ctx.ptr(base + key) for key in EXPERT_KEYS},
             **{key: ctx.ptr("ffn.moe." + key)
@@ -257,7 +264,7 @@ def _dense_by_row_tiles(ctx, label: str) -> dict[int, dr.DenseSpec]:
 
 def _shared_expert(ctx, layer):
     cfg = ctx.cfg
-    base = _prefix(layer.index) + "shared_experts."
+    base = _prefix(cfg, layer) + "shared_experts."
     act = swiglu_ref.make_spec(ctx.shapes.shared_inter, cfg.swiglu_limit)
     add = elementwise_ref.make_spec(cfg.hidden_size, "f32")
     kernel_for(ctx.bundle, act)

@@ -41,6 +41,9 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None, unique: int = UNIQUE_EX
         raise ValueError(f"ffn_tiled: {total} routed experts are not a whole number of "
                          f"repeats of {unique}")
     small = with_experts(cfg, unique)
+    # The backbone's FFNs only: the DSpark stages' experts (their own count) are not tiled.
+    backbone = [spec.index for spec in cfg.layers if not spec.is_dspark]
+    layers = backbone if layers is None else [i for i in layers if i in backbone]
     gate_names = (".ffn.gate.weight", ".ffn.gate.bias")
     expert_names = tuple(f".ffn.experts.{key}" for key in ffn.EXPERT_KEYS)
 
@@ -56,4 +59,4 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None, unique: int = UNIQUE_EX
         yield name, array
     for spec in cfg.layers:
         if not spec.is_dspark and (layers is None or spec.index in layers):
-            yield from ffn._gate_weights(cfg, fetch, spec.index)   # every row: real routing
+            yield from ffn._gate_weights(cfg, fetch, spec)   # every row: real routing

@@ -42,7 +42,7 @@ from executor.launches.embed_engram import (
 )
 from executor.launches.mhc import mhc_norm_launch, mhc_pre_launch
 from executor.launches.rows import rows_prep_launch
-from executor.wiring import MHC_COEFFS, Buffer
+from executor.wiring import MHC_COEFFS, Buffer, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import elementwise_ref as el
 from kernels import embed_ref as er
@@ -60,12 +60,20 @@ SMALL_ROWS = 8                      # mhc_pre: `_lr` up to here, `_lr_rcp` above
 
 # ---- names ---------------------------------------------------------------------------------------
 
-def _first_layer(cfg) -> int:
-    return min(s.index for s in cfg.layers if not s.is_dspark)
+def _first_layer(cfg, layer=None) -> int:
+    """The first layer of `layer`'s forward: the first backbone layer, or for a DSpark stage the
+    first stage (the draft step embeds its own rows and starts its streams there)."""
+    dspark = layer is not None and layer.is_dspark
+    return min(s.index for s in cfg.layers if s.is_dspark == dspark)
 
 
-def _fn_name(layer: int, sublayer: str, summed: bool) -> str:
-    return f"layers.{layer}.hc_{sublayer}_fn" + (".summed" if summed else "")
+def _fn_name(prefix: str, sublayer: str, summed: bool) -> str:
+    return f"{prefix}hc_{sublayer}_fn" + (".summed" if summed else "")
+
+
+def draft_norm_name(cfg) -> str:
+    """The draft's final norm: the last DSpark stage's `norm` (executor/reference/dspark.py)."""
+    return weight_prefix(cfg, cfg.layers[cfg.num_layers_total - 1]) + "norm.weight"
 
 
 def _ids_name(layer: int) -> str:
@@ -78,7 +86,7 @@ def _norm_dtype() -> str:
 
 def _broadcasts(cfg, layer) -> bool:
     """The first layer without Engram mixes the embedding by the 1-stream kernel."""
-    return layer.index == _first_layer(cfg) and not layer.has_engram
+    return layer.index == _first_layer(cfg, layer) and not layer.has_engram
 
 
 # ---- mHC ------------------------------------------------------------------------------------------
@@ -96,20 +104,20 @@ def _mhc_scratch(ctx) -> dict[str, int]:
             "counters": ctx.ptr("mhc.counters")}
 
 
-def _mhc_weights(ctx, layer: int, sublayer: str, summed: bool = False) -> dict[str, int]:
-    return {"fn": ctx.ptr(_fn_name(layer, sublayer, summed)),
-            "scale": ctx.ptr(f"layers.{layer}.hc_{sublayer}_scale.padded"),
-            "base": ctx.ptr(f"layers.{layer}.hc_{sublayer}_base")}
+def _mhc_weights(ctx, prefix: str, sublayer: str, summed: bool = False) -> dict[str, int]:
+    return {"fn": ctx.ptr(_fn_name(prefix, sublayer, summed)),
+            "scale": ctx.ptr(f"{prefix}hc_{sublayer}_scale.padded"),
+            "base": ctx.ptr(f"{prefix}hc_{sublayer}_base")}
 
 
-def _post_step(ctx, layer: int, sublayer: str, sub_out: str, coeff_prev: str, coeff_out: str):
+def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, coeff_out: str):
     """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse."""
     small = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True)
     large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
     ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr(sub_out),
             "coeff_prev": ctx.ptr(coeff_prev), "streams_out": ctx.ptr("streams"),
             "x_out": ctx.ptr("x"), "coeff_out": ctx.ptr(coeff_out),
-            **_mhc_weights(ctx, layer, sublayer), **_mhc_scratch(ctx)}
+            **_mhc_weights(ctx, prefix, sublayer), **_mhc_scratch(ctx)}
     eps = (ctx.cfg.rms_norm_eps, ctx.cfg.hc_eps)
 
     def build(rows):
@@ -138,19 +146,20 @@ def _broadcast_streams(ctx):
 
 
 def _attn_mhc_pre(ctx, layer):
-    cfg, i = ctx.cfg, layer.index
+    cfg, i, prefix = ctx.cfg, layer.index, weight_prefix(ctx.cfg, layer)
     eps = (cfg.rms_norm_eps, cfg.hc_eps)
-    if not layer.has_engram and i != _first_layer(cfg):
-        return _post_step(ctx, i, "attn", "ffn.out", "coeff.ffn", "coeff.attn")
+    first = i == _first_layer(cfg, layer)
+    if not layer.has_engram and not first:
+        return _post_step(ctx, prefix, "attn", "ffn.out", "coeff.ffn", "coeff.attn")
     if ctx.max_rows > mk.MAX_ROWS:
         raise ValueError(f"{ONE_HOT} holds {mk.MAX_ROWS} rows, the step has {ctx.max_rows}")
-    carried = ONE_HOT if i == _first_layer(cfg) else "coeff.ffn"
+    carried = ONE_HOT if first else "coeff.ffn"
     summed = _broadcasts(cfg, layer)
     spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain")
     ptrs = {"streams": ctx.ptr("embed.out" if summed else "streams"),
             "coeff_prev": ctx.ptr(carried), "x_out": ctx.ptr("x"),
             "coeff_out": ctx.ptr("coeff.attn"),
-            **_mhc_weights(ctx, i, "attn", summed), **_mhc_scratch(ctx)}
+            **_mhc_weights(ctx, prefix, "attn", summed), **_mhc_scratch(ctx)}
     broadcast = _broadcast_streams(ctx) if summed else (lambda rows: [])
 
     def build(rows):
@@ -159,7 +168,8 @@ def _attn_mhc_pre(ctx, layer):
 
 
 def _ffn_mhc_pre(ctx, layer):
-    return _post_step(ctx, layer.index, "ffn", "attn.out", "coeff.attn", "coeff.ffn")
+    return _post_step(ctx, weight_prefix(ctx.cfg, layer), "ffn", "attn.out", "coeff.attn",
+                      "coeff.ffn")
 
 
 def _norm(ctx, weight: str, out: str):
@@ -171,11 +181,11 @@ def _norm(ctx, weight: str, out: str):
 
 
 def _attn_norm(ctx, layer):
-    return _norm(ctx, f"layers.{layer.index}.attn_norm.weight", "xn")
+    return _norm(ctx, weight_prefix(ctx.cfg, layer) + "attn_norm.weight", "xn")
 
 
 def _ffn_norm(ctx, layer):
-    return _norm(ctx, f"layers.{layer.index}.ffn_norm.weight", "xn")
+    return _norm(ctx, weight_prefix(ctx.cfg, layer) + "ffn_norm.weight", "xn")
 
 
 # ---- head -----------------------------------------------------------------------------------------
@@ -248,7 +258,7 @@ def _engram_gate(ctx, layer):
             "q_weight": ctx.ptr(f"layers.{i}.engram.q_weight"),
             "k_weight": ctx.ptr(f"layers.{i}.engram.k_weight"), "out": ctx.ptr("streams")}
     # The first layer's streams are the embedding's copies; later ones owe the FFN's post first.
-    before = _broadcast_streams(ctx) if i == _first_layer(cfg) else _postonly(ctx)
+    before = _broadcast_streams(ctx) if i == _first_layer(cfg, layer) else _postonly(ctx)
     eps = cfg.rms_norm_eps
     return lambda rows: [*before(rows), engram_gate_launch(ctx.bundle, spec, ptrs, rows, eps)]
 
@@ -347,30 +357,31 @@ def _bytes(array) -> np.ndarray:
 def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """This rank's embed/head vocab rows, norms, mHC fn/base/scale (scale padded to 4 floats, the
     first layer's attention fn summed over streams), Engram tables, wkv, q/k weights; the
-    per-layer ones of `layers` only (None: every backbone layer)."""
+    per-layer ones of `layers` only (None: every backbone layer and the DSpark stages,
+    wiring.packed_layers; the last stage's `norm` too, the draft's final norm)."""
     del tp, rank                                    # fetch cuts this rank's slices
     one_hot = np.zeros((mk.MAX_ROWS, MHC_COEFFS), np.float32)
     one_hot[:, :cfg.hc_mult] = mhc_ref.one_hot_pre(mk.MAX_ROWS, cfg.hc_mult)
     out = [(name, fetch(name)) for name in ("embed.weight", "head.weight", "norm.weight")]
     out.append((ONE_HOT, one_hot))
-    for layer in cfg.layers:
-        if layer.is_dspark or (layers is not None and layer.index not in layers):
-            continue
-        i = layer.index
-        out += [(f"layers.{i}.{w}_norm.weight", fetch(f"layers.{i}.{w}_norm.weight"))
+    last = cfg.num_layers_total - 1
+    for layer in packed_layers(cfg, layers):
+        i, pre = layer.index, weight_prefix(cfg, layer)
+        out += [(f"{pre}{w}_norm.weight", fetch(f"{pre}{w}_norm.weight"))
                 for w in ("attn", "ffn")]
+        if layer.is_dspark and i == last:
+            out.append((draft_norm_name(cfg), fetch(draft_norm_name(cfg))))
         for sub in ("attn", "ffn"):
-            fn = np.asarray(fetch(_fn_name(i, sub, False)), np.float32)
+            fn = np.asarray(fetch(_fn_name(pre, sub, False)), np.float32)
             if sub == "attn" and _broadcasts(cfg, layer):
-                out.append((_fn_name(i, sub, True),
+                out.append((_fn_name(pre, sub, True),
                             mhc_ref.sum_fn_over_streams(fn, cfg.hc_mult).astype(np.float32)))
             else:
-                out.append((_fn_name(i, sub, False), fn))
+                out.append((_fn_name(pre, sub, False), fn))
             scale = np.zeros(4, np.float32)
-            scale[:3] = np.asarray(fetch(f"layers.{i}.hc_{sub}_scale"), np.float32)
-            out += [(f"layers.{i}.hc_{sub}_scale.padded", scale),
-                    (f"layers.{i}.hc_{sub}_base",
-                     np.asarray(fetch(f"layers.{i}.hc_{sub}_base"), np.float32))]
+            scale[:3] = np.asarray(fetch(f"{pre}hc_{sub}_scale"), np.float32)
+            out += [(f"{pre}hc_{sub}_scale.padded", scale),
+                    (f"{pre}hc_{sub}_base", np.asarray(fetch(f"{pre}hc_{sub}_base"), np.float32))]
         if layer.has_engram:
             pre = f"layers.{i}.engram."
             out += [(pre + name, _bytes(fetch(pre + name)))
