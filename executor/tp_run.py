@@ -199,6 +199,7 @@ class TPRank:
         import cupy as cp
 
         from collectives.oneshot import DEFAULT_TIMEOUT_MS, OneShotAllReduce
+        from executor.cuda import check, driver
         from executor.executor import Executor
         from executor.runtime import Bundle, Device
 
@@ -218,7 +219,9 @@ class TPRank:
         self.stream.synchronize()
         self.executor.bind(**self.tensors)
         self.executor.capture(self.stream)
-        self.stream.synchronize()
+        # capture() uploaded the weights with CuPy on the legacy stream, which our non-blocking
+        # stream does not wait for: the whole context, before the first step may read them.
+        check(driver().cuCtxSynchronize())
         self._exchange(b"captured")                 # no first collective spins on a capture
 
     # ---- data in and out (host <-> bound tensors, on the rank's stream) --------------------
