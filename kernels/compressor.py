@@ -17,7 +17,7 @@ E4M3; RNE bf16 rope), then the index key: 32 dot products of 512 per warp (lane 
 16l..16l+15), RMSNorm_k, RoPE of key dims 64..127 (the pair partner is the xor-1 lane), one
 power-of-two scale over 128, FP8 bytes. Rows with seq_index < 0, or whose entry falls on an
 unallocated page, write nothing; r = 2 rows at even positions only write the ring.
-The PTX helpers come from `kernels.indexer` and `kernels.kv_publish`.
+The PTX helpers come from `kernels.indexer_ptx` and `kernels.kv_publish`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from cutlass.cutlass_dsl import T
 
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref as rec
-from kernels.indexer import _addr, _asm, exp2_f32, fmax_f32, imin, pack_e4m3, pow2_exponent
+from kernels.indexer_ptx import _addr, _asm, exp2_f32, fmax_f32, imin, pack_e4m3, pow2_exponent
 from kernels.kv_publish import rstd_of, select_f32, st_u8
 from kernels.ptx import (
     bf16_pair,

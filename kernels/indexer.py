@@ -17,27 +17,37 @@ design and predictions: `docs/notes/indexer-design.md`. In short:
 PDL: every kernel waits before reading what an earlier kernel wrote and triggers its dependents
 when done. PTX ABI: see `indexer_kernel_ref.*_PARAMS`. Pointers 16-byte aligned (keys: the cache
 base; pages of page_size * 132 bytes), rows <= 256.
+
+The top-k's radix-select phases live in `kernels/indexer_radix.py`, its cluster variants in
+`kernels/indexer_topk_cluster.py`, the family's inline PTX helpers in `kernels/indexer_ptx.py`.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cutlass_dsl import T
 
 from kernels import indexer_kernel_ref as ik
 from kernels.block_scan import block_scan
+from kernels.indexer_ptx import (
+    _addr,
+    exp2_f32,
+    fp4_round,
+    ld_v2,
+    ld_v2_f32,
+    pack_e4m3,
+    pow2_exponent,
+    relu_mul,
+    syncwarp,
+)
+from kernels.indexer_radix import RadixSelectPhases
 from kernels.ptx import (
-    asm,
     bf16_pair,
     cp_async_16_zfill,
     cp_async_commit,
     cp_async_wait,
     fabs_max,
     ld_bf16,
-    ld_f32,
     ld_s32,
     lds_f32,
     lds_s32,
@@ -47,123 +57,7 @@ from kernels.ptx import (
     st_f32,
     st_s32,
     sts_s32,
-    void,
 )
-
-_F_INF = "0f7F800000"
-
-
-# ---- inline PTX helpers ----------------------------------------------------------------------
-
-# Pure by default (this family's arithmetic); its loads opt in with side_effects=True.
-_asm = partial(asm, side_effects=False)
-
-
-def ld_v2(addr: Int64):
-    v = _asm(2, [Int64(addr)], "ld.global.v2.u32 {$0, $1}, [$2];", "=r,=r,l", side_effects=True)
-    return Int32(v[0]), Int32(v[1])
-
-
-def ld_v2_f32(addr: Int64):
-    v = _asm(2, [Int64(addr)], "ld.global.v2.f32 {$0, $1}, [$2];", "=f,=f,l", kind=T.f32(),
-             side_effects=True)
-    return Float32(v[0]), Float32(v[1])
-
-
-def atom_add_shared(saddr: Int32, value: Int32):
-    void([Int32(saddr), Int32(value)], "red.shared.add.u32 [$0], $1;", "r,r")
-
-
-def syncwarp():
-    void([], "bar.warp.sync 0xffffffff;", "")
-
-
-def relu_mul(x: Float32, scale: Float32, w: Float32, acc: Float32):
-    """acc + max(x * scale, 0) * w."""
-    return Float32(_asm(1, [Float32(x), Float32(scale), Float32(w), Float32(acc)],
-                        "{ .reg .f32 t; mul.rn.f32 t, $1, $2; max.f32 t, t, 0f00000000;\n"
-                        "fma.rn.f32 $0, t, $3, $4; }", "=f,f,f,f,f", kind=T.f32()))
-
-
-def ordered_key(score: Float32):
-    """uint32 key ordered as the float (-0 -> +0), as indexer_kernel_ref.ordered_key."""
-    return Int32(_asm(1, [Float32(score)],
-                      "{ .reg .f32 z; .reg .b32 b, m; add.rn.f32 z, $1, 0f00000000;\n"
-                      "mov.b32 b, z; shr.s32 m, b, 31; or.b32 m, m, 0x80000000;\n"
-                      "xor.b32 $0, b, m; }", "=r,f"))
-
-
-def fmax_f32(a: Float32, b: Float32):
-    return Float32(_asm(1, [Float32(a), Float32(b)], "max.f32 $0, $1, $2;", "=f,f,f",
-                        kind=T.f32()))
-
-
-def imin(a: Int32, b: Int32):
-    return Int32(_asm(1, [Int32(a), Int32(b)], "min.s32 $0, $1, $2;", "=r,r,r"))
-
-
-def select_flags(key: Int32, threshold: Int32, take_all: Int32, allowed: Int32):
-    """(above, tie) of one item: allowed and (take_all or key > T); allowed, not take_all, key == T."""
-    v = _asm(2, [Int32(key), Int32(threshold), Int32(take_all), Int32(allowed)],
-             "{ .reg .pred gt, eq, all, ok; setp.hi.u32 gt, $2, $3; setp.eq.u32 eq, $2, $3;\n"
-             "setp.ne.s32 all, $4, 0; setp.ne.s32 ok, $5, 0;\n"
-             "or.pred gt, gt, all; and.pred gt, gt, ok; not.pred all, all;\n"
-             "and.pred eq, eq, all; and.pred eq, eq, ok;\n"
-             "selp.s32 $0, 1, 0, gt; selp.s32 $1, 1, 0, eq; }", "=r,=r,r,r,r,r")
-    return Int32(v[0]), Int32(v[1])
-
-
-def ushr(a: Int32, shift: int):
-    return Int32(_asm(1, [Int32(a)], f"shr.b32 $0, $1, {shift};", "=r,r"))
-
-
-def fp4_round(y: Float32):
-    """y (|y| <= 6) rounded to the nearest E2M1 value, ties to even, sign kept."""
-    return Float32(_asm(1, [Float32(y)],
-                        "{ .reg .f32 a, s, lo; .reg .b32 b, l, sg; .reg .pred big;\n"
-                        "abs.f32 a, $1; setp.ge.f32 big, a, 0f3F800000;\n"
-                        "mul.rn.f32 s, a, 0f40000000; cvt.rni.f32.f32 s, s;\n"
-                        "mul.rn.f32 lo, s, 0f3F000000;\n"
-                        "mov.b32 b, a; shr.u32 l, b, 22; and.b32 l, l, 1;\n"
-                        "add.u32 b, b, 0x1FFFFF; add.u32 b, b, l; and.b32 b, b, 0xFFC00000;\n"
-                        "mov.b32 l, lo; selp.b32 b, b, l, big;\n"
-                        "mov.b32 sg, $1; and.b32 sg, sg, 0x80000000; or.b32 b, b, sg;\n"
-                        "mov.b32 $0, b; }", "=f,f", kind=T.f32()))
-
-
-def pow2_exponent(amax: Float32, mant_limit: int, top: int):
-    """a with 2^a the smallest power of two >= max(amax, 1e-4) / max_code, where
-    max_code = (1 + mant_limit / 2^23) * 2^top (E2M1: 1.5 * 2^2; E4M3: 1.75 * 2^8)."""
-    return Int32(_asm(1, [Float32(amax)],
-                      "{ .reg .f32 m; .reg .b32 b, e, f; .reg .pred p;\n"
-                      "max.f32 m, $1, 0f38D1B717; mov.b32 b, m;\n"
-                      "shr.u32 e, b, 23; and.b32 f, b, 0x7FFFFF;\n"
-                      f"setp.gt.u32 p, f, {mant_limit};\n"
-                      f"sub.s32 e, e, {127 + top}; @p add.s32 e, e, 1; mov.b32 $0, e; }}",
-                      "=r,f"))
-
-
-def exp2_f32(a: Int32):
-    """2^a as float (a in the normal range)."""
-    return Float32(_asm(1, [Int32(a)], "{ .reg .b32 b; add.s32 b, $1, 127; shl.b32 b, b, 23;\n"
-                        "mov.b32 $0, b; }", "=f,r", kind=T.f32()))
-
-
-def pack_e4m3(x0: Float32, x1: Float32, x2: Float32, x3: Float32):
-    return Int32(_asm(1, [Float32(x0), Float32(x1), Float32(x2), Float32(x3)],
-                      "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-                      "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-                      "=r,f,f,f,f"))
-
-
-def _as_i32(value: int) -> int:
-    """A 32-bit pattern as a Python int in the signed range (so the DSL keeps it Int32)."""
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _addr(ptr: cute.Pointer) -> Int64:
-    return Int64(ptr.toint())
-
 
 # ---- indexer_prep ----------------------------------------------------------------------------
 
@@ -484,9 +378,11 @@ class IndexerScoresSm90:
             rr += 1
 
 
+
+
 # ---- indexer_topk ----------------------------------------------------------------------------
 
-class IndexerTopkSm90:
+class IndexerTopkSm90(RadixSelectPhases):
     """One CTA per row: exact radix select (3 histogram passes) + an ordered output pass."""
 
     def __init__(self, spec: ik.IndexerSpec):
@@ -540,147 +436,6 @@ class IndexerTopkSm90:
             st_s32(_addr(out) + (Int64(row) * self.k + Int64(j)) * 4, Int32(-1))
             j += ik.TOPK_THREADS
         cute.arch.griddepcontrol_launch_dependents()
-
-    @cute.jit
-    def item_key(self, src: Int64, crow: Int64, n: Int32, j: Int32):
-        """(allowed, ordered key, output index) of item j."""
-        allowed = Int32(0)
-        key = Int32(0)
-        index = j
-        if cutlass.const_expr(self.mode == "entries"):
-            allowed = Int32(1)
-            key = ordered_key(ld_f32(src + Int64(j) * 4))
-        if cutlass.const_expr(self.mode == "candidates"):
-            bs = self.spec.block_size
-            cb = ld_s32(crow + Int64(j // bs) * 4)
-            index = cb * bs + j % bs
-            if cb >= 0 and index < n:
-                allowed = Int32(1)
-                key = ordered_key(ld_f32(src + Int64(index) * 4))
-        if cutlass.const_expr(self.mode == "blocks"):
-            bs = self.spec.block_size
-            allowed = Int32(1)
-            best = Float32(-float("inf"))
-            for e in cutlass.range_constexpr(bs):
-                if j * bs + e < n:
-                    best = fmax_f32(best, ld_f32(src + Int64(j * bs + e) * 4))
-            if j == (n - 1) // bs:                 # the row's own block is forced in
-                best = Float32(float("inf"))
-            key = ordered_key(best)
-        return allowed, key, index
-
-    @cute.jit
-    def radix_pass(self, src: Int64, crow: Int64, n: Int32, items: Int32, prefix: Int32,
-                   mask: Int32, need: Int32, shift: cutlass.Constexpr, bits: cutlass.Constexpr,
-                   hist: Int32, found: Int32, totals: Int32, tidx: Int32):
-        nbins = 1 << bits
-        b = tidx
-        while b < ik.TOPK_BINS:
-            sts_s32(hist + 4 * b, Int32(0))
-            b += ik.TOPK_THREADS
-        cute.arch.sync_threads()
-        j = tidx
-        while j < items:
-            allowed, key, _ = self.item_key(src, crow, n, j)
-            if allowed != 0 and (key & mask) == prefix:
-                atom_add_shared(hist + 4 * (ushr(key, shift) & (nbins - 1)), Int32(1))
-            j += ik.TOPK_THREADS
-        cute.arch.sync_threads()
-        # Thread t owns bins 2t, 2t+1; a scan in reversed thread order gives the counts above.
-        per = ik.TOPK_BINS // ik.TOPK_THREADS
-        hi_bin = Int32(0)
-        lo_bin = Int32(0)
-        if per * tidx + 1 < nbins:
-            hi_bin = lds_s32(hist + 4 * (per * tidx + 1))
-        if per * tidx < nbins:
-            lo_bin = lds_s32(hist + 4 * (per * tidx))
-        rev = ik.TOPK_THREADS - 1 - tidx
-        excl, total = self.reverse_scan(lo_bin + hi_bin, rev, totals)
-        above_hi = excl                       # items in bins above 2t+1
-        above_lo = excl + hi_bin
-        if above_hi < need and above_hi + hi_bin >= need:
-            sts_s32(found, per * tidx + 1)
-            sts_s32(found + 4, above_hi)
-        if above_lo < need and above_lo + lo_bin >= need:
-            sts_s32(found, per * tidx)
-            sts_s32(found + 4, above_lo)
-        cute.arch.sync_threads()
-        take_all = Int32(0)
-        new_prefix, new_mask, new_need = prefix, mask, need
-        if cutlass.const_expr(shift == ik.RADIX_PASSES[0][0]):  # noqa: SIM102 - trace-time test
-            if total <= need:
-                take_all = Int32(1)
-        if take_all == 0:
-            d = lds_s32(found)
-            new_need = need - lds_s32(found + 4)
-            new_prefix = prefix | (d << shift)
-            new_mask = mask | Int32(_as_i32((nbins - 1) << shift))
-        cute.arch.sync_threads()
-        return new_prefix, new_mask, new_need, take_all
-
-    @cute.jit
-    def reverse_scan(self, value: Int32, rev: Int32, totals: Int32):
-        """(sum of `value` over threads with a larger tidx, total): a scan in reversed order."""
-        lane = rev % ik.LANES
-        warp = rev // ik.LANES
-        inclusive = value
-        # shuffle_sync_down on tidx == shuffle up in reversed order (lanes reverse inside a warp).
-        for k in cutlass.range_constexpr(5):
-            down = cute.arch.shuffle_sync_down(inclusive, offset=1 << k)
-            if lane >= (1 << k):
-                inclusive = inclusive + down
-        if lane == ik.LANES - 1:
-            sts_s32(totals + 4 * warp, inclusive)
-        cute.arch.sync_threads()
-        before = Int32(0)
-        total = Int32(0)
-        for w in cutlass.range_constexpr(self.warps):
-            t = lds_s32(totals + 4 * w)
-            if w < warp:
-                before = before + t
-            total = total + t
-        cute.arch.sync_threads()
-        return before + inclusive - value, total
-
-    @cute.jit
-    def ordered_output(self, src: Int64, crow: Int64, n: Int32, items: Int32, threshold: Int32,
-                       need: Int32, take_all: Int32, dst: Int64, totals: Int32, tidx: Int32):
-        """Write the selected items in item order; returns how many were written."""
-        per = 4
-        chunk = ik.TOPK_THREADS * per
-        run_above = Int32(0)
-        run_tie = Int32(0)
-        start = Int32(0)
-        while start < items:
-            flags = []
-            packed = Int32(0)
-            for q in cutlass.range_constexpr(per):
-                j = start + tidx * per + q
-                above = Int32(0)
-                tie = Int32(0)
-                index = Int32(0)
-                if j < items:
-                    allowed, key, index = self.item_key(src, crow, n, j)
-                    above, tie = select_flags(key, threshold, take_all, allowed)
-                flags.append((above, tie, index))
-                packed = packed + above + (tie << 16)
-            excl, total = block_scan(packed, totals, tidx, self.warps)
-            a_before = run_above + (excl & 0xFFFF)
-            t_before = run_tie + ushr(excl, 16)
-            for q in cutlass.range_constexpr(per):
-                above, tie, index = flags[q]
-                if above != 0:
-                    st_s32(dst + Int64(a_before + imin(t_before, need)) * 4, index)
-                    a_before = a_before + 1
-                if tie != 0:
-                    if t_before < need:
-                        st_s32(dst + Int64(a_before + t_before) * 4, index)
-                    t_before = t_before + 1
-            run_above = run_above + (total & 0xFFFF)
-            run_tie = run_tie + ushr(total, 16)
-            cute.arch.sync_threads()
-            start += chunk
-        return run_above + imin(run_tie, need)
 
 
 # ---- family protocol -------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from cutlass import Float32, Int32, Int64, cute
 
 from kernels import indexer_kernel_ref as ik
 from kernels.block_scan import block_scan
-from kernels.indexer import (
-    IndexerTopkSm90,
+from kernels.indexer import IndexerTopkSm90
+from kernels.indexer_ptx import (
     _addr,
     _as_i32,
     _asm,

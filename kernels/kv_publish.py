@@ -9,8 +9,8 @@ The 7 nope groups of 64 dims are 8 lanes each: amax by a 3-step butterfly, the c
 scale, RNE E4M3 casts; the record is written with 8-byte stores (records are 8-byte aligned).
 Rows whose slot is negative (padding) write nothing.
 
-The PTX helpers come from `kernels.indexer` (same author); a change there does not change this
-family's cache key, so rebuild both when editing them.
+The PTX helpers come from `kernels.indexer_ptx` (the build hashes it into this family's
+cache key).
 PTX ABI: (u64 kv, u64 weight, u64 table, u64 positions, u64 slots, u64 cache, u32 rows,
 u32 num_positions, f32 eps).
 """
@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
 from kernels import kv_publish_ref as kp
-from kernels.indexer import _addr, _asm, exp2_f32, ld_v2_f32, pack_e4m3, pow2_exponent
+from kernels.indexer_ptx import _addr, _asm, exp2_f32, ld_v2_f32, pack_e4m3, pow2_exponent
 from kernels.ptx import (
     bf16_pair,
     f32_imm,

@@ -16,7 +16,7 @@ from cutlass import Float32, Int32, Int64, cute
 
 from kernels import linear_bf16_ref as lr
 from kernels.compressor import bf16x4
-from kernels.indexer import _addr, imin
+from kernels.indexer_ptx import _addr, imin
 from kernels.ptx import shfl_xor_f32, st_bf16
 
 UNROLL = 8            # weight chunks in flight per lane
