@@ -24,6 +24,12 @@ which write the next verify step's token_ids rows (bonus, d_1..d_k). Checked on 
   two columns plus the Markov sum's rounding (m 2^-24 sum |w1 w2| each, the kernel summing the
   m products in fp32); that sequence's later drafts follow another prev and are not compared.
 - every rank wrote the same token_ids rows.
+- the draft rows' KV in each stage's SWA cache (the draft forward writes it at the rows' slots,
+  as the reference does; the verify's context KV later overwrites it): every byte outside those
+  slots unchanged, the same bytes on every rank, and each record decoding within two E4M3 steps
+  of the reference's at its group's amax, 2^(floor(log2 amax) - 2): one for the encoding's
+  rounding, one for a kv row that differs by bf16 ulps before it (measured: at most one step;
+  the first stage's records came out bitwise equal).
 
 Between rounds the reference advances each sequence by verify_and_accept of its own drafts.
 """
@@ -44,6 +50,7 @@ from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.weights import rank_weights_from_checkpoint
 from executor.wiring import wire
 from kernels import engram_ref
+from kernels import kvrecord_ref as kr
 
 TP = 4
 ROUNDS = 6
@@ -122,6 +129,33 @@ def _check_drafts(model, ids, want, ref_base, emu_base, anchor) -> int:
     return equal
 
 
+def _record_bound(entries: np.ndarray) -> np.ndarray:
+    """Two E4M3 steps at each group's amax, per element of [N, 512] decoded entries."""
+    n = entries.shape[0]
+    groups = np.abs(entries).reshape(n, -1, kr.KV_SCALE_GROUP).max(axis=2, keepdims=True)
+    step = np.ldexp(1.0, np.floor(np.log2(np.maximum(groups, kr.AMAX_FLOOR))).astype(int) - 2)
+    return np.broadcast_to(step, (n, entries.shape[1] // kr.KV_SCALE_GROUP,
+                                  kr.KV_SCALE_GROUP)).reshape(n, -1)
+
+
+def _check_swa(s, rows, before, after, rnd) -> None:
+    """The draft rows' SWA records (see the module docstring), every stage, every rank."""
+    slots = rows.slot_mapping[rows.slot_mapping >= 0]
+    for spec in (spec for spec in s.cfg.layers if spec.is_dspark):
+        name = f"swa_{spec.index}"
+        got = s.ranks.tensors[0][name]
+        for r in range(1, TP):
+            assert np.array_equal(s.ranks.tensors[r][name], got), f"round {rnd}: {name} rank {r}"
+        other = np.ones(got.shape[0], bool)
+        other[slots] = False
+        assert np.array_equal(got[other], before.swa[spec.index][other]), (
+            f"round {rnd}: {name} changed outside the draft rows' slots")
+        mine, want = kr.decode_kv_record(got[slots]), kr.decode_kv_record(after.swa[spec.index][slots])
+        err, bound = np.abs(mine - want), _record_bound(np.maximum(np.abs(mine), np.abs(want)))
+        assert (err <= bound).all(), (f"round {rnd}: {name} record of row "
+                                      f"{np.argwhere(err > bound)[0].tolist()} off the reference's")
+
+
 def test_draft_steps_produce_the_reference_drafts(draft):
     s, cfg = draft, draft.cfg
     rng = np.random.default_rng()
@@ -143,7 +177,9 @@ def test_draft_steps_produce_the_reference_drafts(draft):
             tensors["token_ids"][SEQS * k:] = -1        # the Markov stages write rows 0..12
         run_lockstep(s.plans, rows.num_rows, s.ranks.space)
 
-        ref_bases = [ref_dspark.draft_base_logits(s.model, s.caches.copy(), q) for q in seqs]
+        after = s.caches.copy()                 # the reference's draft writes its SWA rows
+        ref_bases = [ref_dspark.draft_base_logits(s.model, after, q) for q in seqs]
+        _check_swa(s, rows, s.caches, after, rnd)
         emu = [s.ranks.read(r, "dspark.base", np.float32, (MAX_ROWS, vocab_l))[:rows.num_rows]
                for r in range(TP)]
         ids = [s.ranks.read(r, "token_ids", np.int64, (MAX_ROWS,)) for r in range(TP)]
