@@ -142,3 +142,50 @@ def test_rank_refuses_bad_buckets_and_a_bundle_of_another_world(tiny_bundle_dir)
                buckets=(8,))
     with pytest.raises(BundleError, match="built for tp=4, this world is 2"):
         TPRank(RankSpec(0, 2, 0), tiny_bundle_dir, source, geometry, exchange=None)
+
+
+def _wired_executor(bundle_dir, buckets, built: list):
+    """An Executor made as TPRank makes it (every stage module, a one-shot state), on host
+    memory: capture() packs and wires the arena, then builds each bucket's launches (LaunchSpec
+    checks grids and pointers) instead of capturing them."""
+    from test_executor_cpu import FakeCudaTensor, FakeDevice
+
+    from collectives.oneshot import CollectiveState
+    from executor.emulate import bind_host
+    from executor.executor import Executor
+    from executor.graphs import GraphSet
+    from executor.hostmem import AddressSpace, HostArena, ManifestBundle
+
+    space = AddressSpace()
+    ckpt = tiny_checkpoint()
+    cfg, fetch = WeightSource(checkpoint=str(ckpt.path)).open(4, 1)
+    state = CollectiveState(1, 4, {"peers": 1 << 40, "control": 1 << 40, "status": 1 << 40})
+    holder = {}
+
+    def build_each(stream, record, buckets):
+        del stream, record
+        for b in buckets:
+            built.append((b, sum(len(s.build(b)) for s in holder["ex"].plan.stages)))
+        return GraphSet({b: None for b in buckets})
+
+    ex = Executor(cfg, ManifestBundle(bundle_dir), fetch, 4, 1, state, device=FakeDevice(),
+                  geometry=_geometry(), buckets=buckets, capture_graphs=build_each,
+                  arena_factory=lambda requests: HostArena(space, requests, name="rank1"))
+    holder["ex"] = ex
+    rules = bound_rules(cfg, 4, ex.geometry, bind_logits=True)
+    host = allocate(rules, np.zeros)
+    ex.bind(**{n: FakeCudaTensor(a.shape, str(a.dtype), bind_host(space, {n: a})[n])
+               for n, a in host.items()})
+    return ex
+
+
+def test_the_driver_buckets_wire_every_stage_and_a_smaller_top_bucket_cannot(tiny_bundle_dir):
+    built: list = []
+    ex = _wired_executor(tiny_bundle_dir, check_buckets((8, MAX_ROWS)), built)
+    ex.capture("stream")
+    assert ex.captured and not ex.plan.missing_stages()
+    assert [b for b, _ in built] == [8, MAX_ROWS] and all(n > 0 for _, n in built)
+    small = _wired_executor(tiny_bundle_dir, (8,), [])
+    with pytest.raises(ValueError, match=r"allreduce_oneshot.*'max_rows': \(192, 8\)"):
+        small.capture("stream")                 # the bundle's one-shot kernels hold 192 rows
+    assert not small.captured
