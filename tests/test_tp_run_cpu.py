@@ -1,6 +1,7 @@
 """What executor/tp_run.py decides without a GPU: devices per rank, argument checks, the weights
-source, and that the caller tensors it allocates and the host inputs it writes are exactly what
-binding_rules and the emulated ranks (executor.emulate.ranks) use."""
+source, that the caller tensors it allocates and the host inputs it writes are exactly what
+binding_rules and the emulated ranks (executor.emulate.ranks) use, and that the Executor it builds
+wires and builds every stage at its buckets (on host memory)."""
 import numpy as np
 import pytest
 from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model
