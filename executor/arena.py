@@ -121,6 +121,11 @@ class Arena:
 
         self.view(name, np.uint8)[...] = byte
 
+    def synchronize(self) -> None:
+        """Wait for every copy into the arena (uploads go through CuPy's stream, not the
+        caller's: a step on another stream must not start before they land)."""
+        check(driver().cuCtxSynchronize())
+
     def zero(self) -> None:
         """Every byte of the arena 0 (counters and flags the kernels expect zero when bound)."""
         check(driver().cuMemsetD8(self._devptr, 0, self.total_bytes))

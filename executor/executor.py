@@ -136,15 +136,22 @@ class Executor:
                                "graphs record their addresses)")
         if self._graphs is not None:
             raise RuntimeError("Executor.capture: already captured")
+        unwired = self.plan
         if self.plan.missing_stages() and self._fetch is not None:
             self._wire()
-        self.plan.require_complete()
-        stream = self.device.stream() if stream is None else stream
+        try:
+            self.plan.require_complete()
+            stream = self.device.stream() if stream is None else stream
 
-        def record(rows: int) -> None:
-            self.plan.record(stream, rows, self._ranges)
+            def record(rows: int) -> None:
+                self.plan.record(stream, rows, self._ranges)
 
-        self._graphs = self._capture_graphs(stream, record, self.buckets)
+            self._graphs = self._capture_graphs(stream, record, self.buckets)
+        except BaseException:
+            if self.plan is not unwired:        # the arena this call built goes with the plan
+                arena, self.arena, self.plan = self.arena, None, unwired
+                arena.close()
+            raise
 
     def _wire(self) -> None:
         """Build the arena and wire the plan on it; on any failure (a missing stage included)
@@ -161,6 +168,7 @@ class Executor:
             arena.zero()
             for name, array in uploads:
                 arena.upload(name, array)
+            arena.synchronize()                 # the uploads ran on another stream than step's
             ctx = StepContext(cfg, self.tp, self.rank, self.bundle, arena,
                               self._binding.pointers, self.max_rows, self.comm, self.geometry)
             plan = wire(self.plan, ctx, self._stage_modules)

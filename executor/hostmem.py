@@ -112,6 +112,9 @@ class HostArena:
     def zero(self) -> None:
         self.buffer[...] = 0
 
+    def synchronize(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

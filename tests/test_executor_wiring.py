@@ -31,13 +31,14 @@ class Arenas:
         return arena
 
 
-def _executor(ckpt, bundle_dir, space, arenas, modules):
+def _executor(ckpt, bundle_dir, space, arenas, modules, capture_graphs=None):
     cfg, tp, rank = ckpt.config, 4, 2
     ex = Executor(cfg, ManifestBundle(bundle_dir), lambda name: shard(ckpt, ckpt.spec(name), tp,
                                                                       rank),
                   tp, rank, CollectiveState(rank, tp, {"peers": 1 << 40, "control": 1 << 40,
                                                        "status": 1 << 40}),
-                  device=FakeDevice(), geometry=GEOMETRY, capture_graphs=Recorder(),
+                  device=FakeDevice(), geometry=GEOMETRY,
+                  capture_graphs=capture_graphs or Recorder(),
                   stage_modules=modules, arena_factory=arenas)
     tensors = {}
     for rule in ex.rules.values():
@@ -70,3 +71,21 @@ def test_capture_wires_what_it_can_then_refuses_and_frees_the_arena(ckpt, tiny_b
     norm = "layers.2.attn_norm.weight"
     assert np.array_equal(arena.view(norm, np.uint8), ckpt.get(norm).view(np.uint8))
     assert "streams" in arena.slices and "pick" in arena.slices
+
+
+def test_a_failed_capture_after_wiring_frees_the_arena_and_unwires(ckpt, tiny_bundle_dir):
+    """Every stage wired (the default stage modules), then the graph capture fails: the arena
+    this capture built is freed and the plan is the unwired one again."""
+    from executor.wiring import STAGE_MODULES
+
+    def failing_capture(stream, record, buckets):
+        raise RuntimeError("capture failed")
+
+    space = AddressSpace()
+    arenas = Arenas(space)
+    ex = _executor(ckpt, tiny_bundle_dir, space, arenas, STAGE_MODULES, failing_capture)
+    before = ex.plan
+    with pytest.raises(RuntimeError, match="capture failed"):
+        ex.capture("capture-stream")
+    assert len(arenas.made) == 1 and arenas.closed == arenas.made
+    assert ex.arena is None and ex.plan is before and not ex.captured
