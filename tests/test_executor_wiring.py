@@ -14,8 +14,8 @@ from executor.plan import decode_plan
 from loader.checkpoint import Checkpoint
 from loader.sharding import shard
 
-GEOMETRY = CacheGeometry(max_seqs=2, ring_slots=32, ring_rows=8, page_size=16, num_pages=8,
-                         pages_per_seq=4)
+GEOMETRY = CacheGeometry(max_seqs=2, ring_slots=32, ring_rows=8, page_size=64, num_pages=4,
+                         pages_per_seq=2)        # what the tiny bundle's kernels are built for
 
 
 class Arenas:
