@@ -31,6 +31,7 @@ from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe as mo
 from kernels import moe_kernel_ref as mk
+from kernels import moe_ptx as mp
 from kernels.block_scan import block_scan
 from kernels.ptx import (
     ld_f32_if,
@@ -47,7 +48,7 @@ from kernels.ptx import (
 
 def lds_u32_if(saddr: Int32, pred: Int32):
     """A shared word where pred != 0, else 0."""
-    return Int32(mo._asm(1, [Int32(saddr), Int32(pred)],
+    return Int32(mp._asm(1, [Int32(saddr), Int32(pred)],
                          "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
                          "@p ld.shared.u32 $0, [$1]; }", "=r,r,r", side_effects=True))
 
@@ -85,7 +86,7 @@ class SmemRouting:
         # Every id this thread handles is loaded before the first is used: one round trip,
         # not one per id (the loads are volatile asm and stay in source order).
         n = rows * self.topk
-        got = [mo.ld_relaxed_u32(ids + Int64(tidx + c * self.threads) * 4,
+        got = [mp.ld_relaxed_u32(ids + Int64(tidx + c * self.threads) * 4,
                                  Int32(1) if tidx + c * self.threads < n else Int32(0))
                for c in range(self.ids_per_thread)]
         for c in cutlass.range_constexpr(self.ids_per_thread):
@@ -95,7 +96,7 @@ class SmemRouting:
                 row = i // self.topk
                 sts_u32(ids_s + 4 * i, e)
                 if e >= 0 and e < self.experts:
-                    mo.atom_or_shared(scratch + 4 * (e * mk.BITMAP_WORDS + row // 32),
+                    mp.atom_or_shared(scratch + 4 * (e * mk.BITMAP_WORDS + row // 32),
                                       Int32(1) << (row % 32))
         cute.arch.sync_threads()
         counts = self.count_rows(scratch, tidx)
@@ -126,7 +127,7 @@ class SmemRouting:
             c = Int32(0)
             if e < self.experts:
                 for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
-                    c = c + mo.popc(lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w)))
+                    c = c + mp.popc(lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w)))
             counts.append(c)
         return counts
 
@@ -136,7 +137,7 @@ class SmemRouting:
         for w in cutlass.range_constexpr(mk.BITMAP_WORDS):
             bits = lds_u32(bitmap + 4 * (e * mk.BITMAP_WORDS + w))
             while bits != 0:
-                row = w * 32 + mo.ctz(bits)
+                row = w * 32 + mp.ctz(bits)
                 bits = bits & (bits - 1)
                 slot = Int32(0)
                 for s in cutlass.range_constexpr(self.topk):
@@ -189,16 +190,16 @@ class MoeXQuantSm90:
         cute.arch.griddepcontrol_wait()          # x comes from the previous sublayer
         cute.arch.griddepcontrol_launch_dependents()
         lane = tidx % mk.LANES
-        xa, qa, sa = mo._addr(x), mo._addr(xq), mo._addr(xs)
+        xa, qa, sa = mp._addr(x), mp._addr(xq), mp._addr(xs)
         item = bidx * self.warps + tidx // mk.LANES
         while item < rows * self.groups:
             row = item // self.groups
             grp = item % self.groups
             k = grp * mk.ACT_GROUP + 4 * lane
-            w = mo.ld_v2(xa + Int64(row * self.hidden + k) * 2, Int32(1))
-            q, scale = mo.quantize_quad(w[0], w[1])
-            pos = mo.fragment_position(grp * 4 + lane // 8, lane)
-            mo.st_u32(qa + Int64(row) * self.k_pad + pos, q)
+            w = mp.ld_v2(xa + Int64(row * self.hidden + k) * 2, Int32(1))
+            q, scale = mp.quantize_quad(w[0], w[1])
+            pos = mp.fragment_position(grp * 4 + lane // 8, lane)
+            mp.st_u32(qa + Int64(row) * self.k_pad + pos, q)
             if lane == 0:
                 st_f32(sa + Int64(row * self.groups + grp) * 4, scale)
             item += gdim * self.warps
@@ -234,12 +235,12 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         red = ring + self.ring_region
         lists = red + self.threads * 16
-        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        self.routing.build(mp._addr(topk_ids), rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.tiles
         for s in cutlass.range_constexpr(self.stages):
             first_item = bidx + s * gdim
             first_e = self.routing.expert_of_item(lists, first_item, self.tiles, total)
-            self.issue(ring + s * self.stage_bytes, first_e, mo._addr(codes), mo._addr(offsets),
+            self.issue(ring + s * self.stage_bytes, first_e, mp._addr(codes), mp._addr(offsets),
                        first_item, total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # xq, xs come from moe_xquant
         cute.arch.griddepcontrol_launch_dependents()
@@ -248,23 +249,23 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.tiles)
             tile = item % self.tiles
-            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mp._addr(scales) + Int64(e) * 4, Int32(1))
             stage = ring + (it % self.stages) * self.stage_bytes
             pair_list = lists + self.routing.pairs_at + 4 * first
-            ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs), count, Int32(0),
+            ins = self.chunk_inputs_smem(pair_list, mp._addr(xq), mp._addr(xs), count, Int32(0),
                                          warp, lane)
-            mo.cp_async_wait(self.stages - 1)
-            self.chunk_math(stage, ins, mo._addr(h), tile, scale, red, warp, lane, tidx)
+            mp.cp_async_wait(self.stages - 1)
+            self.chunk_math(stage, ins, mp._addr(h), tile, scale, red, warp, lane, tidx)
             chunk = Int32(mk.CHUNK_TOKENS)
             while chunk < count:
-                ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs),
+                ins = self.chunk_inputs_smem(pair_list, mp._addr(xq), mp._addr(xs),
                                              count - chunk, chunk, warp, lane)
-                self.chunk_math(stage, ins, mo._addr(h), tile, scale, red, warp, lane, tidx)
+                self.chunk_math(stage, ins, mp._addr(h), tile, scale, red, warp, lane, tidx)
                 chunk += mk.CHUNK_TOKENS
             # chunk_math ended with a barrier: this stage is free for the item `stages` ahead.
             refill = item + self.stages * gdim
             self.issue(stage, self.routing.expert_of_item(lists, refill, self.tiles, total),
-                       mo._addr(codes), mo._addr(offsets), refill, total, warp, lane, tidx)
+                       mp._addr(codes), mp._addr(offsets), refill, total, warp, lane, tidx)
             item += gdim
             it += 1
 
@@ -284,7 +285,7 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         b_regs, sc = [], []
         for gi in cutlass.range_constexpr(self.groups_per_warp):
             grp = warp * self.groups_per_warp + gi
-            b_regs.append([mo.ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
+            b_regs.append([mp.ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
             sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
                        ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
         return b_regs, sc, p0, p1, v0, v1
@@ -311,35 +312,35 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         red = ring + self.ring_region
         lists = red + self.threads * 16
-        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        self.routing.build(mp._addr(topk_ids), rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.tiles
         self.issue(ring, self.routing.expert_of_item(lists, bidx, self.tiles, total),
-                   mo._addr(codes), mo._addr(offsets), bidx, total, warp, lane, tidx)
+                   mp._addr(codes), mp._addr(offsets), bidx, total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # xq, xs come from moe_xquant
         cute.arch.griddepcontrol_launch_dependents()
         item = bidx
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.tiles)
             tile = item % self.tiles
-            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mp._addr(scales) + Int64(e) * 4, Int32(1))
             nxt = item + gdim
             nxt_e = self.routing.expert_of_item(lists, nxt, self.tiles, total)
-            refill = self.weight_addresses(nxt_e, nxt, mo._addr(codes), mo._addr(offsets), warp,
+            refill = self.weight_addresses(nxt_e, nxt, mp._addr(codes), mp._addr(offsets), warp,
                                            lane)
             more = Int32(1) if nxt < total else Int32(0)
             pair_list = lists + self.routing.pairs_at + 4 * first
-            ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs), count, Int32(0),
+            ins = self.chunk_inputs_smem(pair_list, mp._addr(xq), mp._addr(xs), count, Int32(0),
                                          warp, lane)
-            mo.cp_async_wait(0)
+            mp.cp_async_wait(0)
             last = Int32(1) if count <= mk.CHUNK_TOKENS else Int32(0)
-            self.chunk_math_refill(ring, ins, mo._addr(h), tile, scale, red, warp, lane, tidx,
+            self.chunk_math_refill(ring, ins, mp._addr(h), tile, scale, red, warp, lane, tidx,
                                    refill, more * last)
             chunk = Int32(mk.CHUNK_TOKENS)
             while chunk < count:
-                ins = self.chunk_inputs_smem(pair_list, mo._addr(xq), mo._addr(xs),
+                ins = self.chunk_inputs_smem(pair_list, mp._addr(xq), mp._addr(xs),
                                              count - chunk, chunk, warp, lane)
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                self.chunk_math_refill(ring, ins, mo._addr(h), tile, scale, red, warp, lane,
+                self.chunk_math_refill(ring, ins, mp._addr(h), tile, scale, red, warp, lane,
                                        tidx, refill, more * last)
                 chunk += mk.CHUNK_TOKENS
             item += gdim
@@ -368,19 +369,19 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
         for gi in cutlass.range_constexpr(self.groups_per_warp):
             words = (lds_v4_u32(stage + ((2 * gi) * self.threads + tidx) * 16)
                      + lds_v4_u32(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
-            offs = mo.lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
-            part = mo.group_mma(words, offs, 4, b_regs[gi])
+            offs = mp.lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
+            part = mp.group_mma(words, offs, 4, b_regs[gi])
             if do_refill != 0:
                 for c in cutlass.range_constexpr(2 * gi, 2 * gi + 2):
-                    mo.cp_async_16(stage + (c * self.threads + tidx) * 16,
+                    mp.cp_async_16(stage + (c * self.threads + tidx) * 16,
                                    wbase + c * mk.COL_BYTES)
-                mo.cp_async_8(stage + self.offsets_at + (gi * self.threads + tidx) * 8,
+                mp.cp_async_8(stage + self.offsets_at + (gi * self.threads + tidx) * 8,
                               obase + gi * mk.GROUP_OFFSET_BYTES)
             sc0, sc1 = sc[gi]
-            acc = [mo.fmul_add(acc[0], part[0], sc0), mo.fmul_add(acc[1], part[1], sc1),
-                   mo.fmul_add(acc[2], part[2], sc0), mo.fmul_add(acc[3], part[3], sc1)]
+            acc = [mp.fmul_add(acc[0], part[0], sc0), mp.fmul_add(acc[1], part[1], sc1),
+                   mp.fmul_add(acc[2], part[2], sc0), mp.fmul_add(acc[3], part[3], sc1)]
         if do_refill != 0:
-            mo.cp_async_commit()
+            mp.cp_async_commit()
         self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0, v1)
 
     @cute.jit
@@ -402,11 +403,11 @@ class MoeW13EarlyRefillSm90(MoeW13SelfRoutedSm90):
             n = 8 * tile + g
             inter = self.shape.inter
             if v0 != 0:
-                y0 = mo.swiglu(round_bf16(tot[0] * scale), round_bf16(tot[2] * scale),
+                y0 = mp.swiglu(round_bf16(tot[0] * scale), round_bf16(tot[2] * scale),
                                limit)
                 st_bf16(h + Int64(p0 * inter + n) * 2, y0)
             if v1 != 0:
-                y1 = mo.swiglu(round_bf16(tot[1] * scale), round_bf16(tot[3] * scale),
+                y1 = mp.swiglu(round_bf16(tot[1] * scale), round_bf16(tot[3] * scale),
                                limit)
                 st_bf16(h + Int64(p1 * inter + n) * 2, y1)
         cute.arch.sync_threads()
@@ -441,35 +442,35 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         sq = ring + self.ring_region
         lists = sq + mk.w2_smem_bytes(self.shape)
-        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        self.routing.build(mp._addr(topk_ids), rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.blocks
         for s in cutlass.range_constexpr(self.stages):
             first_item = bidx + s * gdim
             self.issue(ring + s * self.stage_bytes,
                        self.routing.expert_of_item(lists, first_item, self.blocks, total),
-                       mo._addr(codes), mo._addr(offsets), first_item, total, warp, lane, tidx)
+                       mp._addr(codes), mp._addr(offsets), first_item, total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
         cute.arch.griddepcontrol_launch_dependents()
         item = bidx
         it = Int32(0)
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
-            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mp._addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             stage = ring + (it % self.stages) * self.stage_bytes
             pair_list = lists + self.routing.pairs_at + 4 * first
             chunk = Int32(0)
             while chunk < count:
-                self.quantize_chunk_smem(pair_list, mo._addr(h), count - chunk, chunk, sq, warp,
+                self.quantize_chunk_smem(pair_list, mp._addr(h), count - chunk, chunk, sq, warp,
                                          lane)
-                mo.cp_async_wait(self.stages - 1)   # this item's weights (no-op after chunk 0)
+                mp.cp_async_wait(self.stages - 1)   # this item's weights (no-op after chunk 0)
                 cute.arch.sync_threads()
-                self.chunk_mma(stage, mo._addr(ye), tile, scale, sq, lane, tidx)
+                self.chunk_mma(stage, mp._addr(ye), tile, scale, sq, lane, tidx)
                 cute.arch.sync_threads()
                 chunk += mk.CHUNK_TOKENS
             refill = item + self.stages * gdim
             self.issue(stage, self.routing.expert_of_item(lists, refill, self.blocks, total),
-                       mo._addr(codes), mo._addr(offsets), refill, total, warp, lane, tidx)
+                       mp._addr(codes), mp._addr(offsets), refill, total, warp, lane, tidx)
             item += gdim
             it += 1
 
@@ -486,13 +487,13 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             inside = Int32(1) if k < inter else Int32(0)
-            loaded.append(mo.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside))
+            loaded.append(mp.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside))
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             w = loaded[grp]
-            q, scale = mo.quantize_quad(w[0], w[1])
+            q, scale = mp.quantize_quad(w[0], w[1])
             if k < k_pad:
-                sts_u32(sq + warp * k_pad + mo.fragment_position(grp * 4 + lane // 8, lane), q)
+                sts_u32(sq + warp * k_pad + mp.fragment_position(grp * 4 + lane // 8, lane), q)
             if lane == 0:
                 sts_f32(sq + self.q_bytes + 4 * (warp * self.groups + grp), scale)
         if lane == 0:
@@ -516,31 +517,31 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         sq = ring + self.ring_region
         lists = sq + mk.w2_smem_bytes(self.shape)
-        self.routing.build(mo._addr(topk_ids), rows, ring, lists, tidx)
+        self.routing.build(mp._addr(topk_ids), rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.blocks
         self.issue(ring, self.routing.expert_of_item(lists, bidx, self.blocks, total),
-                   mo._addr(codes), mo._addr(offsets), bidx, total, warp, lane, tidx)
+                   mp._addr(codes), mp._addr(offsets), bidx, total, warp, lane, tidx)
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
         cute.arch.griddepcontrol_launch_dependents()
         item = bidx
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
-            scale = ld_f32_if(mo._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(mp._addr(scales) + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             nxt = item + gdim
             nxt_e = self.routing.expert_of_item(lists, nxt, self.blocks, total)
-            refill = self.weight_addresses(nxt_e, nxt, mo._addr(codes), mo._addr(offsets), warp,
+            refill = self.weight_addresses(nxt_e, nxt, mp._addr(codes), mp._addr(offsets), warp,
                                            lane)
             more = Int32(1) if nxt < total else Int32(0)
             pair_list = lists + self.routing.pairs_at + 4 * first
             chunk = Int32(0)
             while chunk < count:
-                self.quantize_chunk_smem(pair_list, mo._addr(h), count - chunk, chunk, sq, warp,
+                self.quantize_chunk_smem(pair_list, mp._addr(h), count - chunk, chunk, sq, warp,
                                          lane)
-                mo.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
+                mp.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
                 cute.arch.sync_threads()
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                self.chunk_mma_refill(ring, mo._addr(ye), tile, scale, sq, lane, tidx, refill,
+                self.chunk_mma_refill(ring, mp._addr(ye), tile, scale, sq, lane, tidx, refill,
                                       more * last)
                 cute.arch.sync_threads()
                 chunk += mk.CHUNK_TOKENS
@@ -567,23 +568,23 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
             n_steps = self.ksteps(grp)
             cols = range(2 * grp, min(2 * grp + 2, self.cols))
             words = [w for c in cols for w in lds_v4_u32(stage + (c * self.threads + tidx) * 16)]
-            offs = mo.lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
+            offs = mp.lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
             b_regs = []
             for s4 in cutlass.range_constexpr(n_steps):
-                b_regs.append(mo.lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
-            part = mo.group_mma(words, offs, n_steps, b_regs)
+                b_regs.append(mp.lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
+            part = mp.group_mma(words, offs, n_steps, b_regs)
             if do_refill != 0:
                 for c in cutlass.range_constexpr(2 * grp, min(2 * grp + 2, self.cols)):
-                    mo.cp_async_16(stage + (c * self.threads + tidx) * 16,
+                    mp.cp_async_16(stage + (c * self.threads + tidx) * 16,
                                    wbase + c * mk.COL_BYTES)
-                mo.cp_async_8(stage + self.offsets_at + (grp * self.threads + tidx) * 8,
+                mp.cp_async_8(stage + self.offsets_at + (grp * self.threads + tidx) * 8,
                               obase + grp * mk.GROUP_OFFSET_BYTES)
             sc0 = lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
             sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
-            acc = [mo.fmul_add(acc[0], part[0], sc0), mo.fmul_add(acc[1], part[1], sc1),
-                   mo.fmul_add(acc[2], part[2], sc0), mo.fmul_add(acc[3], part[3], sc1)]
+            acc = [mp.fmul_add(acc[0], part[0], sc0), mp.fmul_add(acc[1], part[1], sc1),
+                   mp.fmul_add(acc[2], part[2], sc0), mp.fmul_add(acc[3], part[3], sc1)]
         if do_refill != 0:
-            mo.cp_async_commit()
+            mp.cp_async_commit()
         p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
         p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
         n = tile * mk.TILE_ROWS + g

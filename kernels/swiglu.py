@@ -2,7 +2,7 @@
 
 Spec, byte formula, reference and tolerance: `kernels/swiglu_ref.py`. Each thread takes one
 8-output chunk per step: a 16-byte load of 8 gates, one of the 8 matching ups (I columns further
-on), the routed experts' SwiGLU instructions (`kernels.moe.swiglu`) in fp32, one cvt to bf16 and
+on), the routed experts' SwiGLU instructions (`kernels.moe_ptx.swiglu`) in fp32, one cvt to bf16 and
 a 16-byte store; a grid stride over rows * I / 8 chunks. PDL: the wait comes first (h13 is the
 previous launch's output); the dependents are released right after it, so the next linear
 streams its weights while this kernel runs (its own wait still orders it after our stores).
@@ -16,7 +16,7 @@ from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, cute, range_constexpr
 
 from kernels.common_ref import BF16_PER_VECTOR
-from kernels.moe import swiglu
+from kernels.moe_ptx import swiglu
 from kernels.swiglu_ref import CTA_THREADS, SwigluSpec, specs_for
 
 VEC = BF16_PER_VECTOR

@@ -12,7 +12,7 @@ reads gate and up from two halves of a row that other threads' outputs would cov
 Bytes moved: rows * I * (4 + 2).
 
 Numerics: the kernel computes silu as g / (1 + 2^(-g * log2 e)) with ex2.approx (the routed
-experts' `kernels.moe.swiglu`, the same instructions), the reference as g / (1 + exp(-g)) in
+experts' `kernels.moe_ptx.swiglu`, the same instructions), the reference as g / (1 + exp(-g)) in
 float32. The two fp32 results differ by a few fp32 ulps (ex2.approx: 2^-22 relative), far below
 bf16's half ulp (2^-9 relative), so the bf16 outputs are equal except where the fp32 value lies
 within those few ulps of a bf16 rounding boundary: there they differ by one bf16 ulp
