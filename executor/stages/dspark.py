@@ -18,7 +18,7 @@ Model doc §4 and executor/reference/dspark.py (`verify_and_accept`), on the dev
                          `dspark.context_slots` into swa_{S} (write_context_kv)
 
 The draft step's Markov correction (roles dspark.markov0 .. dspark.markov{k}, in
-executor/dspark_plan.py's draft_plan): step i < k: this rank's argmax pair of U_i + markov_w2 ·
+executor/plan.py's draft_plan): step i < k: this rank's argmax pair of U_i + markov_w2 ·
 markov_w1[prev] into `dspark.pairs` (prev = the bound `bonus` at i = 0, else `dspark.prev`), then
 the cross-rank pick (kernels.allreduce) -> `dspark.prev`; each step also writes prev into the
 bound `token_ids` at row s (k + 1) + i, so after step k the next verify step's rows (bonus,
