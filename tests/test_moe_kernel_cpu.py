@@ -179,6 +179,7 @@ def test_gpu_tolerance_accepts_another_summation_order_and_rejects_a_wrong_exper
     x = moe_ref.round_bf16(rng.normal(0, 1, (24, 256)))
     ids = uniform_routing(rng, 24, 16, 6)
     weights = rng.random((24, 6)).astype(np.float32)
+    weights[5, 2] = 1.0     # the slot swapped below weighs fully (a tiny weight could hide it)
     routing = moe_ref.RouterOutput(ids.astype(np.int64), weights)
     want = moe_ref.routed_experts(x, routing, shards, 10.0)
     mk.check_routed_close(_reference_float64_partials(x, ids, weights, shards, 10.0), want)
