@@ -92,6 +92,14 @@ def boundary_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     ]
 
 
+def byte_tensor(array, name: str) -> np.ndarray:
+    """A 1-byte checkpoint format (E4M3 codes, UE8M0 scales) as the raw bytes kernels read."""
+    array = np.asarray(array)
+    if array.dtype.itemsize != 1:
+        raise TypeError(f"{name}: expected a 1-byte format (E4M3 / UE8M0), got {array.dtype}")
+    return array.view(np.uint8)
+
+
 def _modules(names: Sequence[str] | None):
     return [importlib.import_module(n) for n in (STAGE_MODULES if names is None else names)]
 

@@ -37,7 +37,7 @@ from executor.launches import indexer as il
 from executor.launches.linear_bf16 import linear_bf16_launch
 from executor.launches.small import rope_launches
 from executor.launches.sparse_mqa import sparse_mqa_launch
-from executor.wiring import Buffer, packed_layers, weight_prefix
+from executor.wiring import Buffer, byte_tensor, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import linear_bf16_ref as lr
 from kernels import rope_ref
@@ -207,14 +207,6 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     return out
 
 
-def _bytes(array) -> np.ndarray:
-    """1-byte checkpoint formats (E4M3 codes, UE8M0 scales) as the raw bytes the kernels read."""
-    array = np.asarray(array)
-    if array.dtype.itemsize != 1:
-        raise TypeError(f"expected a 1-byte format, got {array.dtype}")
-    return array.view(np.uint8)
-
-
 def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """The rank's attention sinks (its heads), the indexer's wq_b (E4M3 + UE8M0 bytes, checkpoint
     layout) and head weights (bf16 [nh, D]); all but the sinks replicated; of `layers` (None:
@@ -225,7 +217,7 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.n
         pre = weight_prefix(cfg, layer) + "attn."
         out.append((pre + "attn_sink", np.asarray(fetch(pre + "attn_sink"), np.float32)))
         if layer.has_indexer:
-            out += [(pre + name, _bytes(fetch(pre + name)))
+            out += [(pre + name, byte_tensor(fetch(pre + name), pre + name))
                     for name in ("indexer.wq_b.weight", "indexer.wq_b.scale")]
             out.append((pre + "indexer.weights_proj.weight",
                         np.asarray(fetch(pre + "indexer.weights_proj.weight"), BF16)))

@@ -56,7 +56,7 @@ from executor.launches import moe as ml
 from executor.launches.mhc import router_launch
 from executor.launches.small import kernel_for, residual_add_launches
 from executor.launches.swiglu import swiglu_launch
-from executor.wiring import Buffer, packed_layers, weight_prefix
+from executor.wiring import Buffer, byte_tensor, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import elementwise_ref, swiglu_ref
 from kernels import moe_kernel_ref as mk
@@ -123,19 +123,12 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
 
 # ---- weights --------------------------------------------------------------------------------
 
-def _scale_bytes(array, name: str) -> np.ndarray:
-    array = np.asarray(array)
-    if array.dtype.itemsize != 1:
-        raise TypeError(f"{name}: UE8M0 scales must be one byte each, got {array.dtype}")
-    return array.view(np.uint8)
-
-
 def _shared_weights(cfg, tp: int, fetch, layer) -> list[tuple[str, np.ndarray]]:
     """The shared expert in the dense kernels' format: w13 = [w1; w3] rows, w2 as stored."""
     base = _prefix(cfg, layer) + "shared_experts."
     shapes = dr.dense_shapes(cfg, tp)
     parts = {w: (np.asarray(fetch(f"{base}{w}.weight")),
-                 _scale_bytes(fetch(f"{base}{w}.scale"), f"{base}{w}.scale"))
+                 byte_tensor(fetch(f"{base}{w}.scale"), f"{base}{w}.scale"))
              for w in ("w1", "w3", "w2")}
     for w in ("w1", "w3"):
         dr.check_weight(parts[w][0][None], parts[w][1][None], 1, shapes["shared_w13"][0] // 2,
@@ -152,7 +145,7 @@ def _mxfp4(fetch, base: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """One expert sublayer [n, k] as the checkpoint stores it: packed E2M1 pairs and one scale
     byte per 32 along k (checked: pack_experts' errors would not name the tensor)."""
     codes = np.asarray(fetch(base + ".weight"))
-    scales = _scale_bytes(fetch(base + ".scale"), base + ".scale")
+    scales = byte_tensor(fetch(base + ".scale"), base + ".scale")
     if codes.dtype.itemsize != 1 or codes.shape != (n, k // 2):
         raise TypeError(f"{base}.weight: expected packed MXFP4 bytes [{n}, {k // 2}], got "
                         f"{codes.dtype} {codes.shape}")

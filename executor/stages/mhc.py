@@ -42,7 +42,7 @@ from executor.launches.embed_engram import (
 )
 from executor.launches.mhc import mhc_norm_launch, mhc_pre_launch
 from executor.launches.rows import rows_prep_launch
-from executor.wiring import MHC_COEFFS, Buffer, packed_layers, weight_prefix
+from executor.wiring import MHC_COEFFS, Buffer, byte_tensor, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import elementwise_ref as el
 from kernels import embed_ref as er
@@ -346,14 +346,6 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     return out
 
 
-def _bytes(array) -> np.ndarray:
-    """1-byte checkpoint formats (E4M3 codes, UE8M0 scales) as the raw bytes the kernels read."""
-    array = np.asarray(array)
-    if array.dtype.itemsize != 1:
-        raise TypeError(f"expected a 1-byte format, got {array.dtype}")
-    return array.view(np.uint8)
-
-
 def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """This rank's embed/head vocab rows, norms, mHC fn/base/scale (scale padded to 4 floats, the
     first layer's attention fn summed over streams), Engram tables, wkv, q/k weights; the
@@ -384,7 +376,7 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.n
                     (f"{pre}hc_{sub}_base", np.asarray(fetch(f"{pre}hc_{sub}_base"), np.float32))]
         if layer.has_engram:
             pre = f"layers.{i}.engram."
-            out += [(pre + name, _bytes(fetch(pre + name)))
+            out += [(pre + name, byte_tensor(fetch(pre + name), pre + name))
                     for name in ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale")]
             out += [(pre + name, fetch(pre + name)) for name in ("q_weight", "k_weight")]
     return out
