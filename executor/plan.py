@@ -166,15 +166,20 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
     return out
 
 
-def decode_plan(cfg, dspark: bool = False) -> Plan:
+def decode_plan(cfg, dspark: bool = False, sync_free: bool = False) -> Plan:
     """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step).
 
     dspark=True: the verify step of a DSpark round (executor/stages/dspark.py): the aux states
     after each target layer's attn.mhc_pre, then after the pick the device-side acceptance, the
     ratio-2 ring rollback and the draft stages' context KV at the accepted positions.
+    sync_free=True (with dspark): last, the row advance that makes the bound rows the draft
+    step's (dspark.advance_draft), so the draft graph can follow with no host write.
     """
     if dspark and not cfg.dspark_target_layer_ids:
         raise ValueError("decode_plan(dspark=True): the config has no DSpark target layers")
+    if sync_free and not dspark:
+        raise ValueError("decode_plan(sync_free=True): only a DSpark verify step advances its "
+                         "rows (pass dspark=True)")
     # rows_prep: the caller's int64 rows -> the int32 rows (and Engram history) every kernel reads.
     stages = [Stage("head.rows_prep", "kernels.rows", missing=NOT_WIRED),
               Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
@@ -196,6 +201,8 @@ def decode_plan(cfg, dspark: bool = False) -> Plan:
                Stage("tail.argmax_pick", "kernels.allreduce", missing=NOT_WIRED)]
     if dspark:
         stages += _accept_stages(cfg)
+    if sync_free:
+        stages.append(Stage("dspark.advance_draft", "kernels.dspark", missing=NOT_WIRED))
     return Plan(stages)
 
 
@@ -210,14 +217,15 @@ def _accept_stages(cfg) -> list[Stage]:
                      for spec in cfg.layers if spec.is_dspark]
 
 
-def draft_plan(cfg) -> Plan:
+def draft_plan(cfg, sync_free: bool = False) -> Plan:
     """The draft step of a DSpark round on one rank (model doc §4, executor/reference/dspark.py).
 
     Rows: k = dspark_block_size per sequence, [bonus, noise x (k - 1)], kind "draft". The head
     embeds them; the DSpark stages run like backbone layers; the last stage's collapse, its norm
     and the shared head give the base logits U (`dspark.base`); then k Markov steps (a local
     argmax and the cross-rank pick each) and a last copy write the next verify step's token_ids
-    (executor/stages/dspark.py). The stage layers' roles carry a `draft.` prefix:
+    (executor/stages/dspark.py); sync_free=True: last, the row advance makes the bound rows the
+    next verify step's (dspark.advance_verify). The stage layers' roles carry a `draft.` prefix:
     executor/stages/draft.py maps each to the backbone builder of the same role, which names the
     stage's weights `mtp.{s}.` (wiring.weight_prefix).
     """
@@ -235,4 +243,6 @@ def draft_plan(cfg) -> Plan:
                Stage("draft.lm_head_logits", "kernels.lm_head", missing=NOT_WIRED)]
     stages += [Stage(f"dspark.markov{i}", "kernels.dspark", missing=NOT_WIRED)
                for i in range(cfg.dspark_block_size + 1)]
+    if sync_free:
+        stages.append(Stage("dspark.advance_verify", "kernels.dspark", missing=NOT_WIRED))
     return Plan(stages)

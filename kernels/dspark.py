@@ -1,4 +1,4 @@
-"""DSpark round kernels for SM90 in the CuTe DSL: aux states, greedy acceptance, ring rollback.
+"""DSpark round kernels for SM90 in the CuTe DSL: aux, acceptance, rollback, Markov, row advance.
 
 Spec, ABI and reference: `kernels/dspark_ref.py`. All three are tiny (a few kB per step) and run
 inside the captured round, so they read the device-side counts and never the host:
@@ -12,7 +12,9 @@ inside the captured round, so they read the device-side counts and never the hos
   16-byte loads); the best (larger value, then lower index: a strict order, so np.argmax's first
   maximum whatever the reduction order) by warp butterflies, then thread 0 over the 8 warps, into
   partials; the last CTA (an acq_rel counter) reduces the tiles, a warp per sequence, into the
-  pairs and re-zeroes the counter.
+  pairs and re-zeroes the counter;
+- advance: one thread per sequence slot (grid-stride); it reads only its own per-sequence
+  entries and writes its k or k + 1 rows, so the in-place rewrite of the rows cannot race.
 Nothing precedes the PDL wait: every input is an earlier kernel's output (or the previous
 step's), and the outputs may still be read by the previous step's kernels.
 """
@@ -20,14 +22,16 @@ from __future__ import annotations
 
 import cutlass
 from cuda.bindings import driver as cuda
-from cutlass import BFloat16, Float32, Int32, Int64, cute
+from cutlass import BFloat16, Float32, Int8, Int32, Int64, cute
 
 from kernels.common_ref import BF16_PER_VECTOR, H200_NUM_SMS
 from kernels.dspark_ref import (
     CTA_THREADS,
+    KIND_DECODE,
     NAN_BITS,
     RING_WIDTH,
     AcceptSpec,
+    AdvanceSpec,
     AuxSpec,
     MarkovSpec,
     RollbackSpec,
@@ -343,8 +347,67 @@ class MarkovSm90:
             st_s32(out + 4, best_i + vocab_offset)
 
 
+class AdvanceSm90:
+    """Kernel object for one AdvanceSpec."""
+
+    def __init__(self, spec: AdvanceSpec):
+        self.spec = spec
+
+    @cute.jit
+    def __call__(self, token_ids: cute.Pointer, positions: cute.Pointer,
+                 seq_index: cute.Pointer, slot_mapping: cute.Pointer, block_kind: cute.Pointer,
+                 context_lens: cute.Pointer, state_lines: cute.Pointer, accepted: cute.Pointer,
+                 bonus: cute.Pointer, ring_slots: Int32, seqs: Int32, stream: cuda.CUstream):
+        self.kernel(token_ids, positions, seq_index, slot_mapping, block_kind, context_lens,
+                    state_lines, accepted, bonus, ring_slots, seqs).launch(
+            grid=[1, 1, 1], block=list(self.spec.block), stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, token_ids: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+               slot_mapping: cute.Pointer, block_kind: cute.Pointer, context_lens: cute.Pointer,
+               state_lines: cute.Pointer, accepted: cute.Pointer, bonus: cute.Pointer,
+               ring_slots: Int32, seqs: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        spec = self.spec
+        s = bidx * CTA_THREADS + tidx
+
+        cute.arch.griddepcontrol_wait()     # accepted, bonus; every reader of the rows is done
+
+        while s < seqs:
+            token = _load(bonus, s)
+            if token < 0:                   # a padding sequence slot of the bucket
+                for j in cutlass.range_constexpr(spec.width):
+                    row = s * spec.width + j
+                    _store(token_ids, row, Int64(0))
+                    _store(positions, row, Int64(0))
+                    _store(seq_index, row, Int32(-1))
+                    _store(slot_mapping, row, Int64(-1))
+                    _store(block_kind, row, Int8(KIND_DECODE))
+                _store(context_lens, s, Int64(0))
+            else:
+                start = _load(context_lens, s) - spec.steps
+                if not spec.to_verify:
+                    start = start + Int64(_load(accepted, s))
+                line = Int64(_load(state_lines, s)) * Int64(ring_slots)
+                for j in cutlass.range_constexpr(spec.width):
+                    row = s * spec.width + j
+                    pos = start + j
+                    _store(positions, row, pos)
+                    _store(seq_index, row, s)
+                    _store(slot_mapping, row, line + pos % Int64(ring_slots))
+                    _store(block_kind, row, Int8(spec.kind))
+                    if not spec.to_verify:
+                        _store(token_ids, row, token if j == 0 else Int64(spec.noise_token))
+                _store(context_lens, s, start + spec.width)
+            s += gdim * CTA_THREADS
+
+        cute.arch.griddepcontrol_launch_dependents()
+
+
 _KERNELS = {AuxSpec: AuxSm90, AcceptSpec: AcceptSm90, RollbackSpec: RollbackSm90,
-            MarkovSpec: MarkovSm90}
+            MarkovSpec: MarkovSm90, AdvanceSpec: AdvanceSm90}
 
 
 def kernel_function(spec):
@@ -375,6 +438,11 @@ def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
         return cute.compile(MarkovSm90(spec), ptr(Float32, 16), ptr(BFloat16, 16),
                             ptr(BFloat16, 16), ptr(Int64, 8), ptr(Int32, 8), ptr(Int64, 8),
                             ptr(Float32, 8), ptr(Int32, 4), Int32(0), Int32(0), Int32(1), stream,
+                            options=options)
+    if isinstance(spec, AdvanceSpec):
+        return cute.compile(AdvanceSm90(spec), ptr(Int64, 8), ptr(Int64, 8), ptr(Int32, 4),
+                            ptr(Int64, 8), ptr(Int8, 1), ptr(Int64, 8), ptr(Int32, 4),
+                            ptr(Int32, 4), ptr(Int64, 8), Int32(1), Int32(1), stream,
                             options=options)
     return cute.compile(RollbackSm90(spec), ptr(Float32, 16), ptr(Int64, 8), ptr(Int32, 4),
                         ptr(Int32, 4), ptr(Int32, 4), Int32(1), stream, options=options)

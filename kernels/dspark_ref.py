@@ -57,6 +57,28 @@ Markov correction, step i of k (draft step, after the base logits U):
   maximum (NaN logits are not ordered: the kernel never picks one).
   PTX ABI: (u64 base, u64 w1, u64 w2, u64 prev, u64 pairs, u64 ids, u64 partials, u64 counter,
   u32 step, u32 vocab_offset, u32 seqs).
+
+Row advance (the last stage of a verify plan: to the draft rows; of a draft plan: to the next
+verify rows), one thread per sequence slot s < seqs, so a round needs no host write:
+
+    padding slot (bonus[s] < 0): its `width` rows get token 0, position 0, seq -1, slot -1, kind
+        decode; context_lens[s] = 0
+    P' = context_lens[s] - k + (accepted[s] if to the draft else 0)     (the new bonus position)
+    row s * width + j, j < width:   positions = P' + j, seq_index = s, block_kind = kind,
+        slot_mapping = state_lines[s] * ring_slots + (P' + j) % ring_slots
+        (to the draft only) token_ids = bonus[s] at j = 0, else noise_token
+    context_lens[s] = P' + width
+
+  width = k, kind draft after a verify step (whose block was P..P+k: context_lens = P + k + 1,
+  so P' = P + a + 1); width = k + 1, kind verify after a draft step (P'..P'+k-1: P' =
+  context_lens - k). The next verify's token_ids are the Markov stages' (above). Only the
+  sequence's own context_lens entry is read, by the thread that rewrites it, so writing the rows
+  in place cannot race with a read of the step's rows (every earlier kernel of the step has
+  completed at the PDL wait, and the next graph starts after this one in stream order).
+  token_ids, positions, context_lens int64; seq_index, state_lines, accepted int32; slot_mapping
+  int64; block_kind int8; bonus int64.
+  PTX ABI: (u64 token_ids, u64 positions, u64 seq_index, u64 slot_mapping, u64 block_kind,
+  u64 context_lens, u64 state_lines, u64 accepted, u64 bonus, u32 ring_slots, u32 seqs).
 """
 from __future__ import annotations
 
@@ -83,6 +105,11 @@ ACCEPT_PARAMS = (("token_ids", "u64"), ("tokens", "u64"), ("seq_index", "u64"),
 MARKOV_PARAMS = (("base", "u64"), ("w1", "u64"), ("w2", "u64"), ("prev", "u64"),
                  ("pairs", "u64"), ("ids", "u64"), ("partials", "u64"), ("counter", "u64"),
                  ("step", "u32"), ("vocab_offset", "u32"), ("seqs", "u32"))
+ADVANCE_PARAMS = (("token_ids", "u64"), ("positions", "u64"), ("seq_index", "u64"),
+                  ("slot_mapping", "u64"), ("block_kind", "u64"), ("context_lens", "u64"),
+                  ("state_lines", "u64"), ("accepted", "u64"), ("bonus", "u64"),
+                  ("ring_slots", "u32"), ("seqs", "u32"))
+KIND_DECODE, KIND_VERIFY, KIND_DRAFT = range(3)     # executor/reference/rows.py BLOCK_KINDS
 ROLLBACK_PARAMS = (("ring", "u64"), ("positions", "u64"), ("seq_index", "u64"),
                    ("state_lines", "u64"), ("accepted", "u64"), ("rows", "u32"))
 
@@ -193,6 +220,50 @@ class MarkovSpec:
                 "block": list(self.block), "smem_bytes": self.smem_bytes}
 
 
+@dataclass(frozen=True)
+class AdvanceSpec:
+    """The next step's row metadata from this one's, k = `steps`; one thread a sequence slot."""
+
+    name: str
+    steps: int
+    to_verify: bool                 # False: verify -> draft rows; True: draft -> verify rows
+    noise_token: int
+    params: tuple[tuple[str, str], ...] = ADVANCE_PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    @property
+    def width(self) -> int:
+        """Rows per sequence of the step written."""
+        return self.steps + 1 if self.to_verify else self.steps
+
+    @property
+    def kind(self) -> int:
+        return KIND_VERIFY if self.to_verify else KIND_DRAFT
+
+    def grid(self, seqs: int) -> tuple[int, int, int]:
+        check_rows(seqs, self.name)
+        return (min(-(-seqs // CTA_THREADS), MAX_CTAS), 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "dspark", "kind": "advance", "name": self.name, "steps": self.steps,
+                "to_verify": self.to_verify, "noise_token": self.noise_token,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes}
+
+
+def make_advance_spec(steps: int, to_verify: bool, noise_token: int) -> AdvanceSpec:
+    _positive("steps", steps)
+    if not isinstance(to_verify, bool):
+        raise TypeError(f"dspark advance: to_verify must be a bool, got {to_verify!r}")
+    if isinstance(noise_token, bool) or not isinstance(noise_token, (int, np.integer)) \
+            or not 0 <= noise_token < 2**31:
+        raise ValueError(f"dspark advance: noise_token {noise_token!r} is not a token id")
+    target = "verify" if to_verify else "draft"
+    return AdvanceSpec(f"dspark_advance_{target}_k{steps}_n{noise_token}", steps, to_verify,
+                       int(noise_token))
+
+
 def make_markov_spec(vocab: int, rank: int, steps: int) -> MarkovSpec:
     _positive("vocab", vocab), _positive("rank", rank), _positive("steps", steps)
     if rank % BF16_PER_VECTOR or rank > CTA_THREADS * BF16_PER_VECTOR:
@@ -229,7 +300,9 @@ def specs_for(cfg) -> list:
     block = cfg.dspark_block_size + 1          # verify rows: bonus + k drafts
     return [make_aux_spec(cfg.hidden_size, cfg.hc_mult, len(cfg.dspark_target_layer_ids)),
             make_accept_spec(block),
-            make_rollback_spec(1 << (block + 1).bit_length(), block)]
+            make_rollback_spec(1 << (block + 1).bit_length(), block),
+            *(make_advance_spec(cfg.dspark_block_size, to_verify, cfg.dspark_noise_token_id)
+              for to_verify in (False, True))]
 
 
 def markov_specs_for(cfg, tp: int) -> list[MarkovSpec]:
@@ -308,3 +381,29 @@ def markov_ref(base, w1, w2, prev, step: int, steps: int, vocab_offset: int):
         local = int(np.argmax(logits))
         pairs[int(s)] = (int(logits[local:local + 1].view(np.int32)[0]), local + vocab_offset)
     return pairs, ids
+
+
+def advance_ref(spec: AdvanceSpec, rows: dict, state_lines, accepted, bonus,
+                ring_slots: int, seqs: int) -> None:
+    """Rewrite (in place) the row arrays of `rows` (token_ids, positions, seq_index,
+    slot_mapping, block_kind, context_lens) for the next step, sequence slots 0..seqs-1."""
+    k, width = spec.steps, spec.width
+    for s in range(seqs):
+        mine = slice(s * width, (s + 1) * width)
+        if bonus[s] < 0:
+            rows["token_ids"][mine] = 0
+            rows["positions"][mine] = 0
+            rows["seq_index"][mine] = -1
+            rows["slot_mapping"][mine] = -1
+            rows["block_kind"][mine] = KIND_DECODE
+            rows["context_lens"][s] = 0
+            continue
+        start = int(rows["context_lens"][s]) - k + (0 if spec.to_verify else int(accepted[s]))
+        pos = np.arange(start, start + width, dtype=np.int64)
+        rows["positions"][mine] = pos
+        rows["seq_index"][mine] = s
+        rows["slot_mapping"][mine] = np.int64(state_lines[s]) * ring_slots + pos % ring_slots
+        rows["block_kind"][mine] = spec.kind
+        if not spec.to_verify:
+            rows["token_ids"][mine] = [bonus[s]] + [spec.noise_token] * (k - 1)
+        rows["context_lens"][s] = start + width

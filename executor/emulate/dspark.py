@@ -1,4 +1,4 @@
-"""kernels.dspark on the host: aux states, greedy acceptance and ring rollback (kernels/dspark_ref.py)."""
+"""kernels.dspark on the host: aux, acceptance, rollback, Markov, row advance (kernels/dspark_ref.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -104,7 +104,26 @@ def _markov(record, grid, args, space) -> None:
         ids[row] = token
 
 
-_KINDS = {"aux": _aux, "accept": _accept, "rollback": _rollback, "markov": _markov}
+ROW_ARRAYS = (("token_ids", np.int64), ("positions", np.int64), ("seq_index", np.int32),
+              ("slot_mapping", np.int64), ("block_kind", np.int8))
+
+
+def _advance(record, grid, args, space) -> None:
+    s = record.spec
+    spec = ref.make_advance_spec(s["steps"], s["to_verify"], s["noise_token"])
+    seqs, ring_slots = args["seqs"], args["ring_slots"]
+    _check(spec, record, grid, seqs)
+    if ring_slots < 1:
+        raise ValueError(f"{spec.name}: ring_slots {ring_slots} must be positive")
+    rows = {name: space.array(args[name], dtype, seqs * spec.width) for name, dtype in ROW_ARRAYS}
+    rows["context_lens"] = space.array(args["context_lens"], np.int64, seqs)
+    ref.advance_ref(spec, rows, space.array(args["state_lines"], np.int32, seqs),
+                    space.array(args["accepted"], np.int32, seqs),
+                    space.array(args["bonus"], np.int64, seqs), ring_slots, seqs)
+
+
+_KINDS = {"aux": _aux, "accept": _accept, "rollback": _rollback, "markov": _markov,
+          "advance": _advance}
 
 
 def emulate(record, grid, args, space) -> None:

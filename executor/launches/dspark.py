@@ -1,4 +1,4 @@
-"""The DSpark round launches on pointers: aux states, greedy acceptance, ring rollback.
+"""The DSpark round launches on pointers: aux, acceptance, rollback, Markov, row advance.
 
     aux_launch(bundle, spec, {streams, aux}, rows, target)
         streams bf16 [R, S, D] -> aux bf16 [R, T, D] at slot `target`
@@ -11,6 +11,10 @@
     markov_launch(bundle, spec, {base, w1, w2, prev, pairs, ids}, seqs, step, vocab_offset)
         Markov step `step` of every sequence: this rank's argmax pair, and prev into the next
         verify step's token_ids (step = k: only that copy)
+    advance_launch(bundle, spec, {token_ids, positions, seq_index, slot_mapping, block_kind,
+                   context_lens, state_lines, accepted, bonus}, seqs, ring_slots)
+        the next step's rows (draft after a verify, verify after a draft) of `seqs` sequence
+        slots, in place in the bound row tensors
 
 Each returns one LaunchSpec (PDL on), allocates nothing (kernels/dspark_ref.py has the ABIs).
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from executor.launch import LaunchSpec
-from kernels.dspark_ref import AcceptSpec, AuxSpec, MarkovSpec, RollbackSpec
+from kernels.dspark_ref import AcceptSpec, AdvanceSpec, AuxSpec, MarkovSpec, RollbackSpec
 
 
 def _pointers(spec, ptrs: Mapping[str, int], scalars: int = 1) -> list[int]:
@@ -55,3 +59,11 @@ def markov_launch(bundle, spec: MarkovSpec, ptrs: Mapping[str, int], seqs: int, 
         raise ValueError(f"{spec.name}: step {step} outside 0..{spec.steps}")
     return LaunchSpec(bundle.kernel(spec.name), spec.grid(seqs),
                       (*_pointers(spec, ptrs, 3), step, vocab_offset, seqs), pdl=True)
+
+
+def advance_launch(bundle, spec: AdvanceSpec, ptrs: Mapping[str, int], seqs: int,
+                   ring_slots: int) -> LaunchSpec:
+    if isinstance(ring_slots, bool) or not isinstance(ring_slots, int) or not 0 < ring_slots < 2**31:
+        raise ValueError(f"{spec.name}: ring_slots {ring_slots!r} must be a positive u32")
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(seqs),
+                      (*_pointers(spec, ptrs, 2), ring_slots, seqs), pdl=True)

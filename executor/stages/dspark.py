@@ -25,6 +25,23 @@ bound `token_ids` at row s (k + 1) + i, so after step k the next verify step's r
 d_1..d_k) are in place with no host round trip. U is `dspark.base` fp32 [R, V_l] (the draft rows'
 base logits, written by the draft forward's head).
 
+Row advance, so a round (verify graph, draft graph, verify graph ...) needs no host write between
+steps (kernels/dspark_ref.py's advance):
+
+  dspark.advance_draft   the verify plan's last stage: the bound row tensors (token_ids,
+                         positions, seq_index, slot_mapping, block_kind, context_lens) become the
+                         draft step's, k rows per sequence at P + a + 1 .. P + a + k, from
+                         `accepted` and `bonus`
+  dspark.advance_verify  the draft plan's last stage (after the Markov stages wrote the
+                         token_ids): the rows become the next verify step's, k + 1 per sequence
+                         at the bonus position
+
+Both rewrite the rows in place. That is safe because every reader of the step's rows (rows_prep,
+the rollback, the acceptance) is an earlier kernel of the same graph, complete at the advance's
+PDL wait, and the next graph, which reads the new rows, starts after this one in stream order.
+The verify bucket holds k + 1 rows per sequence slot, the draft bucket k: slot s's block starts
+at row s (k + 1) or s k; a slot whose `bonus` is negative is padding (seq -1, slot -1).
+
 The caller binds `accepted` and `bonus` (executor.bind.binding_rules(..., dspark=True)). The
 context KV projects the DSpark stage's fused wq_a|wkv (the q half is wasted work: dense_shapes has
 no wkv-only label) with the weights executor/stages/attn_proj.py packs for the draft forward
@@ -36,7 +53,13 @@ import numpy as np
 
 from executor.launches import dense as dl
 from executor.launches.allreduce import pick_launches
-from executor.launches.dspark import accept_launch, aux_launch, markov_launch, rollback_launch
+from executor.launches.dspark import (
+    accept_launch,
+    advance_launch,
+    aux_launch,
+    markov_launch,
+    rollback_launch,
+)
 from executor.launches.mhc import mhc_norm_launch
 from executor.launches.small import kernel_for, swa_insert_launches
 from executor.launches.split_norm import split_norm_launch
@@ -293,7 +316,36 @@ def _markov(step: int):
     return factory
 
 
+def _advance(to_verify: bool):
+    """The next step's rows: the draft's after a verify step, the next verify's after a draft."""
+    def factory(ctx, layer):
+        del layer
+        cfg, geometry = ctx.cfg, getattr(ctx, "geometry", None)
+        role = "dspark.advance_verify" if to_verify else "dspark.advance_draft"
+        if geometry is None:
+            raise ValueError(f"{role} needs the KV cache geometry (SWA ring slots): "
+                             f"StepContext.geometry is not set")
+        spec = dspark_ref.make_advance_spec(cfg.dspark_block_size, to_verify,
+                                            cfg.dspark_noise_token_id)
+        ctx.kernel(spec.name)
+        ptrs = {name: ctx.ptr(name) for name, _ in spec.params[:-2]}
+        # rows of this step per sequence slot: a draft step's k, a verify step's k + 1
+        per_seq = cfg.dspark_block_size + (0 if to_verify else 1)
+
+        def build(rows):
+            seqs = rows // per_seq
+            if seqs < 1 or seqs * spec.width > ctx.max_rows:
+                raise ValueError(f"{role}: a bucket of {rows} rows holds {seqs} sequence slots "
+                                 f"of {per_seq} rows; the next step's {spec.width} rows each "
+                                 f"must fit {ctx.max_rows} rows")
+            return [advance_launch(ctx.bundle, spec, ptrs, seqs, geometry.ring_slots)]
+        return build
+    return factory
+
+
 BUILDERS = {
+    "dspark.advance_draft": _advance(False),
+    "dspark.advance_verify": _advance(True),
     **{f"dspark.markov{i}": _markov(i) for i in range(MAX_DRAFTS + 1)},
     "dspark.aux": _aux,
     "dspark.accept": _accept,
