@@ -28,13 +28,13 @@ base logits, written by the draft forward's head).
 Row advance, so a round (verify graph, draft graph, verify graph ...) needs no host write between
 steps (kernels/dspark_ref.py's advance):
 
-  dspark.advance_draft   the verify plan's last stage: the bound row tensors (token_ids,
-                         positions, seq_index, slot_mapping, block_kind, context_lens) become the
-                         draft step's, k rows per sequence at P + a + 1 .. P + a + k, from
-                         `accepted` and `bonus`
-  dspark.advance_verify  the draft plan's last stage (after the Markov stages wrote the
-                         token_ids): the rows become the next verify step's, k + 1 per sequence
-                         at the bonus position
+  dspark.advance_draft   last stage of decode_plan(dspark=True, sync_free=True): the bound row
+                         tensors (token_ids, positions, seq_index, slot_mapping, block_kind,
+                         context_lens) become the draft step's, k rows per sequence at
+                         P + a + 1 .. P + a + k, from `accepted` and `bonus`
+  dspark.advance_verify  last stage of draft_plan(sync_free=True), after the Markov stages wrote
+                         the token_ids: the rows become the next verify step's, k + 1 per
+                         sequence at the bonus position
 
 Both rewrite the rows in place. That is safe because every reader of the step's rows (rows_prep,
 the rollback, the acceptance) is an earlier kernel of the same graph, complete at the advance's
