@@ -63,7 +63,8 @@ def markov_launch(bundle, spec: MarkovSpec, ptrs: Mapping[str, int], seqs: int, 
 
 def advance_launch(bundle, spec: AdvanceSpec, ptrs: Mapping[str, int], seqs: int,
                    ring_slots: int) -> LaunchSpec:
-    if isinstance(ring_slots, bool) or not isinstance(ring_slots, int) or not 0 < ring_slots < 2**31:
+    if isinstance(ring_slots, bool) or not isinstance(ring_slots, int) \
+            or not 0 < ring_slots < 2**31:
         raise ValueError(f"{spec.name}: ring_slots {ring_slots!r} must be a positive u32")
     return LaunchSpec(bundle.kernel(spec.name), spec.grid(seqs),
                       (*_pointers(spec, ptrs, 2), ring_slots, seqs), pdl=True)
