@@ -1,4 +1,4 @@
-"""kernels.dspark on the host: aux, acceptance, rollback, Markov, advance (kernels/dspark_ref.py)."""
+"""kernels.dspark on the host: aux, accept, rollback, Markov, advance (kernels/dspark_ref.py)."""
 from __future__ import annotations
 
 import numpy as np
