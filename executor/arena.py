@@ -60,17 +60,12 @@ def plan_slices(requests, align: int = MIN_ALIGN) -> tuple[dict[str, Slice], int
     return slices, _align_up(offset, align)
 
 
-class Arena:
-    """One cuMemAlloc holding every slice; `ptr(name)` is the raw device address kernels take."""
+class SliceTable:
+    """The planned slices of an arena by name (shared by Arena and the emulator's HostArena)."""
 
-    def __init__(self, device, requests, align: int = MIN_ALIGN):
+    def __init__(self, requests, align: int = MIN_ALIGN):
         self.slices, self.total_bytes = plan_slices(requests, align)
         self.align = align
-        self.device = device
-        self.base = 0
-        cu = driver()
-        self._devptr = check(cu.cuMemAlloc(self.total_bytes))
-        self.base = int(self._devptr)
 
     def _slice(self, name: str) -> Slice:
         try:
@@ -78,13 +73,30 @@ class Arena:
         except KeyError:
             raise KeyError(f"arena has no slice {name!r}; slices: {sorted(self.slices)}") from None
 
+    def nbytes(self, name: str) -> int:
+        return self._slice(name).nbytes
+
+    def describe(self) -> str:
+        """One line per slice: name, offset, bytes, comment."""
+        return "\n".join(f"{s.name:24s} @{s.offset:>12d} {s.nbytes:>12d} B  {s.comment}"
+                         for s in self.slices.values())
+
+
+class Arena(SliceTable):
+    """One cuMemAlloc holding every slice; `ptr(name)` is the raw device address kernels take."""
+
+    def __init__(self, device, requests, align: int = MIN_ALIGN):
+        super().__init__(requests, align)
+        self.device = device
+        self.base = 0
+        cu = driver()
+        self._devptr = check(cu.cuMemAlloc(self.total_bytes))
+        self.base = int(self._devptr)
+
     def ptr(self, name: str) -> int:
         if not self.base:
             raise RuntimeError(f"arena is closed (asked for slice {name!r})")
         return self.base + self._slice(name).offset
-
-    def nbytes(self, name: str) -> int:
-        return self._slice(name).nbytes
 
     def view(self, name: str, dtype, shape=None):
         """A cupy.ndarray over the slice (tests and uploads; never inside a step)."""
@@ -129,11 +141,6 @@ class Arena:
     def zero(self) -> None:
         """Every byte of the arena 0 (counters and flags the kernels expect zero when bound)."""
         check(driver().cuMemsetD8(self._devptr, 0, self.total_bytes))
-
-    def describe(self) -> str:
-        """One line per slice: name, offset, bytes, comment."""
-        return "\n".join(f"{s.name:24s} @{s.offset:>12d} {s.nbytes:>12d} B  {s.comment}"
-                         for s in self.slices.values())
 
     def close(self) -> None:
         if self.base:

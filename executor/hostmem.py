@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from executor.arena import MIN_ALIGN, Slice, plan_slices
+from executor.arena import MIN_ALIGN, SliceTable
 from executor.bundle import KernelRecord, read_manifest
 
 REGION_STRIDE = 1 << 40
@@ -66,27 +66,17 @@ class AddressSpace:
         return f"{name}+{ptr - base}"
 
 
-class HostArena:
+class HostArena(SliceTable):
     """`Arena`'s interface over one host buffer registered in an AddressSpace."""
 
     def __init__(self, space: AddressSpace, requests, align: int = MIN_ALIGN, name: str = "arena"):
-        self.slices, self.total_bytes = plan_slices(requests, align)
-        self.align = align
+        super().__init__(requests, align)
         self.space = space
         self.buffer = np.zeros(self.total_bytes, np.uint8)
         self.base = space.add(name, self.buffer)
 
-    def _slice(self, name: str) -> Slice:
-        try:
-            return self.slices[name]
-        except KeyError:
-            raise KeyError(f"arena has no slice {name!r}; slices: {sorted(self.slices)}") from None
-
     def ptr(self, name: str) -> int:
         return self.base + self._slice(name).offset
-
-    def nbytes(self, name: str) -> int:
-        return self._slice(name).nbytes
 
     def view(self, name: str, dtype, shape=None) -> np.ndarray:
         s = self._slice(name)
