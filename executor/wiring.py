@@ -8,8 +8,11 @@ holding three kinds of slices, all sized for `max_rows` and laid out before any 
   hidden state and the rank's (value bits, index) argmax pair `pick`;
 - stage scratch (a stage module's `buffers(cfg, tp, max_rows) -> [Buffer]`, names prefixed by
   the module's group), shared by every layer because layers run one after another;
-- this rank's weights in the kernels' formats (a stage module's `weights(cfg, tp, rank, fetch) ->
-  [(name, ndarray)]`, checkpoint-derived names such as `layers.3.attn.wq_b.weight`), the only copy.
+- this rank's weights in the kernels' formats (a stage module's `weights(cfg, tp, rank, fetch,
+  layers=None) -> [(name, ndarray)]`, checkpoint-derived names from `weight_prefix`, such as
+  `layers.3.attn.wq_b.weight` or `mtp.0.attn.wq_b.weight` for a DSpark stage), the only copy;
+  with a `layer_map` (the whole-rank benchmark) layers of one role share their representative's
+  packed arrays, each layer still in its own slices.
 The caller's tensors (KV caches, row metadata, outputs) are not in the arena: `StepContext.ptr`
 finds them among the bound pointers.
 
