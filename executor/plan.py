@@ -17,7 +17,8 @@ until `executor.wiring.wire` builds it. A missing stage is of one of two kinds:
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 NO_KERNEL = "no kernel"
@@ -49,8 +50,8 @@ class Plan:
 
     def __init__(self, stages: Sequence[Stage]):
         self.stages = tuple(stages)
-        names = [s.name for s in self.stages]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(s.name for s in self.stages)
+        dup = sorted(n for n, c in counts.items() if c > 1)
         if dup:
             raise ValueError(f"plan: stage names used twice: {dup}")
         if not self.stages:
@@ -64,8 +65,15 @@ class Plan:
 
     def wire(self, name: str, build: Callable[[int], Sequence]) -> Plan:
         """A new plan with stage `name` built by `build` instead of missing."""
-        self.stage(name)
-        return Plan([replace(s, build=build, missing="") if s.name == name else s
+        return self.wire_all({name: build})
+
+    def wire_all(self, builds: Mapping[str, Callable[[int], Sequence]]) -> Plan:
+        """A new plan with every stage named in `builds` built by its builder (one pass)."""
+        unknown = sorted(set(builds) - {s.name for s in self.stages})
+        if unknown:
+            raise KeyError(f"plan has no stage {unknown[0]!r}" if len(unknown) == 1
+                           else f"plan has no stages {unknown}")
+        return Plan([replace(s, build=builds[s.name], missing="") if s.name in builds else s
                      for s in self.stages])
 
     def missing_stages(self) -> list[Stage]:

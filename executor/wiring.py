@@ -274,9 +274,9 @@ def wire(plan: Plan, ctx: StepContext, modules: Sequence[str] | None = None) -> 
     """The plan with every stage whose role has a builder wired on `ctx`."""
     table = builders(modules)
     layers = {spec.index: spec for spec in ctx.cfg.layers}
+    builds = {}
     for stage in plan.missing_stages():
         fn = table.get(stage.range_name)
         if fn is not None:
-            layer = None if stage.layer is None else layers[stage.layer]
-            plan = plan.wire(stage.name, fn(ctx, layer))
-    return plan
+            builds[stage.name] = fn(ctx, None if stage.layer is None else layers[stage.layer])
+    return plan.wire_all(builds)

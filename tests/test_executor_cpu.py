@@ -561,3 +561,16 @@ def test_executor_bind_rejects_host_arrays_and_keeps_nothing():
         ex.bind(**host_tensors(ex.rules))
     assert ex.binding is None
     assert ex.step(1, 7) == StepResult.NOT_BOUND
+
+
+def test_wire_all_wires_in_one_pass_and_names_unknown_stages():
+    plan = decode_plan(CFG)
+    names = [s.name for s in plan.stages[:3]]
+    wired = plan.wire_all({n: (lambda r: []) for n in names})
+    assert [s.name for s in wired.stages if s.build is not None] == names
+    assert len(wired.missing_stages()) == len(plan.stages) - 3
+    assert plan.missing_stages() == list(plan.stages)          # the original is unchanged
+    with pytest.raises(KeyError, match="no stage 'nope'"):
+        plan.wire_all({"nope": lambda r: []})
+    with pytest.raises(ValueError, match="used twice"):
+        Plan([plan.stages[0], plan.stages[0]])
