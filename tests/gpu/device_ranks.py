@@ -13,11 +13,14 @@ computes.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
+from collectives.oneshot import CollectiveState
 from executor.bind import CacheGeometry
 from executor.emulate.ranks import caller_tensors, fill_caller_tensors
-from executor.plan import decode_plan
+from executor.plan import Plan, decode_plan, draft_plan
 from executor.runtime import Arena
 from executor.wiring import STAGE_MODULES, StepContext, arena_contents, wire
 from kernels import allreduce_ref as ar
@@ -31,18 +34,21 @@ HOST_ROLES = {
     "engram.heads_allgather": ("gather", "engram.local_heads", "engram.heads"),
     "tail.argmax_pick": ("pick", "pick", "tokens"),
 }
+COLLECTIVE_FAMILY = "kernels.allreduce"         # the cross-rank kernels: never launched here
 
 
 class DeviceRanks:
     """`tp` ranks of one step on one device (tests only: the collectives are host-side)."""
 
-    def __init__(self, dev, ckpt, bundle, tp: int, caches, stream, max_rows: int = 192):
+    def __init__(self, dev, ckpt, bundle, tp: int, caches, stream, max_rows: int = 192,
+                 dspark: bool = False):
         import cupy as cp
 
         from loader.sharding import shard
 
         self.cp, self.stream = cp, stream
         self.cfg, self.tp, self.max_rows = ckpt.config, tp, max_rows
+        self.dspark = dspark            # bind `accepted` / `bonus`; plans: decode_plan(dspark=)
         self.geometry = CacheGeometry.of(caches)
         modules = tuple(m for m in STAGE_MODULES if m != COLLECTIVES)
         self.arenas, self.tensors, self.contexts, self.plans = [], [], [], []
@@ -55,7 +61,7 @@ class DeviceRanks:
             arena.zero()
             for name, array in uploads:
                 arena.upload(name, array)
-            host = caller_tensors(self.cfg, tp, self.geometry, max_rows)
+            host = caller_tensors(self.cfg, tp, self.geometry, max_rows, dspark)
             tensors = {name: cp.asarray(a) for name, a in host.items()}
             bound = {name: int(t.data.ptr) for name, t in tensors.items()}
             ctx = StepContext(self.cfg, tp, rank, bundle, arena, bound, max_rows,
@@ -63,7 +69,7 @@ class DeviceRanks:
             self.arenas.append(arena)
             self.tensors.append(tensors)
             self.contexts.append(ctx)
-            self.plans.append(wire(decode_plan(self.cfg), ctx, modules))
+            self.plans.append(wire(decode_plan(self.cfg, dspark=dspark), ctx, modules))
         cp.cuda.Device().synchronize()
 
     def close(self) -> None:
@@ -72,7 +78,7 @@ class DeviceRanks:
 
     def load(self, rows, caches=None, history=None) -> None:
         """Row metadata (and, when given, every cache) into every rank's tensors."""
-        host = caller_tensors(self.cfg, self.tp, self.geometry, self.max_rows)
+        host = caller_tensors(self.cfg, self.tp, self.geometry, self.max_rows, self.dspark)
         fill_caller_tensors(host, rows, caches, history)
         for tensors in self.tensors:
             for name, t in tensors.items():
@@ -125,6 +131,80 @@ class DeviceRanks:
             view = self.cp.ndarray((raw.size,), self.cp.uint8, self.cp.cuda.MemoryPointer(mem, 0))
             view.set(raw)
         self.cp.cuda.Device().synchronize()
+
+    # ---- DSpark rounds (tests/gpu/test_dspark_round.py) ------------------------------------------
+
+    def wire_dspark(self, sync_free: bool = False) -> tuple[list[Plan], list[Plan]]:
+        """Every rank's DSpark verify plan (decode_plan(dspark=True)) and draft plan (draft_plan),
+        wired with every stage module, for run_plans (needs dspark=True: `accepted`, `bonus`).
+
+        The cross-rank builders (the all-reduces, the picks, the Markov steps' pick) need a
+        collective state: each rank's context is copied with a stand-in one (pointers into one
+        zeroed scratch allocation, a 1 ms timeout), whose launches run_plans never makes."""
+        if not self.dspark:
+            raise ValueError("wire_dspark: build DeviceRanks(..., dspark=True) (it binds the "
+                             "caller's `accepted` and `bonus`)")
+        self._standin = self.cp.zeros(4096, self.cp.uint8)
+        scratch = int(self._standin.data.ptr)
+        verify, draft = [], []
+        for ctx in self.contexts:
+            standin = copy.copy(ctx)
+            standin.collectives = CollectiveState(
+                ctx.rank, self.tp, {"peers": scratch, "control": scratch, "status": scratch},
+                timeout_us=1000)
+            verify.append(wire(decode_plan(self.cfg, dspark=True, sync_free=sync_free), standin))
+            draft.append(wire(draft_plan(self.cfg, sync_free=sync_free), standin))
+        for plan in verify + draft:
+            plan.require_complete()
+        return verify, draft
+
+    def run_plans(self, plans, rows: int) -> int:
+        """Every rank's `plans` (wire_dspark's) for a bucket of `rows`, in lockstep on the stream,
+        with the cross-rank stages on the host: the HOST_ROLES (a draft stage's under its
+        `draft.` role too) and each Markov step's pick (the step's own kernel launches, then
+        pick_ref of every rank's `dspark.pairs` into `dspark.prev`). No other launch of the
+        collective family is made (it would spin on peers a single stream never runs): raises.
+        Returns the kernel launches made."""
+        built = [plan.launches(rows) for plan in plans]
+        if any([s.name for s, _ in b] != [s.name for s, _ in built[0]] for b in built):
+            raise ValueError("run_plans: the ranks' plans differ in their stages")
+        for stage, specs in built[0]:                   # refuse before launching anything
+            cross = [s.kernel.name for s in specs if _family(s) == COLLECTIVE_FAMILY]
+            if cross and not stage.range_name.startswith("dspark.markov") \
+                    and stage.range_name.removeprefix("draft.") not in HOST_ROLES:
+                raise NotImplementedError(f"stage {stage.name}: launches {cross} have no host "
+                                          f"stand-in here")
+        count = 0
+        for i, (stage, _) in enumerate(built[0]):
+            role = stage.range_name.removeprefix("draft.")
+            if role in HOST_ROLES:
+                self._host_collective(role, rows)
+                continue
+            picks = 0
+            for rank_built in built:
+                for spec in rank_built[i][1]:
+                    if _family(spec) == COLLECTIVE_FAMILY:      # a Markov step's pick
+                        picks += 1
+                        continue
+                    spec.launch(self.stream)
+                    count += 1
+            if picks:
+                self._host_markov_pick(stage.name, rows)
+        self.stream.synchronize()
+        return count
+
+    def _host_markov_pick(self, name: str, rows: int) -> None:
+        """The pick of a Markov step: a draft bucket holds k rows per sequence."""
+        k = self.cfg.dspark_block_size
+        if rows % k:
+            raise ValueError(f"{name}: a draft bucket of {rows} rows is not {k} per sequence")
+        self.stream.synchronize()
+        pairs = [self.read(r, "dspark.pairs", np.int32, (rows // k, 2)) for r in range(self.tp)]
+        self.write("dspark.prev", ar.pick_ref(pairs))
+
+
+def _family(spec) -> str:
+    return getattr(spec.kernel, "record", spec.kernel).family
 
 
 def _is_cache(name: str) -> bool:
