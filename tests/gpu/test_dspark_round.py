@@ -1,0 +1,281 @@
+"""DSpark k=5 rounds on the GPU (tiny, 4 TP ranks in lockstep on one device) vs the reference.
+
+The device twin of tests/test_dspark_sync_free_emulated.py, with the checks of
+tests/test_dspark_round_emulated.py's whole-verify test and of tests/test_dspark_draft_emulated.py:
+issue 10's "identical accepted tokens and counts to the NumPy reference over 16 rounds for several
+sequences at once (tiny)". tests/gpu/device_ranks.py runs every rank's wired plans
+(DeviceRanks.wire_dspark: decode_plan(dspark=True, sync_free=True) and draft_plan(sync_free=True))
+stage by stage on one stream; the cross-rank stages (all-reduces, greedy picks, each Markov step's
+pick) run on the host between segments (their kernels: tests/gpu/test_collectives.py).
+
+SEQS sequences (state lines 0..SEQS-1), ROUNDS rounds of: the draft step (head, 3 DSpark stages,
+base logits U, 5 Markov steps writing the next verify rows' token_ids, the row advance to the
+verify rows), then the verify step (the whole target forward, the pick, device-side acceptance,
+the ratio-2 ring rollback, the draft stages' context KV at the accepted positions, the row advance
+to the next draft rows). The host writes the rows once, before round 0; afterwards only the
+verify step's Engram `token_history` (not the device's yet: see the sync-free test's docstring)
+and, in the SCRIPTED rounds, the drafts (so that long accepted counts occur: the synthetic
+drafter rarely matches the target). The reference follows the device's drafts: it drafts with
+draft_base_logits / markov_drafts (for the comparison) and verifies the drafts the device made.
+
+Checked every round, on every rank:
+- draft step: every rank wrote the same token_ids rows, row 0 the bonus; U (`dspark.base`) within
+  U_BOUND of the reference's; the 5 drafts equal markov_drafts(reference U) except at a near tie
+  (test_dspark_draft_emulated's rule: the reference's Markov logits of the two tokens differ by
+  no more than the U difference on those columns plus the Markov sum's rounding), after which that
+  sequence's later drafts of the round are not compared; the rows are exactly
+  RowBatch.from_blocks of the verify blocks [bonus, d_1..d_5] (advance_verify);
+- verify step: (accepted, bonus) equal the reference's verify_and_accept of the same drafts,
+  unless the reference's deciding row is a near tie (top-2 margin <= LOGIT_BOUND, the rule of
+  test_dspark_round_emulated / sync_free); after such a tie the host reloads the reference's
+  caches and rows (the device accepted another length: its caches no longer match) and the rounds
+  go on; otherwise the rows are exactly from_blocks of the next draft blocks (advance_draft), every
+  ratio-2 ring row is NaN (rolled back) exactly where the reference's is, the draft stages' SWA
+  slots written are the reference's, and every rank holds the same bytes in every SWA cache.
+Over the run: at least half of the draft tokens and of the verify steps compared equal, and an
+accepted count >= 2 occurred (the SCRIPTED rounds).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from device_ranks import DeviceRanks
+from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model
+from test_dspark_draft_emulated import _check_drafts
+from test_dspark_round_emulated import _greedy, _history
+
+from executor.reference import dspark as ref_dspark
+from executor.reference import step as ref_step
+from executor.reference.rows import RowBatch, RowBlock
+from executor.runtime import Bundle
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"))
+TP, SEQS, ROUNDS = 4, 2, 16
+MAX_ROWS = 192              # DeviceRanks' default: the bound tensors' row capacity
+LOGIT_BOUND = 0.25          # test_dspark_round_emulated / sync_free: device vs reference logits
+# U through caches the device's own verify steps wrote (the context KV from its aux): the
+# verify logits' bound, not test_dspark_draft_emulated's 0.08 (U there read the reference's
+# caches). The emulated chain of this test measured worst 0.000 (see docs/notes/step-wiring.md).
+U_BOUND = 0.25
+SCRIPTED = {3: (5, 2), 9: (3, 4)}   # round -> greedy tokens leading each sequence's drafts
+ROW_ARRAYS = (("token_ids", np.int64), ("positions", np.int64), ("seq_index", np.int32),
+              ("slot_mapping", np.int64), ("block_kind", np.int8))
+
+
+class DeviceRound:
+    """The reference model and caches; DeviceRanks with the sync-free DSpark plans wired."""
+
+    def __init__(self, ranks_factory):
+        self.model = tiny_model(TP)
+        self.cfg = self.model.cfg
+        self.caches = new_caches(self.model, max_seqs=SEQS)
+        self.ranks = ranks_factory(self.caches)
+        self.verify, self.draft = self.ranks.wire_dspark(sync_free=True)
+        self.k = self.cfg.dspark_block_size
+        self.draft_equal = self.draft_total = self.verify_equal = 0
+        self.accepted: list[int] = []
+        self.ties: list[tuple] = []     # (round, seq, device's, reference's, top-2 margin)
+        self.worst_u = 0.0
+
+
+@pytest.fixture(scope="module")
+def bundle(dev):
+    b = Bundle.load(dev, BUNDLE)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def device_round(dev, stream, bundle):
+    s = DeviceRound(lambda caches: DeviceRanks(dev, tiny_checkpoint(), bundle, TP, caches,
+                                               stream, MAX_ROWS, dspark=True))
+    yield s
+    s.ranks.close()
+
+
+# ---- rows ---------------------------------------------------------------------------------------
+
+def _blocks(s: DeviceRound, seqs, drafts=None) -> RowBatch:
+    """The draft blocks [bonus, noise x (k - 1)] (drafts None) or the verify blocks."""
+    if drafts is None:
+        noise = (s.cfg.dspark_noise_token_id,) * (s.k - 1)
+        blocks = [RowBlock(q.state_line, q.position, (q.bonus, *noise), "draft") for q in seqs]
+    else:
+        blocks = [RowBlock(q.state_line, q.position, (q.bonus, *d), "verify")
+                  for q, d in zip(seqs, drafts)]
+    return RowBatch.from_blocks(blocks, s.caches.block_tables, s.caches.ring_slots)
+
+
+def _assert_rows(s: DeviceRound, want: RowBatch, what: str) -> None:
+    """The bound rows on every rank are exactly `want`'s (its rows, its sequences)."""
+    n = want.num_rows
+    for r in range(TP):
+        for name, dtype in ROW_ARRAYS:
+            got = s.ranks.read(r, name, dtype, (MAX_ROWS,))[:n]
+            assert np.array_equal(got, getattr(want, name)), (
+                f"{what} rank {r}: {name} {got.tolist()}, want {getattr(want, name).tolist()}")
+        got = s.ranks.read(r, "context_lens", np.int64, (MAX_ROWS,))[:want.num_seqs]
+        assert np.array_equal(got, want.context_lens), f"{what} rank {r}: context_lens {got}"
+
+
+def _load(s: DeviceRound, seqs) -> None:
+    """The host's full write: the reference's caches, the draft rows, the sequences' bonus."""
+    rows = _blocks(s, seqs)
+    prior = [np.array(q.tokens + list(rows.token_ids[i * s.k:(i + 1) * s.k]), np.int64)
+             for i, q in enumerate(seqs)]
+    s.ranks.load(rows, s.caches, _history(s.cfg, rows, prior))
+    s.ranks.write("bonus", np.array([q.bonus for q in seqs], np.int64))
+
+
+# ---- the draft step -----------------------------------------------------------------------------
+
+def _check_draft_step(s: DeviceRound, seqs, rnd: int) -> list[tuple[int, ...]]:
+    """The device's drafts per sequence, checked against the reference's (module docstring).
+    The reference's draft_base_logits writes its draft rows' SWA records, as the device did."""
+    k, vocab_l = s.k, s.cfg.vocab_size // TP
+    ids = [s.ranks.read(r, "token_ids", np.int64, (MAX_ROWS,)) for r in range(TP)]
+    emu = [s.ranks.read(r, "dspark.base", np.float32, (MAX_ROWS, vocab_l)) for r in range(TP)]
+    out = []
+    for q, seq in enumerate(seqs):
+        mine = ids[0][q * (k + 1):(q + 1) * (k + 1)]
+        for r in range(TP):
+            assert np.array_equal(ids[r][q * (k + 1):(q + 1) * (k + 1)], mine), (
+                f"round {rnd} seq {q}: rank {r} drafted other tokens than rank 0")
+        assert mine[0] == seq.bonus, f"round {rnd} seq {q}: verify row 0 is not the bonus"
+        ref_base = ref_dspark.draft_base_logits(s.model, s.caches, seq)
+        emu_base = [e[q * k:(q + 1) * k] for e in emu]
+        for r in range(TP):
+            err = float(np.abs(emu_base[r].astype(np.float64) - ref_base[r]).max())
+            s.worst_u = max(s.worst_u, err)
+            assert err <= U_BOUND, f"round {rnd} seq {q} rank {r}: U off by {err} > {U_BOUND}"
+        want = ref_dspark.markov_drafts(s.model, ref_base, seq.bonus)
+        drafts = tuple(int(t) for t in mine[1:])
+        s.draft_equal += _check_drafts(s.model, list(drafts), want, ref_base, emu_base,
+                                       seq.bonus)
+        s.draft_total += k
+        out.append(drafts)
+    return out
+
+
+def _script(s: DeviceRound, seqs, goods, rng) -> list[tuple[int, ...]]:
+    """Drafts led by `good` greedy tokens (then random ones), written over the device's."""
+    k = s.k
+    drafts = []
+    for seq, good in zip(seqs, goods):
+        noise = [int(t) for t in rng.integers(0, s.cfg.vocab_size - 1, k - good)]
+        drafts.append(tuple(_greedy(s.model, s.caches, seq, good) + noise))
+    ids = s.ranks.read(0, "token_ids", np.int64, (SEQS * (k + 1),))
+    for q, d in enumerate(drafts):
+        ids[q * (k + 1) + 1:(q + 1) * (k + 1)] = d
+    s.ranks.write("token_ids", ids)
+    return drafts
+
+
+# ---- the verify step ----------------------------------------------------------------------------
+
+def _check_verify(s: DeviceRound, seqs, drafts, rnd: int) -> bool:
+    """The device's (accepted, bonus) vs the reference's verify_and_accept per sequence; False
+    after a near tie where they differ (module docstring)."""
+    accepted = [s.ranks.read(r, "accepted", np.int32, (MAX_ROWS,))[:SEQS] for r in range(TP)]
+    bonus = [s.ranks.read(r, "bonus", np.int64, (MAX_ROWS,))[:SEQS] for r in range(TP)]
+    same = True
+    for q, (seq, d) in enumerate(zip(seqs, drafts)):
+        alone = RowBatch.from_blocks([RowBlock(seq.state_line, seq.position, (seq.bonus, *d),
+                                               "verify")],
+                                     s.caches.block_tables, s.caches.ring_slots)
+        before, tokens = s.caches.copy(), np.array(seq.tokens, np.int64)
+        a, emitted = ref_dspark.verify_and_accept(s.model, s.caches, seq, d)
+        mismatch, logits = False, None
+        for r in range(TP):
+            got = (int(accepted[r][q]), int(bonus[r][q]))
+            if got == (a, emitted[-1]):
+                continue
+            if logits is None:              # the reference's verify logits (on `before`)
+                logits = ref_step.decode_step(s.model, alone, before, [tokens]).logits
+            row = min(max(got[0], 0), a)    # where the two runs first part: must be a near tie
+            top2 = np.sort(logits[row].astype(np.float64))[-2:]
+            assert top2[1] - top2[0] <= LOGIT_BOUND, (
+                f"round {rnd} rank {r} seq {q}: device (accepted, bonus) {got}, reference "
+                f"{(a, emitted[-1])} at a top-2 margin {top2[1] - top2[0]}")
+            if not mismatch:
+                s.ties.append((rnd, q, got, (a, emitted[-1]), float(top2[1] - top2[0])))
+            mismatch = True
+        if mismatch:
+            same = False
+        else:
+            s.verify_equal += 1
+            s.accepted.append(a)
+    return same
+
+
+def _written(cache: np.ndarray) -> np.ndarray:
+    return (cache != 0xFF).any(axis=1)
+
+
+def _check_caches(s: DeviceRound, seqs, rnd: int) -> None:
+    """Ring rollback, the draft stages' context slots, replicated SWA bytes (module docstring)."""
+    for layer, ring in s.caches.ring.items():
+        for r in range(TP):
+            got = s.ranks.read(r, f"compressor_ring_{layer}", ring.dtype, ring.shape)
+            for q in seqs:
+                line = q.state_line
+                assert np.array_equal(np.isnan(got[line]).all(axis=1),
+                                      np.isnan(ring[line]).all(axis=1)), (
+                    f"round {rnd} rank {r} line {line}: ring {layer} rollback")
+    stages = {spec.index for spec in s.cfg.layers if spec.is_dspark}
+    for layer, swa in s.caches.swa.items():
+        got = [s.ranks.read(r, f"swa_{layer}", swa.dtype, swa.shape) for r in range(TP)]
+        for r in range(1, TP):
+            assert np.array_equal(got[r], got[0]), f"round {rnd}: swa_{layer} rank {r} != rank 0"
+        if layer not in stages:
+            continue
+        for q in seqs:
+            mine = slice(q.state_line * s.caches.ring_slots,
+                         (q.state_line + 1) * s.caches.ring_slots)
+            assert np.array_equal(_written(got[0][mine]), _written(swa[mine])), (
+                f"round {rnd} line {q.state_line}: swa_{layer} context slots")
+
+
+# ---- the rounds ---------------------------------------------------------------------------------
+
+def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
+    """`rounds` DSpark rounds of SEQS sequences on s.ranks, checked as the module docstring says."""
+    cfg, k = s.cfg, s.k
+    seqs = [ref_dspark.start_sequence(s.model, s.caches, line, random_prompt(rng, 9 + 4 * line))[0]
+            for line in range(SEQS)]
+    _load(s, seqs)                          # the host's row write: the first draft step's rows
+    for rnd in range(rounds):
+        s.ranks.run_plans(s.draft, SEQS * k)
+        drafts = _check_draft_step(s, seqs, rnd)
+        rows = _blocks(s, seqs, drafts)
+        _assert_rows(s, rows, f"round {rnd} verify rows")
+        if rnd in SCRIPTED:
+            drafts = _script(s, seqs, SCRIPTED[rnd], rng)
+            rows = _blocks(s, seqs, drafts)
+        prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
+        s.ranks.write("token_history", _history(cfg, rows, prior)[:, 1:].astype(np.int64))
+        s.ranks.run_plans(s.verify, SEQS * (k + 1))
+        if _check_verify(s, seqs, drafts, rnd):
+            _assert_rows(s, _blocks(s, seqs), f"round {rnd} draft rows")
+            _check_caches(s, seqs, rnd)
+        else:
+            _load(s, seqs)                  # a near tie parted them: the reference's state
+    total = rounds * SEQS
+    assert s.draft_equal >= s.draft_total // 2, (
+        f"only {s.draft_equal} of {s.draft_total} draft tokens equal (worst U {s.worst_u})")
+    assert s.verify_equal >= total // 2, f"only {s.verify_equal} of {total} verify steps equal"
+    assert max(s.accepted, default=0) >= 2, f"no accepted count >= 2: {s.accepted}"
+
+
+def test_dspark_rounds_on_the_device_accept_what_the_reference_accepts(device_round):
+    run_rounds(device_round, np.random.default_rng())
+    s = device_round
+    print(f"\n{ROUNDS} rounds x {SEQS} sequences: accepted {s.accepted}, drafts equal "
+          f"{s.draft_equal}/{s.draft_total}, verify equal {s.verify_equal}, near ties {s.ties}, "
+          f"worst U {s.worst_u}")
