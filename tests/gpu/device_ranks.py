@@ -9,11 +9,12 @@ read the ranks' inputs, apply exactly what the kernel computes (allreduce_ref, g
 pick_ref), write the outputs. The collective kernels themselves are tested across processes
 (tests/gpu/test_collectives.py). What this proves on the GPU: every other kernel of the step,
 launched by the step's own wiring on the step's own buffers, computes what the reference step
-computes.
+computes. Weights come from an open checkpoint, or packed by the caller (`PackedRanks`).
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,30 +38,51 @@ HOST_ROLES = {
 COLLECTIVE_FAMILY = "kernels.allreduce"         # the cross-rank kernels: never launched here
 
 
+@dataclass(frozen=True)
+class PackedRanks:
+    """Every rank's arena contents, packed by the caller (tests/gpu/real_slice.py packs the ranks
+    of a real-dimension slice in parallel, with its own FFN module): contents[rank] =
+    wiring.arena_contents(cfg, tp, rank, fetch, max_rows, modules) = (requests, uploads)."""
+
+    cfg: object
+    modules: tuple[str, ...]
+    contents: tuple
+
+    def __post_init__(self):
+        if COLLECTIVES in self.modules:
+            raise ValueError(f"PackedRanks: {COLLECTIVES} cannot run on one stream (the "
+                             f"cross-rank stages run on the host here)")
+
+
 class DeviceRanks:
     """`tp` ranks of one step on one device (tests only: the collectives are host-side)."""
 
     def __init__(self, dev, ckpt, bundle, tp: int, caches, stream, max_rows: int = 192,
-                 dspark: bool = False):
+                 dspark: bool = False, packed: PackedRanks | None = None):
+        """ckpt: an open checkpoint, each rank packed here by the step's stage modules; or None
+        and `packed`, each rank's contents packed by the caller."""
         import cupy as cp
 
-        from loader.sharding import shard
-
+        if (ckpt is None) == (packed is None):
+            raise ValueError("DeviceRanks: give exactly one of ckpt and packed")
+        if packed is not None and len(packed.contents) != tp:
+            raise ValueError(f"DeviceRanks: {len(packed.contents)} packed ranks for tp={tp}")
         self.cp, self.stream = cp, stream
-        self.cfg, self.tp, self.max_rows = ckpt.config, tp, max_rows
+        self.cfg = ckpt.config if packed is None else packed.cfg
+        self.tp, self.max_rows = tp, max_rows
         self.dspark = dspark            # bind `accepted` / `bonus`; plans: decode_plan(dspark=)
         self.geometry = CacheGeometry.of(caches)
-        modules = tuple(m for m in STAGE_MODULES if m != COLLECTIVES)
+        modules = (tuple(m for m in STAGE_MODULES if m != COLLECTIVES) if packed is None
+                   else packed.modules)
         self.arenas, self.tensors, self.contexts, self.plans = [], [], [], []
         for rank in range(tp):
-            def fetch(name, rank=rank):
-                return shard(ckpt, ckpt.spec(name), tp, rank)
-
-            requests, uploads = arena_contents(self.cfg, tp, rank, fetch, max_rows, modules)
+            requests, uploads = (packed.contents[rank] if packed is not None else
+                                 _checkpoint_contents(ckpt, tp, rank, max_rows, modules))
             arena = Arena(dev, requests)
             arena.zero()
             for name, array in uploads:
                 arena.upload(name, array)
+            del uploads
             host = caller_tensors(self.cfg, tp, self.geometry, max_rows, dspark)
             tensors = {name: cp.asarray(a) for name, a in host.items()}
             bound = {name: int(t.data.ptr) for name, t in tensors.items()}
@@ -205,6 +227,15 @@ class DeviceRanks:
 
 def _family(spec) -> str:
     return getattr(spec.kernel, "record", spec.kernel).family
+
+
+def _checkpoint_contents(ckpt, tp: int, rank: int, max_rows: int, modules):
+    from loader.sharding import shard
+
+    def fetch(name):
+        return shard(ckpt, ckpt.spec(name), tp, rank)
+
+    return arena_contents(ckpt.config, tp, rank, fetch, max_rows, modules)
 
 
 def _is_cache(name: str) -> bool:

@@ -1,0 +1,181 @@
+"""The first layers of v41-flash at real dimensions on 4 TP ranks: config, weights, reference model.
+
+What the slice keeps and what it cuts (each cut changes no value the test's steps compute):
+- Layers 0..N-1 of v41-flash (`loader.synth.slice_config`): with N = 4 that is layer 0 (SWA, the
+  first layer: summed mHC fn, broadcast streams), 1 (SWA + Engram), 2 (ratio 2, kv and index
+  source: compressor, indexer, its own top-k) and 3 (ratio 2, reuse: layer 2's cache and top-k).
+  Every role refers only to layers at or below it (model doc §1.2), so the slice's roles are
+  v41's. The ratio-1 layers, the re-indexing layers and the candidate blocks start at layer 20.
+- Real widths, 384 routed experts, top-6, the real 129280-token vocabulary (embed and lm_head).
+- One DSpark stage, targeting layer N-1, instead of v41's three: the step's buffers are sized by
+  the DSpark widths (loader.synth's slice drops DSpark altogether, which the dense specs cannot
+  size: main_proj would have K = 0); the decode step never runs a DSpark stage.
+- Engram tables cut as the step benchmark cuts them (`bench_step.bench_config`, 16384 buckets a
+  column instead of 16M; hashed and read the same way), and RoPE tables of 64k positions instead
+  of 1M (the steps' positions are < 100; the table length is all it changes).
+- Synthetic weights (`loader.synth`'s values), each tensor drawn ONCE and cut for every rank
+  (`SharedSynth`), routed expert e holding expert e % 4's values (tests/gpu/stage_ffn_few_experts.py;
+  the reference reads the same values through an aliasing fetch).
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import re
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+import numpy as np
+import stage_ffn_few_experts
+
+from executor.bench_step import bench_config
+from executor.reference.step import ReferenceModel
+from executor.reference.weights import RankWeights
+from executor.wiring import arena_contents
+from loader import sharding
+from loader.config import ModelConfig
+from loader.schema import Fmt, checkpoint_schema
+from loader.synth import ValueSource, slice_config
+
+TP = 4
+LAYERS = 4
+DSPARK_STAGES = 1
+ROPE_POSITIONS = 65536
+SEED = 0
+MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.stages.attn_index",
+           "stage_ffn_few_experts")
+EXPERT = re.compile(r"(layers\.\d+\.ffn\.experts\.)(\d+)(\..*)")
+
+
+def slice_config_v41(layers: int = LAYERS) -> ModelConfig:
+    """v41-flash (Engram tables cut as bench_config cuts them), layers 0..layers-1, one DSpark
+    stage on the last of them, RoPE tables of ROPE_POSITIONS."""
+    full = bench_config()
+    data = slice_config(full, layers).to_dict()
+    top = full.num_hidden_layers
+    data.update(num_nextn_predict_layers=DSPARK_STAGES,
+                compress_ratios=[*full.compress_ratios[:layers],
+                                 *full.compress_ratios[top:top + DSPARK_STAGES]],
+                dspark_target_layer_ids=list(range(layers - DSPARK_STAGES, layers)),
+                max_position_embeddings=ROPE_POSITIONS)
+    return ModelConfig.from_dict(data, source=f"v41-flash layers 0..{layers - 1} (test slice)")
+
+
+class SharedSynth:
+    """loader.synth's values of every tensor, drawn once and cut for each rank (synth_fetch draws
+    a column-cut tensor whole for every rank: 4x the work). Thread-safe: the ranks pack in
+    parallel; an FP8 weight and its scale come from one draw (one ValueSource per pair)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = SEED):
+        self.cfg, self.seed = cfg, seed
+        self.specs = {t.name: t for t in checkpoint_schema(cfg)}
+        self._full: dict[str, np.ndarray] = {}
+        self._sources: dict[str, tuple[threading.Lock, ValueSource]] = {}
+        self._lock = threading.Lock()
+
+    def full(self, name: str) -> np.ndarray:
+        try:
+            spec = self.specs[name]
+        except KeyError:
+            raise KeyError(f"synthetic {self.cfg.model_type} slice: no tensor {name!r}") from None
+        key = spec.base if spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE) else name
+        with self._lock:
+            lock, source = self._sources.setdefault(key, (threading.Lock(), ValueSource(self.seed)))
+        with lock:
+            if name not in self._full:
+                self._full[name] = source(spec)
+            return self._full[name]
+
+    def prefetch(self, unique_experts: int, workers: int | None = None) -> float:
+        """Draw every tensor the slice reads (routed experts 0..unique_experts-1 only) in
+        `workers` spawned processes (default: one per core, at most 16); returns the seconds.
+        An FP8 weight and its scale are drawn together."""
+        t0 = time.perf_counter()
+        groups: dict[str, list[str]] = {}
+        for name, spec in self.specs.items():
+            m = EXPERT.fullmatch(name)
+            if m and int(m[2]) >= unique_experts:
+                continue
+            key = spec.base if spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE) else name
+            groups.setdefault(key, []).append(name)
+        # the largest draws first, so the long poles (embed, head) start at once
+        jobs = sorted(groups.values(), key=lambda g: -sum(self.specs[n].nbytes for n in g))
+        workers = workers or min(16, os.cpu_count() or 1)
+        ctx = multiprocessing.get_context("spawn")     # the parent holds a CUDA context
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            for drawn in pool.map(_draw, [(self.cfg, self.seed, names) for names in jobs]):
+                self._full.update(drawn)
+        return time.perf_counter() - t0
+
+    def fetch(self, rank: int, alias_experts: int | None = None):
+        """fetch(name) -> rank's slice; alias_experts=u: expert e reads expert e % u."""
+        def fetch(name: str) -> np.ndarray:
+            m = EXPERT.fullmatch(name) if alias_experts else None
+            if m:
+                name = f"{m[1]}{int(m[2]) % alias_experts}{m[3]}"
+            return sharding.shard(self.full(name), self.specs[name], TP, rank)
+        return fetch
+
+    def release(self) -> None:
+        self._full.clear()
+        self._sources.clear()
+
+
+@functools.lru_cache(maxsize=2)
+def _specs(cfg: ModelConfig) -> dict:
+    return {t.name: t for t in checkpoint_schema(cfg)}
+
+
+def _draw(job) -> dict[str, np.ndarray]:
+    """(cfg, seed, names) -> {name: full tensor} (a worker process of SharedSynth.prefetch)."""
+    cfg, seed, names = job
+    specs = _specs(cfg)
+    source = ValueSource(seed)
+    return {name: source(specs[name]) for name in names}
+
+
+def pack_ranks(cfg: ModelConfig, synth: SharedSynth, max_rows: int) -> tuple[list, float]:
+    """Every rank's (requests, uploads), the ranks packed in parallel threads (the NumPy work
+    releases the GIL); and the seconds it took."""
+    t0 = time.perf_counter()
+
+    def one(rank: int):
+        return arena_contents(cfg, TP, rank, synth.fetch(rank), max_rows, MODULES)
+
+    with ThreadPoolExecutor(TP) as pool:
+        contents = list(pool.map(one, range(TP)))
+    return contents, time.perf_counter() - t0
+
+
+class _Experts:
+    """A layer's routed experts for the reference, dequantized on first use, once per distinct
+    value (expert e is e % unique's): the reference's own list dequantizes all 384."""
+
+    def __init__(self, layer_weights, total: int, unique: int):
+        self.lw, self.total, self.unique, self._done = layer_weights, total, unique, {}
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, e: int):
+        if not 0 <= e < self.total:
+            raise IndexError(f"expert {e} outside 0..{self.total - 1}")
+        u = e % self.unique
+        if u not in self._done:
+            self._done[u] = self.lw._expert(u)
+        return self._done[u]
+
+
+def reference_model(cfg: ModelConfig, synth: SharedSynth) -> ReferenceModel:
+    """The NumPy reference of the slice at TP 4 over the same values the ranks pack."""
+    unique = stage_ffn_few_experts.UNIQUE_EXPERTS
+    ranks = tuple(RankWeights(cfg, synth.fetch(r, alias_experts=unique), TP, r)
+                  for r in range(TP))
+    for rank in ranks:
+        for spec in cfg.layers:
+            if not spec.is_dspark:
+                lw = rank.layer(spec.index)
+                lw.experts = _Experts(lw, lw.num_experts, unique)   # overrides the cached list
+    return ReferenceModel(cfg, ranks)
