@@ -136,10 +136,9 @@ def bench_moe_routed(ctx) -> None:
     bundle = ctx.bundle_with("moe_w13_")
     if bundle is None:
         raise LookupError("no bundle has the moe kernels")
-    rec = next(bundle.manifest.kernels[n] for n in bundle.names() if n.startswith("moe_w13_"))
-    sp = rec.spec
-    shape = mk.MoeShape(sp["num_experts"], sp["topk"], sp["hidden"], sp["inter"],
-                        sp["swiglu_limit"])
+    # The backbone's shape (the most experts), not the DSpark stages' that a bundle may also hold.
+    shape = max((ml.shape_of(bundle.manifest.kernels[n].spec) for n in bundle.names()
+                 if n.startswith("moe_w13_")), key=lambda s: (s.num_experts, s.topk))
     rng = np.random.default_rng()
     chain = MoeChain(ctx.device, bundle, shape)
     try:
@@ -153,6 +152,9 @@ def bench_moe_routed(ctx) -> None:
             chain.upload_inputs(x_bits, ids, weights)
             distinct = len(np.unique(ids))
             chains = [("", chain.launches(rows))]
+            step_w13, step_w2 = ml.step_variants(chain.available, rows)
+            if step_w13:                 # the variants the step launches below 6 rows
+                chains.append((f" {step_w13}", chain.launches(rows, step_w13, step_w2)))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
@@ -167,8 +169,24 @@ def bench_moe_routed(ctx) -> None:
                 row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}{label}", rows,
                                     us, mk.moe_bytes(shape, distinct, rows))
                 _report_targets(ctx, rows, us, row, shape, label)
+            if rows <= 8:
+                _report_prefixes(ctx, chain, rows, step_w13, step_w2)
     finally:
         chain.close()
+
+
+def _report_prefixes(ctx, chain: MoeChain, rows: int, w13: str, w2: str | None) -> None:
+    """Each prefix of the step's default chain (prep; prep + w13; prep + w13 + w2) timed alone,
+    L2 flushed: the differences are each kernel's share of the chain's time."""
+    label = f" {w13}" if w13 else ""
+    for n in range(1, len(ml.DEFAULT_CHAIN)):
+        specs = chain.launches(rows, w13, w2, kinds=ml.DEFAULT_CHAIN[:n])
+
+        def run(specs=specs):
+            for s in specs:
+                s.launch(ctx.stream)
+        us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
+        ctx.metric(f"moe{label} R={rows}: {' + '.join(ml.DEFAULT_CHAIN[:n])} alone", us, "us")
 
 
 def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: str) -> None:

@@ -290,7 +290,7 @@ class MoeW13Sm90:
             pair_list = _addr(pairs) + Int64(first) * 4
             # The first chunk's activations are fetched before the weights are awaited.
             ins = self.chunk_inputs(pair_list, _addr(xq), _addr(xs), count, Int32(0), warp, lane)
-            cp_async_wait(self.stages - 1)
+            self.await_item()
             self.chunk_math(stage, ins, _addr(h), tile, scale, red, warp, lane, tidx)
             chunk = Int32(mk.CHUNK_TOKENS)
             while chunk < count:
@@ -300,6 +300,13 @@ class MoeW13Sm90:
                 chunk += mk.CHUNK_TOKENS
             item += gdim
             it += 1
+
+    def await_item(self):
+        """Before an item's math: its ring stage (one commit group per item here)."""
+        cp_async_wait(self.stages - 1)
+
+    def await_group(self, gi: int):
+        """Before a 128-group's math: nothing here (`await_item` waited for the whole item)."""
 
     @cute.jit
     def expert_of(self, m: Int64, item: Int32, total: Int32):
@@ -337,6 +344,7 @@ class MoeW13Sm90:
         g = lane // 4
         acc = [Float32(0.0)] * 4
         for gi in cutlass.range_constexpr(self.groups_per_warp):
+            self.await_group(gi)
             words = (lds_v4_u32(stage + ((2 * gi) * self.threads + tidx) * 16)
                      + lds_v4_u32(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
             offs = lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
@@ -385,6 +393,13 @@ class MoeW2Sm90:
 
     def ksteps(self, grp: int) -> int:
         return min(4, (self.shape.k2 - grp * mk.ACT_GROUP) // mk.KSTEP)
+
+    def await_item(self):
+        """Before an item's math: its ring stage (one commit group per item here)."""
+        cp_async_wait(self.stages - 1)
+
+    def await_group(self, grp: int):
+        """Before a 128-group's math: nothing here (`await_item` waited for the whole item)."""
 
     @cute.jit
     def __call__(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
@@ -459,7 +474,7 @@ class MoeW2Sm90:
             while chunk < count:
                 self.quantize_chunk(_addr(pairs) + Int64(first) * 4, _addr(h), count - chunk,
                                     chunk, sq, warp, lane)
-                cp_async_wait(self.stages - 1)   # this item's weights (a no-op after chunk 0)
+                self.await_item()                # this item's weights (a no-op after chunk 0)
                 cute.arch.sync_threads()
                 self.chunk_mma(stage, _addr(ye), tile, scale, sq, lane, tidx)
                 cute.arch.sync_threads()
@@ -495,6 +510,7 @@ class MoeW2Sm90:
         acc = [Float32(0.0)] * 4
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
+            self.await_group(grp)
             words = [w for c in range(2 * grp, min(2 * grp + 2, self.cols))
                      for w in lds_v4_u32(stage + (c * self.threads + tidx) * 16)]
             offs = lds_v2(stage + self.offsets_at + (grp * self.threads + tidx) * 8)
@@ -561,8 +577,12 @@ _KERNEL_CLASSES = {"prep": MoePrepSm90, "w13": MoeW13Sm90, "w2": MoeW2Sm90,
 
 
 def _kernel_class(spec: mk.MoeSpec):
-    """The default chain's classes here; the self-routed chain's in kernels/moe_selfroute.py
-    (imported late: it builds on this module)."""
+    """The default chain's classes here; the per-group-commit w13 / w2 in kernels/moe_pipelined.py
+    and the self-routed chain's in kernels/moe_selfroute.py (imported late: both build on this
+    module)."""
+    if spec.group_commits:
+        from kernels import moe_pipelined
+        return moe_pipelined.kernel_class(spec)
     if spec.kind in _KERNEL_CLASSES:
         return _KERNEL_CLASSES[spec.kind]
     from kernels import moe_selfroute
@@ -576,13 +596,13 @@ def kernel_function(spec: mk.MoeSpec):
 
 def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     """The four kernels of the routed MoE at this config's rank shape, then the candidate
-    w13 / w2 variants (`mk.variant_specs`) and the self-routed chain (`mk.selfrouted_specs`)
-    the benchmark measures beside them; for the DSpark stages' shape (when it differs) the
-    four kernels and the self-routed chain the step launches."""
+    w13 / w2 variants (`mk.variant_specs`: the step launches some, launches/moe.py
+    STEP_VARIANTS) and the self-routed chain (`mk.selfrouted_specs`); the same for the DSpark
+    stages' shape when it differs."""
     shape, *others = mk.moe_shapes(cfg, tp)
     out = mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
     for other in others:
-        out += mk.make_specs(other) + mk.selfrouted_specs(other)
+        out += mk.make_specs(other) + mk.variant_specs(other) + mk.selfrouted_specs(other)
     return out
 
 

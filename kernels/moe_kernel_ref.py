@@ -140,6 +140,9 @@ class MoeSpec:
     ctas_per_sm: int = 2
     stages: int = 0          # w13 / w2: depth of the per-thread cp.async weight ring
     variant: str = ""        # "" = the chain's default; else a candidate benchmarked beside it
+    # w13 / w2: one cp.async commit group per 128-group of an item, awaited group by group, so
+    # the math starts on the first group while the rest is in flight (kernels/moe_pipelined.py).
+    group_commits: bool = False
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -176,6 +179,7 @@ class MoeSpec:
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "stages": self.stages, "variant": self.variant,
+                "group_commits": self.group_commits,
                 "layout_source_sha256": _SOURCE_SHA}
 
 
@@ -202,29 +206,41 @@ def ring_stage_bytes(shape: MoeShape, kind: str) -> int:
     return W2_WARPS * (cols * COL_BYTES + shape.groups(shape.k2) * LANES * 8)
 
 
-# (variant, warps wanted (w13), ring stages, CTAs per SM): the default first, then candidates.
-# Measured (docs/notes/moe-design.md, round 2): each item's serial chain (meta -> pair ids ->
-# activations, L2 round trips under load) dominates, so more CTAs per SM with a one-item ring
-# beat deeper rings: w13 = 4 warps, 1 stage, 3 CTAs/SM; w2 = 1 stage, 4 CTAs/SM. At R = 1 the
-# w2 "r2x2" (2 stages, 2 CTAs/SM) is faster (fewer, fuller CTAs for 240 items): MoeChain picks it.
-W13_VARIANTS = (("", 4, 1, 3),)
-W2_VARIANTS = (("", 1, 4), ("r2x2", 2, 2))
+# (variant, warps wanted (w13), ring stages, CTAs per SM, group commits): the default first,
+# then candidates. Measured (docs/notes/moe-design.md, round 2): each item's serial chain (meta ->
+# pair ids -> activations, L2 round trips under load) dominates, so more CTAs per SM with a
+# one-item ring beat deeper rings: w13 = 4 warps, 1 stage, 3 CTAs/SM; w2 = 1 stage, 4 CTAs/SM.
+# At R = 1 the w2 "r2x2" (2 stages, 2 CTAs/SM) is faster (fewer, fuller CTAs for 240 items).
+# Round 4: "g*" = the same kernels with per-group commit groups (math overlaps the item's load).
+W13_VARIANTS = (("", 4, 1, 3, False), ("g", 4, 1, 3, True))
+W2_VARIANTS = (("", 1, 4, False), ("r2x2", 2, 2, False), ("g", 1, 4, True),
+               ("gr2x2", 2, 2, True))
 W2_SINGLE_ROW_VARIANT = "r2x2"
 
 
-def _w13_spec(shape: MoeShape, variant: str, warps: int, stages: int, ctas: int) -> MoeSpec:
+def group_wait_pending(stages: int, groups: int, group: int) -> int:
+    """cp.async.wait_group count before `group` of the current item when every item is committed
+    as `groups` commit groups and `stages - 1` items were issued after it (group commits)."""
+    if not 0 <= group < groups or stages < 1:
+        raise ValueError(f"group {group} of {groups}, stages {stages}")
+    return (stages - 1) * groups + groups - 1 - group
+
+
+def _w13_spec(shape: MoeShape, variant: str, warps: int, stages: int, ctas: int,
+              group_commits: bool = False) -> MoeSpec:
     split = min(warps, w13_split(shape))
     suffix = f"_{variant}" if variant else ""
     return MoeSpec(f"moe_w13_{shape.tag()}{suffix}", "w13", shape, (split * LANES, 1, 1),
                    smem_bytes=stages * ring_stage_bytes(shape, "w13") + split * LANES * 16,
-                   ctas_per_sm=ctas, stages=stages, variant=variant)
+                   ctas_per_sm=ctas, stages=stages, variant=variant, group_commits=group_commits)
 
 
-def _w2_spec(shape: MoeShape, variant: str, stages: int, ctas: int) -> MoeSpec:
+def _w2_spec(shape: MoeShape, variant: str, stages: int, ctas: int,
+             group_commits: bool = False) -> MoeSpec:
     suffix = f"_{variant}" if variant else ""
     return MoeSpec(f"moe_w2_{shape.tag()}{suffix}", "w2", shape, (W2_WARPS * LANES, 1, 1),
                    smem_bytes=stages * ring_stage_bytes(shape, "w2") + w2_smem_bytes(shape),
-                   ctas_per_sm=ctas, stages=stages, variant=variant)
+                   ctas_per_sm=ctas, stages=stages, variant=variant, group_commits=group_commits)
 
 
 def make_specs(shape: MoeShape) -> list[MoeSpec]:

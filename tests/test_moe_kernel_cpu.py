@@ -251,3 +251,67 @@ def test_selfrouted_specs_abi_grid_and_shared_memory(config):
         assert ring >= mk.routing_scratch_bytes(shape)
         assert spec.smem_bytes >= ring + mk.routing_lists_bytes(shape)
         assert spec.block[0] // 32 <= 8          # the lists header holds 8 warp totals
+
+
+def _replay_group_commits(stages: int, groups: int, items: int) -> None:
+    """The group-commit schedule of kernels/moe_pipelined.py on a model of cp.async groups:
+    `stages - 1` items issued ahead, then per item: issue the item `stages - 1` ahead (empty
+    groups past the last), and before each group's math wait_group(group_wait_pending). Every
+    group must be complete when its math starts; wait_group N completes all but the newest N."""
+    committed, done = [], set()
+
+    def issue(item):
+        for g in range(groups):
+            committed.append((item, g) if item < items else None)
+
+    def wait(pending):
+        done.update(c for c in committed[:max(len(committed) - pending, 0)] if c is not None)
+
+    for item in range(stages - 1):
+        issue(item)
+    for item in range(items):
+        issue(item + stages - 1)
+        for g in range(groups):
+            wait(mk.group_wait_pending(stages, groups, g))
+            assert (item, g) in done, (stages, groups, item, g)
+            # and the wait is not stronger than needed: the next group may still be in flight
+            if g + 1 < groups:
+                assert (item, g + 1) not in done, (stages, groups, item, g)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 5, 10])
+def test_group_commit_waits_cover_each_group_and_no_more(stages, groups):
+    _replay_group_commits(stages, groups, items=4)
+    with pytest.raises(ValueError):
+        mk.group_wait_pending(stages, groups, groups)
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_variant_specs_fit_and_group_commit_twins(config):
+    """Candidate w13 / w2 kernels: unique names, shared memory for ctas_per_sm CTAs, and every
+    group-commit ("g") variant the twin of a measured one (same ring, block, occupancy)."""
+    shape = mk.moe_shape(ModelConfig.preset(config), 4)
+    specs = mk.make_specs(shape) + mk.variant_specs(shape)
+    assert len({s.name for s in specs}) == len(specs)
+    by_key = {(s.kind, s.variant): s for s in specs}
+    twins = 0
+    for spec in specs:
+        assert spec.ctas_per_sm * (spec.smem_bytes + 1024) <= 228 * 1024, spec.name
+        assert spec.to_dict()["group_commits"] == spec.group_commits
+        if spec.group_commits:
+            twin = by_key[(spec.kind, spec.variant[1:])]
+            assert not twin.group_commits
+            assert (spec.block, spec.smem_bytes, spec.stages, spec.ctas_per_sm) == (
+                twin.block, twin.smem_bytes, twin.stages, twin.ctas_per_sm)
+            twins += 1
+    assert twins == 3
+
+
+def test_step_variants_pick_the_group_commit_pair_when_present():
+    from executor.launches import moe as ml
+    every = {("w13", ""), ("w2", ""), ("w2", "r2x2"), ("w13", "g"), ("w2", "g"),
+             ("w2", "gr2x2")}
+    assert ml.step_variants(every, 1) == ("g", "gr2x2")
+    assert ml.step_variants(every, 5) == ("g", "g")
+    assert ml.step_variants({("w13", ""), ("w2", "")}, 3) == ("", None)

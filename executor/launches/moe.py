@@ -27,9 +27,9 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
                -> w2(meta, pairs, h, w2 -> ye) -> combine(route_weights, ye -> y)
   self-routed  xquant(x -> xq, xs) -> w13sr(ids, xq, xs, w13 -> h) -> w2sr(ids, h, w2 -> ye)
                -> combine (the default one)
-`step_launches` picks what the step runs (docs/perf.md run 17): the default chain below
-SELFROUTED_FROM_ROWS (its w2 the single-row variant at R = 1), the self-routed "early" chain from
-there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
+`step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
+SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
+chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
 `HostArena`; `scratch_buffers` the step's family scratch (executor/wiring.py FAMILY_BUFFERS
 form, "moe." + pointer key). `executor/moe_chain.py` builds its launches here.
 """
@@ -59,6 +59,10 @@ POINTER_KEYS = {
 # R=6 84.19 / 76.29; R=8 104.6 / 94.7; R=192 729 / 689. R = 2..5 were not measured: default kept.
 SELFROUTED_FROM_ROWS = 6
 SELFROUTED_EARLY = "early"
+# The default chain's w13 / w2 the step launches below SELFROUTED_FROM_ROWS ("w2_one_row" at
+# R = 1). Round 4: the per-group-commit kernels (kernels/moe_pipelined.py, bitwise the same y).
+# Revert to the round-2 kernels: {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT}
+STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2"}
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -142,18 +146,28 @@ def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], row
     return [_launch(bundle, available[key], ptrs, rows) for key in keys]
 
 
+def step_variants(available, rows: int) -> tuple[str, str | None]:
+    """(w13, w2) of the default chain the step launches at `rows`: STEP_VARIANTS when the bundle
+    has both, else the defaults (w2 None = by rows)."""
+    w13, w2 = STEP_VARIANTS["w13"], STEP_VARIANTS["w2_one_row" if rows == 1 else "w2"]
+    if {("w13", w13), ("w2", w2)} <= set(available):
+        return w13, w2
+    return "", None
+
+
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int) -> list[LaunchSpec]:
     """What the decode step runs for `rows`: the self-routed chain with both early-refill
     variants from SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default
-    chain (w2 by rows). Both write the same y (bitwise, tests/gpu/test_moe_kernel.py); only the
-    default one writes meta / pairs."""
+    chain with `step_variants`. All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
+    only the default one writes meta / pairs."""
     available = available_specs(bundle, shape)
     early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and early <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,
                                    available)
-    return chain_launches(bundle, shape, ptrs, rows, available=available)
+    w13, w2 = step_variants(available, rows)
+    return chain_launches(bundle, shape, ptrs, rows, w13, w2, available=available)
 
 
 # ---- the buffers an arena needs ------------------------------------------------------------------

@@ -6,7 +6,8 @@ TP4) shapes, every output and scratch buffer NaN-poisoned before the launch. Che
 routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise: div.rn, rcp.rn,
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
-variant the bundle holds), and two replays bitwise equal; then the self-routed chain
+variant the bundle holds, and the pair the step launches; all bitwise equal to each other), and
+two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
 tolerance and bitwise the default chain's, its quantized x bitwise.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from executor.launches import moe as ml
 from executor.moe_chain import MoeChain
 from executor.runtime import Bundle
 from kernels import moe_kernel_ref as mk
@@ -108,15 +110,25 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     # Every variant the bundle holds (w13 ones with the default w2, then w2 ones), each from
     # NaN-poisoned buffers; last the chain as launched by default (w2 chosen by rows), whose
     # lists and activations are checked below and whose replay must be bitwise equal.
+    # Every variant has the default's items and per-item arithmetic order (they differ in ring
+    # depth, occupancy and cp.async commit granularity only), so all y are bitwise equal; the
+    # pair the step launches below 6 rows (launches/moe.py step_variants) is run as well.
     variants = ([(v, "") for v in chain.variant_names("w13")[1:]]
                 + [("", v) for v in chain.variant_names("w2")] + [("", None)])
+    step_w13, step_w2 = ml.step_variants(chain.available, rows)
+    if step_w13:
+        variants.insert(0, (step_w13, step_w2))
+    ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
         for spec in chain.launches(rows, w13=w13, w2=w2):
             spec.launch(stream)
         stream.synchronize()
         y = chain.download("y", np.float32, (rows, shape.hidden))
-        mk.check_routed_close(y, want, f"y ({kind}, R={rows}, w13={w13!r}, w2={w2!r})")
+        label = f"y ({kind}, R={rows}, w13={w13!r}, w2={w2!r})"
+        mk.check_routed_close(y, want, label)
+        ys.append(y)
+        np.testing.assert_array_equal(y, ys[0], err_msg=f"{label} vs {variants[0]}")
 
     lists = mk.routing_lists(ids, shape.num_experts)
     meta = chain.download("meta", np.int32, (mk.meta_words(shape.num_experts),))
