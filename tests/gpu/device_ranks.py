@@ -180,13 +180,15 @@ class DeviceRanks:
             plan.require_complete()
         return verify, draft
 
-    def run_plans(self, plans, rows: int) -> int:
+    def run_plans(self, plans, rows: int, roles=None, layers=None) -> int:
         """Every rank's `plans` (wire_dspark's) for a bucket of `rows`, in lockstep on the stream,
         with the cross-rank stages on the host: the HOST_ROLES (a draft stage's under its
         `draft.` role too) and each Markov step's pick (the step's own kernel launches, then
         pick_ref of every rank's `dspark.pairs` into `dspark.prev`). No other launch of the
         collective family is made (it would spin on peers a single stream never runs): raises.
-        Returns the kernel launches made."""
+        roles / layers: only those stages (subplan). Returns the kernel launches made."""
+        if roles is not None or layers is not None:
+            plans = [self.subplan(p, roles, layers) for p in plans]
         built = [plan.launches(rows) for plan in plans]
         if any([s.name for s, _ in b] != [s.name for s, _ in built[0]] for b in built):
             raise ValueError("run_plans: the ranks' plans differ in their stages")
@@ -214,6 +216,17 @@ class DeviceRanks:
                 self._host_markov_pick(stage.name, rows)
         self.stream.synchronize()
         return count
+
+    @staticmethod
+    def subplan(plan: Plan, roles=None, layers=None) -> Plan:
+        """The stages of `plan` whose role is in `roles` and layer in `layers` (None: any; head
+        and tail stages have layer None and are kept only when `layers` is None), as
+        EmulatedRanks.subplan."""
+        keep = [s for s in plan.stages if (roles is None or s.range_name in roles)
+                and (layers is None or s.layer in layers)]
+        if not keep:
+            raise ValueError(f"no stage matches roles={roles} layers={layers}")
+        return Plan(keep)
 
     def _host_markov_pick(self, name: str, rows: int) -> None:
         """The pick of a Markov step: a draft bucket holds k rows per sequence."""
