@@ -59,9 +59,11 @@ BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"))
 TP, SEQS, ROUNDS = 4, 2, 16
 MAX_ROWS = 192              # DeviceRanks' default: the bound tensors' row capacity
 LOGIT_BOUND = 0.25          # test_dspark_round_emulated / sync_free: device vs reference logits
-# U through caches the device's own verify steps wrote (the context KV from its aux): the
-# verify logits' bound, not test_dspark_draft_emulated's 0.08 (U there read the reference's
-# caches). The emulated chain of this test measured worst 0.000 (see docs/notes/step-wiring.md).
+# U reads the context KV the device's own verify steps wrote from their aux, not the
+# reference's caches as in test_dspark_draft_emulated (0.08 there, measured 0.017): the bound of
+# logits computed over caches another implementation wrote (test_emulate_step's 0.25). This test
+# over emulated ranks measured 0.107 (docs/notes/step-wiring.md); a wrong draft forward is off by
+# whole logits (|U| <= ~5).
 U_BOUND = 0.25
 SCRIPTED = {3: (5, 2), 9: (3, 4)}   # round -> greedy tokens leading each sequence's drafts
 ROW_ARRAYS = (("token_ids", np.int64), ("positions", np.int64), ("seq_index", np.int32),
