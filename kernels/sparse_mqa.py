@@ -69,6 +69,8 @@ from kernels.ptx import (
     ue8m0_to_f32,
 )
 from kernels.sparse_mqa_gather import REC, SparseMqaGather
+from kernels.sparse_mqa_push import SparseMqaPush
+from kernels.sparse_mqa_qk import SparseMqaQkRuns
 
 WARP = 32
 WARPS = ref.CTA_THREADS // WARP
@@ -82,7 +84,7 @@ NEG_INF = float("-inf")
 
 # ---- the kernel ----------------------------------------------------------------------------------
 
-class SparseMqaSm90(SparseMqaGather):
+class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
     """Kernel object for one SparseMqaSpec (config-only __init__, jit launcher, kernel, phases)."""
 
     def __init__(self, spec: ref.SparseMqaSpec):
@@ -96,6 +98,7 @@ class SparseMqaSm90(SparseMqaGather):
         self.skip = frozenset(spec.skip)
         self.exchange = "exchange" not in self.skip
         self.consts = self.lay.consts >= 0      # sink and RoPE row prefetched into smem
+        self.push = spec.exchange == "push"     # kernels/sparse_mqa_push.py
         if self.E > ref.CTA_THREADS or self.E % ref.ENTRY_TILE:
             raise ValueError(f"{spec.name}: {self.E} entries per CTA; need a multiple of "
                              f"{ref.ENTRY_TILE} <= {ref.CTA_THREADS}")
@@ -138,26 +141,41 @@ class SparseMqaSm90(SparseMqaGather):
             pos, seq, n_pad = self._addresses_balanced(q, swa, compressed, topk, block_tables,
                                                        row_info, state_lines, base, tidx, s, r,
                                                        rows, pages_per_seq, page_size)
-        if cutlass.const_expr("gather" not in self.skip):
+        if cutlass.const_expr(self.push):
+            self._load_records_by_record(base, tidx)
+        elif cutlass.const_expr("gather" not in self.skip):
             self._load_records(base, tidx, n_pad)
         cp_async_wait_all()
         cute.arch.sync_threads()
 
-        self._logits(base, tidx, n_pad)
+        if cutlass.const_expr(self.spec.qk_runs):
+            self._logits_runs(base, tidx)
+        else:
+            self._logits(base, tidx, n_pad)
         cute.arch.sync_threads()
-        self._local_stats(base, tidx, n_pad)
+        self._local_stats(base, tidx, n_pad, s, cluster_ok)
         self._cluster_sync()                # every CTA's (max, sum, bad) is visible
-        if tidx < ref.MMA_M:
+        if cutlass.const_expr(self.push):
+            cute.arch.griddepcontrol_launch_dependents()    # the next kernel's launch overlaps
+            if tidx < ref.MMA_M:
+                self._row_norm_push(base, tidx, cluster_ok)
+        elif tidx < ref.MMA_M:
             self._row_norm(base, tidx, sink, cluster_ok)
         cute.arch.sync_threads()
         self._probs(base, tidx, n_pad)
         cute.arch.sync_threads()
-        self._pv(base, tidx, n_pad)
-        self._cluster_sync()                # every CTA's partial o is visible
-        self._reduce_store(base, tidx, s, r, rows, pos, seq, out, rope_table, num_positions,
-                           cluster_ok)
-        self._cluster_sync()                # no CTA leaves while others read its partial o
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.push):
+            self._pv_push(base, tidx, s, cluster_ok)
+            self._cluster_sync()            # every CTA's partial o is in its owner's inbox
+            self._reduce_inbox_store(base, tidx, s, r, rows, pos, seq, out, rope_table,
+                                     num_positions, cluster_ok)
+        else:
+            self._pv(base, tidx, n_pad)
+            self._cluster_sync()            # every CTA's partial o is visible
+            self._reduce_store(base, tidx, s, r, rows, pos, seq, out, rope_table, num_positions,
+                               cluster_ok)
+            self._cluster_sync()            # no CTA leaves while others read its partial o
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _cluster_sync(self):
@@ -217,7 +235,7 @@ class SparseMqaSm90(SparseMqaGather):
             tile += WARPS
 
     @cute.jit
-    def _local_stats(self, base: Int32, tidx: Int32, n_pad: Int32):
+    def _local_stats(self, base: Int32, tidx: Int32, n_pad: Int32, s: Int32, cluster_ok):
         """(max, sum exp(l - max), bad) per head over this CTA's entries; 16 lanes per head, a
         fixed butterfly order (deterministic)."""
         h, j = tidx // 16, tidx % 16
@@ -241,7 +259,9 @@ class SparseMqaSm90(SparseMqaGather):
                 n += 16
         for off in (8, 4, 2, 1):
             total = shfl_add(total, off)
-        if j == 0:
+        if cutlass.const_expr(self.push):
+            self._push_stats(base, s, h, j, m, total, bad, cluster_ok)
+        elif j == 0:
             stat = base + self.lay.stats + h * ref.STATS_BYTES
             sts_v2_f32(stat, m, total)
             sts_f32(stat + 8, bad)

@@ -54,11 +54,14 @@ ENTRY_TILE = 16                  # entries per PV k-step; a CTA's share is a mul
 Q_ROW_BYTES = HEAD_DIM * 2 + 16  # padded q row in shared memory (conflict-free fragment loads)
 O_ROW_BYTES = HEAD_DIM * 4 + 16  # padded fp32 partial-o row (DSMEM reduction source)
 STATS_BYTES = 16                 # per head: (max, sum, bad, pad) f32
+# Push exchange: a CTA's 64 output dims of one sender's partial o per head, padded by 16 bytes.
+INBOX_ROW_BYTES = 64 * 4 + 16
 CONSTS_BYTES = MMA_M * 4 + 32 * 2 * 4   # sink [16] f32 + one RoPE table row [32, 2] f32
 CLUSTER_TOPK = 8                 # portable maximum: 640 entries -> 80 per CTA
 CLUSTER_SWA = 4                  # SWA-only layers: <= 133 entries -> 48 per CTA
 DEFAULT_MAX_BLOCK_ROWS = 6       # KVCaches.allocate's default (verify block)
 SPLITS = ("balanced", "fixed")   # how a row's entries split over the cluster (SparseMqaSpec.split)
+EXCHANGES = ("pull", "push")     # how the cluster shares statistics and partial o (.exchange)
 PHASES = ("addr", "gather", "qk", "pv", "exchange")   # what a timing-only ablation may skip
 # Timing-only ablations of the top-k kernel (wrong outputs, never tested for values): each skips
 # phases so that the benchmark can attribute the measured time without hardware counters.
@@ -96,9 +99,13 @@ class SmemLayout:
     probs_row_bytes: int
     consts: int = -1      # fixed split only: [16] f32 sink, then the row's RoPE row [32, 2] f32,
                           # prefetched off the critical path (-1: none, read from global late)
+    inbox: int = -1       # push exchange only: [S senders, 16, INBOX_ROW_BYTES] f32, this CTA's
+                          # dims of every CTA's partial o, stored there by the senders (-1: none)
 
 
-def smem_layout(heads: int, entries_per_cta: int, consts: bool = False) -> SmemLayout:
+def smem_layout(heads: int, entries_per_cta: int, consts: bool = False,
+                push_ctas: int = 0) -> SmemLayout:
+    """push_ctas > 0: the push exchange of a cluster of that many CTAs (stats per sender, inbox)."""
     records = max(entries_per_cta * RECORD_BYTES, heads * O_ROW_BYTES)
     # P rows padded so that the 8 row groups of an mma fragment load hit distinct banks.
     probs_row = entries_per_cta * 2 + 16
@@ -112,13 +119,15 @@ def smem_layout(heads: int, entries_per_cta: int, consts: bool = False) -> SmemL
     probs = off
     off += MMA_M * probs_row
     stats = off
-    off += MMA_M * STATS_BYTES
+    off += MMA_M * STATS_BYTES * max(push_ctas, 1)
     norm = off
     off += MMA_M * 8
     const_off = off if consts else -1
     off += CONSTS_BYTES if consts else 0
+    inbox = round_up(off, 16) if push_ctas else -1
+    off = inbox + push_ctas * MMA_M * INBOX_ROW_BYTES if push_ctas else off
     return SmemLayout(0, addresses, q, logits, probs, stats, norm, round_up(off, 16), probs_row,
-                      const_off)
+                      const_off, inbox)
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,15 @@ class SparseMqaSpec:
     # QK accumulator chains per 8-entry tile: 2 halves the dependent mma chain (32 -> 2 x 16
     # k-steps, summed in a fixed order at the end; a different fp32 rounding of the same logit).
     qk_chains: int = 1
+    # pull: every CTA reads the others' (max, sum) and its dims of their partial o through DSMEM
+    # loads after a cluster barrier (3 barriers; the loads are serial round trips). push: every
+    # CTA stores its (max, sum) into each CTA's smem and the dims CTA c owns of its partial o into
+    # CTA c's inbox before the barrier, so each barrier is followed by local loads only (2
+    # barriers). Needs split="fixed" and 8 CTAs (warp w's 64 PV dims are CTA w's output dims).
+    exchange: str = "pull"
+    # QK with lane-run k order (kernels/sparse_mqa_qk.py): 16-dim runs per lane, vector loads,
+    # two accumulator chains. The logits' fp32 summation order differs from the plain order.
+    qk_runs: bool = False
 
     @property
     def swa_share(self) -> int:
@@ -175,7 +193,8 @@ class SparseMqaSpec:
 
     @property
     def layout(self) -> SmemLayout:
-        return smem_layout(self.heads, self.entries_per_cta, self.split == "fixed")
+        return smem_layout(self.heads, self.entries_per_cta, self.split == "fixed",
+                           self.cluster_ctas if self.exchange == "push" else 0)
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -190,12 +209,14 @@ class SparseMqaSpec:
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
                 "skip": list(self.skip), "ctas_per_sm": self.ctas_per_sm,
-                "qk_chains": self.qk_chains}
+                "qk_chains": self.qk_chains, "exchange": self.exchange,
+                "qk_runs": self.qk_runs}
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
               split: str = "balanced", skip: tuple[str, ...] = (),
-              ctas_per_sm: int = CTAS_PER_SM, qk_chains: int = 1) -> SparseMqaSpec:
+              ctas_per_sm: int = CTAS_PER_SM, qk_chains: int = 1,
+              exchange: str = "pull", qk_runs: bool = False) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -208,16 +229,25 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     if split not in SPLITS or not set(skip) <= set(PHASES) or (split == "fixed" and not topk):
         raise ValueError(f"sparse MQA: split {split!r} / skip {skip!r}; splits {SPLITS} (fixed "
                          f"only with top-k), phases {PHASES}")
+    push = exchange == "push"
+    if exchange not in EXCHANGES or push and (split != "fixed" or cluster != CTA_THREADS // 32
+                                              or ctas_per_sm != CTAS_PER_SM or skip):
+        raise ValueError(f"sparse MQA: exchange {exchange!r}; {EXCHANGES}, push only with the "
+                         f"fixed split, {CTA_THREADS // 32} CTAs, {CTAS_PER_SM} CTAs per SM")
     if split == "fixed":
         per = round_up(ceil_div(swa_cols, cluster) + ceil_div(topk, cluster), ENTRY_TILE)
     else:
         per = round_up(ceil_div(swa_cols + topk, cluster), ENTRY_TILE)
-    layout = smem_layout(heads, per, split == "fixed")
+    layout = smem_layout(heads, per, split == "fixed", cluster if push else 0)
     kind = f"topk{topk}" if topk else "swa"
     name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
     name += "_fixed" if split == "fixed" else ""
     name += f"_x{ctas_per_sm}" if ctas_per_sm != CTAS_PER_SM else ""
     name += f"_qk{qk_chains}" if qk_chains != 1 else ""
+    name += "_push" if push else ""
+    name += "_runs" if qk_runs else ""
+    if qk_runs and (qk_chains != 1 or skip):
+        raise ValueError(f"{name}: qk_runs has its own chains and no ablations")
     name += "_skip_" + "_".join(skip) if skip else ""
     if ctas_per_sm not in (CTAS_PER_SM, CTAS_PER_SM + 1) or \
             ctas_per_sm * (layout.total + 1024) > SM_SMEM_BYTES:
@@ -226,35 +256,45 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
         raise ValueError(f"{name}: {qk_chains} QK chains; 1 or 2")
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
                          layout.total, split=split, skip=tuple(skip), ctas_per_sm=ctas_per_sm,
-                         qk_chains=qk_chains)
+                         qk_chains=qk_chains, exchange=exchange, qk_runs=qk_runs)
+
+
+# Every top-k kernel the bundle carries with outputs that count (GPU-tested), by variant key.
+TOPK_VARIANTS = {"balanced": {}, "fixed": {"split": "fixed"},
+                 "fixed_push": {"split": "fixed", "exchange": "push"},
+                 "fixed_push_runs": {"split": "fixed", "exchange": "push", "qk_runs": True}}
+# The top-k kernel the step runs. One-line revert: TOPK_VARIANTS["fixed_push"], or "fixed" (the
+# best measured in session 1, 12.7 us at R = 1).
+STEP_TOPK_VARIANT = TOPK_VARIANTS["fixed_push_runs"]
+
+
+def _topk_spec(cfg, tp: int, max_block_rows: int, **variant) -> SparseMqaSpec:
+    heads = cfg.rank_shapes(tp).heads
+    ring = next_pow2(cfg.sliding_window + max_block_rows)
+    return make_spec(heads, cfg.sliding_window, cfg.dspark_block_size, cfg.index_topk, ring,
+                     **variant)
 
 
 def sparse_mqa_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
-    """The SWA-only kernel (layers 0, 1 and the DSpark stages) and the SWA + top-k kernel."""
+    """The SWA-only kernel (layers 0, 1 and the DSpark stages) and the step's SWA + top-k kernel."""
     heads = cfg.rank_shapes(tp).heads
     ring = next_pow2(cfg.sliding_window + max_block_rows)
-    draft = cfg.dspark_block_size
-    return [make_spec(heads, cfg.sliding_window, draft, 0, ring),
-            make_spec(heads, cfg.sliding_window, draft, cfg.index_topk, ring)]
+    return [make_spec(heads, cfg.sliding_window, cfg.dspark_block_size, 0, ring),
+            _topk_spec(cfg, tp, max_block_rows, **STEP_TOPK_VARIANT)]
+
+
+def candidate_specs(cfg, tp: int,
+                    max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS) -> dict[str, SparseMqaSpec]:
+    """Every top-k kernel whose outputs count, by variant key (TOPK_VARIANTS); the step's is one."""
+    return {key: _topk_spec(cfg, tp, max_block_rows, **kw) for key, kw in TOPK_VARIANTS.items()}
 
 
 def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
-    """Beside the measured default top-k kernel: the fixed-split candidate (tested like the
-    default) and the timing-only ablations (`ABLATIONS`) the benchmark reports side by side."""
-    base = sparse_mqa_specs(cfg, tp, max_block_rows)[1]
-    args = (base.heads, base.window, cfg.dspark_block_size, base.topk, base.ring_slots)
-    return ([make_spec(*args, split="fixed"), make_spec(*args, split="fixed", ctas_per_sm=3),
-             make_spec(*args, split="fixed", ctas_per_sm=3, qk_chains=2)]
-            + [make_spec(*args, skip=skip) for skip in ABLATIONS])
-
-
-def candidate_specs(cfg, tp: int) -> dict[str, SparseMqaSpec]:
-    """The top-k kernels whose outputs count, by variant: "default" (measured) and candidates."""
-    out = {"default": sparse_mqa_specs(cfg, tp)[1]}
-    for spec in variant_specs(cfg, tp):
-        if not spec.ablation:
-            out[spec.name.removeprefix(out["default"].name + "_")] = spec
-    return out
+    """Beside `sparse_mqa_specs`: the other candidates (tested like the step's kernel) and the
+    timing-only ablations of the balanced kernel (`ABLATIONS`), reported side by side."""
+    step = sparse_mqa_specs(cfg, tp, max_block_rows)[1].name
+    others = [s for s in candidate_specs(cfg, tp, max_block_rows).values() if s.name != step]
+    return others + [_topk_spec(cfg, tp, max_block_rows, skip=skip) for skip in ABLATIONS]
 
 
 # ---- row metadata ------------------------------------------------------------------------------

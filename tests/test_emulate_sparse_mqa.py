@@ -8,8 +8,8 @@ padding rows. The buffers are laid out by `requests` for a bucket of rows >= the
 past the case: a padded bucket), out poisoned 0xFF, and the launch built by `sparse_mqa_launch`
 from the tiny bundle's records. Checks, every element: no NaN, padding rows exactly 0, |got - ref|
 <= ref.error_bound and >= 98% bit-equal to `sparse_mqa_ref` (the GPU test's bound and share), and
-every byte of the rows past the launch's still 0xFF. Kernels: the SWA-only kernel, the fixed-split
-winner, the balanced default and the other non-ablation candidates (one reference for all).
+every byte of the rows past the launch's still 0xFF. Kernels: the SWA-only kernel and every
+non-ablation top-k candidate (ref.TOPK_VARIANTS; one reference for all).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from loader.config import ModelConfig
 TOPK_CASES = {1: (["decode"], 0, 1), 6: (["verify"], 2, 16), 48: (["verify"] * 8, 0, 64),
               192: (["verify"] * 32, 0, 192)}
 SWA_BLOCKS = (["decode"], ["draft"] * 3 + ["verify"], ["draft", "decode"] * 8)
-TOPK_KERNELS = ("fixed", "default", "fixed_x3", "fixed_x3_qk2")
+TOPK_KERNELS = ("fixed_push", "fixed", "balanced")
 
 
 @pytest.fixture(scope="module")

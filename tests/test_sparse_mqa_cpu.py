@@ -66,10 +66,16 @@ def test_smem_layout_is_disjoint_aligned_and_conflict_free(cfg):
                    (lay.q, ref.MMA_M * ref.Q_ROW_BYTES),
                    (lay.logits, ref.MMA_M * spec.entries_per_cta * 4),
                    (lay.probs, ref.MMA_M * lay.probs_row_bytes),
-                   (lay.stats, ref.MMA_M * ref.STATS_BYTES), (lay.norm, ref.MMA_M * 8)]
+                   (lay.norm, ref.MMA_M * 8)]
+        push = spec.exchange == "push"
+        senders = spec.cluster_ctas if push else 1      # push: one stats slot per sender CTA
+        regions.append((lay.stats, senders * ref.MMA_M * ref.STATS_BYTES))
         assert (lay.consts >= 0) == (spec.split == "fixed")
         if lay.consts >= 0:
             regions.append((lay.consts, ref.CONSTS_BYTES))
+        assert (lay.inbox >= 0) == push
+        if push:
+            regions.append((lay.inbox, senders * ref.MMA_M * ref.INBOX_ROW_BYTES))
         regions.sort()
         for (a, n), (b, _) in itertools.pairwise(regions):
             assert a + n <= b
@@ -229,13 +235,15 @@ def emulate_kernel(case) -> np.ndarray:
     ("v41-flash", False, 500, ["draft", "verify"], "balanced"),
     ("tiny", True, 9, ["decode"], "fixed"), ("tiny", True, 300, ["verify", "verify"], "fixed"),
     ("v41-flash", True, 100, ["verify"], "fixed"), ("v41-flash", True, 1000, ["verify"], "fixed"),
+    ("tiny", True, 300, ["verify", "decode"], "fixed_push"),
+    ("v41-flash", True, 1000, ["verify", "decode"], "fixed_push"),
 ])
 def test_split_arithmetic_is_within_the_bound(config, topk, context, blocks, split):
     """The kernel's fp32 split arithmetic stays inside `error_bound`, and nearly every element
     equals the reference bit for bit (the GPU test asserts the same two things)."""
     spec = _spec(config, topk)
-    if split == "fixed":
-        spec = ref.variant_specs(ModelConfig.preset(config), 4)[0]
+    if split != "balanced":     # the push exchange does the fixed split's arithmetic
+        spec = ref.candidate_specs(ModelConfig.preset(config), 4)[split]
         assert spec.split == "fixed"
     case = make_case(spec, RNG, context, blocks, pad_rows=1)
     want = case.reference()
@@ -267,27 +275,31 @@ def test_bound_discriminates_a_dropped_entry():
     assert want.dtype == BF16
 
 
-def test_variant_specs_build_beside_the_default(cfg):
-    """The fixed-split candidate covers every slot within its capacity; ablations are marked and
-    named; no variant shares a name with the measured kernels."""
+def test_variant_specs_build_beside_the_step_kernel(cfg):
+    """The step runs STEP_TOPK_VARIANT; the other candidates and the ablations build beside it
+    under distinct names; the fixed split covers every slot within its capacity; the push exchange
+    has a stats slot per sender and an inbox per sender, and still fits 2 CTAs per SM."""
     base = _specs(cfg)
     variants = ref.variant_specs(cfg, 4)
     cands = ref.candidate_specs(cfg, 4)
-    assert sorted(cands) == ["default", "fixed", "fixed_x3", "fixed_x3_qk2"]
-    assert cands["default"] == base[1]
-    assert (cands["fixed_x3_qk2"].qk_chains, cands["fixed_x3"].qk_chains) == (2, 1)
-    f, x3 = cands["fixed"], cands["fixed_x3"]
-    assert (f.split, x3.split, f.ctas_per_sm, x3.ctas_per_sm) == ("fixed", "fixed", 2, 3)
-    assert (f.pv_passes, x3.pv_passes, f.entries_per_cta) == (1, 2, x3.entries_per_cta)
-    # Three CTAs fit an SM; the first PV pass ([16, 256] fp32) fits in the dead q region.
-    assert 3 * (x3.smem_bytes + 1024) <= ref.SM_SMEM_BYTES
-    assert ref.MMA_M * ref.HEAD_DIM // 2 * 4 <= ref.MMA_M * ref.Q_ROW_BYTES
+    assert sorted(cands) == ["balanced", "fixed", "fixed_push", "fixed_push_runs"]
+    step = [k for k, v in cands.items() if v == base[1]]
+    assert len(step) == 1 and ref.STEP_TOPK_VARIANT == ref.TOPK_VARIANTS[step[0]]
+    assert cands["fixed_push_runs"].qk_runs and not cands["fixed_push"].qk_runs
+    assert cands["balanced"].split == "balanced" and cands["balanced"].exchange == "pull"
+    f, push = cands["fixed"], cands["fixed_push"]
+    assert (f.split, f.exchange, push.split, push.exchange) == ("fixed", "pull", "fixed", "push")
+    assert push.name == f.name + "_push" and push.entries_per_cta == f.entries_per_cta
+    # Warp w's 64 PV dims are exactly CTA w's output dims: one inbox row per (sender, head).
+    assert push.cluster_ctas == ref.CTA_THREADS // 32 == ref.HEAD_DIM // 64
+    assert ref.INBOX_ROW_BYTES >= 64 * 4 and ref.INBOX_ROW_BYTES % 16 == 0
     assert (f.heads, f.window, f.topk, f.ring_slots, f.swa_cols) == (
         base[1].heads, base[1].window, base[1].topk, base[1].ring_slots, base[1].swa_cols)
     assert f.swa_share * f.cluster_ctas >= f.swa_cols and f.topk_share * f.cluster_ctas >= f.topk
     assert f.swa_share + f.topk_share <= f.entries_per_cta <= ref.CTA_THREADS
     assert f.entries_per_cta % ref.ENTRY_TILE == 0
-    assert ref.CTAS_PER_SM * (f.smem_bytes + 1024) <= 228 * 1024
+    for spec in cands.values():
+        assert ref.CTAS_PER_SM * (spec.smem_bytes + 1024) <= 228 * 1024
     for n_swa in range(f.swa_cols + 1):                  # every entry in exactly one CTA
         got = np.sort(np.concatenate(cta_shares(f, n_swa)))
         assert np.array_equal(got, np.arange(n_swa + f.topk))
@@ -296,11 +308,72 @@ def test_variant_specs_build_beside_the_default(cfg):
     assert all("_skip_" in v.name for v in ablations)
     names = [s.name for s in list(base) + variants]
     assert len(set(names)) == len(names)
+    assert {s.name for s in cands.values()} <= set(names)
     with pytest.raises(ValueError, match="split"):
         ref.make_spec(4, 16, 5, 16, 32, split="other")
     with pytest.raises(ValueError, match="fixed"):
         ref.make_spec(4, 16, 5, 0, 32, split="fixed")
-    with pytest.raises(ValueError, match="QK chains"):
-        ref.make_spec(16, 128, 5, 512, 256, qk_chains=3)
-    with pytest.raises(ValueError, match="CTAs per SM"):
-        ref.make_spec(16, 128, 5, 512, 256, ctas_per_sm=4)
+    with pytest.raises(ValueError, match="push only"):
+        ref.make_spec(16, 128, 5, 512, 256, exchange="push")            # balanced split
+    with pytest.raises(ValueError, match="exchange"):
+        ref.make_spec(16, 128, 5, 512, 256, split="fixed", exchange="other")
+
+
+# ---- lane maps of the push PV and the lane-run QK (kernels/sparse_mqa_push.py, _qk.py) ----------
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX prmt.b32 (default mode) on Python ints."""
+    pool = (a & 0xFFFFFFFF) | (b & 0xFFFFFFFF) << 32
+    return sum(((pool >> 8 * ((selector >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+
+
+def test_push_pv_lane_map_reads_and_pushes_every_dim_once():
+    """Integer model of one PV e-step of one warp: lane (g, t) builds the B pairs of n-tile j from
+    8-byte loads with the prmt selectors (column n = dim 8n + j), and the C fragment it pushes
+    (dims 16t + 4c ..) equals sum_k P[h, k] V[k, d] for every head and dim exactly once."""
+    from kernels.sparse_mqa_push import byte_pair, half_pair
+    v = RNG.integers(0, 256, (16, 64))          # 16 entries x 64 dims (one warp's group), bytes
+    p = RNG.integers(-3, 4, (16, 16))           # heads x entries
+    got = np.full((16, 64), -10**9)
+    for g, t in itertools.product(range(8), range(4)):
+        rows = (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)
+        words = [[int.from_bytes(bytes(v[e, 8 * g + 4 * k: 8 * g + 4 * k + 4].tolist()), "little")
+                  for k in range(2)] for e in rows]
+        acc = np.zeros((4, 8), np.int64)
+        for nt in range(8):
+            sel = byte_pair(nt % 4)
+            b0 = _prmt(words[0][nt // 4], words[1][nt // 4], sel) & 0xFFFF
+            b1 = _prmt(words[2][nt // 4], words[3][nt // 4], sel) & 0xFFFF
+            assert (b0 & 0xFF, b0 >> 8) == (v[rows[0], 8 * g + nt], v[rows[1], 8 * g + nt])
+            assert (b1 & 0xFF, b1 >> 8) == (v[rows[2], 8 * g + nt], v[rows[3], 8 * g + nt])
+            # C[m, n] = sum_k A[m, k] B[k, n]; this lane holds m in (g, g+8), n in (2t, 2t+1).
+            for i in range(4):
+                m, n = g + 8 * (i // 2), 2 * t + i % 2
+                acc[i, nt] = p[m] @ v[:, 8 * n + nt]
+        for half, c in itertools.product(range(2), range(4)):
+            i, n0 = 2 * half + c // 2, 4 * (c % 2)
+            dims = 16 * t + 4 * c + np.arange(4)
+            assert (got[g + 8 * half, dims] == -10**9).all()
+            got[g + 8 * half, dims] = acc[i, n0:n0 + 4]
+    assert np.array_equal(got, p @ v)
+    a, b = (int(x) for x in RNG.integers(0, 2**32, 2))
+    for j in range(2):
+        assert _prmt(a, b, half_pair(j)) == (a >> 16 * j & 0xFFFF) | (b >> 16 * j & 0xFFFF) << 16
+
+
+def test_lane_run_qk_map_covers_every_dim_once():
+    """Lane t's logical k pairs (2t, 2t+1), (2t+8, 2t+9) of k-step kk in group grp are the
+    physical dims 64 grp + 16 t + 4 kk + (0, 1), (2, 3): A and B read the same dims, and the 32
+    k-steps x 16 logical k cover the 512 dims exactly once."""
+    seen = np.zeros(ref.HEAD_DIM, int)
+    for grp, kk in itertools.product(range(8), range(4)):
+        for t in range(4):
+            base = 64 * grp + 16 * t + 4 * kk
+            for logical, phys in zip((2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9),
+                                     range(base, base + 4)):
+                seen[phys] += 1
+                # q row bytes 32t .. 32t + 31 of the group hold dims 16t .. 16t + 15: word 2kk
+                # (a0 / a1) and 2kk + 1 (a2 / a3); the record word kk holds the same four dims.
+                assert (phys - 64 * grp - 16 * t) // 2 in (2 * kk, 2 * kk + 1)
+                assert logical % 8 // 2 == t
+    assert (seen == 1).all()

@@ -11,7 +11,8 @@ inside, padding rows; the output is poisoned with NaN before the launch. Checks,
   side rounds o once and again after the inverse RoPE; the docstring of error_bound derives it),
   and >= 98% of the elements equal the reference bit for bit (the fp32 split emulation in
   tests/test_sparse_mqa_cpu.py gives >= 99.9%; a dropped or wrong entry breaks both);
-- a second launch is bit-identical (deterministic cluster reduction).
+- a second launch is bit-identical (deterministic cluster reduction);
+- the push exchange (the step's kernel) equals the pull exchange of the same split bit for bit.
 Bad input shows as NaN in its own row only: a top-k entry on an unallocated page; a launch
 without the cluster attribute writes NaN everywhere rather than wrong numbers.
 """
@@ -90,11 +91,11 @@ def _specs(cfg):
 
 
 def _topk_spec(cfg, variant: str) -> ref.SparseMqaSpec:
-    """The measured default top-k kernel or a candidate (ref.candidate_specs)."""
+    """A top-k kernel by variant key (ref.TOPK_VARIANTS; the step runs STEP_TOPK_VARIANT)."""
     return ref.candidate_specs(cfg, 4)[variant]
 
 
-VARIANTS = ("default", "fixed", "fixed_x3", "fixed_x3_qk2")
+VARIANTS = tuple(ref.TOPK_VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -152,14 +153,18 @@ def test_launch_without_cluster_writes_nan(dev, stream, setup, variant):
 
 
 @pytest.mark.parametrize("context_index", range(4))
-def test_two_pass_pv_equals_one_pass(dev, stream, setup, context_index):
-    """fixed_x3 differs from fixed only in running PV as two passes of 32 dims per warp: every
-    n-tile accumulates the same products in the same order, so the outputs are bit-identical."""
+def test_push_exchange_equals_pull(dev, stream, setup, context_index):
+    """fixed_push differs from fixed only in how the cluster exchanges (stores before the barrier
+    instead of DSMEM loads after it), in PV's dim-to-column map and in the record copy order: every
+    sum has the same terms in the same order, so the outputs are bit-identical (a dim pushed to
+    the wrong CTA or column, a stats slot read from the wrong sender, shows here exactly)."""
     name, cfg, bundle = setup
     specs = ref.candidate_specs(cfg, 4)
-    case = make_case(specs["fixed"], RNG, CONTEXTS[name][context_index], BLOCKS[48])
-    one = _run(dev, stream, bundle, case)
-    two = _run(dev, stream, bundle, dataclasses.replace(case, spec=specs["fixed_x3"]))
-    assert not np.isnan(one.astype(np.float32)).any()
-    diff = np.argwhere(one.view(np.uint16) != two.view(np.uint16))
-    assert diff.size == 0, f"{len(diff)} elements differ; first (row, head, dim) {diff[0].tolist()}"
+    for blocks in (BLOCKS[1], BLOCKS[48]):
+        case = make_case(specs["fixed"], RNG, CONTEXTS[name][context_index], blocks, pad_rows=1)
+        pull = _run(dev, stream, bundle, case)
+        push = _run(dev, stream, bundle, dataclasses.replace(case, spec=specs["fixed_push"]))
+        assert not np.isnan(pull.astype(np.float32)).any()
+        diff = np.argwhere(pull.view(np.uint16) != push.view(np.uint16))
+        assert diff.size == 0, (f"{len(diff)} elements differ; first (row, head, dim) "
+                                f"{diff[0].tolist()}")
