@@ -46,6 +46,7 @@ import hashlib
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -177,17 +178,20 @@ def _plain_values(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
 
 
 class ValueSource:
-    """Produces every tensor of a schema from (seed, name); caches the FP8 pair it last made."""
+    """Produces every tensor of a schema from (seed, name); caches the FP8 pair it last made, one
+    per thread (threads may draw different tensors at once; a weight and its scale are asked by
+    one thread one after the other)."""
 
     def __init__(self, seed: int):
         self.seed = seed
-        self._pair: tuple[str, np.ndarray, np.ndarray] | None = None
+        self._last = threading.local()      # .pair: (base, weight, scale) made by this thread
 
     def __call__(self, spec: TensorSpec) -> np.ndarray:
         if spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE):
-            if self._pair is None or self._pair[0] != spec.base:
-                self._pair = (spec.base, *self._fp8_pair(spec))
-            return self._pair[1] if spec.fmt is Fmt.FP8 else self._pair[2]
+            pair = getattr(self._last, "pair", None)
+            if pair is None or pair[0] != spec.base:
+                pair = self._last.pair = (spec.base, *self._fp8_pair(spec))
+            return pair[1] if spec.fmt is Fmt.FP8 else pair[2]
         rng = tensor_rng(self.seed, spec.name)
         if spec.fmt is Fmt.MXFP4:
             return mxfp4_codes(rng, spec.shape)
@@ -215,7 +219,8 @@ def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
     module's `weights()` can pack a rank from it directly. A tensor cut along its rows whose
     values are drawn row after row (`_drawn_by_rows`) is drawn only up to the rank's last row
     (the first rows of a longer draw are the same values); any other is drawn whole and cut by
-    `loader.sharding.shard`. An unknown name raises KeyError naming it.
+    `loader.sharding.shard`. An unknown name raises KeyError naming it. Threads may call it
+    at once (every tensor has its own generator; the FP8 pair cache is per thread).
     """
     specs = {t.name: t for t in checkpoint_schema(cfg)}
     sharding.rank_range(next(iter(specs.values())), tp, rank)   # a bad tp or rank fails here

@@ -9,6 +9,7 @@ the stand-ins runs under the emulator with a finite result.
 from __future__ import annotations
 
 import re
+import types
 
 import numpy as np
 import pytest
@@ -237,3 +238,65 @@ def test_step_bytes(tiny_rank):
     assert total > weights.dense + 3 * cfg.num_hidden_layers * weights.per_expert
     assert bs.allreduce_us(1) == 3.0 and bs.allreduce_us(192) == 8.1
     assert 3.0 < bs.allreduce_us(6) < 3.5
+
+
+def test_parallel_packing_equals_arena_contents(tiny):
+    """pack_parallel: the requests (slice order = arena layout) and uploads of arena_contents,
+    byte for byte, with the same sharing of one array by a role's layers; tiny has DSpark stages
+    (packed as themselves), globals before (mhc) and after (attn_proj: RoPE) the layers."""
+    layer_map = representatives(tiny)
+    want_req, want_up = arena_contents(tiny, bs.TP, bs.RANK, synth_fetch(tiny, 5, bs.TP, bs.RANK),
+                                       bs.MAX_ROWS, bs.BENCH_MODULES, layer_map)
+    got_req, got_up = bs.pack_parallel(tiny, synth_fetch(tiny, 5, bs.TP, bs.RANK), layer_map, 3)
+    assert got_req == want_req
+    assert [name for name, _ in got_up] == [name for name, _ in want_up]
+    for (name, got), (_, want) in zip(got_up, want_up):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), name
+
+    def sharing(uploads):
+        first = {}
+        return [first.setdefault(id(a), name) for name, a in uploads]
+    assert sharing(got_up) == sharing(want_up)
+    assert any(name.startswith("mtp.") for name, _ in got_up)
+
+
+def test_serial_order_refuses_a_module_that_does_not_split_by_layer():
+    heads = [("embed", 0), ("rope", 1)]
+    part = bs.LayerPart(("embed",), [("layers.3.w", 2)], "rope")
+    mod = types.SimpleNamespace(__name__="fake_stage")
+    assert bs._serial_order(mod, heads, [(3, part)]) == [("embed", 0), ("layers.3.w", 2),
+                                                         ("rope", 1)]
+    after = bs.LayerPart((), [("layers.4.w", 3)], "embed")             # every global after
+    assert bs._serial_order(mod, heads, [(4, after)]) == [("layers.4.w", 3), *heads]
+    for bad in ([(3, bs.LayerPart(("rope",), [("layers.3.w", 2)], None))],   # out of order
+                [(3, bs.LayerPart(("embed",), [("layers.3.w", 2)], None))],  # rope unmade
+                [(2, after), (3, part)]):                # layers split the globals differently
+        with pytest.raises(RuntimeError, match=r"fake_stage.weights\(layers=\[3\]\)"):
+            bs._serial_order(mod, heads, bad)
+
+
+def test_shared_fetch_makes_each_name_once_for_many_threads(tiny):
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = []
+    plain = synth_fetch(tiny, 2, bs.TP, bs.RANK)
+
+    def counted(name):
+        calls.append(name)
+        return plain(name)
+
+    shared = bs.SharedFetch(counted)
+    names = ["embed.weight", "layers.2.attn.wq_b.weight", "layers.2.attn.wq_b.scale",
+             "layers.3.attn.wo_b.weight", "layers.3.attn.wo_b.scale"] * 6
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(shared, names))
+    assert sorted(calls) == sorted(set(names))
+    for name, array in zip(names, got):
+        want = synth_fetch(tiny, 2, bs.TP, bs.RANK)(name)        # a fresh source: no cache
+        assert np.array_equal(array.view(np.uint8), want.view(np.uint8)), name
+        assert not array.flags.writeable
+    with pytest.raises(KeyError, match="layers.99.attn.wq_b.weight"):
+        shared("layers.99.attn.wq_b.weight")
+    with pytest.raises(KeyError, match="layers.99.attn.wq_b.weight"):   # the waiters' error too
+        shared("layers.99.attn.wq_b.weight")

@@ -43,7 +43,7 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None, unique: int = UNIQUE_EX
     small = with_experts(cfg, unique)
     # The backbone's FFNs only: the DSpark stages' experts (their own count) are not tiled.
     backbone = [spec.index for spec in cfg.layers if not spec.is_dspark]
-    layers = backbone if layers is None else [i for i in layers if i in backbone]
+    layers = [i for i in backbone if layers is None or i in layers]
     gate_names = (".ffn.gate.weight", ".ffn.gate.bias")
     expert_names = tuple(f".ffn.experts.{key}" for key in ffn.EXPERT_KEYS)
 
@@ -51,12 +51,11 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None, unique: int = UNIQUE_EX
         array = fetch(name)
         return array[:unique] if name.endswith(gate_names) else array
 
-    for name, array in ffn.weights(small, tp, rank, small_fetch, layers):
-        if name.endswith(gate_names):
-            continue
-        if name.endswith(expert_names):
-            array = np.tile(array, (total // unique,) + (1,) * (array.ndim - 1))
-        yield name, array
-    for spec in cfg.layers:
-        if not spec.is_dspark and (layers is None or spec.index in layers):
-            yield from ffn._gate_weights(cfg, fetch, spec)   # every row: real routing
+    for index in layers:                # layer by layer: a one-layer call is a slice of this
+        for name, array in ffn.weights(small, tp, rank, small_fetch, [index]):
+            if name.endswith(gate_names):
+                continue
+            if name.endswith(expert_names):
+                array = np.tile(array, (total // unique,) + (1,) * (array.ndim - 1))
+            yield name, array
+        yield from ffn._gate_weights(cfg, fetch, cfg.layer(index))   # every row: real routing
