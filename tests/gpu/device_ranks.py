@@ -40,7 +40,7 @@ COLLECTIVE_FAMILY = "kernels.allreduce"         # the cross-rank kernels: never 
 
 @dataclass(frozen=True)
 class PackedRanks:
-    """Every rank's arena contents, packed by the caller (tests/gpu/real_slice.py packs the ranks
+    """Every rank's arena contents, packed by the caller (tests/real_slice.py packs the ranks
     of a real-dimension slice in parallel, with its own FFN module): contents[rank] =
     wiring.arena_contents(cfg, tp, rank, fetch, max_rows, modules) = (requests, uploads)."""
 

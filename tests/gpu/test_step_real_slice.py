@@ -1,6 +1,6 @@
 """The wired step of the first 4 layers of v41-flash at real dimensions, 4 TP ranks, vs the reference.
 
-Issue 8's "real-dimension slice": tests/gpu/real_slice.py builds the slice (layers 0-3: SWA, SWA +
+Issue 8's "real-dimension slice": tests/real_slice.py builds the slice (layers 0-3: SWA, SWA +
 Engram, ratio-2 kv/index source, ratio-2 reuse; real widths, 384 experts, the real vocabulary;
 what it cuts and why is in its docstring) and packs the 4 ranks' arenas in parallel from one draw
 of loader.synth's values. tests/gpu/device_ranks.py runs the 4 ranks in lockstep on one GPU with

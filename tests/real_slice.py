@@ -14,7 +14,7 @@ What the slice keeps and what it cuts (each cut changes no value the test's step
   column instead of 16M; hashed and read the same way), and RoPE tables of 64k positions instead
   of 1M (the steps' positions are < 100; the table length is all it changes).
 - Synthetic weights (`loader.synth`'s values), each tensor drawn ONCE and cut for every rank
-  (`SharedSynth`), routed expert e holding expert e % 4's values (tests/gpu/stage_ffn_few_experts.py;
+  (`SharedSynth`), routed expert e holding expert e % 4's values (tests/stage_ffn_few_experts.py;
   the reference reads the same values through an aliasing fetch).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ ROPE_POSITIONS = 65536
 SEED = 0
 MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.stages.attn_index",
            "stage_ffn_few_experts")
-EXPERT = re.compile(r"(layers\.\d+\.ffn\.experts\.)(\d+)(\..*)")
+EXPERT = re.compile(r"((?:layers|mtp)\.\d+\.ffn\.experts\.)(\d+)(\..*)")
 
 
 def slice_config_v41(layers: int = LAYERS) -> ModelConfig:

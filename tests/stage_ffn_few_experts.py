@@ -5,7 +5,7 @@ expert e % 4's values, packed once and repeated, so every one of the 384 experts
 bytes in the arena and the router (all 384 rows of the config's own weights) spreads over all of
 them. Why 4: packing one expert slice through Humming's padding and fused-E8M0 step costs ~0.3 s
 on one core, and the test packs 4 ranks x 4 layers before its device time starts. The reference
-side reads the same values through an aliasing fetch (tests/gpu/real_slice.py); that the tiled
+side reads the same values through an aliasing fetch (tests/real_slice.py); that the tiled
 packing equals packing such a fetch byte for byte is tests/test_bench_step_cpu.py's check.
 """
 from __future__ import annotations
