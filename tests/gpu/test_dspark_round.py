@@ -44,13 +44,19 @@ import numpy as np
 import pytest
 from device_ranks import DeviceRanks
 from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model
-from test_dspark_draft_emulated import _check_drafts
-from test_dspark_round_emulated import _greedy, _history
+from test_dspark_draft_emulated import _check_drafts, _record_bound
+from test_dspark_round_emulated import _greedy, _history, _within
 
+from executor.reference import attention as ra
 from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
 from executor.reference.rows import RowBatch, RowBlock
 from executor.runtime import Bundle
+from kernels import dense_ref as dr
+from kernels import kvrecord_ref as kr
+from kernels import moe_ref
+from kernels.common_ref import BF16
+from loader.formats import bf16_round
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -181,18 +187,19 @@ def _script(s: DeviceRound, seqs, goods, rng) -> list[tuple[int, ...]]:
 
 # ---- the verify step ----------------------------------------------------------------------------
 
-def _check_verify(s: DeviceRound, seqs, drafts, rnd: int) -> bool:
-    """The device's (accepted, bonus) vs the reference's verify_and_accept per sequence; False
-    after a near tie where they differ (module docstring)."""
+def _check_verify(s: DeviceRound, seqs, drafts, rnd: int) -> list[int] | None:
+    """The device's (accepted, bonus) vs the reference's verify_and_accept per sequence: the
+    accepted counts, or None after a near tie where they differ (module docstring)."""
     accepted = [s.ranks.read(r, "accepted", np.int32, (MAX_ROWS,))[:SEQS] for r in range(TP)]
     bonus = [s.ranks.read(r, "bonus", np.int64, (MAX_ROWS,))[:SEQS] for r in range(TP)]
-    same = True
+    same, counts = True, []
     for q, (seq, d) in enumerate(zip(seqs, drafts)):
         alone = RowBatch.from_blocks([RowBlock(seq.state_line, seq.position, (seq.bonus, *d),
                                                "verify")],
                                      s.caches.block_tables, s.caches.ring_slots)
         before, tokens = s.caches.copy(), np.array(seq.tokens, np.int64)
         a, emitted = ref_dspark.verify_and_accept(s.model, s.caches, seq, d)
+        counts.append(a)
         mismatch, logits = False, None
         for r in range(TP):
             got = (int(accepted[r][q]), int(bonus[r][q]))
@@ -213,7 +220,60 @@ def _check_verify(s: DeviceRound, seqs, drafts, rnd: int) -> bool:
         else:
             s.verify_equal += 1
             s.accepted.append(a)
-    return same
+    return counts if same else None
+
+
+def _check_context(s: DeviceRound, rows: RowBatch, accepted, rnd: int) -> None:
+    """The context KV from the device's own aux (test_dspark_round_emulated's _check_context
+    rules, on the device's intermediate buffers): main_proj within 2 x dense_tolerance of
+    bf16(aux · main_projᵀ), main_x bitwise rms_norm of it, on every rank; per DSpark stage, the
+    records at the accepted rows' slots: the last stage's (its kv is still in `dspark.kv`) kv
+    within 2 x dense_tolerance of wkv(main_x) and its records bitwise the reference composition
+    (kv_norm, RoPE, encode) on that kv; the other stages' records within two E4M3 steps
+    (test_dspark_draft_emulated's _record_bound: the encoding's rounding, and a kv within bf16
+    ulps of wkv(main_x)) of the composition on wkv(main_x)."""
+    cfg, n, d = s.cfg, rows.num_rows, s.cfg.hidden_size
+    first = s.model.ranks[0].layer(cfg.num_hidden_layers)
+    slots = np.full(n, -1, np.int64)
+    for q, a in enumerate(accepted):
+        mine = rows.seq_rows(q)[:a + 1]
+        slots[mine] = rows.slot_mapping[mine]
+    keep = slots >= 0
+    main_x = []
+    for r in range(TP):
+        aux = s.ranks.read(r, "dspark.aux", BF16, (MAX_ROWS, 3 * d))[:n].astype(np.float32)
+        raw = s.ranks.read(r, "dspark.main_raw", BF16, (MAX_ROWS, d))[:n]
+        w = first.dense("main_proj")
+        _within(raw, bf16_round(moe_ref.matmul_t(aux, w)),
+                2 * dr.dense_tolerance(aux, w, "bf16"), f"round {rnd} rank {r}: main_proj")
+        x = s.ranks.read(r, "dspark.main_x", BF16, (MAX_ROWS, d))[:n].astype(np.float32)
+        norm = ref_step.rms_norm(raw.astype(np.float32), first.vector("main_norm.weight"),
+                                 cfg.rms_norm_eps)
+        assert np.array_equal(x, norm), f"round {rnd} rank {r}: main_x"
+        main_x.append(x)
+    main_x = main_x[0]                          # rank 0's: its records are read below
+    stages = [spec.index for spec in cfg.layers if spec.is_dspark]
+    for layer in stages:
+        lw = s.model.ranks[0].layer(layer)
+        kv = ra._linear(main_x, lw, "attn.wkv")
+        if layer == stages[-1]:
+            got_kv = s.ranks.read(0, "dspark.kv", BF16, (MAX_ROWS, cfg.head_dim))[:n]
+            _within(got_kv, kv, 2 * dr.dense_tolerance(main_x, ra._weight(lw, "attn.wkv"),
+                                                       "bf16"), f"round {rnd}: layer {layer} kv")
+            kv = got_kv.astype(np.float32)
+        y = ra._norm(kv.astype(np.float32), lw.vector("attn.kv_norm.weight"), cfg.rms_norm_eps)
+        want = kr.encode_kv_record(bf16_round(ra._rope(y[keep], rows.positions[keep],
+                                                       ra.rope_for(cfg, 0))))
+        swa = s.caches.swa[layer]
+        got = s.ranks.read(0, f"swa_{layer}", swa.dtype, swa.shape)[slots[keep]]
+        if layer == stages[-1]:
+            assert np.array_equal(got, want), f"round {rnd}: swa_{layer} context records"
+            continue
+        mine, ref = kr.decode_kv_record(got), kr.decode_kv_record(want)
+        err = np.abs(mine - ref)
+        bound = _record_bound(np.maximum(np.abs(mine), np.abs(ref)))
+        assert (err <= bound).all(), (f"round {rnd}: swa_{layer} context record of row "
+                                      f"{np.argwhere(err > bound)[0].tolist()} off")
 
 
 def _written(cache: np.ndarray) -> np.ndarray:
@@ -263,9 +323,11 @@ def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
         prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
         s.ranks.write("token_history", _history(cfg, rows, prior)[:, 1:].astype(np.int64))
         s.ranks.run_plans(s.verify, SEQS * (k + 1))
-        if _check_verify(s, seqs, drafts, rnd):
+        accepted = _check_verify(s, seqs, drafts, rnd)
+        if accepted is not None:
             _assert_rows(s, _blocks(s, seqs), f"round {rnd} draft rows")
             _check_caches(s, seqs, rnd)
+            _check_context(s, rows, accepted, rnd)
         else:
             _load(s, seqs)                  # a near tie parted them: the reference's state
     total = rounds * SEQS
