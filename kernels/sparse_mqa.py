@@ -23,8 +23,9 @@ Each record is read from memory once per row; nothing outside a row's valid entr
 
 Variants of the top-k kernel (`ref.variant_specs`; the measured default is split="balanced"):
 split="fixed" loads the top-k ids in the same wave as row_info (3-hop address chain) and prefetches
-the sink and RoPE row into smem; ctas_per_sm=3 runs PV in two passes (<= 80 registers);
-qk_chains=2 splits the QK mma chain; `skip` builds timing-only ablations (outputs meaningless).
+the sink and RoPE row into smem; exchange="push" stores what the other CTAs need before each
+cluster barrier (`kernels/sparse_mqa_push.py`); qk_runs reads QK operands as lane runs
+(`kernels/sparse_mqa_qk.py`); `skip` builds timing-only ablations (outputs meaningless).
 PDL: `griddepcontrol.wait` comes first (q, the caches and the metadata are all written by the
 step's earlier kernels); `launch_dependents` after the last store.
 
@@ -113,7 +114,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                     rope_table, rows, pages_per_seq, page_size, num_positions).launch(
             grid=[self.S, 1, 1], block=list(self.spec.block), cluster=list(self.spec.cluster),
             smem=self.spec.smem_bytes, stream=stream, use_pdl=True,
-            min_blocks_per_mp=self.spec.ctas_per_sm,
+            min_blocks_per_mp=ref.CTAS_PER_SM,
             preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
 
     @cute.kernel
@@ -197,8 +198,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         """logits[h, n] = q[h] . entry[n] / sqrt(512); warp w takes 8-entry tiles w, w + 8, .."""
         warp, lane = tidx // WARP, tidx % WARP
         g, t = lane // 4, lane % 4
-        chains = self.spec.qk_chains        # independent accumulators: k-steps kk % chains
-        acc = cute.make_rmem_tensor((4 * chains,), Float32)
+        acc = cute.make_rmem_tensor((4,), Float32)
         tile = warp
         while tile < n_pad // 8:
             entry = base + self.lay.records + (tile * 8 + g) * REC
@@ -216,13 +216,9 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                     off = ROPE_OFF + (k0 - NOPE) * 2 + 4 * t
                     b0 = lds_u32(entry + off)
                     b1 = lds_u32(entry + off + 16)
-                c = 4 * (kk % chains)
-                d = mma_bf16_16816(a, (b0, b1), [acc[c + i] for i in range(4)])
+                d = mma_bf16_16816(a, (b0, b1), [acc[i] for i in range(4)])
                 for i in cutlass.range_constexpr(4):
-                    acc[c + i] = d[i]
-            for c in cutlass.range_constexpr(1, chains):   # fixed order: chain 0 + 1 + ..
-                for i in cutlass.range_constexpr(4):
-                    acc[i] = acc[i] + acc[4 * c + i]
+                    acc[i] = d[i]
             n0 = tile * 8 + 2 * t
             for e in cutlass.range_constexpr(2):
                 valid = lds_s64(base + self.lay.addresses + (n0 + e) * 8) > 1
@@ -329,40 +325,31 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         (one scale group; warp 7 the bf16 rope dims). The partial lands in smem over the records."""
         warp, lane = tidx // WARP, tidx % WARP
         g, t = lane // 4, lane % 4
-        passes = self.spec.pv_passes
-        tiles = 8 // passes                 # 8-dim n-tiles of the warp's 64 dims per pass
-        acc = cute.make_rmem_tensor((4, tiles), Float32)
-        for pas in cutlass.range_constexpr(passes):
-            acc.fill(0.0)
-            e0 = Int32(n_pad if "pv" in self.skip else 0)  # the pv ablation skips the loop
-            while e0 < n_pad:
-                a = self._p_frag(base, e0, g, t)
-                ea = base + self.lay.records + (e0 + 2 * t) * REC
-                eb, ec = ea + REC, ea + 8 * REC
-                ed = ec + REC
-                if warp < NOPE // 64:
-                    sa = ue8m0_to_f32(lds_u8(ea + SCALE_OFF + warp))
-                    sb = ue8m0_to_f32(lds_u8(eb + SCALE_OFF + warp))
-                    sc = ue8m0_to_f32(lds_u8(ec + SCALE_OFF + warp))
-                    sd = ue8m0_to_f32(lds_u8(ed + SCALE_OFF + warp))
-                    for nt in cutlass.range_constexpr(tiles):
-                        d = warp * 64 + (pas * tiles + nt) * 8 + g
-                        b0 = e4m3x2_to_bf16x2(lds_u8(ea + d) | (lds_u8(eb + d) << 8), sa, sb)
-                        b1 = e4m3x2_to_bf16x2(lds_u8(ec + d) | (lds_u8(ed + d) << 8), sc, sd)
-                        self._mma_into(acc, nt, a, b0, b1)
-                else:
-                    for nt in cutlass.range_constexpr(tiles):
-                        off = ROPE_OFF + ((pas * tiles + nt) * 8 + g) * 2
-                        b0 = lds_u16(ea + off) | (lds_u16(eb + off) << 16)
-                        b1 = lds_u16(ec + off) | (lds_u16(ed + off) << 16)
-                        self._mma_into(acc, nt, a, b0, b1)
-                e0 += ref.ENTRY_TILE
-            if cutlass.const_expr(pas < passes - 1):
-                # First pass of two: q is dead after QK; its region holds [16, 256] fp32.
-                for nt in cutlass.range_constexpr(tiles):
-                    for half in cutlass.range_constexpr(2):
-                        sts_v2_f32(self._pass0_slot(base, g + 8 * half, warp, nt, t),
-                                   acc[2 * half, nt], acc[2 * half + 1, nt])
+        acc = cute.make_rmem_tensor((4, 8), Float32)
+        acc.fill(0.0)
+        e0 = Int32(n_pad if "pv" in self.skip else 0)  # the pv ablation skips the loop
+        while e0 < n_pad:
+            a = self._p_frag(base, e0, g, t)
+            ea = base + self.lay.records + (e0 + 2 * t) * REC
+            eb, ec = ea + REC, ea + 8 * REC
+            ed = ec + REC
+            if warp < NOPE // 64:
+                sa = ue8m0_to_f32(lds_u8(ea + SCALE_OFF + warp))
+                sb = ue8m0_to_f32(lds_u8(eb + SCALE_OFF + warp))
+                sc = ue8m0_to_f32(lds_u8(ec + SCALE_OFF + warp))
+                sd = ue8m0_to_f32(lds_u8(ed + SCALE_OFF + warp))
+                for nt in cutlass.range_constexpr(8):
+                    d = warp * 64 + nt * 8 + g
+                    b0 = e4m3x2_to_bf16x2(lds_u8(ea + d) | (lds_u8(eb + d) << 8), sa, sb)
+                    b1 = e4m3x2_to_bf16x2(lds_u8(ec + d) | (lds_u8(ed + d) << 8), sc, sd)
+                    self._mma_into(acc, nt, a, b0, b1)
+            else:
+                for nt in cutlass.range_constexpr(8):
+                    off = ROPE_OFF + (nt * 8 + g) * 2
+                    b0 = lds_u16(ea + off) | (lds_u16(eb + off) << 16)
+                    b1 = lds_u16(ec + off) | (lds_u16(ed + off) << 16)
+                    self._mma_into(acc, nt, a, b0, b1)
+            e0 += ref.ENTRY_TILE
         cute.arch.sync_threads()            # every warp is done with the records: reuse them
         for nt in cutlass.range_constexpr(8):
             d0 = warp * 64 + nt * 8 + 2 * t
@@ -370,16 +357,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                 h = g + 8 * half
                 if h < self.H:
                     dst = base + self.lay.records + h * ref.O_ROW_BYTES + d0 * 4
-                    if cutlass.const_expr(nt >= 8 - tiles):
-                        i = nt - (8 - tiles)
-                        sts_v2_f32(dst, acc[2 * half, i], acc[2 * half + 1, i])
-                    else:                   # this thread's own first-pass values
-                        src = self._pass0_slot(base, h, warp, nt, t)
-                        sts_v2_f32(dst, lds_f32(src), lds_f32(src + 4))
-
-    @cute.jit
-    def _pass0_slot(self, base: Int32, h, warp: Int32, nt: int, t: Int32) -> Int32:
-        return base + self.lay.q + h * (ref.HEAD_DIM // 2 * 4) + (warp * 32 + nt * 8 + 2 * t) * 4
+                    sts_v2_f32(dst, acc[2 * half, nt], acc[2 * half + 1, nt])
 
     @cute.jit
     def _mma_into(self, acc, nt: int, a, b0: Int32, b1: Int32):

@@ -151,12 +151,6 @@ class SparseMqaSpec:
     # ids load in the same wave as row_info (3 hops: top-k id -> block table -> record).
     split: str = "balanced"
     skip: tuple[str, ...] = ()         # timing-only ablation (ABLATIONS); () for real kernels
-    # CTAs per SM the registers are budgeted for (minctasm). 3 needs <= 80 registers: the PV
-    # product then runs in two passes of 32 dims per warp (16 accumulators instead of 32).
-    ctas_per_sm: int = CTAS_PER_SM
-    # QK accumulator chains per 8-entry tile: 2 halves the dependent mma chain (32 -> 2 x 16
-    # k-steps, summed in a fixed order at the end; a different fp32 rounding of the same logit).
-    qk_chains: int = 1
     # pull: every CTA reads the others' (max, sum) and its dims of their partial o through DSMEM
     # loads after a cluster barrier (3 barriers; the loads are serial round trips). push: every
     # CTA stores its (max, sum) into each CTA's smem and the dims CTA c owns of its partial o into
@@ -178,10 +172,6 @@ class SparseMqaSpec:
     @property
     def ablation(self) -> bool:
         return bool(self.skip)
-
-    @property
-    def pv_passes(self) -> int:
-        return 1 if self.ctas_per_sm <= CTAS_PER_SM else 2
 
     @property
     def cluster(self) -> tuple[int, int, int]:
@@ -208,14 +198,12 @@ class SparseMqaSpec:
                 "ring_slots": self.ring_slots, "cluster": list(self.cluster),
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
-                "skip": list(self.skip), "ctas_per_sm": self.ctas_per_sm,
-                "qk_chains": self.qk_chains, "exchange": self.exchange,
+                "skip": list(self.skip), "exchange": self.exchange,
                 "qk_runs": self.qk_runs}
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
               split: str = "balanced", skip: tuple[str, ...] = (),
-              ctas_per_sm: int = CTAS_PER_SM, qk_chains: int = 1,
               exchange: str = "pull", qk_runs: bool = False) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
@@ -231,7 +219,7 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
                          f"only with top-k), phases {PHASES}")
     push = exchange == "push"
     if exchange not in EXCHANGES or push and (split != "fixed" or cluster != CTA_THREADS // 32
-                                              or ctas_per_sm != CTAS_PER_SM or skip):
+                                              or skip):
         raise ValueError(f"sparse MQA: exchange {exchange!r}; {EXCHANGES}, push only with the "
                          f"fixed split, {CTA_THREADS // 32} CTAs, {CTAS_PER_SM} CTAs per SM")
     if split == "fixed":
@@ -242,21 +230,16 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     kind = f"topk{topk}" if topk else "swa"
     name = f"sparse_mqa_{kind}_h{heads}_w{window}_c{cluster}"
     name += "_fixed" if split == "fixed" else ""
-    name += f"_x{ctas_per_sm}" if ctas_per_sm != CTAS_PER_SM else ""
-    name += f"_qk{qk_chains}" if qk_chains != 1 else ""
     name += "_push" if push else ""
     name += "_runs" if qk_runs else ""
-    if qk_runs and (qk_chains != 1 or skip):
-        raise ValueError(f"{name}: qk_runs has its own chains and no ablations")
+    if qk_runs and skip:
+        raise ValueError(f"{name}: qk_runs has no ablations")
     name += "_skip_" + "_".join(skip) if skip else ""
-    if ctas_per_sm not in (CTAS_PER_SM, CTAS_PER_SM + 1) or \
-            ctas_per_sm * (layout.total + 1024) > SM_SMEM_BYTES:
-        raise ValueError(f"{name}: {ctas_per_sm} CTAs per SM of {layout.total} B shared memory")
-    if qk_chains not in (1, 2):
-        raise ValueError(f"{name}: {qk_chains} QK chains; 1 or 2")
+    if CTAS_PER_SM * (layout.total + 1024) > SM_SMEM_BYTES:
+        raise ValueError(f"{name}: {CTAS_PER_SM} CTAs per SM of {layout.total} B shared memory")
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
-                         layout.total, split=split, skip=tuple(skip), ctas_per_sm=ctas_per_sm,
-                         qk_chains=qk_chains, exchange=exchange, qk_runs=qk_runs)
+                         layout.total, split=split, skip=tuple(skip), exchange=exchange,
+                         qk_runs=qk_runs)
 
 
 # Every top-k kernel the bundle carries with outputs that count (GPU-tested), by variant key.

@@ -45,8 +45,6 @@ def spec_of(record_spec: dict) -> ref.SparseMqaSpec:
                              s["ring_slots"], s["cluster"][0], s["entries_per_cta"],
                              s["smem_bytes"], split=s.get("split", "balanced"),
                              skip=tuple(s.get("skip", ())),
-                             ctas_per_sm=s.get("ctas_per_sm", ref.CTAS_PER_SM),
-                             qk_chains=s.get("qk_chains", 1),
                              exchange=s.get("exchange", "pull"),
                              qk_runs=s.get("qk_runs", False))
 
