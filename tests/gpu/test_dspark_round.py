@@ -31,7 +31,9 @@ Checked every round, on every rank:
   caches and rows (the device accepted another length: its caches no longer match) and the rounds
   go on; otherwise the rows are exactly from_blocks of the next draft blocks (advance_draft), every
   ratio-2 ring row is NaN (rolled back) exactly where the reference's is, the draft stages' SWA
-  slots written are the reference's, and every rank holds the same bytes in every SWA cache.
+  slots written are the reference's, every rank holds the same bytes in every SWA cache, and the
+  context KV is the reference's composition on the device's own aux (see _check_context: the
+  device's aux comes from its own target forward, so it is not the reference's bitwise).
 Over the run: at least half of the draft tokens and of the verify steps compared equal, and an
 accepted count >= 2 occurred (the SCRIPTED rounds).
 """
@@ -90,6 +92,7 @@ class DeviceRound:
         self.accepted: list[int] = []
         self.ties: list[tuple] = []     # (round, seq, device's, reference's, top-2 margin)
         self.worst_u = 0.0
+        self.launches = 0
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +316,7 @@ def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
             for line in range(SEQS)]
     _load(s, seqs)                          # the host's row write: the first draft step's rows
     for rnd in range(rounds):
-        s.ranks.run_plans(s.draft, SEQS * k)
+        s.launches += s.ranks.run_plans(s.draft, SEQS * k)
         drafts = _check_draft_step(s, seqs, rnd)
         rows = _blocks(s, seqs, drafts)
         _assert_rows(s, rows, f"round {rnd} verify rows")
@@ -322,7 +325,7 @@ def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
             rows = _blocks(s, seqs, drafts)
         prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
         s.ranks.write("token_history", _history(cfg, rows, prior)[:, 1:].astype(np.int64))
-        s.ranks.run_plans(s.verify, SEQS * (k + 1))
+        s.launches += s.ranks.run_plans(s.verify, SEQS * (k + 1))
         accepted = _check_verify(s, seqs, drafts, rnd)
         if accepted is not None:
             _assert_rows(s, _blocks(s, seqs), f"round {rnd} draft rows")
@@ -342,4 +345,4 @@ def test_dspark_rounds_on_the_device_accept_what_the_reference_accepts(device_ro
     s = device_round
     print(f"\n{ROUNDS} rounds x {SEQS} sequences: accepted {s.accepted}, drafts equal "
           f"{s.draft_equal}/{s.draft_total}, verify equal {s.verify_equal}, near ties {s.ties}, "
-          f"worst U {s.worst_u}")
+          f"worst U {s.worst_u}, {s.launches} kernel launches")
