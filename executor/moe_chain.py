@@ -94,6 +94,18 @@ class MoeChain:
         return ml.chain_launches(self.bundle, self.shape, self.ptrs, rows, w13, w2, kinds,
                                  self.available)
 
+    def launches_warp_routed(self, rows: int, w2: str | None = None) -> list[LaunchSpec]:
+        """prep -> w13w -> w2 -> combine (executor/launches/moe.py `warp_routed_launches`)."""
+        return ml.warp_routed_launches(self.bundle, self.shape, self.ptrs, rows, w2,
+                                       self.available)
+
+    def warp_routed_fits(self, rows: int) -> bool:
+        return ml.warp_routed_fits(self.available, self.shape, rows)
+
+    def step_launches(self, rows: int) -> list[LaunchSpec]:
+        """What the decode step launches at `rows` (executor/launches/moe.py `step_launches`)."""
+        return ml.step_launches(self.bundle, self.shape, self.ptrs, rows)
+
     def has_selfrouted(self) -> bool:
         return ml.has_selfrouted(self.available)
 
@@ -155,6 +167,8 @@ def bench_moe_routed(ctx) -> None:
             step_w13, step_w2 = ml.step_variants(chain.available, rows)
             if step_w13:                 # the variants the step launches below 6 rows
                 chains.append((f" {step_w13}", chain.launches(rows, step_w13, step_w2)))
+            if chain.warp_routed_fits(rows):
+                chains.append((" w13w", chain.launches_warp_routed(rows, step_w2)))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
@@ -170,23 +184,22 @@ def bench_moe_routed(ctx) -> None:
                                     us, mk.moe_bytes(shape, distinct, rows))
                 _report_targets(ctx, rows, us, row, shape, label)
             if rows <= 8:
-                _report_prefixes(ctx, chain, rows, step_w13, step_w2)
+                _report_prefixes(ctx, chain, rows)
     finally:
         chain.close()
 
 
-def _report_prefixes(ctx, chain: MoeChain, rows: int, w13: str, w2: str | None) -> None:
-    """Each prefix of the step's default chain (prep; prep + w13; prep + w13 + w2) timed alone,
-    L2 flushed: the differences are each kernel's share of the chain's time."""
-    label = f" {w13}" if w13 else ""
-    for n in range(1, len(ml.DEFAULT_CHAIN)):
-        specs = chain.launches(rows, w13, w2, kinds=ml.DEFAULT_CHAIN[:n])
-
-        def run(specs=specs):
-            for s in specs:
+def _report_prefixes(ctx, chain: MoeChain, rows: int) -> None:
+    """The step's chain at `rows` and each of its prefixes timed alone, L2 flushed: the
+    differences are each kernel's share of the chain's time."""
+    specs = chain.step_launches(rows)
+    names = [s.kernel.name.replace(f"_{chain.shape.tag()}", "") for s in specs]
+    for n in range(1, len(specs) + 1):
+        def run(part=specs[:n]):
+            for s in part:
                 s.launch(ctx.stream)
         us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
-        ctx.metric(f"moe{label} R={rows}: {' + '.join(ml.DEFAULT_CHAIN[:n])} alone", us, "us")
+        ctx.metric(f"moe step chain R={rows}: {' + '.join(names[:n])}", us, "us")
 
 
 def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: str) -> None:

@@ -580,7 +580,7 @@ def _kernel_class(spec: mk.MoeSpec):
     """The default chain's classes here; the per-group-commit w13 / w2 in kernels/moe_pipelined.py
     and the self-routed chain's in kernels/moe_selfroute.py (imported late: both build on this
     module)."""
-    if spec.group_commits:
+    if spec.group_commits:                   # the "g" w13 / w2 and moe_w13w
         from kernels import moe_pipelined
         return moe_pipelined.kernel_class(spec)
     if spec.kind in _KERNEL_CLASSES:
@@ -600,9 +600,11 @@ def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     STEP_VARIANTS) and the self-routed chain (`mk.selfrouted_specs`); the same for the DSpark
     stages' shape when it differs."""
     shape, *others = mk.moe_shapes(cfg, tp)
-    out = mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
+    out = (mk.make_specs(shape) + mk.variant_specs(shape) + mk.warp_routed_specs(shape)
+           + mk.selfrouted_specs(shape))
     for other in others:
-        out += mk.make_specs(other) + mk.variant_specs(other) + mk.selfrouted_specs(other)
+        out += (mk.make_specs(other) + mk.variant_specs(other) + mk.warp_routed_specs(other)
+                + mk.selfrouted_specs(other))
     return out
 
 

@@ -111,6 +111,10 @@ PARAMS = {
     "w2sr": (("topk_ids", "u64"), ("h", "u64"), ("codes", "u64"), ("offsets", "u64"),
              ("scales", "u64"), ("ye", "u64"), ("rows", "u32")),
 }
+# moe_w13w (kernels/moe_pipelined.py): w13 after moe_prep that routes itself in registers (one
+# warp, <= 64 pairs) to issue its weights before griddepcontrol.wait; w13sr's ABI.
+PARAMS["w13w"] = PARAMS["w13sr"]
+WARP_ROUTED_MAX_PAIRS = 64
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -156,7 +160,7 @@ class MoeSpec:
             return 1 + ceil_div(rows * s.groups(s.k13), PREP_THREADS // LANES)
         if self.kind == "xquant":
             return ceil_div(rows * s.groups(s.k13), XQUANT_THREADS // LANES)
-        if self.kind in ("w13", "w13sr"):
+        if self.kind in ("w13", "w13sr", "w13w"):
             return distinct * s.tiles13
         if self.kind in ("w2", "w2sr"):
             return distinct * ceil_div(s.tiles2, W2_WARPS)
@@ -166,6 +170,9 @@ class MoeSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: rows={rows} exceeds the MoE's {MAX_ROWS}")
+        if self.kind == "w13w" and rows * self.shape.topk > WARP_ROUTED_MAX_PAIRS:
+            raise ValueError(f"{self.name}: rows={rows} gives more than {WARP_ROUTED_MAX_PAIRS} "
+                             "(row, slot) pairs, which one warp routes")
         cap = H200_NUM_SMS * self.ctas_per_sm
         if self.kind == "combine":
             cap = self.work_items(MAX_ROWS)
@@ -253,6 +260,17 @@ def make_specs(shape: MoeShape) -> list[MoeSpec]:
         _w2_spec(shape, *W2_VARIANTS[0]),
         MoeSpec(f"moe_combine_{tag}", "combine", shape, (COMBINE_THREADS, 1, 1)),
     ]
+
+
+def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
+    """moe_w13w: the "g" w13 (4 warps, one-item ring, 3 CTAs/SM, group commits) routing itself,
+    for the default chain at rows * topk <= WARP_ROUTED_MAX_PAIRS."""
+    if shape.num_experts > LANES * 32:
+        return []                                   # the expert bitmap is one word per lane
+    base = _w13_spec(shape, *W13_VARIANTS[1])
+    return [MoeSpec(f"moe_w13w_{shape.tag()}", "w13w", shape, base.block,
+                    smem_bytes=base.smem_bytes, ctas_per_sm=base.ctas_per_sm, stages=1,
+                    group_commits=True)]
 
 
 def variant_specs(shape: MoeShape) -> list[MoeSpec]:

@@ -17,11 +17,23 @@ only the bytes it copied, so the per-thread wait is the whole synchronisation (a
 from __future__ import annotations
 
 import cutlass
+from cuda.bindings import driver as cuda
 from cutlass import Int32, Int64, cute
 
 from kernels import moe_kernel_ref as mk
 from kernels.moe import MoeW2Sm90, MoeW13Sm90
-from kernels.moe_ptx import cp_async_8, cp_async_16, cp_async_commit, cp_async_wait
+from kernels.moe_ptx import (
+    _addr,
+    cp_async_8,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    ctz,
+    ld_relaxed_u32,
+    ld_v2,
+    popc,
+)
+from kernels.ptx import asm, ld_f32_if
 
 
 class MoeW13PipelinedSm90(MoeW13Sm90):
@@ -79,9 +91,179 @@ class MoeW2PipelinedSm90(MoeW2Sm90):
             cp_async_commit()
 
 
+# ---- moe_w13w: the "g" w13 routing itself in registers, its weights issued before the wait ----
+
+_SENTINEL = 0x7FFFFFFF            # an absent or bad id: never an expert, (id >> 5) never a lane
+
+
+def _shfl_idx(v: Int32, src) -> Int32:
+    return Int32(asm(1, [Int32(v), Int32(src)], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;",
+                     "=r,r,r", side_effects=True))
+
+
+def _shfl_up(v: Int32, delta: int) -> Int32:
+    return Int32(asm(1, [Int32(v)], f"shfl.sync.up.b32 $0, $1, {delta}, 0, -1;", "=r,r",
+                     side_effects=True))
+
+
+def _ballot(pred: Int32) -> Int32:
+    return Int32(asm(1, [Int32(pred)], "{ .reg .pred p; setp.ne.s32 p, $1, 0;\n"
+                     "vote.sync.ballot.b32 $0, p, -1; }", "=r,r", side_effects=True))
+
+
+@cute.jit
+def _nth_set_bit(mask: Int32, n: Int32):
+    """Position of the n-th (from 0) set bit of mask, lowest first (32 when there is none)."""
+    m = mask
+    k = Int32(0)
+    while k < n:
+        m = m & (m - 1)
+        k += 1
+    return ctz(m)
+
+
+class WarpRouting:
+    """moe_prep's lists for <= 64 (row, slot) pairs, computed by every warp in registers: lane l
+    holds the ids of pairs l and l + 32, and (l < E/32) the bitmap word of experts 32l..32l+31
+    with its exclusive prefix of set bits. Distinct entry j (experts ascending) is the j-th set
+    bit; the pairs of expert e (rows ascending) are the set bits of two ballots."""
+
+    def __init__(self, shape: mk.MoeShape):
+        self.shape = shape
+
+    @cute.jit
+    def build(self, ids: Int64, rows: Int32, lane: Int32):
+        """(id0, id1, bits, excl, incl, distinct). ids are read with ld.relaxed.gpu before
+        griddepcontrol.wait: they come from the kernel before moe_prep, complete by then."""
+        n = rows * self.shape.topk
+        raw = [ld_relaxed_u32(ids + Int64(lane + 32 * c) * 4,
+                              Int32(1) if lane + 32 * c < n else Int32(0)) for c in range(2)]
+        got = []
+        for c in cutlass.range_constexpr(2):
+            ok = lane + 32 * c < n and raw[c] >= 0 and raw[c] < self.shape.num_experts
+            got.append(raw[c] if ok else Int32(_SENTINEL))
+        bits = Int32(0)
+        for src in cutlass.range_constexpr(32):
+            for c in cutlass.range_constexpr(2):
+                e = _shfl_idx(got[c], Int32(src))
+                bits = bits | ((Int32(1) << (e & 31)) if (e >> 5) == lane else Int32(0))
+        count = popc(bits)
+        incl = count
+        for d in cutlass.range_constexpr(5):
+            up = _shfl_up(incl, 1 << d)
+            incl = incl + (up if lane >= (1 << d) else Int32(0))
+        return got[0], got[1], bits, incl - count, incl, _shfl_idx(incl, Int32(31))
+
+    @cute.jit
+    def expert(self, state, j: Int32):
+        """Distinct entry j's expert (warp-uniform j < distinct)."""
+        _, _, bits, excl, incl, _ = state
+        owner = ctz(_ballot(Int32(1) if j >= excl and j < incl else Int32(0))) & 31
+        word = _shfl_idx(bits, owner)
+        return owner * 32 + _nth_set_bit(word, j - _shfl_idx(excl, owner))
+
+    @cute.jit
+    def pairs(self, state, e: Int32):
+        """(mask of pairs 0..31, mask of pairs 32..63, count) of expert e."""
+        id0, id1, _, _, _, _ = state
+        m0 = _ballot(Int32(1) if id0 == e else Int32(0))
+        m1 = _ballot(Int32(1) if id1 == e else Int32(0))
+        return m0, m1, popc(m0) + popc(m1)
+
+    @cute.jit
+    def nth_pair(self, masks, c: Int32):
+        m0, m1, _ = masks
+        low = popc(m0)
+        return (_nth_set_bit(m0, c) if c < low else 32 + _nth_set_bit(m1, c - low))
+
+
+class MoeW13WarpRoutedSm90(MoeW13PipelinedSm90):
+    """moe_w13w: in the default chain after moe_prep, at rows * topk <= 64. Each warp routes
+    from the ids (WarpRouting) and the CTA issues its first item's weights before
+    griddepcontrol.wait, so that load overlaps moe_prep (xq, xs are read after the wait; the
+    lists are not read at all). Items, ring (one item) and math are the "g" w13's: bitwise the
+    same h."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        super().__init__(spec)
+        self.routing = WarpRouting(spec.shape)
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+                 codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+                 h: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.jit
+    def expert_of_item(self, state, item: Int32, total: Int32):
+        e = self.routing.expert(state, item // self.tiles if item < total else Int32(0))
+        return e if item < total else Int32(0)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.stage_bytes
+        state = self.routing.build(_addr(topk_ids), rows, lane)
+        total = state[5] * self.tiles
+        item = bidx
+        self.issue(ring, self.expert_of_item(state, item, total), _addr(codes), _addr(offsets),
+                   item, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # xq, xs come from moe_prep
+        cute.arch.griddepcontrol_launch_dependents()
+        while item < total:
+            e = self.routing.expert(state, item // self.tiles)
+            tile = item % self.tiles
+            masks = self.routing.pairs(state, e)
+            count = masks[2]
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
+            chunk = Int32(0)
+            while chunk < count:
+                ins = self.chunk_inputs_warp(masks, _addr(xq), _addr(xs), count - chunk, chunk,
+                                             warp, lane)
+                self.chunk_math(ring, ins, _addr(h), tile, scale, red, warp, lane, tidx)
+                chunk += mk.CHUNK_TOKENS
+            # chunk_math ended with a barrier (and each thread rewrites only its own words).
+            item += gdim
+            self.issue(ring, self.expert_of_item(state, item, total), _addr(codes),
+                       _addr(offsets), item, total, warp, lane, tidx)
+
+    @cute.jit
+    def chunk_inputs_warp(self, masks, xq: Int64, xs: Int64, left: Int32, chunk: Int32,
+                          warp: Int32, lane: Int32):
+        """`chunk_inputs` with the pair ids from the expert's ballots."""
+        g, t = lane // 4, lane % 4
+        topk = self.shape.topk
+        vb = Int32(1) if g < left else Int32(0)
+        v0 = Int32(1) if 2 * t < left else Int32(0)
+        v1 = Int32(1) if 2 * t + 1 < left else Int32(0)
+        rb = self.routing.nth_pair(masks, chunk + g) // topk if vb != 0 else Int32(0)
+        p0 = self.routing.nth_pair(masks, chunk + 2 * t) if v0 != 0 else Int32(0)
+        p1 = self.routing.nth_pair(masks, chunk + 2 * t + 1) if v1 != 0 else Int32(0)
+        xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
+        b_regs, sc = [], []
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            grp = warp * self.groups_per_warp + gi
+            b_regs.append([ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
+            sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
+                       ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+        return b_regs, sc, p0, p1, v0, v1
+
+
 def kernel_class(spec: mk.MoeSpec):
-    """The class compiling a group-commit spec (w13 or w2)."""
-    classes = {"w13": MoeW13PipelinedSm90, "w2": MoeW2PipelinedSm90}
+    """The class compiling a group-commit spec (w13, w2 or w13w)."""
+    classes = {"w13": MoeW13PipelinedSm90, "w2": MoeW2PipelinedSm90,
+               "w13w": MoeW13WarpRoutedSm90}
     if spec.kind not in classes:
-        raise ValueError(f"{spec.name}: group commits exist for w13 / w2 only, not {spec.kind}")
+        raise ValueError(f"{spec.name}: group commits exist for w13 / w2 / w13w only, not "
+                         f"{spec.kind}")
     return classes[spec.kind]

@@ -201,9 +201,14 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
     tag = s.shape.tag()
     if rows >= ml.SELFROUTED_FROM_ROWS:
         expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_early", f"moe_w2sr_{tag}_early"]
-    else:
-        w2 = f"moe_w2_{tag}" + ("_r2x2" if rows == 1 else "")
-        expect = [f"moe_prep_{tag}", f"moe_w13_{tag}", w2]
+    else:                               # the default chain as STEP_VARIANTS picks its kernels
+        step = ml.STEP_VARIANTS
+        w2v = step["w2_one_row"] if rows == 1 else step["w2"]
+        w2 = f"moe_w2_{tag}" + (f"_{w2v}" if w2v else "")
+        w13 = f"moe_w13_{tag}" + (f"_{step['w13']}" if step["w13"] else "")
+        if step["w13w"] and rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS:
+            w13 = f"moe_w13w_{tag}"
+        expect = [f"moe_prep_{tag}", w13, w2]
     assert names == expect + [f"moe_combine_{tag}"]
     if rows <= FEW_ROWS:                # larger R: the chains' own tests run these launches
         _check_y(s.run(specs), want, f"step launches at R={rows}")

@@ -6,7 +6,7 @@ What each kind reads and writes (R = rows, k = top-k; buffers as executor/launch
            pairs [R*k], and (CTAs 1.. of the grid: none when the grid is 1) xq, xs
   xquant   x -> xq, xs
   w13      meta, pairs, xq, xs, w13 weights -> h rows of the listed pairs
-  w13sr    ids (its own lists), xq, xs, w13 weights -> h rows of every pair
+  w13sr    ids (its own lists), xq, xs, w13 weights -> h rows of every pair (w13w the same)
   w2, w2sr as w13 / w13sr with h and the w2 weights -> ye rows
   combine  route_weights, ye -> y [R, D] f32
 Weights are decoded from the packed bytes at the experts' addresses (mk.effective_weights: the
@@ -29,7 +29,7 @@ from kernels.common_ref import BF16, check_rows
 KNOWN_VARIANTS = {
     "prep": ("",), "combine": ("",), "xquant": ("",),
     "w13": tuple(v[0] for v in mk.W13_VARIANTS), "w2": tuple(v[0] for v in mk.W2_VARIANTS),
-    "w13sr": tuple(v[0] for v in mk.W13SR_VARIANTS),
+    "w13sr": tuple(v[0] for v in mk.W13SR_VARIANTS), "w13w": ("",),
     "w2sr": tuple(v[0] for v in mk.W2SR_VARIANTS),
 }
 
@@ -55,10 +55,10 @@ def emulate(record, grid, args, space) -> None:
     elif kind in ("w13", "w2"):
         experts = _lists_from_meta(name, shape, space, args, rows)
         (_w13 if kind == "w13" else _w2)(name, shape, space, args, rows, experts)
-    elif kind in ("w13sr", "w2sr"):
+    elif kind in ("w13sr", "w2sr", "w13w"):
         lists = _lists_from_ids(name, shape, space, args["topk_ids"], rows)
         experts = _by_expert(lists)
-        (_w13 if kind == "w13sr" else _w2)(name, shape, space, args, rows, experts)
+        (_w2 if kind == "w2sr" else _w13)(name, shape, space, args, rows, experts)
     else:
         _combine(shape, space, args, rows)
 

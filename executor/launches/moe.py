@@ -27,6 +27,7 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
                -> w2(meta, pairs, h, w2 -> ye) -> combine(route_weights, ye -> y)
   self-routed  xquant(x -> xq, xs) -> w13sr(ids, xq, xs, w13 -> h) -> w2sr(ids, h, w2 -> ye)
                -> combine (the default one)
+  warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -54,6 +55,7 @@ POINTER_KEYS = {
     "xquant": ("x", "xq", "xs"),
     "w13sr": ("ids", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
     "w2sr": ("ids", "h", "codes2", "offsets2", "scales2", "ye"),
+    "w13w": ("ids", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
 }
 # docs/perf.md run 17 (us, uniform routing): R=1 default 26.08 / self-routed early 27.14;
 # R=6 84.19 / 76.29; R=8 104.6 / 94.7; R=192 729 / 689. R = 2..5 were not measured: default kept.
@@ -61,8 +63,10 @@ SELFROUTED_FROM_ROWS = 6
 SELFROUTED_EARLY = "early"
 # The default chain's w13 / w2 the step launches below SELFROUTED_FROM_ROWS ("w2_one_row" at
 # R = 1). Round 4: the per-group-commit kernels (kernels/moe_pipelined.py, bitwise the same y).
-# Revert to the round-2 kernels: {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT}
-STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2"}
+# "w13w": moe_w13w replaces w13 where rows * topk <= mk.WARP_ROUTED_MAX_PAIRS (its weights go out
+# before its wait, overlapping moe_prep). Revert to the round-2 kernels:
+# STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": False}
+STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2", "w13w": True}
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -81,7 +85,8 @@ def shape_from_bundle(bundle) -> mk.MoeShape:
 def available_specs(bundle, shape: mk.MoeShape) -> dict[tuple[str, str], mk.MoeSpec]:
     """(kind, variant) -> spec of every MoE kernel of this shape the bundle holds."""
     names = set(bundle.names())
-    every = mk.make_specs(shape) + mk.variant_specs(shape) + mk.selfrouted_specs(shape)
+    every = (mk.make_specs(shape) + mk.variant_specs(shape) + mk.warp_routed_specs(shape)
+             + mk.selfrouted_specs(shape))
     return {(s.kind, s.variant): s for s in every if s.name in names}
 
 
@@ -146,6 +151,22 @@ def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], row
     return [_launch(bundle, available[key], ptrs, rows) for key in keys]
 
 
+def warp_routed_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                         w2: str | None = None, available=None) -> list[LaunchSpec]:
+    """prep -> w13w -> w2 -> combine (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS); w2 as in
+    `chain_launches`."""
+    available = available_specs(bundle, shape) if available is None else available
+    if ("w13w", "") not in available:
+        raise KeyError(f"the bundle has no moe_w13w_{shape.tag()}")
+    prep, w2_spec, combine = chain_launches(bundle, shape, ptrs, rows, "", w2,
+                                            ("prep", "w2", "combine"), available)
+    return [prep, _launch(bundle, available[("w13w", "")], ptrs, rows), w2_spec, combine]
+
+
+def warp_routed_fits(available, shape: mk.MoeShape, rows: int) -> bool:
+    return ("w13w", "") in available and rows * shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
+
+
 def step_variants(available, rows: int) -> tuple[str, str | None]:
     """(w13, w2) of the default chain the step launches at `rows`: STEP_VARIANTS when the bundle
     has both, else the defaults (w2 None = by rows)."""
@@ -159,7 +180,7 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int) -> list[LaunchSpec]:
     """What the decode step runs for `rows`: the self-routed chain with both early-refill
     variants from SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default
-    chain with `step_variants`. All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
+    chain with `step_variants` (its w13 moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
     only the default one writes meta / pairs."""
     available = available_specs(bundle, shape)
     early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
@@ -167,6 +188,8 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
         return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,
                                    available)
     w13, w2 = step_variants(available, rows)
+    if STEP_VARIANTS["w13w"] and warp_routed_fits(available, shape, rows):
+        return warp_routed_launches(bundle, shape, ptrs, rows, w2, available)
     return chain_launches(bundle, shape, ptrs, rows, w13, w2, available=available)
 
 
