@@ -277,8 +277,8 @@ class DenseW8A16Sm90:
 
 
 def kernel_class(spec: DenseSpec):
-    """The kernel object class of a spec's variant (kernels/dense_stream.py for "stream")."""
-    if spec.variant == "stream":
+    """The kernel object class of a spec's variant (kernels/dense_stream.py: streamed ones)."""
+    if spec.streamed:
         from kernels.dense_stream import DenseStreamSm90
         return DenseStreamSm90
     return DenseW8A16Sm90

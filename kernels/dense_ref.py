@@ -51,8 +51,14 @@ MAX_SCALE_BYTE = 134                # 2^(s - 7) must stay a finite bf16 (s + 120
 TARGET_CTAS = 2 * H200_NUM_SMS      # split K until a launch has at least this many CTAs
 EPILOGUES = ("bf16", "f32", "residual")
 ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows per pass (R > 8)
-VARIANTS = ("mma", "stream")        # register-prefetch mma kernel; smem-streamed kernel (R <= 8)
+# register-prefetch mma kernel; smem-streamed kernels (R <= 8): "stream" (measured in round 3),
+# "stream_x" (x several units ahead, 2 accumulators, scales first), "stream_xt" (the same with
+# whole tiles per CTA: no tile shared between CTAs, no workspace, no fence, no atomic)
+VARIANTS = ("mma", "stream", "stream_x", "stream_xt")
+STREAM_VARIANTS = VARIANTS[1:]
+VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_x": "sx", "stream_xt": "sxt"}
 STREAM_WARPS = 8                    # warps of the streamed kernel
+STREAM_X_REGS = 48                  # x ring registers per thread of stream_x / stream_xt
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
 STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
 PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
@@ -88,7 +94,38 @@ class DenseSpec:
 
     @property
     def block(self) -> tuple[int, int, int]:
-        return ((STREAM_WARPS if self.variant == "stream" else CTA_WARPS) * WARP, 1, 1)
+        return ((STREAM_WARPS if self.streamed else CTA_WARPS) * WARP, 1, 1)
+
+    @property
+    def streamed(self) -> bool:
+        return self.variant in STREAM_VARIANTS
+
+    @property
+    def whole_tiles(self) -> bool:
+        """stream_xt: CTA c owns tiles [T*c/C, T*(c+1)/C) whole (units of one tile never split)."""
+        return self.variant == "stream_xt"
+
+    @property
+    def x_slots(self) -> int:
+        """Units of x in flight per thread (register ring): 2 for "stream", else as many as
+        STREAM_X_REGS holds (8 words per 64-K chunk a warp owns), at most the CTA's units."""
+        if self.variant == "stream":
+            return 2
+        per_chunk = 8 * ceil_div(self.chunks, STREAM_WARPS)
+        return max(2, min(self.units_per_cta, STREAM_X_REGS // per_chunk))
+
+    @property
+    def accumulators(self) -> int:
+        """fp32 accumulator sets per warp (alternate mma steps: half the dependent chain). One
+        where a warp owns 2 chunks per unit: two sets beside a 3-unit x ring took 159-188
+        registers (ptxas), and two CTAs per SM (this kernel and the next) need <= 128."""
+        if self.variant == "stream" or ceil_div(self.chunks, STREAM_WARPS) > 1:
+            return 1
+        return 2
+
+    @property
+    def units_per_cta(self) -> int:
+        return max(u1 - u0 for u0, u1 in map(self.unit_range, range(self.ctas)))
 
     @property
     def tiles(self) -> int:
@@ -114,9 +151,14 @@ class DenseSpec:
         return self.chunks * TILE_N * CHUNK_K
 
     def unit_range(self, cta: int) -> tuple[int, int]:
+        if self.whole_tiles:
+            t0, t1 = self.tiles * cta // self.ctas, self.tiles * (cta + 1) // self.ctas
+            return t0 * self.ksteps, t1 * self.ksteps
         return self.units * cta // self.ctas, self.units * (cta + 1) // self.ctas
 
     def cta_of_unit(self, unit: int) -> int:
+        if self.whole_tiles:
+            return ((unit // self.ksteps + 1) * self.ctas - 1) // self.tiles
         return ((unit + 1) * self.ctas - 1) // self.units
 
     def scale_window(self) -> int:
@@ -138,7 +180,7 @@ class DenseSpec:
 
     @property
     def smem_bytes(self) -> int:
-        if self.variant == "stream":
+        if self.streamed:
             # ring + scale window + warp partials + flag + alignment slack
             return (self.stages * self.stage_bytes + ceil_div(self.scale_window(), 16) * 16
                     + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 + 256)
@@ -153,7 +195,7 @@ class DenseSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: rows={rows} exceeds MAX_ROWS={MAX_ROWS}")
-        if self.variant == "stream":
+        if self.streamed:
             if rows > ROW_TILE:
                 raise ValueError(f"{self.name}: the streamed kernel takes rows <= {ROW_TILE}, got "
                                  f"{rows} (use the r32 mma kernel)")
@@ -165,8 +207,11 @@ class DenseSpec:
 
     def workspace_bytes(self) -> int:
         """mma: fp32 [max_passes, split_k, tiles, 128 * row_tiles], 0 without a K split;
-        stream: fp32 [ctas, 2, 128] (a CTA's first and last tile, when other CTAs share them)."""
-        if self.variant == "stream":
+        stream: fp32 [ctas, 2, 128] (a CTA's first and last tile, when other CTAs share them);
+        stream_xt: 0 (no tile is shared)."""
+        if self.whole_tiles:
+            return 0
+        if self.streamed:
             return self.ctas * 2 * TILE_N * ROW_TILE * 4
         if self.split_k == 1:
             return 0
@@ -174,7 +219,9 @@ class DenseSpec:
 
     def counters_bytes(self) -> int:
         """u32 [max_passes, tiles] (stream: [tiles]), zeroed at bind time; 0 without a split."""
-        if self.variant == "stream":
+        if self.whole_tiles:
+            return 0
+        if self.streamed:
             return self.tiles * 4
         return 0 if self.split_k == 1 else self.max_passes * self.tiles * 4
 
@@ -220,15 +267,16 @@ def choose_stream_unit_k(tiles: int, k: int) -> int:
     return max(cands, key=score)
 
 
-def stream_layout(tiles: int, k: int) -> tuple[int, int, int]:
+def stream_layout(tiles: int, k: int, whole_tiles: bool = False) -> tuple[int, int, int]:
     """(unit_k, ctas, stages) of the streamed kernel: the whole CTA slice in the ring when it
-    fits the smem budget (every weight byte in flight before griddepcontrol.wait), else a ring."""
+    fits the smem budget (every weight byte in flight before griddepcontrol.wait), else a ring.
+    whole_tiles: one CTA per tile up to 132, then [T*c/C, T*(c+1)/C) tiles each."""
     unit_k = choose_stream_unit_k(tiles, k)
     units = tiles * (k // unit_k)
-    ctas = min(H200_NUM_SMS, units)
+    ctas = min(H200_NUM_SMS, tiles if whole_tiles else units)
     probe = DenseSpec("probe", TILE_N, k, 1, 1, "bf16", 1, "stream", unit_k, 1, 1)
     fixed = probe.smem_bytes - probe.stage_bytes + k // FP8_BLOCK * 8
-    per_cta = ceil_div(units, ctas)
+    per_cta = ceil_div(tiles, ctas) * (k // unit_k) if whole_tiles else ceil_div(units, ctas)
     stages = min(per_cta, (STREAM_SMEM_BUDGET - fixed) // probe.stage_bytes)
     if stages < min(2, per_cta):
         raise ValueError(f"K={k}: a {unit_k}-byte unit leaves room for {stages} smem stages")
@@ -238,12 +286,13 @@ def stream_layout(tiles: int, k: int) -> tuple[int, int, int]:
 def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
               epilogue: str = "bf16", prefix: str = "dense_w8a16",
               variant: str | None = None) -> DenseSpec:
-    """Validated spec; the name carries every compile-time choice but the variant (one kernel
-    per name). Default variant: the measured faster one (`default_variant`)."""
-    variant = variant or default_variant(label, row_tiles)
-    if variant not in VARIANTS or (variant == "stream" and row_tiles != 1):
+    """Validated spec; the name carries every compile-time choice. The step's kernel
+    (`default_variant`) has the plain name, another variant the suffix `_<VARIANT_TAGS>`."""
+    default = default_variant(label, row_tiles)
+    variant = variant or default
+    if variant not in VARIANTS or (variant != "mma" and row_tiles != 1):
         raise ValueError(f"{label}: variant {variant!r} with row_tiles {row_tiles}; expected "
-                         f"one of {VARIANTS}, 'stream' only with row_tiles 1")
+                         f"one of {VARIANTS}, streamed ones only with row_tiles 1")
     if epilogue not in EPILOGUES:
         raise ValueError(f"{label}: epilogue {epilogue!r}; expected one of {EPILOGUES}")
     if row_tiles not in ROW_TILE_CHOICES:
@@ -254,9 +303,11 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     split = choose_split_k(groups * n // TILE_N, k)
     name = f"{prefix}_{label}_n{n}_k{k}" + (f"_g{groups}" if groups > 1 else "")
     name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
+    if variant != default:
+        name += f"_{VARIANT_TAGS[variant]}"
     if variant == "mma":
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split)
-    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k)
+    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k, variant == "stream_xt")
     return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages)
 
 
@@ -288,24 +339,47 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
     return shapes
 
 
-# Layers whose R <= 8 kernel is the streamed one: measured faster inside the PDL chain on the H200
-# (devicecheck --quick, 2026-11-29, us at R=1 / R=8, streamed vs register-prefetch mma):
+# Layers whose R <= 8 kernel was the streamed one after round 3: measured faster inside the PDL
+# chain on the H200 (devicecheck --quick, 2026-11-29, us at R=1 / R=8, streamed vs mma):
 # shared w1|w3 6.14/6.49 vs 7.07/7.42, shared w2 2.85/3.21 vs 3.46/3.59, wo_a ("grouped")
-# 7.07/7.47 vs 7.58/8.12, wo_b 7.40/7.83 vs 7.70/7.73. The mma kernel stays faster where a CTA
+# 7.07/7.47 vs 7.58/8.12, wo_b 7.40/7.83 vs 7.70/7.73. The mma kernel stayed faster where a CTA
 # walks more or smaller units: wq_a|wkv 7.74 vs 8.32, wq_b 7.00 vs 8.63, indexer wq_b 5.90 vs
 # 6.44, main_proj 30.4 vs 57.2, Engram wkv 46.8 vs 51.8 (docs/notes/dense-design.md).
-STREAM_LABELS = frozenset({"shared_w13", "shared_w2", "wo_b", "grouped"})
+R8_VARIANT_ROUND3 = {"shared_w13": "stream", "shared_w2": "stream", "wo_b": "stream",
+                     "grouped": "stream"}
+# Round 4 (predicted, docs/notes/dense-design.md "Round 4"): whole tiles per CTA where tiles
+# spread over the 132 SMs with balance >= 0.8, the balanced split for shared w1|w3 (72 tiles).
+R8_VARIANT_ROUND4 = {"wqa_wkv": "stream_xt", "wq_b": "stream_xt", "wo_b": "stream_xt",
+                     "grouped": "stream_xt", "indexer_wq_b": "stream_xt",
+                     "shared_w13": "stream_x", "shared_w2": "stream_xt"}
+R8_VARIANT = R8_VARIANT_ROUND4          # revert to the round-3 kernels: = R8_VARIANT_ROUND3
+# R <= 8 candidates compiled beside the step's kernel (bf16 epilogue, the one the step uses), so
+# the family benchmark measures them side by side; shared w2 has one K step per tile, where
+# stream_x and stream_xt split the work identically.
+R8_CANDIDATES = {label: VARIANTS for label in R8_VARIANT_ROUND4}
+R8_CANDIDATES["shared_w2"] = ("mma", "stream", "stream_xt")
 
 
 def default_variant(label: str, row_tiles: int) -> str:
-    return "stream" if row_tiles == 1 and label in STREAM_LABELS else "mma"
+    return R8_VARIANT.get(label, "mma") if row_tiles == 1 else "mma"
+
+
+def candidate_specs(label: str, n: int, k: int, groups: int = 1,
+                    prefix: str = "dense_w8a16") -> list[DenseSpec]:
+    """The R <= 8 variants of `label` other than the step's (bf16 epilogue): benchmark + test."""
+    default = default_variant(label, 1)
+    return [make_spec(label, n, k, groups=groups, prefix=prefix, variant=v)
+            for v in R8_CANDIDATES.get(label, ()) if v != default]
 
 
 def dense_specs(cfg, tp: int) -> list[DenseSpec]:
-    """8 rows per pass (R <= 8, the measured faster variant) and 32 (R > 8) for every layer."""
-    return [make_spec(label, n, k, row_tiles=rt, epilogue=epi)
-            for label, (n, k, epis) in dense_shapes(cfg, tp).items()
-            for epi in epis for rt in ROW_TILE_CHOICES]
+    """8 rows per pass (R <= 8, the step's variant) and 32 (R > 8) for every layer, and the
+    R <= 8 candidates (`candidate_specs`)."""
+    shapes = dense_shapes(cfg, tp)
+    return ([make_spec(label, n, k, row_tiles=rt, epilogue=epi)
+             for label, (n, k, epis) in shapes.items()
+             for epi in epis for rt in ROW_TILE_CHOICES]
+            + [s for label, (n, k, _) in shapes.items() for s in candidate_specs(label, n, k)])
 
 
 # ---- reference ---------------------------------------------------------------------------------

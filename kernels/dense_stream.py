@@ -17,6 +17,12 @@ accumulation, the same K permutation and epilogues); what changes is how the wei
 - A tile's warp partials meet in smem in warp order; a tile shared with other CTAs (at most the
   first and last of a CTA's range) goes through workspace slot (cta, first/last), summed in CTA
   order by the last contributor to arrive on the tile's counter, which resets it: deterministic.
+Variants (DenseSpec.variant): "stream" is the round-3 kernel, unchanged. "stream_x" keeps x
+`x_slots - 1` units ahead in a register ring (x's L2 latency once per few units, not per unit),
+alternates two accumulator sets where a warp owns one chunk per unit (half the dependent mma
+chain), and loads the scale bytes before the weights. "stream_xt" adds whole tiles per CTA: no
+tile is shared, so no workspace, fence, atomic or last-arrival pass (balance: tiles over <= 132
+CTAs instead of units).
 
 PTX ABI: that of the dense family (kernels/dense_ref.PARAMS); weight, scales, x, out 16-aligned.
 """
@@ -62,12 +68,16 @@ def smem_addr(tensor) -> Int32:
 # ---- kernel ------------------------------------------------------------------------------------
 
 class DenseStreamSm90:
-    """Kernel object for one DenseSpec with variant "stream"."""
+    """Kernel object for one DenseSpec with a streamed variant (dense_ref.STREAM_VARIANTS)."""
 
     def __init__(self, spec: DenseSpec):
-        if spec.variant != "stream":
-            raise ValueError(f"{spec.name}: DenseStreamSm90 needs variant 'stream'")
+        if not spec.streamed:
+            raise ValueError(f"{spec.name}: DenseStreamSm90 needs a streamed variant, got "
+                             f"{spec.variant!r}")
         self.spec = spec
+        self.round3 = spec.variant == "stream"      # the kernel measured in round 3, unchanged
+        self.whole_tiles, self.x_slots = spec.whole_tiles, spec.x_slots
+        self.accs = spec.accumulators
         self.n, self.k, self.groups = spec.n, spec.k, spec.groups
         self.unit_k, self.ksteps, self.units = spec.unit_k, spec.ksteps, spec.units
         self.ctas, self.stages, self.stage_bytes = spec.ctas, spec.stages, spec.stage_bytes
@@ -92,8 +102,7 @@ class DenseStreamSm90:
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP, tidx % WARP
         g, t = lane // 4, lane % 4
-        u_begin = self.units * cta // self.ctas
-        n_units = self.units * (cta + 1) // self.ctas - u_begin
+        u_begin, n_units = self._unit_range(cta)
         # Trigger at entry: the next kernel's CTAs start beside ours and stream their weights
         # (measured 1.2-2.9 us per launch faster in the PDL chain than triggering at exit).
         cute.arch.griddepcontrol_launch_dependents()
@@ -108,20 +117,43 @@ class DenseStreamSm90:
         ring_a, sc_a = smem_addr(ring), smem_addr(sc)
         w_row = weight.toint() + Int64(g) * self.k
 
-        # Weights first (constants: no wait), the whole ring deep, one commit group per unit.
+        # Weights (constants: no wait), the whole ring deep, one commit group per unit. The scale
+        # bytes: loaded after them (round 3) or before them (their latency then hides beneath).
+        sbytes = cute.make_rmem_tensor((-(-self.window // CONSUMERS),), Int32)
+        if cutlass.const_expr(not self.round3):
+            self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
         for s in cutlass.range_constexpr(self.stages):
             if s < n_units:
                 self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
             cp_async_commit()
-        self._load_scales(scales, sc_a, u_begin, n_units, tidx)
+        if cutlass.const_expr(self.round3):
+            self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
+        self._scale_stores(sbytes, sc_a, u_begin, n_units, tidx)
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
         cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
 
-        acc = cute.make_rmem_tensor((4,), Float32)
+        acc = cute.make_rmem_tensor((4, self.accs), Float32)
         acc.fill(0.0)
-        xbuf = cute.make_rmem_tensor((8, self.chunks_per_warp, 2), Int32)
+        xbuf = cute.make_rmem_tensor((8, self.chunks_per_warp, self.x_slots), Int32)
         row = cutlass.min(g, rows - 1)
         srow0 = u_begin // self.ksteps // 2
+        if cutlass.const_expr(self.round3):
+            self._round3_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
+                              flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,
+                              warp, lane)
+        else:
+            self._x_ring_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
+                              flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,
+                              warp, lane)
+
+    @cute.jit
+    def _round3_loop(self, acc, xbuf, x: cute.Pointer, w_row: Int64, out: cute.Pointer,
+                     residual: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+                     rows: Int32, flag, red, ring_a: Int32, sc_a: Int32, cta: Int32,
+                     u_begin: Int32, n_units: Int32, srow0: Int32, row: Int32, tidx: Int32,
+                     warp: Int32, lane: Int32):
+        """The units with x one unit ahead (two slots), as measured in round 3."""
+        t = lane % 4
         self._load_x(xbuf, 0, x, u_begin, row, warp, t)
         j = Int32(0)
         while j < n_units:
@@ -136,6 +168,40 @@ class DenseStreamSm90:
                            flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, tidx, warp,
                            lane)
                 j += 1
+
+
+    @cute.jit
+    def _unit_range(self, cta: Int32):
+        """(first unit, unit count) of this CTA (dense_ref.DenseSpec.unit_range)."""
+        if cutlass.const_expr(self.whole_tiles):
+            t0 = self.spec.tiles * cta // self.ctas
+            t1 = self.spec.tiles * (cta + 1) // self.ctas
+            return t0 * self.ksteps, (t1 - t0) * self.ksteps
+        u0 = self.units * cta // self.ctas
+        return u0, self.units * (cta + 1) // self.ctas - u0
+
+    @cute.jit
+    def _x_ring_loop(self, acc, xbuf, x: cute.Pointer, w_row: Int64, out: cute.Pointer,
+                     residual: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+                     rows: Int32, flag, red, ring_a: Int32, sc_a: Int32, cta: Int32,
+                     u_begin: Int32, n_units: Int32, srow0: Int32, row: Int32, tidx: Int32,
+                     warp: Int32, lane: Int32):
+        """The units with x_slots - 1 units of x in flight (a register ring of x_slots units,
+        unrolled x_slots times so every slot index is a constant): x's L2 latency is paid once
+        per x_slots - 1 units instead of once per unit."""
+        t, n_slots = lane % 4, self.x_slots
+        for s in cutlass.range_constexpr(n_slots - 1):
+            self._load_x(xbuf, s, x, u_begin + cutlass.min(s, n_units - 1), row, warp, t)
+        j = Int32(0)
+        while j < n_units:
+            for s in cutlass.range_constexpr(n_slots):
+                if j < n_units:
+                    ahead = u_begin + cutlass.min(j + n_slots - 1, n_units - 1)
+                    self._load_x(xbuf, (s + n_slots - 1) % n_slots, x, ahead, row, warp, t)
+                    self._unit(acc, xbuf, s, j, w_row, out, residual, workspace, counters,
+                               rows, flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0,
+                               tidx, warp, lane)
+                    j += 1
 
     @cute.jit
     def _issue(self, ring_a: Int32, w_row: Int64, u: Int32, slot: Int32, warp: Int32,
@@ -152,17 +218,25 @@ class DenseStreamSm90:
                 cp_async_16(stage + ch * CHUNK_SMEM + WARP * PIECE, src + Int64(8 * self.k + off))
 
     @cute.jit
-    def _load_scales(self, scales: cute.Pointer, sc_a: Int32, u_begin: Int32, n_units: Int32,
-                     tidx: Int32):
-        """The CTA's scale window (whole 32-row blocks) into smem: all loads, then all stores."""
+    def _scale_window(self, u_begin: Int32, n_units: Int32):
+        """(first 32-row scale block, bytes) of the CTA's scale window (whole blocks)."""
         srow0 = u_begin // self.ksteps // 2
-        win = ((u_begin + n_units - 1) // self.ksteps // 2 - srow0 + 1) * self.kg
+        return srow0, ((u_begin + n_units - 1) // self.ksteps // 2 - srow0 + 1) * self.kg
+
+    @cute.jit
+    def _scale_loads(self, sbytes, scales: cute.Pointer, u_begin: Int32, n_units: Int32,
+                     tidx: Int32):
+        """This thread's bytes of the CTA's scale window -> sbytes (loads only)."""
+        srow0, win = self._scale_window(u_begin, n_units)
         s_src = scales.toint() + Int64(srow0 * self.kg)
-        per_thread = -(-self.window // CONSUMERS)
-        sbytes = cute.make_rmem_tensor((per_thread,), Int32)
-        for j in cutlass.range_constexpr(per_thread):
+        for j in cutlass.range_constexpr(cute.size(sbytes)):
             sbytes[j] = ld_u8(s_src + Int64(cutlass.min(tidx + CONSUMERS * j, win - 1)))
-        for j in cutlass.range_constexpr(per_thread):
+
+    @cute.jit
+    def _scale_stores(self, sbytes, sc_a: Int32, u_begin: Int32, n_units: Int32, tidx: Int32):
+        """sbytes -> the smem scale window (the caller's barrier publishes it)."""
+        _, win = self._scale_window(u_begin, n_units)
+        for j in cutlass.range_constexpr(cute.size(sbytes)):
             if tidx + CONSUMERS * j < win:
                 st_shared_u8(sc_a + tidx + CONSUMERS * j, sbytes[j])
 
@@ -212,9 +286,11 @@ class DenseStreamSm90:
                     ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale2)
                     b = (prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x5410),
                          prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x7632))
-                    d = mma_bf16_16816_ordered((ae0, ae1, ao0, ao1), b, [acc[q] for q in range(4)])
+                    a = jj % self.accs            # 2 sets: two independent mma chains
+                    d = mma_bf16_16816_ordered((ae0, ae1, ao0, ao1), b,
+                                               [acc[q, a] for q in range(4)])
                     for q in cutlass.range_constexpr(4):
-                        acc[q] = d[q]
+                        acc[q, a] = d[q]
         if j + self.stages < n_units:             # the slot is free: this thread read it all
             self._issue(ring_a, w_row, u + self.stages, i, warp, lane, t)
         cp_async_commit()
@@ -229,7 +305,10 @@ class DenseStreamSm90:
                      cta: Int32, tidx: Int32, warp: Int32, lane: Int32):
         """Warp partials (warp order) -> output, or -> workspace + last contributor sums."""
         for q in cutlass.range_constexpr(4):
-            red[lane, q, warp] = acc[q]
+            part = acc[q, 0]
+            for a in cutlass.range_constexpr(1, self.accs):
+                part = part + acc[q, a]
+            red[lane, q, warp] = part
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
         q, ln = tidx // WARP, tidx % WARP
         total = Float32(0.0)
@@ -238,6 +317,18 @@ class DenseStreamSm90:
             for w in cutlass.range_constexpr(1, STREAM_WARPS):
                 total = total + red[ln, q, w]
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        if cutlass.const_expr(self.whole_tiles):  # the CTA owns the tile: no workspace
+            if tidx < RED_THREADS:
+                self._epilogue(total, q, ln, tile, rows, residual, out)
+        else:
+            self._combine_shared(total, q, ln, tile, out, residual, workspace, counters, rows,
+                                 flag, cta, tidx)
+
+    @cute.jit
+    def _combine_shared(self, total: Float32, q: Int32, ln: Int32, tile: Int32,
+                        out: cute.Pointer, residual: cute.Pointer, workspace: cute.Pointer,
+                        counters: cute.Pointer, rows: Int32, flag, cta: Int32, tidx: Int32):
+        """A tile other CTAs share: workspace slot, counter, the last arrival sums in CTA order."""
         first_unit = tile * self.ksteps
         c_lo = ((first_unit + 1) * self.ctas - 1) // self.units
         c_hi = ((first_unit + self.ksteps) * self.ctas - 1) // self.units

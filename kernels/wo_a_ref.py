@@ -10,7 +10,7 @@ the shapes. ABI, constraints, numerics and byte formula: kernels/dense_ref.py.
 """
 from __future__ import annotations
 
-from kernels.dense_ref import ROW_TILE_CHOICES, DenseSpec, dense_ref, make_spec
+from kernels.dense_ref import ROW_TILE_CHOICES, DenseSpec, candidate_specs, dense_ref, make_spec
 
 __all__ = ["wo_a_ref", "wo_a_shape", "wo_a_specs"]
 
@@ -22,8 +22,9 @@ def wo_a_shape(cfg, tp: int) -> tuple[int, int, int]:
 
 def wo_a_specs(cfg, tp: int) -> list[DenseSpec]:
     groups, n, k = wo_a_shape(cfg, tp)
-    return [make_spec("grouped", n, k, groups=groups, row_tiles=rt, prefix="wo_a_fp8")
-            for rt in ROW_TILE_CHOICES]
+    return ([make_spec("grouped", n, k, groups=groups, row_tiles=rt, prefix="wo_a_fp8")
+             for rt in ROW_TILE_CHOICES]
+            + candidate_specs("grouped", n, k, groups=groups, prefix="wo_a_fp8"))
 
 
 def wo_a_ref(spec: DenseSpec, o, weight, scales):

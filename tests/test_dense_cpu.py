@@ -217,7 +217,7 @@ def test_specs_are_valid_and_uniquely_named(config):
         assert d["name"] == s.name and d["params"] == [list(p) for p in s.params]
         from_dict = dr.DenseSpec.from_dict if isinstance(s, dr.DenseSpec) else lr.spec_from_dict
         assert from_dict(d) == s
-        if s.variant == "stream":
+        if s.variant != "mma":
             assert s.grid(8) == s.grid(1) == (s.ctas, 1, 1) and s.ctas <= 132
             with pytest.raises(ValueError, match="rows <= 8"):
                 s.grid(9)
@@ -246,10 +246,11 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
     last tile can be shared (its two workspace slots), the scale window holds every scale block
     the CTA reads, the ring fits the smem budget, and small layers are resident in the ring."""
     cfg = ModelConfig.preset(config)
-    every_layer = [dr.make_spec(label, n, k, variant="stream")    # ring layouts included
-                   for label, (n, k, _) in dr.dense_shapes(cfg, 4).items()]
-    defaults = [s for s in dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) if s.variant == "stream"]
-    assert defaults, "no layer uses the streamed kernel"
+    every_layer = [dr.make_spec(label, n, k, variant=v)           # ring layouts included
+                   for label, (n, k, _) in dr.dense_shapes(cfg, 4).items()
+                   for v in dr.STREAM_VARIANTS]
+    defaults = [s for s in dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) if s.streamed]
+    assert {s.variant for s in defaults} == set(dr.STREAM_VARIANTS), "a variant is not built"
     for s in every_layer + defaults:
         assert s.k % s.unit_k == 0 and s.unit_k % 32 == 0 and s.unit_k <= dr.STREAM_MAX_UNIT_K
         assert s.stage_bytes == 16 * 64 * -(-s.unit_k // 64)
@@ -264,14 +265,51 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
             shared = [t for t in tiles if s.cta_of_unit(t * s.ksteps)
                       != s.cta_of_unit((t + 1) * s.ksteps - 1)]
             assert set(shared) <= {tiles[0], tiles[-1]}
+            if s.whole_tiles:                         # no workspace: no tile may be shared
+                assert not shared and u0 % s.ksteps == 0 and u1 % s.ksteps == 0
             window = (tiles[-1] // 2 - tiles[0] // 2 + 1) * (s.k // 32)
             assert window <= s.scale_window()
         assert (owner >= 0).all()
-        per_cta = -(-s.units // s.ctas)
+        per_cta = s.units_per_cta
+        assert per_cta == max(s.unit_range(c)[1] - s.unit_range(c)[0] for c in range(s.ctas))
+        assert (s.workspace_bytes() == 0) == s.whole_tiles
         if s.weight_bytes() <= 12 * 2**20:
             assert s.stages >= per_cta, f"{s.name}: slice not resident ({s.stages} < {per_cta})"
         else:
             assert s.stages >= 2
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
+    """stream_x / stream_xt: x_slots units of x (8 words per chunk a warp owns) within
+    STREAM_X_REGS, never more slots than the CTA has units (but 2, the ring's minimum), two
+    accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged."""
+    cfg = ModelConfig.preset(config)
+    for label, (n, k, _) in dr.dense_shapes(cfg, 4).items():
+        for v in dr.STREAM_VARIANTS:
+            s = dr.make_spec(label, n, k, variant=v)
+            per_chunk = 8 * -(-s.chunks // dr.STREAM_WARPS)
+            if v == "stream":
+                assert (s.x_slots, s.accumulators) == (2, 1)
+                continue
+            assert 2 <= s.x_slots <= max(2, s.units_per_cta)
+            assert s.x_slots == 2 or s.x_slots * per_chunk <= dr.STREAM_X_REGS
+            assert s.accumulators == (2 if per_chunk == 8 else 1)
+
+
+def test_step_variant_names_and_candidates(v41):
+    """The step's R <= 8 kernel has the plain name; every other candidate carries its variant
+    tag, so the picker (executor/launches/dense.py) and the stage buffers see the step's."""
+    specs = dr.dense_specs(v41, 4) + wr.wo_a_specs(v41, 4)
+    for s in specs:
+        label = s.name.split("_n")[0].removeprefix("dense_w8a16_").removeprefix("wo_a_fp8_")
+        default = dr.default_variant(label, s.row_tiles)
+        tag = dr.VARIANT_TAGS[s.variant]
+        assert s.name.endswith(f"_{s.epilogue}" if s.variant == default else f"_{tag}")
+    plain_r8 = {s.name: s.variant for s in specs if s.row_tiles == 1 and s.name.endswith("_bf16")}
+    assert plain_r8["dense_w8a16_wq_b_n8192_k1280_r8_bf16"] == dr.R8_VARIANT.get("wq_b", "mma")
+    assert "dense_w8a16_wq_b_n8192_k1280_r8_bf16_s" in {s.name for s in specs} or \
+        dr.R8_VARIANT.get("wq_b") == "stream"
 
 
 def test_stream_summation_model_matches_the_product():

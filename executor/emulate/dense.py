@@ -53,7 +53,7 @@ def check_zero(who: str, space, name: str, ptr: int, nbytes: int) -> None:
 
 def workspace_written(spec: dr.DenseSpec, rows: int) -> list[slice]:
     """The fp32 workspace elements one launch writes (kernels/dense.py, kernels/dense_stream.py)."""
-    if spec.variant == "stream":            # slot (cta, first/last) of every tile CTAs share
+    if spec.streamed:                       # slot (cta, first/last) of every tile CTAs share
         slots = []
         for tile in range(spec.tiles):
             first = tile * spec.ksteps

@@ -124,7 +124,7 @@ class DenseCase:
 def _rows_for(spec: dr.DenseSpec) -> tuple[int, ...]:
     """Main variants (r8: R <= 8, r32: R > 8) at every R; the other variant and the extra
     epilogues at a few R (every kernel still runs a multi-pass R)."""
-    if spec.variant == "stream":                  # R <= 8 only (grid() rejects more)
+    if spec.streamed:                             # R <= 8 only (grid() rejects more)
         return (1, 5, 6, 8) if spec.epilogue == "bf16" else (6, 8)
     if spec.epilogue != "bf16":
         return (6, 48)
