@@ -136,16 +136,30 @@ def _draw(job) -> dict[str, np.ndarray]:
     return {name: source(specs[name]) for name in names}
 
 
-def pack_ranks(cfg: ModelConfig, synth: SharedSynth, max_rows: int) -> tuple[list, float]:
-    """Every rank's (requests, uploads), the ranks packed in parallel threads (the NumPy work
-    releases the GIL); and the seconds it took."""
+def pack_ranks(cfg: ModelConfig, synth: SharedSynth, max_rows: int,
+               workers: int | None = None) -> tuple[list, float]:
+    """Every rank's (requests, uploads), each (rank, stage module) packed on its own thread (the
+    NumPy work releases the GIL); and the seconds it took. A rank's contents are the boundary
+    buffers, then per module its buffers and weights: arena_contents' slices and arrays, in
+    another order (the arena places slices by name)."""
     t0 = time.perf_counter()
+    boundary = len(arena_contents(cfg, TP, 0, synth.fetch(0), max_rows, ())[0])
 
-    def one(rank: int):
-        return arena_contents(cfg, TP, rank, synth.fetch(rank), max_rows, MODULES)
+    def part(rank: int, module: str):
+        requests, uploads = arena_contents(cfg, TP, rank, synth.fetch(rank), max_rows, (module,))
+        return requests[boundary:], uploads
 
-    with ThreadPoolExecutor(TP) as pool:
-        contents = list(pool.map(one, range(TP)))
+    jobs = [(rank, module) for rank in range(TP) for module in MODULES]
+    with ThreadPoolExecutor(workers or min(len(jobs), os.cpu_count() or 1)) as pool:
+        parts = dict(zip(jobs, pool.map(lambda job: part(*job), jobs)))
+    contents = []
+    for rank in range(TP):
+        requests = arena_contents(cfg, TP, rank, synth.fetch(rank), max_rows, ())[0]
+        uploads = []
+        for module in MODULES:
+            requests += parts[rank, module][0]
+            uploads += parts[rank, module][1]
+        contents.append((requests, uploads))
     return contents, time.perf_counter() - t0
 
 

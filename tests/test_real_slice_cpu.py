@@ -95,3 +95,18 @@ def test_reference_experts_are_the_aliased_experts(tiny):
     assert lw.experts[unique + 1] is lw.experts[1]          # dequantized once per value
     with pytest.raises(IndexError):
         lw.experts[tiny.n_routed_experts]
+
+
+def test_packing_per_module_gives_arena_contents_slices(tiny):
+    shared = rs.SharedSynth(tiny, seed=4)
+    contents, _ = rs.pack_ranks(tiny, shared, 16, workers=4)
+    for rank in (0, 3):
+        requests, uploads = contents[rank]
+        want_req, want_up = rs.arena_contents(tiny, rs.TP, rank, shared.fetch(rank), 16,
+                                              rs.MODULES)
+        assert sorted(requests) == sorted(want_req)
+        assert len({r[0] for r in requests}) == len(requests)
+        want = dict(want_up)
+        assert sorted(want) == sorted(name for name, _ in uploads)
+        for name, array in uploads:
+            assert _same(array, want[name]), (rank, name)
