@@ -339,14 +339,15 @@ def _serial_order(mod, heads: list, parts: list[tuple[int, LayerPart]]) -> list:
 
 def _layer_slices(requests: list, packed: list, layer_map) -> list:
     """arena_contents' slices: each packed array in its own slice and in those of the layers it
-    represents (the same array object); appends the requests, returns the uploads."""
+    represents (the same array object); appends the requests, returns the uploads. Repeating
+    views stay views (arena_contents makes them contiguous: the same bytes)."""
     copies: dict[int, list[int]] = {}
     for layer, rep in sorted(layer_map.items()):
         if layer != rep:
             copies.setdefault(rep, []).append(layer)
     uploads = []
     for name, array in packed:
-        array = np.ascontiguousarray(array)
+        array = array if repeats(array) else np.ascontiguousarray(array)   # see upload_all
         per_layer = LAYER_NAME.fullmatch(name)
         names = [name] if per_layer is None else [
             f"layers.{i}.{per_layer[2]}"
@@ -359,16 +360,26 @@ def _layer_slices(requests: list, packed: list, layer_map) -> list:
 
 
 def upload_all(arena, uploads) -> None:
-    """H2D once per distinct array; the layers sharing it get a device-to-device copy."""
+    """H2D once per distinct array; the layers sharing it get a device-to-device copy, and an
+    array that repeats along its first axis (stride 0: ffn_tiled's experts) goes up as one
+    repeat, copied along the slice on the device."""
     first: dict[int, str] = {}
     for name, array in uploads:
-        source = first.get(id(array))
-        if source is None:
-            arena.upload(name, array)
-            first[id(array)] = name
-        else:
+        source = first.setdefault(id(array), name)
+        if source != name:
             nbytes = array.nbytes
             arena.view(name, np.uint8, (nbytes,))[...] = arena.view(source, np.uint8, (nbytes,))
+        elif repeats(array):
+            arena.upload(name, array[0])
+            whole = arena.view(name, np.uint8, (array.shape[0], array[0].nbytes))
+            whole[1:] = whole[0]
+        else:
+            arena.upload(name, array)
+
+
+def repeats(array) -> bool:
+    """Whether `array` is one block repeated along its first axis (a stride-0 view)."""
+    return array.ndim > 1 and array.shape[0] > 1 and array.strides[0] == 0
 
 
 def role_groups(built) -> dict[str, list]:

@@ -123,8 +123,13 @@ def test_tiled_experts_equal_packing_an_aliasing_fetch(tiny):
     got = dict(ffn_tiled.weights(tiny, 4, 1, fetch, layers=[2, 5], unique=8))
     assert sorted(got) == sorted(want)
     for name, array in want.items():
-        assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
-        assert np.array_equal(got[name].view(np.uint8), array.view(np.uint8)), name
+        tiled = got[name]
+        if ".experts." in name:              # [E / 8, 8, ...] repeating 8 experts, no copy
+            assert tiled.shape == (array.shape[0] // 8, 8, *array.shape[1:]), name
+            assert bs.repeats(tiled) and not tiled.flags.writeable, name
+            tiled = np.ascontiguousarray(tiled).reshape(array.shape)
+        assert tiled.dtype == array.dtype and tiled.shape == array.shape, name
+        assert np.array_equal(tiled.view(np.uint8), array.view(np.uint8)), name
     with pytest.raises(ValueError, match="whole number of repeats"):
         list(ffn_tiled.weights(tiny, 4, 1, fetch, unique=6))
 
@@ -243,11 +248,15 @@ def test_step_bytes(tiny_rank):
 def test_parallel_packing_equals_arena_contents(tiny):
     """pack_parallel: the requests (slice order = arena layout) and uploads of arena_contents,
     byte for byte, with the same sharing of one array by a role's layers; tiny has DSpark stages
-    (packed as themselves), globals before (mhc) and after (attn_proj: RoPE) the layers."""
+    (packed as themselves), globals before (mhc) and after (attn_proj: RoPE) the layers. Its
+    8 experts are 4 repeated twice (stage_ffn_few_experts: ffn_tiled with 4 unique experts)."""
     layer_map = representatives(tiny)
+    modules = [m.replace("executor.stages.ffn_tiled", "stage_ffn_few_experts")
+               for m in bs.BENCH_MODULES]
     want_req, want_up = arena_contents(tiny, bs.TP, bs.RANK, synth_fetch(tiny, 5, bs.TP, bs.RANK),
-                                       bs.MAX_ROWS, bs.BENCH_MODULES, layer_map)
-    got_req, got_up = bs.pack_parallel(tiny, synth_fetch(tiny, 5, bs.TP, bs.RANK), layer_map, 3)
+                                       bs.MAX_ROWS, modules, layer_map)
+    got_req, got_up = bs.pack_parallel(tiny, synth_fetch(tiny, 5, bs.TP, bs.RANK), layer_map, 3,
+                                       modules)
     assert got_req == want_req
     assert [name for name, _ in got_up] == [name for name, _ in want_up]
     for (name, got), (_, want) in zip(got_up, want_up):
@@ -259,6 +268,20 @@ def test_parallel_packing_equals_arena_contents(tiny):
         return [first.setdefault(id(a), name) for name, a in uploads]
     assert sharing(got_up) == sharing(want_up)
     assert any(name.startswith("mtp.") for name, _ in got_up)
+    assert any(bs.repeats(a) for _, a in got_up)          # the experts stay repeating views
+    # upload_all (one repeat up, the rest copied on the "device") fills the arena as uploading
+    # arena_contents' contiguous arrays one by one does
+    arenas = [HostArena(AddressSpace(), want_req) for _ in range(2)]
+    for arena in arenas:
+        for name, _, _ in want_req:
+            arena.view(name, np.uint8, (arena.nbytes(name),))[...] = 0xA5
+    bs.upload_all(arenas[0], got_up)
+    for name, array in want_up:
+        arenas[1].upload(name, array)
+    for name, _, _ in want_req:
+        shape = (arenas[0].nbytes(name),)
+        assert np.array_equal(arenas[0].view(name, np.uint8, shape),
+                              arenas[1].view(name, np.uint8, shape)), name
 
 
 def test_serial_order_refuses_a_module_that_does_not_split_by_layer():

@@ -11,6 +11,11 @@ tiny). Every expert still has its own bytes in the arena, so the MoE kernels rea
 as with 384 distinct experts; only the router weights are the config's own (all 384 rows), so
 routing spreads over every expert.
 
+The expert arrays come as read-only [E / unique, unique, ...] views that repeat the unique
+experts (stride 0 along the first axis; E x the bytes once made contiguous, which arena_contents
+does): 1.2 GB per layer on rank 0 that the step benchmark need not write on the host, it uploads
+one repeat and copies it on the device (`bench_step.upload_all`).
+
 Buffers and builders are `executor.stages.ffn`'s: list this module instead of that one.
 """
 from __future__ import annotations
@@ -55,7 +60,7 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None, unique: int = UNIQUE_EX
         for name, array in ffn.weights(small, tp, rank, small_fetch, [index]):
             if name.endswith(gate_names):
                 continue
-            if name.endswith(expert_names):
-                array = np.tile(array, (total // unique,) + (1,) * (array.ndim - 1))
+            if name.endswith(expert_names):   # [E / unique, unique, ...]: a view, no copy
+                array = np.broadcast_to(array, (total // unique, *array.shape))
             yield name, array
         yield from ffn._gate_weights(cfg, fetch, cfg.layer(index))   # every row: real routing
