@@ -99,18 +99,19 @@ class SparseMqaPush:
     def _load_records_by_record(self, base: Int32, tidx: Int32):
         """Warp w copies records w, w + 8, ..; lane l its words l, l + 32, l + 64 (< 73)."""
         warp, lane = tidx // WARP, tidx % WARP
-        i = warp
-        while i < self.E:
-            addr = lds_s64(base + self.lay.addresses + i * 8)
-            for k in cutlass.range_constexpr((REC_WORDS + WARP - 1) // WARP):
-                w = lane + WARP * k
-                if w < REC_WORDS:
-                    dst = base + self.lay.records + i * REC + w * 8
-                    if addr > 1:
-                        cp_async_8(dst, addr + Int64(w * 8))
-                    else:
-                        sts_v2_u32(dst, Int32(0), Int32(0))
-            i += WARPS
+        # Unrolled (E is a compile-time constant), so the warp's address loads issue together.
+        for k in cutlass.range_constexpr((self.E + WARPS - 1) // WARPS):
+            i = warp + WARPS * k
+            if i < self.E:
+                addr = lds_s64(base + self.lay.addresses + i * 8)
+                for j in cutlass.range_constexpr((REC_WORDS + WARP - 1) // WARP):
+                    w = lane + WARP * j
+                    if w < REC_WORDS:
+                        dst = base + self.lay.records + i * REC + w * 8
+                        if addr > 1:
+                            cp_async_8(dst, addr + Int64(w * 8))
+                        else:
+                            sts_v2_u32(dst, Int32(0), Int32(0))
 
     @cute.jit
     def _push_stats(self, base: Int32, s: Int32, h: Int32, j: Int32, m, total, bad, cluster_ok):
