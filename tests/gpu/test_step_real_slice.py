@@ -115,8 +115,8 @@ def test_real_dimension_slice_follows_the_reference(dev, stream, bundle):
         model = rs.reference_model(cfg, synth)
         prompt = random_prompt(rng, PROMPT, cfg.vocab_size)
         seq = list(prompt) + [prefill(model, caches, 0, prompt).next_token]
-        timings = [f"synthetic draws {draw_s:.1f} s", f"pack {pack_s:.1f} s", f"upload {upload_s:.1f} s",
-                   f"reference prefill {time.perf_counter() - t0:.1f} s"]
+        timings = [f"synthetic draws {draw_s:.1f} s", f"pack {pack_s:.1f} s",
+                   f"upload {upload_s:.1f} s", f"reference prefill {time.perf_counter() - t0:.1f} s"]
         diffs = []
         for step, kind in enumerate(BLOCKS):
             drafts = [] if kind == "decode" else random_prompt(rng, VERIFY_ROWS - 1,
