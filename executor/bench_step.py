@@ -1,6 +1,12 @@
 """Whole-rank decode step benchmark on one GPU: rank 0 of TP4, 40 layers at real dimensions.
 
     hopdec devicecheck --only step --bundle build/bundle-v41-bench-step-tp4 ...
+    HOPDEC_STEP_CASES=1x4k,6x4k hopdec devicecheck --only step ...     # those cases only
+
+Environment: HOPDEC_STEP_CASES ("ROWSxCONTEXT,...", e.g. "1x4k,6x64k"; ROWS a bucket of CASES,
+CONTEXT in tokens, k = 1024) runs only those (bucket, context) pairs; unset, every bucket (quick:
+R = 1, 5) at every context. HOPDEC_PACK_WORKERS: threads packing the weights (default every core;
+1 = `wiring.arena_contents` on one thread).
 
 What runs: `decode_plan(cfg)` wired by the step's own stage modules (BENCH_MODULES) on one
 rank's arena, with synthetic weights (`loader.synth.synth_fetch`, no checkpoint file), for
@@ -12,7 +18,9 @@ from a real TP4 step, and why:
 - Weights: layers of one role share the bytes of a representative (`wiring.representatives`,
   8 of 40 are packed), each layer in its own slices, so the step reads 40 layers' bytes; routed
   expert e holds expert e % 16's values (`stages.ffn_tiled`; packing 384 x 8 experts would take
-  half an hour).
+  half an hour). `pack_parallel` packs each (stage module, representative layer) on its own
+  thread, the same arrays in the same arena order as arena_contents; the repeated experts go up
+  once per layer and are copied on the device (`upload_all`).
 - Cross-rank stages: `stages.local_collectives` (a copy per all-reduce, no-op gather and pick);
   the one-shot all-reduce's own latency (collectives benchmark: peers pre-arrived, one GPU) is
   added in the "+ AR" column, 81 calls (embedding + 2 per layer).
@@ -23,7 +31,8 @@ from a real TP4 step, and why:
 Timed per (bucket, context): graph replay (CUDA events, median of GRAPH_REPS), the same graph
 captured without PDL, the same launches eagerly with and without PDL (host-bound: Python issues
 ~4 us per launch), and per stage role a graph of that role's launches over all layers (the
-per-family breakdown; replayed alone, so boundaries with the neighbours are not in it). No L2
+per-family breakdown, with launches per step and us per launch; replayed alone, so boundaries
+with the neighbours are not in it: the whole graph minus the sum of the roles is their cost). No L2
 flush: a step reads ~4-10 GB, 70-170x the 60 MB L2. Bytes that must be read: the dense weights
 the step touches, the distinct experts the router picked (counted per layer in an eager pass),
 KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 ms at R = 1 / 6).
@@ -94,6 +103,31 @@ class Case:
 
 CASES = (Case(1, 1, "decode"), Case(5, 1, "verify"), Case(6, 1, "verify"),
          Case(48, 8, "verify"), Case(192, 32, "verify"))
+
+
+def selected_cases(spec: str | None = None, quick: bool = False):
+    """[(case, contexts)] to run: `spec` (default: CASES_ENV) "ROWSxCONTEXT,..." such as
+    "1x4k,6x64k" (k = 1024; ROWS a bucket of CASES, CONTEXT from a block up to max(CONTEXTS)),
+    grouped by case in the order given; unset or empty: every case (quick: the first two) at
+    every context of CONTEXTS."""
+    spec = os.environ.get(CASES_ENV, "") if spec is None else spec
+    if not spec.strip():
+        return [(case, CONTEXTS) for case in (CASES[:2] if quick else CASES)]
+    by_rows, chosen = {c.rows: c for c in CASES}, {}
+    for item in spec.split(","):
+        rows, _, context = item.strip().lower().partition("x")
+        scale = 1024 if context.endswith("k") else 1
+        context = context.removesuffix("k")
+        case = by_rows.get(int(rows)) if rows.isdigit() else None
+        if case is None or not context.isdigit() or not (
+                case.block <= int(context) * scale <= max(CONTEXTS)):
+            raise ValueError(f"{CASES_ENV}: {item.strip()!r} is not ROWSxCONTEXT with ROWS one "
+                             f"of {sorted(by_rows)} and CONTEXT (4k = 4096) from the block up "
+                             f"to {max(CONTEXTS)}")
+        contexts = chosen.setdefault(case, [])
+        if int(context) * scale not in contexts:
+            contexts.append(int(context) * scale)
+    return [(case, tuple(contexts)) for case, contexts in chosen.items()]
 
 
 def bench_config(cfg: ModelConfig | None = None) -> ModelConfig:
@@ -522,6 +556,7 @@ def _measured_allreduce(ctx) -> dict[int, float] | None:
 
 def bench_step(ctx) -> None:
     """The whole-rank step per bucket and context (see the module docstring)."""
+    cases = selected_cases(quick=ctx.quick)          # a bad CASES_ENV fails before packing
     cfg = bench_config()
     bundle = find_bundle(ctx, cfg)
     ar_table = _measured_allreduce(ctx)
@@ -533,8 +568,8 @@ def bench_step(ctx) -> None:
     ctx.metric("step: dense weight bytes per step", dev.weights.dense / 1e9, "GB")
     lines = []
     try:
-        for case in CASES[:2] if ctx.quick else CASES:
-            lines += _bench_case(ctx, dev, case, cfg, ar_table)
+        for case, contexts in cases:
+            lines += _bench_case(ctx, dev, case, contexts, cfg, ar_table)
     finally:
         dev.close()
     ctx.metric("step: benchmark wall time", time.perf_counter() - t0, "s")
@@ -545,16 +580,16 @@ def bench_step(ctx) -> None:
           f"{ar_source})\n" + header + "\n" + "\n".join(lines), flush=True)
 
 
-def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
+def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
     built = dev.plan.launches(case.rows)
     specs = [s for _, group in built for s in group]
     plain = without_pdl(specs)
     graphs = {"pdl": _capture(dev.stream, specs), "plain": _capture(dev.stream, plain)}
-    roles = {role: _capture(dev.stream, group) for role, group in role_groups(built).items()
-             if group}
+    groups = {role: group for role, group in role_groups(built).items() if group}
+    roles = {role: _capture(dev.stream, group) for role, group in groups.items()}
     timer, lines = ctx.timer, []
     try:
-        for context in CONTEXTS:
+        for context in contexts:
             dev.load(case, context)
             distinct = dev.distinct_experts(built, case.rows)
             times = {name: timer.median_us(lambda g=g: g.launch(dev.stream), reps=GRAPH_REPS)
@@ -581,9 +616,8 @@ def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
             ctx.metric(f"{tag}: distinct experts per layer (mean)", statistics.mean(distinct), "")
             ctx.metric(f"{tag}: non-finite values in the final hidden state",
                        dev.nonfinite(case.rows), "")
-            for role, graph in roles.items():
-                us = timer.median_us(lambda g=graph: g.launch(dev.stream), reps=GRAPH_REPS)
-                ctx.metric(f"{tag}: role {role} (its launches alone, graph)", us, "us")
+            _role_breakdown(ctx, dev, roles, {r: len(g) for r, g in groups.items()}, tag,
+                            times["pdl"])
             doc = DOC_FLOOR_MS.get(case.rows)
             lines.append(f"{case.rows:>4d} {label:>4s} {times['pdl']:>9.1f} "
                          f"{with_ar:>8.1f} {times['plain']:>9.1f} {times['eager']:>8.1f} "
@@ -595,6 +629,34 @@ def _bench_case(ctx, dev, case: Case, cfg, ar_table) -> list[str]:
         for graph in [*graphs.values(), *roles.values()]:
             graph.close()
     return lines
+
+
+def _role_breakdown(ctx, dev, roles: dict, launches: dict[str, int], tag: str,
+                    graph_us: float) -> None:
+    """Each role's launches alone in a graph: us per step and per launch (metrics and a table),
+    and their sum against the whole-step graph: the difference is what the boundaries between
+    roles cost (positive) or what overlapping them gains (negative: PDL across roles)."""
+    rows, total_us = [], 0.0
+    for role, graph in roles.items():
+        us = ctx.timer.median_us(lambda g=graph: g.launch(dev.stream), reps=GRAPH_REPS)
+        count = launches[role]
+        ctx.metric(f"{tag}: role {role} (its launches alone, graph)", us, "us")
+        ctx.metric(f"{tag}: role {role}: us per launch ({count} launches per step)",
+                   us / count, "us")
+        rows.append((role, count, us))
+        total_us += us
+    count = sum(launches.values())
+    ctx.metric(f"{tag}: sum of the role graphs ({count} launches)", total_us, "us")
+    ctx.metric(f"{tag}: graph minus the sum of the roles (boundaries, overlap)",
+               graph_us - total_us, "us")
+    lines = [f"{tag}, by role (its launches alone in a graph):",
+             f"  {'role':<28s} {'launches':>8s} {'us/step':>9s} {'us/launch':>9s} {'%sum':>5s}"]
+    lines += [f"  {role:<28s} {n:>8d} {us:>9.1f} {us / n:>9.2f} {100 * us / total_us:>5.1f}"
+              for role, n, us in sorted(rows, key=lambda row: -row[2])]
+    lines += [f"  {'sum of the roles':<28s} {count:>8d} {total_us:>9.1f} {total_us / count:>9.2f}",
+              f"  {'whole-step graph':<28s} {'':>8s} {graph_us:>9.1f}",
+              f"  {'graph - sum (boundaries)':<28s} {'':>8s} {graph_us - total_us:>9.1f}"]
+    print("\n".join(lines), flush=True)
 
 
 def _context_label(context: int) -> str:

@@ -323,3 +323,48 @@ def test_shared_fetch_makes_each_name_once_for_many_threads(tiny):
         shared("layers.99.attn.wq_b.weight")
     with pytest.raises(KeyError, match="layers.99.attn.wq_b.weight"):   # the waiters' error too
         shared("layers.99.attn.wq_b.weight")
+
+
+def test_selected_cases_from_the_environment(monkeypatch):
+    monkeypatch.delenv(bs.CASES_ENV, raising=False)
+    assert bs.selected_cases() == [(case, bs.CONTEXTS) for case in bs.CASES]
+    assert bs.selected_cases(quick=True) == [(case, bs.CONTEXTS) for case in bs.CASES[:2]]
+    monkeypatch.setenv(bs.CASES_ENV, " 6x64k, 1x4K,6x4k,6x65536 ")
+    by_rows = {c.rows: c for c in bs.CASES}
+    assert bs.selected_cases(quick=True) == [(by_rows[6], (65536, 4096)), (by_rows[1], (4096,))]
+    assert bs.selected_cases("192x1000") == [(by_rows[192], (1000,))]
+    for bad in ("2x4k", "1x128k", "48x4", "1", "x4k", "1x4m", "1x4k,"):
+        with pytest.raises(ValueError, match=bs.CASES_ENV):
+            bs.selected_cases(bad)
+
+
+def test_role_breakdown_per_launch_and_against_the_graph(capsys):
+    """Fake graphs that 'take' a known time: the metrics divide by the launches and compare the
+    sum with the whole-step graph."""
+    taken = []
+
+    class Graph:
+        def __init__(self, us):
+            self.us = us
+
+        def launch(self, stream):
+            taken.append(self.us)
+
+    class Timer:
+        def median_us(self, fn, reps):
+            fn()
+            return taken[-1]
+
+    metrics = {}
+    ctx = types.SimpleNamespace(timer=Timer(), metric=lambda n, v, u: metrics.__setitem__(n, v))
+    roles = {"attn.mhc_pre": Graph(650.0), "ffn.router": Graph(250.0)}
+    bs._role_breakdown(ctx, types.SimpleNamespace(stream=None), roles,
+                       {"attn.mhc_pre": 40, "ffn.router": 50}, "step R=1", 1000.0)
+    tag = "step R=1: role"
+    assert metrics[f"{tag} attn.mhc_pre (its launches alone, graph)"] == 650.0
+    assert metrics[f"{tag} attn.mhc_pre: us per launch (40 launches per step)"] == 650.0 / 40
+    assert metrics[f"{tag} ffn.router: us per launch (50 launches per step)"] == 5.0
+    assert metrics["step R=1: sum of the role graphs (90 launches)"] == 900.0
+    assert metrics["step R=1: graph minus the sum of the roles (boundaries, overlap)"] == 100.0
+    table = capsys.readouterr().out
+    assert "attn.mhc_pre" in table and "16.25" in table and "1000.0" in table
