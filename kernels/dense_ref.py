@@ -58,7 +58,8 @@ VARIANTS = ("mma", "stream", "stream_x", "stream_xt")
 STREAM_VARIANTS = VARIANTS[1:]
 VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_x": "sx", "stream_xt": "sxt"}
 STREAM_WARPS = 8                    # warps of the streamed kernel
-STREAM_X_REGS = 48                  # x ring registers per thread of stream_x / stream_xt
+STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / stream_xt ...
+STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
 STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
 PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
@@ -108,17 +109,18 @@ class DenseSpec:
     @property
     def x_slots(self) -> int:
         """Units of x in flight per thread (register ring): 2 for "stream", else as many as
-        STREAM_X_REGS holds (8 words per 64-K chunk a warp owns), at most the CTA's units."""
+        STREAM_X_REGS holds (8 words per 64-K chunk a warp owns), at most STREAM_X_SLOTS and the
+        CTA's units. Registers then stay <= 128 (two CTAs per SM): 94-118 at v41 TP4."""
         if self.variant == "stream":
             return 2
         per_chunk = 8 * ceil_div(self.chunks, STREAM_WARPS)
-        return max(2, min(self.units_per_cta, STREAM_X_REGS // per_chunk))
+        return max(2, min(self.units_per_cta, STREAM_X_REGS // per_chunk, STREAM_X_SLOTS))
 
     @property
     def accumulators(self) -> int:
         """fp32 accumulator sets per warp (alternate mma steps: half the dependent chain). One
-        where a warp owns 2 chunks per unit: two sets beside a 3-unit x ring took 159-188
-        registers (ptxas), and two CTAs per SM (this kernel and the next) need <= 128."""
+        where a warp owns 2 chunks per unit: two sets beside a 3-unit x ring took 127-128
+        registers (ptxas), at the 128 that two CTAs per SM (this kernel and the next) allow."""
         if self.variant == "stream" or ceil_div(self.chunks, STREAM_WARPS) > 1:
             return 1
         return 2

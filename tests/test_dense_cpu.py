@@ -292,7 +292,7 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
             if v == "stream":
                 assert (s.x_slots, s.accumulators) == (2, 1)
                 continue
-            assert 2 <= s.x_slots <= max(2, s.units_per_cta)
+            assert 2 <= s.x_slots <= max(2, min(s.units_per_cta, dr.STREAM_X_SLOTS))
             assert s.x_slots == 2 or s.x_slots * per_chunk <= dr.STREAM_X_REGS
             assert s.accumulators == (2 if per_chunk == 8 else 1)
 
