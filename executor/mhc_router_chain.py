@@ -126,10 +126,7 @@ def bench_mhc_router(ctx) -> None:
     rng = np.random.default_rng()
     post_specs = []
     for name in sorted(n for n in bundle.names() if n.startswith("mhc_pre_") and "_post" in n):
-        sp = bundle.manifest.kernels[name].spec
-        post_specs.append(mk.make_spec(sp["width"], sp["streams"], sp["mode"],
-                                       sp["sinkhorn_iters"], sp.get("early_trigger", False),
-                                       sp.get("live_rows", False), sp.get("approx_rcp", False)))
+        post_specs.append(mk.spec_from_dict(bundle.manifest.kernels[name].spec))
         if post_specs[-1].name != name:
             raise ValueError(f"bundle kernel {name}: its manifest spec rebuilds as "
                              f"{post_specs[-1].name}")

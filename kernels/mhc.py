@@ -40,6 +40,7 @@ from kernels.mhc_kernel_ref import (
     MhcPreSpec,
     mhc_specs,
 )
+from kernels.mhc_lean import MhcLeanTail, atomic_add_acq_rel, fence_gpu, rcp_approx
 from kernels.ptx import (
     asm,
     ld_f32,
@@ -96,24 +97,9 @@ def shfl_xor_i32(x: Int32, offset: int) -> Int32:
                       "=r,r"))
 
 
-def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
-    return Int32(_asm(1, [Int64(addr), Int32(v)], "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
-                      "=r,l,r"))
-
-
-def rcp_approx(x: Float32) -> Float32:
-    """1/x by one MUFU.RCP (rcp.approx.ftz: <= 1 ulp), no div.rn fast-path check or branch."""
-    return Float32(_asm(1, [Float32(x)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", kind=T.f32(),
-                        side_effects=False))
-
-
-def fence_gpu():
-    void([], "fence.acq_rel.gpu;", "")
-
-
 # ---- kernel --------------------------------------------------------------------------------------
 
-class MhcPreSm90:
+class MhcPreSm90(MhcLeanTail):
     """Kernel object for one MhcPreSpec (config-only __init__, jit launcher, kernel)."""
 
     def __init__(self, spec: MhcPreSpec):
@@ -122,7 +108,7 @@ class MhcPreSm90:
         self.post = spec.mode in ("post", "postonly")
         self.mixes_on = spec.mode != "postonly"
         self.fn_floats = MIX_DIM * self.S * SLICE_WIDTH
-        self.red_offset = 4 * self.fn_floats                   # bytes: reduced [rows, 32] sums
+        self.red_offset = spec.fn_region_bytes                 # bytes: reduced [rows, 32] sums
         self.flag_offset = self.red_offset + 4 * ROWS_PER_CTA * PARTIAL_STRIDE
 
     @cute.jit
@@ -154,16 +140,29 @@ class MhcPreSm90:
 
         dv = tidx % THREADS_PER_ROW
         d0 = slice_idx * SLICE_WIDTH + dv * VEC
+        # lean: a warp runs a pass only if one of its 4 rows is real (warp-uniform, so the
+        # row's full-warp butterflies stay converged); rows past the end load a real row.
+        warp_rows = (tidx // 32) * (32 // THREADS_PER_ROW)
+        live = rows - block_row * ROWS_PER_CTA
         for p in cutlass.range_constexpr(ROWS_PER_CTA // ROW_GROUPS):
             row = block_row * ROWS_PER_CTA + p * ROW_GROUPS + tidx // THREADS_PER_ROW
-            self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out, workspace,
-                               sbase, rows, row, slice_idx, d0, dv)
+            if cutlass.const_expr(self.spec.lean):
+                if p * ROW_GROUPS + warp_rows < live:
+                    self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out,
+                                       workspace, sbase, rows, row, slice_idx, d0, dv)
+            else:
+                self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out, workspace,
+                                   sbase, rows, row, slice_idx, d0, dv)
 
-        if cutlass.const_expr(self.mixes_on):
-            self._split_k_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
-                               block_row, rows, tidx, norm_eps, hc_eps)
-        if cutlass.const_expr(not self.spec.early_trigger):
-            cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.spec.lean):
+            self._lean_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
+                            block_row, rows, tidx, norm_eps, hc_eps)
+        else:
+            if cutlass.const_expr(self.mixes_on):
+                self._split_k_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
+                                   block_row, rows, tidx, norm_eps, hc_eps)
+            if cutlass.const_expr(not self.spec.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _split_k_tail(self, scale: cute.Pointer, base: cute.Pointer, coeff_out: cute.Pointer,

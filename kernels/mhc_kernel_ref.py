@@ -42,6 +42,7 @@ THREADS_PER_ROW = SLICE_WIDTH // 8
 CTA_THREADS = 128
 ROW_GROUPS = CTA_THREADS // THREADS_PER_ROW    # 16 rows per pass
 ROWS_PER_CTA = 32                              # 2 passes; the row block of one counter
+REDUCE_CHUNK = 16                              # lean: slices summed by one thread, in order
 MAX_ROWS = 256
 MODES = ("post", "plain", "postonly")
 PARAMS = (("streams", "u64"), ("sub_out", "u64"), ("coeff_prev", "u64"), ("fn", "u64"),
@@ -62,6 +63,7 @@ class MhcPreSpec:
     early_trigger: bool = False     # PDL trigger before the last CTA's reduce (variant "_et")
     live_rows: bool = False         # coefficients only for real rows (variant "_lr")
     approx_rcp: bool = False        # Sinkhorn normalises by rcp.approx (variant "_rcp")
+    lean: bool = False              # live rows only, spread reduce, a thread per row (Round 4)
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
 
@@ -70,11 +72,25 @@ class MhcPreSpec:
         return self.width // SLICE_WIDTH
 
     @property
+    def reduce_chunks(self) -> int:
+        """lean: the slices of a partial are summed in chunks of <= REDUCE_CHUNK, one thread each."""
+        return self.slices // min(REDUCE_CHUNK, self.slices)
+
+    @property
+    def fn_region_bytes(self) -> int:
+        """The fn slice (fp32); lean reuses it for the chunk sums [32 rows, 25, chunks] once the
+        rows are done."""
+        fn = 4 * MIX_DIM * self.streams * SLICE_WIDTH
+        if not self.lean:
+            return fn
+        return max(fn, 4 * ROWS_PER_CTA * PARTIALS * self.reduce_chunks)
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic smem: the CTA's fn slice (fp32) and the last CTA's reduced [rows, 32] sums."""
+        """Dynamic smem: the fn region and the last CTA's reduced [rows, 32] sums, a flag."""
         if self.mode == "postonly":
             return 0
-        return 4 * MIX_DIM * self.streams * SLICE_WIDTH + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
+        return self.fn_region_bytes + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -89,7 +105,7 @@ class MhcPreSpec:
         return {"family": "mhc", "name": self.name, "width": self.width, "streams": self.streams,
                 "mode": self.mode, "sinkhorn_iters": self.sinkhorn_iters,
                 "early_trigger": self.early_trigger, "live_rows": self.live_rows,
-                "approx_rcp": self.approx_rcp,
+                "approx_rcp": self.approx_rcp, "lean": self.lean,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "slices": self.slices,
                 "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH}
@@ -97,7 +113,7 @@ class MhcPreSpec:
 
 def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
               early_trigger: bool = False, live_rows: bool = False,
-              approx_rcp: bool = False) -> MhcPreSpec:
+              approx_rcp: bool = False, lean: bool = False) -> MhcPreSpec:
     if mode not in MODES:
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
@@ -110,10 +126,23 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
     if (live_rows or approx_rcp) and mode == "postonly":
         raise ValueError("mHC live_rows / approx_rcp change the coefficients tail, which "
                          "postonly has not")
+    if lean and (mode == "postonly" or early_trigger or live_rows or approx_rcp):
+        raise ValueError("mHC lean is its own tail (live rows, rcp.approx, early trigger); it "
+                         "takes no other variant flag and no postonly")
+    slices = width // SLICE_WIDTH
+    if lean and slices % min(REDUCE_CHUNK, slices):
+        raise ValueError(f"mHC lean: {slices} slices do not split into chunks of {REDUCE_CHUNK}")
     suffix = (("_et" if early_trigger else "") + ("_lr" if live_rows else "")
-              + ("_rcp" if approx_rcp else ""))
+              + ("_rcp" if approx_rcp else "") + ("_lean" if lean else ""))
     return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}{suffix}", width, streams, mode,
-                      sinkhorn_iters, early_trigger, live_rows, approx_rcp)
+                      sinkhorn_iters, early_trigger, live_rows, approx_rcp, lean)
+
+
+def spec_from_dict(d: dict) -> MhcPreSpec:
+    """The spec a manifest record (`MhcPreSpec.to_dict`) was built from."""
+    return make_spec(d["width"], d["streams"], d["mode"], d["sinkhorn_iters"],
+                     d.get("early_trigger", False), d.get("live_rows", False),
+                     d.get("approx_rcp", False), d.get("lean", False))
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
@@ -124,7 +153,9 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
             make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "postonly", it),
             make_spec(d, HC_MULT, "post", it, early_trigger=True),
             make_spec(d, HC_MULT, "post", it, live_rows=True),
-            make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True)]
+            make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True),
+            make_spec(d, HC_MULT, "post", it, lean=True),
+            make_spec(d, HC_MULT, "plain", it, lean=True)]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:

@@ -1,9 +1,10 @@
 """kernels.mhc on the host: one `mhc_pre` launch (post, mixes, Sinkhorn, collapse) by its reference.
 
-Every variant of the manifest (post, post_et, post_lr, post_lr_rcp, plain at S = 4 and 1,
-postonly) computes the same values within the GPU test's tolerances (`_et` moves only the PDL
-trigger, `_lr` only which padded lanes run, `_rcp` Sinkhorn's divisions: rcp.approx, measured
-within 7.5e-7 of div.rn against the 1e-5 tolerance, docs/perf.md run 20), so all run
+Every variant of the manifest (post, post_et, post_lr, post_lr_rcp, post_lean, plain at S = 4
+and 1, plain_lean, postonly) computes the same values within the GPU test's tolerances (`_et`
+moves only the PDL trigger, `_lr` only which padded lanes run, `_rcp` Sinkhorn's divisions:
+rcp.approx, measured within 7.5e-7 of div.rn against the 1e-5 tolerance, docs/perf.md run 20;
+`_lean` the reduce order and a thread per row's Sinkhorn with rcp.approx), so all run
 `mk.mhc_pre_ref` (postonly: its post and collapse halves). Written, as the kernel writes them:
 streams_out (modes post, postonly) and x_out for rows [0, rows); except in postonly, mixes and
 coeff_out for those rows, the workspace partials (floats 0..24 of row (slice, r) of the
@@ -24,9 +25,7 @@ def spec_of(record) -> mk.MhcPreSpec:
     """The MhcPreSpec a manifest record was built from (NoEmulator for a kind not rebuilt)."""
     sp = record.spec
     try:
-        spec = mk.make_spec(sp["width"], sp["streams"], sp["mode"], sp["sinkhorn_iters"],
-                            sp.get("early_trigger", False), sp.get("live_rows", False),
-                            sp.get("approx_rcp", False))
+        spec = mk.spec_from_dict(sp)
     except (KeyError, ValueError) as exc:
         raise NoEmulator(f"kernels.mhc kernel {record.name!r}: no emulator for its spec "
                          f"({exc})") from None

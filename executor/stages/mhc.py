@@ -56,6 +56,8 @@ from loader.schema import UNCERTAIN
 
 ONE_HOT = "mhc.one_hot_coeff"       # constant packed coefficients whose pre is one-hot (stream 0)
 SMALL_ROWS = 8                      # mhc_pre: `_lr` up to here, `_lr_rcp` above (docs/perf.md run 20)
+MHC_LEAN = True                     # mhc_pre post / plain at S = 4: the `_lean` variant at every R
+                                    # (Round 4); False reverts to `_lr` / `_lr_rcp` and `plain`
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -91,10 +93,11 @@ def _broadcasts(cfg, layer) -> bool:
 
 # ---- mHC ------------------------------------------------------------------------------------------
 
-def _mhc_spec(ctx, streams: int, mode: str, live_rows=False, approx_rcp=False) -> mk.MhcPreSpec:
+def _mhc_spec(ctx, streams: int, mode: str, live_rows=False, approx_rcp=False,
+              lean=False) -> mk.MhcPreSpec:
     cfg = ctx.cfg
     spec = mk.make_spec(cfg.hidden_size, streams, mode, cfg.hc_sinkhorn_iters,
-                        live_rows=live_rows, approx_rcp=approx_rcp)
+                        live_rows=live_rows, approx_rcp=approx_rcp, lean=lean)
     ctx.kernel(spec.name)           # in the bundle, or a clear error at wiring time
     return spec
 
@@ -112,8 +115,11 @@ def _mhc_weights(ctx, prefix: str, sublayer: str, summed: bool = False) -> dict[
 
 def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, coeff_out: str):
     """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse."""
-    small = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True)
-    large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
+    if MHC_LEAN:
+        small = large = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True)
+    else:
+        small = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True)
+        large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
     ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr(sub_out),
             "coeff_prev": ctx.ptr(coeff_prev), "streams_out": ctx.ptr("streams"),
             "x_out": ctx.ptr("x"), "coeff_out": ctx.ptr(coeff_out),
@@ -155,7 +161,7 @@ def _attn_mhc_pre(ctx, layer):
         raise ValueError(f"{ONE_HOT} holds {mk.MAX_ROWS} rows, the step has {ctx.max_rows}")
     carried = ONE_HOT if first else "coeff.ffn"
     summed = _broadcasts(cfg, layer)
-    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain")
+    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain", lean=MHC_LEAN and not summed)
     ptrs = {"streams": ctx.ptr("embed.out" if summed else "streams"),
             "coeff_prev": ctx.ptr(carried), "x_out": ctx.ptr("x"),
             "coeff_out": ctx.ptr("coeff.attn"),
