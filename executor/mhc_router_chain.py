@@ -133,9 +133,7 @@ def bench_mhc_router(ctx) -> None:
     spec = post_specs[0]
     rspecs = []
     for rname in sorted(n for n in bundle.names() if n.startswith("router_")):
-        rs = bundle.manifest.kernels[rname].spec
-        rspecs.append(rk.make_spec(rs["hidden"], rs["experts"], rs["topk"], rs["scaling"],
-                                   rs["rows_per_cta"]))
+        rspecs.append(rk.spec_from_dict(bundle.manifest.kernels[rname].spec))
     steps = [MhcStep(ctx.device, bundle, sp) for sp in post_specs]
     routers = [Router(ctx.device, bundle, rspec) for rspec in rspecs]
     try:
@@ -154,7 +152,7 @@ def bench_mhc_router(ctx) -> None:
             for router in routers:
                 route, rspec = router.launch(rows), router.spec
                 us = ctx.cold_median_us(lambda route=route: route.launch(ctx.stream), reps=reps)
-                pred = rk.predicted_us(rows, rspec.hidden, rspec.experts)
+                pred = rk.predicted_us(rows, rspec.hidden, rspec.experts, rspec.one_pass)
                 ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us,
                               rspec.bytes_moved(rows))
                 route_us.append(us)

@@ -39,6 +39,7 @@ from kernels.ptx import (
 )
 from kernels.router_ref import (
     EXPERTS_PER_CTA,
+    ONE_PASS_ROWS,
     ROWS_PER_STEP,
     WARP,
     RouterSpec,
@@ -205,25 +206,35 @@ class RouterSm90:
 
 def kernel_function(spec: RouterSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    del spec
+    if spec.one_pass:
+        from kernels.router_tile import RouterTileSm90
+        return RouterTileSm90.kernel
     return RouterSm90.kernel
 
 
 def specs(cfg, tp: int) -> list[RouterSpec]:
-    """The router of the config's routed experts (replicated on every rank: tp plays no part),
-    and the DSpark stages' router (their own expert count and top-k) when the config has them."""
+    """The routers of the config's routed experts (replicated on every rank: tp plays no part):
+    both row blocks, `_tile8` and `_tile8p`, and the DSpark stages' routers (their own expert count
+    and top-k: the default row block, `_tile8`, `_tile8p`) when the config has them."""
     del tp
     out = router_specs(cfg)
     if any(spec.is_dspark for spec in cfg.layers):
-        dspark = make_spec(cfg.hidden_size, cfg.dspark_n_routed_experts,
-                           cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor)
-        out += [dspark] if dspark.name not in {s.name for s in out} else []
+        args = (cfg.hidden_size, cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok,
+                cfg.routed_scaling_factor)
+        for dspark in (make_spec(*args), make_spec(*args, ONE_PASS_ROWS, one_pass=True),
+                       make_spec(*args, ONE_PASS_ROWS, one_pass=True, polled=True)):
+            out += [dspark] if dspark.name not in {s.name for s in out} else []
     return out
 
 
 def compile_spec(spec: RouterSpec, options: str = "--gpu-arch sm_90a"):
-    """cute.compile the router with pointer / Int32 arguments only."""
+    """cute.compile the router with pointer / Int32 arguments only (one_pass specs: the
+    `_tile8` kernel of kernels/router_tile.py)."""
     from cutlass.cute.runtime import make_ptr
+
+    if spec.one_pass:
+        from kernels.router_tile import compile_tile_spec
+        return compile_tile_spec(spec, options)
 
     def ptr(dtype=Float32):
         return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)

@@ -6,6 +6,8 @@ slice offset, lane mapping or tie rule fails here before any GPU run.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,9 +33,7 @@ def test_mhc_specs_and_bytes(config):
                                        f"mhc_pre_d{cfg.hidden_size}_s4_postonly",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_et",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_lr",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain_lean"]
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp"]
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
     assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)
@@ -65,34 +65,29 @@ def test_mhc_spec_validation():
         mk.make_spec(256, 4, "postonly", 20, live_rows=True)
     with pytest.raises(ValueError, match="approx_rcp"):
         mk.make_spec(256, 4, "postonly", 20, approx_rcp=True)
-    for flags in ({"live_rows": True}, {"approx_rcp": True}, {"early_trigger": True}):
-        with pytest.raises(ValueError, match="lean"):
-            mk.make_spec(256, 4, "post", 20, lean=True, **flags)
-    with pytest.raises(ValueError, match="lean"):
-        mk.make_spec(256, 4, "postonly", 20, lean=True)
-    with pytest.raises(ValueError, match="chunks"):
-        mk.make_spec(64 * 24, 4, "post", 20, lean=True)        # 24 slices: no 16-slice chunks
-
-
-@pytest.mark.parametrize("width, chunks", [(256, 1), (5120, 5), (64 * 32, 2)])
-def test_lean_smem_holds_the_chunk_sums(width, chunks):
-    """The lean reduce writes [32 rows, 25, chunks] chunk sums into the fn region, then the
-    reduced [32, 32] sums and a flag after it; the default variants keep their layout."""
-    for streams, mode in ((4, "post"), (4, "plain"), (1, "plain")):
-        lean = mk.make_spec(width, streams, mode, 20, lean=True)
-        default = mk.make_spec(width, streams, mode, 20)
-        assert lean.reduce_chunks == chunks
-        assert lean.fn_region_bytes >= 4 * mk.ROWS_PER_CTA * mk.PARTIALS * chunks
-        assert lean.fn_region_bytes >= default.fn_region_bytes == 4 * 24 * streams * 64
-        assert lean.smem_bytes == lean.fn_region_bytes + 4 * 32 * 32 + 16 <= 48 * 1024
 
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_router_specs_and_bytes(config):
     cfg = ModelConfig.preset(config)
-    spec, variant = rk.router_specs(cfg)
+    spec, variant, tile, polled = rk.router_specs(cfg)
     assert spec.name == f"router_e{cfg.n_routed_experts}_d{cfg.hidden_size}_k6"
     assert variant.name == spec.name + "_rb32"
+    assert tile.name == spec.name + "_tile8" and tile.one_pass and not tile.polled
+    assert polled == dataclasses.replace(tile, name=tile.name + "p", polled=True)
+    assert rk.spec_from_dict(polled.to_dict()) == polled
+    assert tile.scratch_bytes(9) == 4 * 2 and spec.scratch_bytes(9) == 4
+    assert polled.scratch_bytes(9) == rk.EXCHANGE_OFFSET + 8 * 9 * cfg.n_routed_experts
+    assert rk.EXCHANGE_OFFSET >= 4 * rk.counter_count(rk.MAX_ROWS, tile.rows_per_cta)
+    epc = 3 if cfg.n_routed_experts % 3 == 0 else 2
+    assert tile.grid(6) == (cfg.n_routed_experts // epc, 1, 1)
+    assert tile.grid(9) == (cfg.n_routed_experts // epc, 2, 1)
+    assert tile.threads * tile.vecs_per_thread * 8 == cfg.hidden_size
+    assert tile.threads % 32 == 0 and tile.threads <= 1024
+    assert rk.spec_from_dict(tile.to_dict()) == tile
+    assert rk.spec_from_dict(variant.to_dict()) == variant
+    if config == "v41-flash":
+        assert (tile.threads, tile.experts_per_cta, tile.grid(8)[0]) == (320, 3, 128)
     assert spec.grid(6) == (cfg.n_routed_experts // 2, 1, 1)
     assert spec.grid(192) == (cfg.n_routed_experts // 2, 12, 1)
     assert variant.grid(192) == (cfg.n_routed_experts // 2, 6, 1)
@@ -107,6 +102,10 @@ def test_router_specs_and_bytes(config):
         rk.make_spec(256, 16, 6, 1.5, rows_per_cta=8)
     with pytest.raises(ValueError, match="even expert count"):
         rk.make_spec(256, 15, 6, 1.5)
+    with pytest.raises(ValueError, match="one-pass row tile"):
+        rk.make_spec(256, 16, 6, 1.5, rows_per_cta=16, one_pass=True)
+    with pytest.raises(ValueError, match="polled"):
+        rk.make_spec(256, 16, 6, 1.5, polled=True)
 
 
 # ---- mHC reference and kernel models -------------------------------------------------------------
@@ -152,11 +151,10 @@ def test_mhc_pre_ref_is_the_step_composition():
     assert np.array_equal(plain.mixes, mhc_ref.hc_mixes(x, fn, 1e-20))
 
 
-def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float, chunk: int = 0) -> np.ndarray:
+def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
     """fp32 model of the kernel's sum: thread (slice, dv) sums its 8 d of every stream in order
     (squares first, then per m: stream j, d), 8 lanes meet in a butterfly (xor 4, 2, 1), the last
-    CTA adds slices in slice order (`chunk` > 0, lean: each run of `chunk` slices in order, then
-    the chunk sums in chunk order), then mixes = dot · 1/sqrt(Σx²/(S·D) + eps)."""
+    CTA adds slices in slice order, then mixes = dot · 1/sqrt(Σx²/(S·D) + eps)."""
     rows, s, d = x_new.shape
     x = x_new.astype(np.float32).reshape(rows, s, d // 64, 8, 8)     # [r, j, slice, dv, e]
     f = fn.astype(np.float32).reshape(24, s, d // 64, 8, 8)
@@ -172,34 +170,25 @@ def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float, chunk: int = 0)
     for off in (4, 2, 1):
         part = part + part[:, :, lanes ^ off]
     part = part[:, :, 0]                                               # [r, slice, 25]
-    chunk = chunk or d // 64
-    sums = []
-    for start in range(0, d // 64, chunk):
-        t = part[:, start]
-        for sl in range(start + 1, start + chunk):
-            t = t + part[:, sl]
-        sums.append(t)
-    total = sums[0]
-    for t in sums[1:]:
-        total = total + t
+    total = part[:, 0]
+    for sl in range(1, d // 64):
+        total = total + part[:, sl]
     rstd = np.float32(1) / np.sqrt(total[:, 24] / np.float32(s * d) + np.float32(eps))
     return (total[:, :24] * rstd[:, None]).astype(np.float32)
 
 
 @pytest.mark.parametrize("width", [256, 5120])
-@pytest.mark.parametrize("lean", [False, True])
-def test_split_k_slicing_covers_every_element_within_the_bound(width, lean):
+def test_split_k_slicing_covers_every_element_within_the_bound(width):
     rows = 3
-    chunk = min(mk.REDUCE_CHUNK, width // 64) if lean else 0
     x, _, _, fn = _inputs(rows, width)
-    got = split_k_mixes(x, fn, 1e-20, chunk)
+    got = split_k_mixes(x, fn, 1e-20)
     want = mhc_ref.hc_mixes(x, fn, 1e-20)
     bound = mk.mixes_bound(x, fn, 1e-20)
     assert (np.abs(got.astype(np.float64) - want) <= bound).all()
     # A slicing error (one slice dropped) is far outside the bound.
     x_bad = x.copy()
     x_bad[:, :, 64:128] = 0
-    assert (np.abs(split_k_mixes(x_bad, fn, 1e-20, chunk) - want) > bound).any()
+    assert (np.abs(split_k_mixes(x_bad, fn, 1e-20) - want) > bound).any()
 
 
 def half_warp_sinkhorn(logits: np.ndarray, iters: int, eps: float,
@@ -245,48 +234,6 @@ def test_approx_rcp_sinkhorn_within_the_gpu_tolerance(sd):
     assert np.abs(got - want).max() <= 1e-5
     assert np.abs(got.sum(axis=1) - 1).max() <= 1e-5
     assert not np.array_equal(got, half_warp_sinkhorn(logits, 20, 1e-6))
-
-
-def thread_sinkhorn(logits: np.ndarray, iters: int, eps: float, rng) -> np.ndarray:
-    """fp32 model of the lean `_lean_sinkhorn`: one thread holds c[j, k] in registers; a row or
-    column sum is (a + b) + (c + d); each normalisation is v·rcp(total) with the reciprocal off
-    by a random +-1 ulp (rcp.approx.ftz's bound) and the product rounded to fp32."""
-    c = logits.astype(np.float32).reshape(-1, 4, 4)
-    eps = np.float32(eps)
-
-    def rcp(total):
-        r = np.float32(1) / total
-        return (r * (1 + rng.choice([-1, 1], r.shape) * 2.0**-23)).astype(np.float32)
-
-    def rows_of(a):
-        return ((a[:, :, 0] + a[:, :, 1]) + (a[:, :, 2] + a[:, :, 3]))[:, :, None]
-
-    def cols_of(a):
-        return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3]))[:, None, :]
-
-    mx = np.maximum(np.maximum(c[:, :, 0], c[:, :, 1]), np.maximum(c[:, :, 2], c[:, :, 3]))
-    e = np.exp(c - mx[:, :, None])
-    c = e * rcp(rows_of(e)) + eps
-    c = c * rcp(cols_of(c) + eps)
-    for _ in range(iters - 1):
-        c = c * rcp(rows_of(c) + eps)
-        c = c * rcp(cols_of(c) + eps)
-    return c
-
-
-@pytest.mark.parametrize("sd", [0.5, 3.0, 10.0])
-def test_lean_thread_sinkhorn_within_the_gpu_tolerance(sd):
-    """The lean tail's register Sinkhorn (a thread per row, rcp.approx) stays within COMB_ATOL
-    of mhc_ref.sinkhorn with columns summing to 1 within 1e-5; swapping its row and column
-    sums (normalising rows last) is detected on skewed logits."""
-    logits = (RNG.standard_normal((4000, 4, 4)) * sd).astype(np.float32)
-    got = thread_sinkhorn(logits, 20, 1e-6, RNG)
-    want = mhc_ref.sinkhorn(logits, 20, 1e-6)
-    assert np.abs(got - want).max() <= 1e-5
-    assert np.abs(got.sum(axis=1) - 1).max() <= 1e-5
-    skewed = (RNG.standard_normal((2000, 4, 4)) * 3).astype(np.float32)
-    wrong = thread_sinkhorn(skewed.transpose(0, 2, 1), 20, 1e-6, RNG).transpose(0, 2, 1)
-    assert np.abs(wrong.sum(axis=1) - 1).max() > 1e-3
 
 
 def test_half_warp_sinkhorn_lane_mapping():
@@ -373,3 +320,112 @@ def test_logits_bound_holds_for_a_kernel_order_sum():
         total = total + acc[..., warp, 0]
     err = np.abs(total - rk.logits_f64(x, w))
     assert (err <= rk.logits_bound(x, w)).all()
+
+
+# ---- the one-pass `_tile8` kernel's lane-level models (kernels/router_tile.py) -------------------
+
+def reduce_scatter(vals: np.ndarray) -> np.ndarray:
+    """Model of `_tile_logits`' warp reduction: vals [32 lanes, N] fp32 -> totals [N], read from
+    the lanes that store them (lane % 4 == 0, slot base + m)."""
+    lanes = np.arange(32)
+    cur, base = vals.astype(np.float32), np.zeros(32, np.int64)
+    for off in (16, 8, 4):
+        h = cur.shape[1] // 2
+        upper = (lanes & off) != 0
+        keep = np.where(upper[:, None], cur[:, h:], cur[:, :h])
+        send = np.where(upper[:, None], cur[:, :h], cur[:, h:])
+        cur = keep + send[lanes ^ off]
+        base = base + np.where(upper, h, 0)
+    for off in (2, 1):
+        cur = cur + cur[lanes ^ off]
+    out = np.full(vals.shape[1], np.nan, np.float32)
+    for lane in range(0, 32, 4):
+        for m in range(cur.shape[1]):
+            assert np.isnan(out[base[lane] + m]), "two lanes store one slot"
+            out[base[lane] + m] = cur[lane, m]
+    return out
+
+
+def butterfly(vals: np.ndarray) -> np.ndarray:
+    """The default kernel's full butterfly (every lane ends with the total), lane 0's."""
+    lanes = np.arange(32)
+    cur = vals.astype(np.float32)
+    for off in (16, 8, 4, 2, 1):
+        cur = cur + cur[lanes ^ off]
+    return cur[0]
+
+
+@pytest.mark.parametrize("n", [16, 24])
+def test_reduce_scatter_is_the_butterfly_bitwise(n):
+    """Every slot written once, with the full butterfly's fp32 value (same pairing tree), so
+    equal weight rows keep giving bitwise equal logits; a slot mapping off by one is caught."""
+    vals = (RNG.standard_normal((32, n)) * 10.0 ** RNG.integers(-3, 4, (32, n))).astype(
+        np.float32)
+    got = reduce_scatter(vals)
+    assert np.array_equal(got, butterfly(vals))
+    assert not np.array_equal(np.roll(got, 1), butterfly(vals))
+    same = np.repeat(vals[:, :1], n, axis=1)                   # equal columns: equal totals
+    assert (reduce_scatter(same) == reduce_scatter(same)[0]).all()
+
+
+def order_key(v: np.ndarray) -> np.ndarray:
+    """kernels/router_tile.order_key: int32 keys whose signed order is the float order."""
+    b = v.astype(np.float32).view(np.int32)
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+
+
+def redux_topk(selection: np.ndarray, k: int) -> np.ndarray:
+    """Model of `_select` in `_tile8`: lane-local best key (strict >, ascending c), warp max of
+    the keys (redux.max), warp min of the indices holding it (redux.min), the owner masks."""
+    rows, e = selection.shape
+    per_lane = -(-e // 32)
+    keys = np.full((rows, per_lane * 32), -(2**31), np.int64)
+    keys[:, :e] = order_key(selection)
+    keys = keys.reshape(rows, per_lane, 32)                       # [r, c, lane]
+    lanes = np.arange(32)
+    out = np.zeros((rows, k), np.int64)
+    for slot in range(k):
+        best, best_i = keys[:, 0].copy(), np.broadcast_to(lanes, (rows, 32)).copy()
+        for c in range(1, per_lane):
+            better = keys[:, c] > best
+            best, best_i = np.where(better, keys[:, c], best), np.where(better, lanes + 32 * c,
+                                                                        best_i)
+        top = best.max(axis=1, keepdims=True)
+        win = np.where(best == top, best_i, 2**31 - 1).min(axis=1)
+        out[:, slot] = win
+        keys[np.arange(rows), win // 32, win % 32] = -(2**31)
+    return out
+
+
+@pytest.mark.parametrize("experts", [16, 128, 384])
+def test_redux_topk_is_stable_argsort(experts):
+    rows = 200
+    sel = (RNG.integers(-3, 3, (rows, experts)) * 0.5).astype(np.float32)   # many exact ties
+    assert np.array_equal(redux_topk(sel, 6), np.argsort(-sel, axis=1, kind="stable")[:, :6])
+    sel = (RNG.standard_normal((rows, experts)) * 10.0 ** RNG.integers(-30, 30, (rows, 1))
+           ).astype(np.float32)                                         # signs, tiny, huge
+    sel[:, ::7] = -np.inf
+    assert np.array_equal(redux_topk(sel, 6), np.argsort(-sel, axis=1, kind="stable")[:, :6])
+    a = np.array([-np.inf, -3e38, -1.0, -1e-40, 0.0, 1e-40, 1.0, 3e38, np.inf], np.float32)
+    assert (np.diff(order_key(a).astype(np.int64)) > 0).all()
+
+
+def test_logits_bound_holds_for_the_tile_kernel_order():
+    """fp32 sum in `_tile8`'s order (320 threads of 2 vectors, butterfly tree, 10 warps)."""
+    rows, d, e, t = 4, 5120, 6, 320
+    x = to_bf16(RNG.standard_normal((rows, d)) * 3)
+    w = to_bf16(RNG.standard_normal((e, d)) / 70)
+    prod = (x.astype(np.float32)[:, None, :] * w.astype(np.float32)[None]).reshape(
+        rows, e, d // 8 // t, t, 8)
+    acc = np.zeros((rows, e, t), np.float32)
+    for i in range(prod.shape[2]):
+        for k in range(8):
+            acc = acc + prod[:, :, i, :, k]
+    acc = acc.reshape(rows, e, t // 32, 32)
+    lanes = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., lanes ^ off]
+    total = acc[..., 0, 0]
+    for warp in range(1, t // 32):
+        total = total + acc[..., warp, 0]
+    assert (np.abs(total - rk.logits_f64(x, w)) <= rk.logits_bound(x, w)).all()

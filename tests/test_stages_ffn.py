@@ -181,7 +181,8 @@ def test_launch_lists_follow_the_bucket(setup, rows, dense, moe_first):
 
     def names(role):
         return [spec.kernel.name for spec in plan.stage(f"layer{layer:02d}.{role}").build(rows)]
-    assert names("ffn.router") == [f"router_e{s.cfg.n_routed_experts}_d{s.d}_k{s.k}"]
+    tile = ("_tile8" + "p" * ffn.ROUTER_TILE_POLLED) if rows <= ffn.ROUTER_TILE_MAX_ROWS else ""
+    assert names("ffn.router") == [f"router_e{s.cfg.n_routed_experts}_d{s.d}_k{s.k}{tile}"]
     moe = names("ffn.moe_routed")
     assert moe[0].startswith(moe_first) and moe[-1].startswith("moe_combine_") and len(moe) == 4
     shared = names("ffn.shared_expert")

@@ -1,6 +1,6 @@
 """kernels.router on the host: logits, biased top-k and route weights by the router reference.
 
-Both row blocks (16, `_rb32`) compute the same values. Written, as the kernel writes them:
+Every variant (row blocks 16, `_rb32`, the one-pass `_tile8`) computes the same values. Written, as the kernel writes them:
 logits [rows, E], ids [rows, k] (best first, ties to the lower index), weights [rows, k], and the
 row-block counters (zero before, zero after: `executor.emulate.mhc.claim_counters`).
 """
@@ -19,8 +19,7 @@ def spec_of(record) -> rk.RouterSpec:
     """The RouterSpec a manifest record was built from (NoEmulator for a kind not rebuilt)."""
     sp = record.spec
     try:
-        spec = rk.make_spec(sp["hidden"], sp["experts"], sp["topk"], sp["scaling"],
-                            sp["rows_per_cta"])
+        spec = rk.spec_from_dict(sp)
     except (KeyError, ValueError) as exc:
         raise NoEmulator(f"kernels.router kernel {record.name!r}: no emulator for its spec "
                          f"({exc})") from None

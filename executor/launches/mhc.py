@@ -23,8 +23,10 @@ buffer holds at least R rows, row r at r times its row size):
                    writes x_normed bf16 [R, D] (`kernels.norm` RMSNorm; not in place here)
   router_launch    reads  x bf16 [R, D], weight bf16 [E, D], bias f32 [E]
                    writes logits f32 [R, E], ids i32 [R, k] (best first), weights f32 [R, k]
-                   scratch counters i32 [row blocks] (`rk.counter_count(max_rows, rows_per_cta)`):
-                          zero before the first launch, left zero by every launch
+                   scratch counters i32 [row blocks] (`rk.counter_count(max_rows, rows_per_cta)`),
+                          `_tile8p`: then u64 exchange words [max_rows, E] at rk.EXCHANGE_OFFSET
+                          (`spec.scratch_bytes(max_rows)` in all): zero before the first launch,
+                          left zero by every launch
 
 Keys a mode never touches may be left out of `ptrs` (plain: sub_out, streams_out; postonly: fn,
 scale, base, coeff_out, mixes, workspace, counters): the ABI still takes a non-null pointer, and
@@ -122,7 +124,7 @@ def router_requests(spec: rk.RouterSpec, max_rows: int = rk.MAX_ROWS
                     ) -> list[tuple[str, int, str]]:
     """Every buffer of the router for `max_rows` rows."""
     r, e, d, k = max_rows, spec.experts, spec.hidden, spec.topk
-    blocks = rk.counter_count(max_rows, spec.rows_per_cta)
+    scratch = spec.scratch_bytes(max_rows)
     return [
         ("x", 2 * r * d, f"bf16 [{r}, {d}]"),
         ("weight", 2 * e * d, f"bf16 [{e}, {d}] gate weight"),
@@ -130,5 +132,5 @@ def router_requests(spec: rk.RouterSpec, max_rows: int = rk.MAX_ROWS
         ("logits", 4 * r * e, f"f32 [{r}, {e}]"),
         ("ids", 4 * r * k, f"i32 [{r}, {k}] best first"),
         ("weights", 4 * r * k, f"f32 [{r}, {k}] route weights"),
-        ("counters", 4 * blocks, f"i32 [{blocks}] scratch, zeroed once"),
+        ("counters", scratch, f"{scratch} bytes: i32 counters (+ u64 exchange), zeroed once"),
     ]

@@ -68,6 +68,11 @@ from loader import formats
 # The router's default 16-row block: measured no slower than `_rb32` at every bucket
 # (docs/devicecheck run 17: R = 48 41.2 vs 93.1 us, R = 192 78.7 vs 108.3 us).
 ROUTER_ROWS_PER_CTA = rk.ROWS_PER_CTA
+# Buckets of at most this many rows take the one-pass router (kernels/router_tile.py), its polled
+# `_tile8p` while ROUTER_TILE_POLLED, else `_tile8`. Revert: ROUTER_TILE_POLLED = False (the
+# counter-based one-pass kernel), ROUTER_TILE_MAX_ROWS = 0 (the default kernel everywhere).
+ROUTER_TILE_MAX_ROWS = rk.ONE_PASS_ROWS
+ROUTER_TILE_POLLED = True
 SHARED_LABELS = ("shared_w13", "shared_w2")
 EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
 
@@ -82,10 +87,21 @@ def _shape(cfg, tp: int, layer) -> mk.MoeShape:
 
 # ---- buffers --------------------------------------------------------------------------------
 
-def _router_spec(cfg, layer) -> rk.RouterSpec:
+def _router_spec(cfg, layer, rows: int = rk.MAX_ROWS) -> rk.RouterSpec:
+    """The router launched for a bucket of `rows` rows (`_tile8` up to ROUTER_TILE_MAX_ROWS)."""
     shape = _shape(cfg, 1, layer)
-    return rk.make_spec(cfg.hidden_size, shape.num_experts, shape.topk,
-                        cfg.routed_scaling_factor, ROUTER_ROWS_PER_CTA)
+    args = (cfg.hidden_size, shape.num_experts, shape.topk, cfg.routed_scaling_factor)
+    if rows <= ROUTER_TILE_MAX_ROWS:
+        return rk.make_spec(*args, rk.ONE_PASS_ROWS, one_pass=True, polled=ROUTER_TILE_POLLED)
+    return rk.make_spec(*args, ROUTER_ROWS_PER_CTA)
+
+
+def _router_scratch_bytes(cfg, rows: int, experts: int) -> int:
+    """The router scratch every kernel the step may pick needs (`spec.scratch_bytes`)."""
+    args = (cfg.hidden_size, experts, 1, cfg.routed_scaling_factor)
+    return max(rk.make_spec(*args, ROUTER_ROWS_PER_CTA).scratch_bytes(rows),
+               rk.make_spec(*args, rk.ONE_PASS_ROWS, one_pass=True,
+                            polled=ROUTER_TILE_POLLED).scratch_bytes(rows))
 
 
 def _shared_dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
@@ -109,8 +125,8 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
         Buffer("ffn.router_logits", np.float32, (r, e), "router logits"),
         Buffer("ffn.topk_ids", np.int32, (r, k), "routed experts, best first (replicated)"),
         Buffer("ffn.topk_weights", np.float32, (r, k), "their combine weights (replicated)"),
-        Buffer("ffn.router_counters", np.int32, (rk.counter_count(r, ROUTER_ROWS_PER_CTA),),
-               "router row-block counters: zero before the first launch"),
+        Buffer("ffn.router_counters", np.int32, (_router_scratch_bytes(cfg, r, e) // 4,),
+               "router row-block counters (+ `_tile8p` exchange): zero before the first launch"),
         *moe,
         Buffer("ffn.shared_h13", BF16, (r, 2 * inter), "shared expert gate | up"),
         Buffer("ffn.shared_h", BF16, (r, inter), "shared expert SwiGLU"),
@@ -214,8 +230,10 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None):
 # ---- builders -------------------------------------------------------------------------------
 
 def _router(ctx, layer):
-    spec = _router_spec(ctx.cfg, layer)
-    kernel_for(ctx.bundle, spec)                       # in the bundle, built for this shape
+    specs = {spec.name: spec for spec in (_router_spec(ctx.cfg, layer, rows)
+                                          for rows in (1, rk.MAX_ROWS))}
+    for spec in specs.values():
+        kernel_for(ctx.bundle, spec)                   # in the bundle, built for this shape
     base = _prefix(ctx.cfg, layer) + "gate."
     ptrs = {"x": ctx.ptr("xn"), "weight": ctx.ptr(base + "weight"),
             "bias": ctx.ptr(base + "bias"), "logits": ctx.ptr("ffn.router_logits"),
@@ -223,7 +241,7 @@ def _router(ctx, layer):
             "counters": ctx.ptr("ffn.router_counters")}
 
     def build(rows):
-        return [router_launch(ctx.bundle, spec, ptrs, rows)]
+        return [router_launch(ctx.bundle, _router_spec(ctx.cfg, layer, rows), ptrs, rows)]
     return build
 
 

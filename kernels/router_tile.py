@@ -1,0 +1,343 @@
+"""The MoE router's one-pass `_tile8` kernel (decode buckets, R <= 8 a tile) for SM90, CuTe DSL.
+
+Spec, reference and bounds: `kernels/router_ref.py` (`one_pass` specs); the two-rows-a-step
+kernel it stands beside: `kernels/router.py`. Same ABI, counters, outputs and tie rule.
+
+Where the default spends its time at R <= 8 (one x round trip, one barrier and one warp-shuffle
+reduction per 2 rows; the last CTA's warps selecting up to 4 rows each in sequence, 15 dependent
+shuffles an arg-max round), this kernel:
+- owns 3 experts a CTA where E allows (128 CTAs at E = 384: one wave, one CTA per SM) with D / 16
+  threads (320 at D = 5120: 2 vectors of 8 a thread), weight rows in registers before the PDL wait;
+- loads x for all 8 rows of its tile at once (clamped to the last row: one round trip), fma's the
+  rows that exist, then reduces the EPC x 8 totals in one reduce-scatter over the warp (halving at
+  xor 16, 8, 4, full butterfly at 2, 1: the same pairing tree as a full butterfly, 27 shuffles
+  instead of 120) and the warps in order through shared memory: one barrier for the tile;
+- triggers its dependents once it has counted itself in (they still wait for the whole grid);
+- the last CTA selects the tile's rows on separate warps: each arg-max round is a lane-local best
+  (strict >, lower index), `redux.sync.max` of the order-preserving int keys, `redux.sync.min` of
+  the indices holding it (ties to the lower index), the owner masks it.
+
+`_tile8p` (`polled`) replaces the fence + counter atomic + logits reload (three L2 round trips
+between the slowest CTA's logits and the selection) by tagged words: every CTA also stores each
+logit as one 64-bit word (tag 1 in the high half, the fp32 bits in the low half: one
+single-copy-atomic store, so no fence orders it); CTA 0 of the row block polls its rows' words
+until every tag is set (bounded by %globaltimer), zeroes them for the next launch (which writes
+only after its griddepcontrol.wait, i.e. after this grid) and selects from the polled values.
+CTA 0 spins while others may not yet run: at most one spinning CTA per row block (<= 32), and
+the dependents launch only once every CTA has triggered, so every producer gets an SM.
+"""
+from __future__ import annotations
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import BFloat16, Float32, Int32, Int64, cute
+from cutlass.cutlass_dsl import T
+
+from kernels.mhc import atomic_add_acq_rel, bf16x2_to_f32, fence_gpu
+from kernels.ptx import (
+    asm,
+    ld_f32,
+    ld_f32_gpu,
+    ld_v4_u32,
+    lds_f32,
+    lds_s32,
+    shfl_xor_f32,
+    st_f32,
+    st_s32,
+    sts_f32,
+    sts_s32,
+    void,
+)
+from kernels.router_ref import EXCHANGE_OFFSET, POLL_TIMEOUT_NS, WARP, RouterSpec
+
+MASKED = -(2**31)                    # below every float's key (-inf's is 0x807FFFFF)
+NO_INDEX = 2**31 - 1
+
+
+def order_key(v: Float32) -> Int32:
+    """An int32 whose signed order is v's float order: negative floats get their magnitude bits
+    flipped (pure)."""
+    return Int32(asm(1, [Float32(v)], "{ .reg .b32 b, t; mov.b32 b, $1; shr.s32 t, b, 31;\n"
+                     "and.b32 t, t, 0x7FFFFFFF; xor.b32 $0, b, t; }", "=r,f",
+                     side_effects=False))
+
+
+def redux_max_s32(v: Int32) -> Int32:
+    return Int32(asm(1, [Int32(v)], "redux.sync.max.s32 $0, $1, 0xffffffff;", "=r,r",
+                     side_effects=True))
+
+
+def redux_min_s32(v: Int32) -> Int32:
+    return Int32(asm(1, [Int32(v)], "redux.sync.min.s32 $0, $1, 0xffffffff;", "=r,r",
+                     side_effects=True))
+
+
+def st_tagged(addr: Int64, value: Float32):
+    """(1 << 32) | bits(value) as one relaxed 64-bit store: the tag and the value land together."""
+    void([Int64(addr), Float32(value)], "{ .reg .b32 b; .reg .b64 v; mov.b32 b, $1;\n"
+         "mov.b64 v, {b, 1}; st.relaxed.gpu.global.b64 [$0], v; }", "l,f")
+
+
+def ld_tagged(addr: Int64):
+    """(value, tag) of a tagged word, one relaxed 64-bit load at L2 (another CTA's store)."""
+    lo, hi = asm(2, [Int64(addr)], "{ .reg .b64 v; ld.relaxed.gpu.global.b64 v, [$2];\n"
+                 "mov.b64 {$0, $1}, v; }", "=r,=r,l", side_effects=True)
+    return Float32(asm(1, [Int32(lo)], "mov.b32 $0, $1;", "=f,r", kind=T.f32(),
+                       side_effects=False)), Int32(hi)
+
+
+def st_zero_u64(addr: Int64):
+    void([Int64(addr)], "st.relaxed.gpu.global.b64 [$0], 0;", "l")
+
+
+def vote_all(pred: Int32) -> Int32:
+    return Int32(asm(1, [Int32(pred)], "{ .reg .pred p, q; setp.ne.s32 p, $1, 0;\n"
+                     "vote.sync.all.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; }", "=r,r",
+                     side_effects=True))
+
+
+def shfl_idx_f32(v: Float32, lane: Int32) -> Float32:
+    return Float32(asm(1, [Float32(v), Int32(lane)],
+                       "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r",
+                       kind=T.f32(), side_effects=True))
+
+
+class RouterTileSm90:
+    """Kernel object for one one-pass RouterSpec (config-only __init__, jit launcher, kernel)."""
+
+    def __init__(self, spec: RouterSpec):
+        if not spec.one_pass:
+            raise ValueError(f"{spec.name}: RouterTileSm90 builds one_pass specs only")
+        self.spec = spec
+        self.T, self.V, self.W = spec.threads, spec.vecs_per_thread, spec.warps
+        self.EPC, self.RT = spec.experts_per_cta, spec.rows_per_cta
+        self.N = self.EPC * self.RT                        # totals a thread reduces
+        if self.N % 8:
+            raise ValueError(f"{spec.name}: {self.N} totals a thread; the reduce-scatter "
+                             "halves 3 times")
+        self.lanes_e = -(-spec.experts // WARP)            # experts per lane in the selection
+        self.flag_offset = 4 * self.W * self.N
+        self.bias_offset = self.flag_offset + 16
+        self.polled = spec.polled
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, weight: cute.Pointer, bias: cute.Pointer,
+                 logits: cute.Pointer, ids: cute.Pointer, weights: cute.Pointer,
+                 counters: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(x, weight, bias, logits, ids, weights, counters, rows).launch(
+            grid=[self.spec.experts // self.EPC, 1, 1], block=list(self.spec.block),
+            stream=stream, smem=self.spec.smem_bytes, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, weight: cute.Pointer, bias: cute.Pointer,
+               logits: cute.Pointer, ids: cute.Pointer, weights: cute.Pointer,
+               counters: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_e, block_row, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sbase = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
+        E, D = self.spec.experts, self.spec.hidden
+        e0 = cta_e * self.EPC
+        wreg = cute.make_rmem_tensor((4, self.V, self.EPC), Int32)
+        for e in cutlass.range_constexpr(self.EPC):
+            for i in cutlass.range_constexpr(self.V):
+                w = ld_v4_u32(weight.toint() + Int64(((e0 + e) * D + (tidx + i * self.T) * 8)
+                                                     * 2), streaming=True)
+                for q in cutlass.range_constexpr(4):
+                    wreg[q, i, e] = w[q]
+        for j in cutlass.range_constexpr(-(-E // self.T)):     # the bias, for the last CTA
+            idx = cutlass.min(tidx + j * self.T, E - 1)          # the tail rewrites E - 1
+            sts_f32(sbase + self.bias_offset + idx * 4, ld_f32(bias.toint() + Int64(idx * 4)))
+        cute.arch.griddepcontrol_wait()     # x is an earlier kernel's output
+
+        first = block_row * self.RT
+        exchange = counters.toint() + Int64(EXCHANGE_OFFSET)
+        self._tile_logits(x, logits, exchange, wreg, sbase, tidx, e0, first, rows)
+        if cutlass.const_expr(self.polled):
+            cute.arch.griddepcontrol_launch_dependents()
+            if cta_e == 0:
+                warp, lane = tidx // WARP, tidx % WARP
+                for it in cutlass.range_constexpr(-(-self.RT // self.W)):
+                    slot = warp + it * self.W
+                    if (slot < self.RT) & (first + slot < rows):   # uniform over the warp
+                        lgs = self._poll_row(exchange, first + slot, lane)
+                        self._select(sbase + self.bias_offset, lgs, ids, weights, first + slot,
+                                     lane)
+        else:
+            self._count_and_select(logits, ids, weights, counters, sbase, tidx, block_row,
+                                   first, rows)
+
+    @cute.jit
+    def _count_and_select(self, logits: cute.Pointer, ids: cute.Pointer, weights: cute.Pointer,
+                          counters: cute.Pointer, sbase: Int32, tidx: Int32, block_row: Int32,
+                          first: Int32, rows: Int32):
+        """Count this CTA in; the last of the row block reloads the logits and selects."""
+        E = self.spec.experts
+        fence_gpu()
+        cute.arch.sync_threads()
+        counter = counters.toint() + Int64(block_row) * 4
+        if tidx == 0:
+            old = atomic_add_acq_rel(counter, Int32(1))
+            sts_s32(sbase + self.flag_offset, Int32(old == E // self.EPC - 1))
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_launch_dependents()
+        if lds_s32(sbase + self.flag_offset) != 0:
+            fence_gpu()
+            warp, lane = tidx // WARP, tidx % WARP
+            for it in cutlass.range_constexpr(-(-self.RT // self.W)):
+                slot = warp + it * self.W
+                if (slot < self.RT) & (first + slot < rows):       # uniform over the warp
+                    row = first + slot
+                    lgs = cute.make_rmem_tensor((self.lanes_e,), Float32)
+                    for c in cutlass.range_constexpr(self.lanes_e):
+                        e = cutlass.min(lane + c * WARP, E - 1)
+                        lgs[c] = ld_f32_gpu(logits.toint() + Int64((row * E + e) * 4))
+                    self._select(sbase + self.bias_offset, lgs, ids, weights, row, lane)
+            if tidx == 0:
+                st_s32(counter, Int32(0))
+
+    @cute.jit
+    def _poll_row(self, exchange: Int64, row: Int32, lane: Int32):
+        """One warp: the row's logits from the tagged words, once every tag is set (or after
+        POLL_TIMEOUT_NS: then whatever is there); the words are zeroed for the next launch."""
+        E = self.spec.experts
+        lgs = cute.make_rmem_tensor((self.lanes_e,), Float32)
+        start = cute.arch.globaltimer()
+        waiting = Int32(1)
+        while waiting != 0:
+            ready = Int32(1)
+            for c in cutlass.range_constexpr(self.lanes_e):
+                e = cutlass.min(lane + c * WARP, E - 1)
+                value, tag = ld_tagged(exchange + Int64((row * E + e) * 8))
+                lgs[c] = value
+                if tag == 0:
+                    ready = Int32(0)
+            waiting = Int32(1) - vote_all(ready)
+            if cute.arch.globaltimer() - start > Int64(POLL_TIMEOUT_NS):
+                waiting = Int32(0)
+        for c in cutlass.range_constexpr(self.lanes_e):
+            if lane + c * WARP < E:
+                st_zero_u64(exchange + Int64((row * E + lane + c * WARP) * 8))
+        return lgs
+
+    @cute.jit
+    def _tile_logits(self, x: cute.Pointer, logits: cute.Pointer, exchange: Int64, wreg,
+                     sbase: Int32, tidx: Int32, e0: Int32, first: Int32, rows: Int32):
+        """Logits of (EPC experts) x (the tile's rows): one x round trip, one barrier."""
+        D, RT = self.spec.hidden, self.RT
+        xreg = cute.make_rmem_tensor((4, self.V, RT), Int32)
+        for r in cutlass.range_constexpr(RT):
+            row = cutlass.min(first + r, rows - 1)
+            for i in cutlass.range_constexpr(self.V):
+                xw = ld_v4_u32(x.toint() + Int64((row * D + (tidx + i * self.T) * 8) * 2))
+                for q in cutlass.range_constexpr(4):
+                    xreg[q, i, r] = xw[q]
+        acc = cute.make_rmem_tensor((self.N,), Float32)
+        acc.fill(0.0)
+        for r in cutlass.range_constexpr(RT):
+            if first + r < rows:                                   # uniform over the CTA
+                for i in cutlass.range_constexpr(self.V):
+                    for q in cutlass.range_constexpr(4):
+                        x_lo, x_hi = bf16x2_to_f32(xreg[q, i, r])
+                        for e in cutlass.range_constexpr(self.EPC):
+                            w_lo, w_hi = bf16x2_to_f32(wreg[q, i, e])
+                            acc[e * RT + r] = acc[e * RT + r] + x_lo * w_lo
+                            acc[e * RT + r] = acc[e * RT + r] + x_hi * w_hi
+        warp, lane = tidx // WARP, tidx % WARP
+        vals = []
+        for j in cutlass.range_constexpr(self.N):
+            vals.append(acc[j])
+        base = Int32(0)
+        for step in cutlass.range_constexpr(3):    # reduce-scatter: keep a half, add the partner's
+            off, h = 16 >> step, len(vals) // 2
+            upper = (lane & off) != 0
+            halved = []
+            for j in cutlass.range_constexpr(h):
+                keep = vals[j]
+                send = vals[j + h]
+                if upper:
+                    keep = vals[j + h]
+                    send = vals[j]
+                halved.append(keep + shfl_xor_f32(send, off))
+            vals = halved
+            if upper:
+                base = base + h
+        for step in cutlass.range_constexpr(2):
+            for m in cutlass.range_constexpr(len(vals)):
+                vals[m] = vals[m] + shfl_xor_f32(vals[m], 2 >> step)
+        if lane % 4 == 0:
+            for m in cutlass.range_constexpr(len(vals)):
+                sts_f32(sbase + (warp * self.N + base + m) * 4, vals[m])
+        cute.arch.sync_threads()
+        if tidx < self.N:
+            total = lds_f32(sbase + tidx * 4)
+            for w in cutlass.range_constexpr(1, self.W):
+                total = total + lds_f32(sbase + (w * self.N + tidx) * 4)
+            e, r = tidx // RT, tidx % RT
+            if first + r < rows:
+                at = (first + r) * self.spec.experts + e0 + e
+                st_f32(logits.toint() + Int64(at * 4), total)
+                if cutlass.const_expr(self.polled):
+                    st_tagged(exchange + Int64(at * 8), total)
+
+    @cute.jit
+    def _select(self, bias_s: Int32, lgs, ids: cute.Pointer, weights: cute.Pointer, row: Int32,
+                lane: Int32):
+        """One warp, lane l holding logits l + 32c in lgs: sqrt(softplus) scores, top-k of
+        score + bias (ties: lower index), weights."""
+        E = self.spec.experts
+        key = cute.make_rmem_tensor((self.lanes_e,), Int32)
+        score = cute.make_rmem_tensor((self.lanes_e,), Float32)
+        for c in cutlass.range_constexpr(self.lanes_e):
+            e = cutlass.min(lane + c * WARP, E - 1)
+            lg = lgs[c]
+            softplus = cutlass.max(lg, Float32(0.0)) + cute.math.log1p(
+                cute.math.exp(-cute.math.absf(lg)))
+            s = cute.math.sqrt(softplus)
+            score[c] = s
+            key[c] = order_key(s + lds_f32(bias_s + e * 4))
+            if lane + c * WARP >= E:
+                key[c] = Int32(MASKED)
+        chosen_ids = []
+        chosen_scores = []
+        for _k in cutlass.range_constexpr(self.spec.topk):
+            best = key[0]
+            best_i = lane
+            for c in cutlass.range_constexpr(1, self.lanes_e):
+                if key[c] > best:                   # strict: the lower index keeps a tie
+                    best = key[c]
+                    best_i = lane + c * WARP
+            top = redux_max_s32(best)
+            cand = best_i
+            if best != top:
+                cand = Int32(NO_INDEX)
+            win = redux_min_s32(cand)
+            mine = Float32(0.0)
+            for c in cutlass.range_constexpr(self.lanes_e):
+                if win == lane + c * WARP:
+                    key[c] = Int32(MASKED)
+                    mine = score[c]
+            chosen_ids.append(win)
+            chosen_scores.append(shfl_idx_f32(mine, win % WARP))
+        total = chosen_scores[0]
+        for k in cutlass.range_constexpr(1, self.spec.topk):
+            total = total + chosen_scores[k]
+        denom = total + Float32(1e-20)
+        if lane == 0:
+            out = Int64(row * self.spec.topk * 4)
+            for k in cutlass.range_constexpr(self.spec.topk):
+                st_s32(ids.toint() + out + Int64(4 * k), chosen_ids[k])
+                st_f32(weights.toint() + out + Int64(4 * k),
+                       chosen_scores[k] / denom * Float32(self.spec.scaling))
+
+
+def compile_tile_spec(spec: RouterSpec, options: str):
+    """cute.compile the one-pass router with pointer / Int32 arguments only."""
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(dtype=Float32):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    return cute.compile(RouterTileSm90(spec), ptr(BFloat16), ptr(BFloat16), ptr(), ptr(),
+                        ptr(Int32), ptr(), ptr(Int32), Int32(1), cuda.CUstream(0),
+                        options=options)
