@@ -33,7 +33,9 @@ def test_mhc_specs_and_bytes(config):
                                        f"mhc_pre_d{cfg.hidden_size}_s4_postonly",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_et",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_lr",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp"]
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain_lean"]
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
     assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)
@@ -65,6 +67,26 @@ def test_mhc_spec_validation():
         mk.make_spec(256, 4, "postonly", 20, live_rows=True)
     with pytest.raises(ValueError, match="approx_rcp"):
         mk.make_spec(256, 4, "postonly", 20, approx_rcp=True)
+    for flags in ({"live_rows": True}, {"approx_rcp": True}, {"early_trigger": True}):
+        with pytest.raises(ValueError, match="lean"):
+            mk.make_spec(256, 4, "post", 20, lean=True, **flags)
+    with pytest.raises(ValueError, match="lean"):
+        mk.make_spec(256, 4, "postonly", 20, lean=True)
+    with pytest.raises(ValueError, match="chunks"):
+        mk.make_spec(64 * 24, 4, "post", 20, lean=True)        # 24 slices: no 16-slice chunks
+
+
+@pytest.mark.parametrize("width, chunks", [(256, 1), (5120, 5), (64 * 32, 2)])
+def test_lean_smem_holds_the_chunk_sums(width, chunks):
+    """The lean reduce writes [32 rows, 25, chunks] chunk sums into the fn region, then the
+    reduced [32, 32] sums and a flag after it; the default variants keep their layout."""
+    for streams, mode in ((4, "post"), (4, "plain"), (1, "plain")):
+        lean = mk.make_spec(width, streams, mode, 20, lean=True)
+        default = mk.make_spec(width, streams, mode, 20)
+        assert lean.reduce_chunks == chunks
+        assert lean.fn_region_bytes >= 4 * mk.ROWS_PER_CTA * mk.PARTIALS * chunks
+        assert lean.fn_region_bytes >= default.fn_region_bytes == 4 * 24 * streams * 64
+        assert lean.smem_bytes == lean.fn_region_bytes + 4 * 32 * 32 + 16 <= 48 * 1024
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -151,10 +173,11 @@ def test_mhc_pre_ref_is_the_step_composition():
     assert np.array_equal(plain.mixes, mhc_ref.hc_mixes(x, fn, 1e-20))
 
 
-def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float, chunk: int = 0) -> np.ndarray:
     """fp32 model of the kernel's sum: thread (slice, dv) sums its 8 d of every stream in order
     (squares first, then per m: stream j, d), 8 lanes meet in a butterfly (xor 4, 2, 1), the last
-    CTA adds slices in slice order, then mixes = dot · 1/sqrt(Σx²/(S·D) + eps)."""
+    CTA adds slices in slice order (`chunk` > 0, lean: each run of `chunk` slices in order, then
+    the chunk sums in chunk order), then mixes = dot · 1/sqrt(Σx²/(S·D) + eps)."""
     rows, s, d = x_new.shape
     x = x_new.astype(np.float32).reshape(rows, s, d // 64, 8, 8)     # [r, j, slice, dv, e]
     f = fn.astype(np.float32).reshape(24, s, d // 64, 8, 8)
@@ -170,25 +193,34 @@ def split_k_mixes(x_new: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
     for off in (4, 2, 1):
         part = part + part[:, :, lanes ^ off]
     part = part[:, :, 0]                                               # [r, slice, 25]
-    total = part[:, 0]
-    for sl in range(1, d // 64):
-        total = total + part[:, sl]
+    chunk = chunk or d // 64
+    sums = []
+    for start in range(0, d // 64, chunk):
+        t = part[:, start]
+        for sl in range(start + 1, start + chunk):
+            t = t + part[:, sl]
+        sums.append(t)
+    total = sums[0]
+    for t in sums[1:]:
+        total = total + t
     rstd = np.float32(1) / np.sqrt(total[:, 24] / np.float32(s * d) + np.float32(eps))
     return (total[:, :24] * rstd[:, None]).astype(np.float32)
 
 
 @pytest.mark.parametrize("width", [256, 5120])
-def test_split_k_slicing_covers_every_element_within_the_bound(width):
+@pytest.mark.parametrize("lean", [False, True])
+def test_split_k_slicing_covers_every_element_within_the_bound(width, lean):
     rows = 3
+    chunk = min(mk.REDUCE_CHUNK, width // 64) if lean else 0
     x, _, _, fn = _inputs(rows, width)
-    got = split_k_mixes(x, fn, 1e-20)
+    got = split_k_mixes(x, fn, 1e-20, chunk)
     want = mhc_ref.hc_mixes(x, fn, 1e-20)
     bound = mk.mixes_bound(x, fn, 1e-20)
     assert (np.abs(got.astype(np.float64) - want) <= bound).all()
     # A slicing error (one slice dropped) is far outside the bound.
     x_bad = x.copy()
     x_bad[:, :, 64:128] = 0
-    assert (np.abs(split_k_mixes(x_bad, fn, 1e-20) - want) > bound).any()
+    assert (np.abs(split_k_mixes(x_bad, fn, 1e-20, chunk) - want) > bound).any()
 
 
 def half_warp_sinkhorn(logits: np.ndarray, iters: int, eps: float,
@@ -234,6 +266,48 @@ def test_approx_rcp_sinkhorn_within_the_gpu_tolerance(sd):
     assert np.abs(got - want).max() <= 1e-5
     assert np.abs(got.sum(axis=1) - 1).max() <= 1e-5
     assert not np.array_equal(got, half_warp_sinkhorn(logits, 20, 1e-6))
+
+
+def thread_sinkhorn(logits: np.ndarray, iters: int, eps: float, rng) -> np.ndarray:
+    """fp32 model of the lean `_lean_sinkhorn`: one thread holds c[j, k] in registers; a row or
+    column sum is (a + b) + (c + d); each normalisation is v·rcp(total) with the reciprocal off
+    by a random +-1 ulp (rcp.approx.ftz's bound) and the product rounded to fp32."""
+    c = logits.astype(np.float32).reshape(-1, 4, 4)
+    eps = np.float32(eps)
+
+    def rcp(total):
+        r = np.float32(1) / total
+        return (r * (1 + rng.choice([-1, 1], r.shape) * 2.0**-23)).astype(np.float32)
+
+    def rows_of(a):
+        return ((a[:, :, 0] + a[:, :, 1]) + (a[:, :, 2] + a[:, :, 3]))[:, :, None]
+
+    def cols_of(a):
+        return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3]))[:, None, :]
+
+    mx = np.maximum(np.maximum(c[:, :, 0], c[:, :, 1]), np.maximum(c[:, :, 2], c[:, :, 3]))
+    e = np.exp(c - mx[:, :, None])
+    c = e * rcp(rows_of(e)) + eps
+    c = c * rcp(cols_of(c) + eps)
+    for _ in range(iters - 1):
+        c = c * rcp(rows_of(c) + eps)
+        c = c * rcp(cols_of(c) + eps)
+    return c
+
+
+@pytest.mark.parametrize("sd", [0.5, 3.0, 10.0])
+def test_lean_thread_sinkhorn_within_the_gpu_tolerance(sd):
+    """The lean tail's register Sinkhorn (a thread per row, rcp.approx) stays within COMB_ATOL
+    of mhc_ref.sinkhorn with columns summing to 1 within 1e-5; swapping its row and column
+    sums (normalising rows last) is detected on skewed logits."""
+    logits = (RNG.standard_normal((4000, 4, 4)) * sd).astype(np.float32)
+    got = thread_sinkhorn(logits, 20, 1e-6, RNG)
+    want = mhc_ref.sinkhorn(logits, 20, 1e-6)
+    assert np.abs(got - want).max() <= 1e-5
+    assert np.abs(got.sum(axis=1) - 1).max() <= 1e-5
+    skewed = (RNG.standard_normal((2000, 4, 4)) * 3).astype(np.float32)
+    wrong = thread_sinkhorn(skewed.transpose(0, 2, 1), 20, 1e-6, RNG).transpose(0, 2, 1)
+    assert np.abs(wrong.sum(axis=1) - 1).max() > 1e-3
 
 
 def test_half_warp_sinkhorn_lane_mapping():
