@@ -54,7 +54,9 @@ def _one(matches: list[str], what: str) -> str:
 
 def dense_spec(bundle, label: str, rows: int, epilogue: str = "bf16",
                prefix: str = "dense_w8a16") -> dr.DenseSpec:
-    """The bundle's kernel for layer `label` (dense_ref.dense_shapes) at `rows` rows."""
+    """The bundle's kernel for layer `label` (dense_ref.dense_shapes) at `rows` rows: the
+    plain-named one (variant dense_ref.R8_VARIANT at R <= 8); the R <= 8 candidates beside it
+    carry a variant tag after the epilogue (`_mma`, `_s`, `_sx`, `_sxt`) and are never picked."""
     tail = f"_r{dr.ROW_TILE * row_tiles_for(rows)}_{epilogue}"
     head = f"{prefix}_{label}_n"
     name = _one([n for n in bundle.names() if n.startswith(head) and n.endswith(tail)],
