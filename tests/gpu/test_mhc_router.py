@@ -299,3 +299,35 @@ def test_router_matches_reference(dev, stream, setup, ties, variant):
     spec = {"rb16": default, "rb32": rb32, "tile8": tile8, "tile8p": tile8p}[variant]
     for rows in ROWS + ((8, 9) if spec.one_pass else ()):
         _check_router(spec, rows, *_router_case(dev, stream, bundle, spec, rows, ties))
+
+
+@pytest.mark.parametrize("variant", [2, 3])
+def test_router_relaunch_reuses_scratch(dev, stream, setup, variant):
+    """`_tile8` / `_tile8p` launched 3 times on one arena (the step's 40 layers share one scratch),
+    fresh x each time and R = 8, 3, 6 (fewer rows than before: a stale exchange word or counter
+    of an earlier launch would be taken as this launch's): every launch matches its reference."""
+    cfg, bundle = setup
+    spec = rk.router_specs(cfg)[variant]
+    e, d = spec.experts, spec.hidden
+    router = Router(dev, bundle, spec, max_rows=max(ROWS))
+    try:
+        weight = to_bf16(RNG.standard_normal((e, d)) / np.sqrt(d))
+        bias = RNG.uniform(-0.3, 0.3, e).astype(np.float32)
+        upload(router.arena, "weight", weight)
+        upload(router.arena, "bias", bias)
+        for rows in (8, 3, 6):
+            x = to_bf16(RNG.standard_normal((rows, d)))
+            upload(router.arena, "x", x)
+            for name in ("logits", "ids", "weights"):
+                poison(router.arena, name)
+            cp.cuda.Device().synchronize()
+            router.launch(rows).launch(stream)
+            stream.synchronize()
+            a = router.arena
+            _check_router(spec, rows, x, weight, bias, None,
+                          download(a, "logits", np.float32, (rows, e)),
+                          download(a, "ids", np.int32, (rows, spec.topk)),
+                          download(a, "weights", np.float32, (rows, spec.topk)),
+                          download(a, "counters", np.uint8, (spec.scratch_bytes(max(ROWS)),)))
+    finally:
+        router.close()
