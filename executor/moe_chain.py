@@ -94,13 +94,16 @@ class MoeChain:
         return ml.chain_launches(self.bundle, self.shape, self.ptrs, rows, w13, w2, kinds,
                                  self.available)
 
-    def launches_warp_routed(self, rows: int, w2: str | None = None) -> list[LaunchSpec]:
+    def launches_warp_routed(self, rows: int, w2: str | None = None,
+                             w13w: str = "") -> list[LaunchSpec]:
         """prep -> w13w -> w2 -> combine (executor/launches/moe.py `warp_routed_launches`)."""
         return ml.warp_routed_launches(self.bundle, self.shape, self.ptrs, rows, w2,
-                                       self.available)
+                                       self.available, w13w)
 
-    def warp_routed_fits(self, rows: int) -> bool:
-        return ml.warp_routed_fits(self.available, self.shape, rows)
+    def warp_routed_variants(self, rows: int) -> list[str]:
+        """The moe_w13w variants the bundle holds that can run `rows` rows."""
+        return [v for v in ml.variant_names(self.available, "w13w")
+                if ml.warp_routed_fits(self.available, self.shape, rows, v)]
 
     def step_launches(self, rows: int) -> list[LaunchSpec]:
         """What the decode step launches at `rows` (executor/launches/moe.py `step_launches`)."""
@@ -167,8 +170,9 @@ def bench_moe_routed(ctx) -> None:
             step_w13, step_w2 = ml.step_variants(chain.available, rows)
             if step_w13:                 # the variants the step launches below 6 rows
                 chains.append((f" {step_w13}", chain.launches(rows, step_w13, step_w2)))
-            if chain.warp_routed_fits(rows):
-                chains.append((" w13w", chain.launches_warp_routed(rows, step_w2)))
+            for w13w in chain.warp_routed_variants(rows):
+                chains.append((" w13w" + (f" {w13w}" if w13w else ""),
+                               chain.launches_warp_routed(rows, step_w2, w13w)))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):

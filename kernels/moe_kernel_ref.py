@@ -115,6 +115,7 @@ PARAMS = {
 # warp, <= 64 pairs) to issue its weights before griddepcontrol.wait; w13sr's ABI.
 PARAMS["w13w"] = PARAMS["w13sr"]
 WARP_ROUTED_MAX_PAIRS = 64
+W13W_VARIANTS = ("", "early")    # "early": the next item's weights refilled mid-math
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -264,13 +265,13 @@ def make_specs(shape: MoeShape) -> list[MoeSpec]:
 
 def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
     """moe_w13w: the "g" w13 (4 warps, one-item ring, 3 CTAs/SM, group commits) routing itself,
-    for the default chain at rows * topk <= WARP_ROUTED_MAX_PAIRS."""
+    for the default chain at rows * topk <= WARP_ROUTED_MAX_PAIRS; W13W_VARIANTS."""
     if shape.num_experts > LANES * 32:
         return []                                   # the expert bitmap is one word per lane
     base = _w13_spec(shape, *W13_VARIANTS[1])
-    return [MoeSpec(f"moe_w13w_{shape.tag()}", "w13w", shape, base.block,
-                    smem_bytes=base.smem_bytes, ctas_per_sm=base.ctas_per_sm, stages=1,
-                    group_commits=True)]
+    return [MoeSpec(f"moe_w13w_{shape.tag()}" + (f"_{v}" if v else ""), "w13w", shape,
+                    base.block, smem_bytes=base.smem_bytes, ctas_per_sm=base.ctas_per_sm,
+                    stages=1, variant=v, group_commits=True) for v in W13W_VARIANTS]
 
 
 def variant_specs(shape: MoeShape) -> list[MoeSpec]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import cutlass
 from cuda.bindings import driver as cuda
-from cutlass import Int32, Int64, cute
+from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe_kernel_ref as mk
 from kernels.moe import MoeW2Sm90, MoeW13Sm90
@@ -29,11 +29,15 @@ from kernels.moe_ptx import (
     cp_async_commit,
     cp_async_wait,
     ctz,
+    fmul_add,
+    group_mma,
     ld_relaxed_u32,
     ld_v2,
+    lds_v2,
     popc,
 )
-from kernels.ptx import asm, ld_f32_if
+from kernels.moe_selfroute import MoeW13EarlyRefillSm90
+from kernels.ptx import asm, ld_f32_if, lds_v4_u32
 
 
 class MoeW13PipelinedSm90(MoeW13Sm90):
@@ -192,9 +196,12 @@ class MoeW13WarpRoutedSm90(MoeW13PipelinedSm90):
     def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                  codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                  h: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        # ctas_per_sm as a launch bound: without it ptxas capped this kernel at 128 registers
+        # and spilled (the "g" w13 it extends uses 168, i.e. 3 CTAs of 128 threads per SM).
         self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, rows).launch(
             grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True)
+            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.ctas_per_sm,
+            preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
 
     @cute.jit
     def expert_of_item(self, state, item: Int32, total: Int32):
@@ -259,10 +266,91 @@ class MoeW13WarpRoutedSm90(MoeW13PipelinedSm90):
         return b_regs, sc, p0, p1, v0, v1
 
 
+class MoeW13WarpRoutedEarlySm90(MoeW13WarpRoutedSm90):
+    """moe_w13w "early": in an item's last token chunk each thread re-issues the cp.async of a
+    128-group's weights for the CTA's next item right after the mma that consumed that group
+    (as moe_w13sr "early"), so the next item's load overlaps this item's math and epilogue.
+    Every group of every chunk commits exactly one cp.async group (empty when there is nothing
+    to refill), so group g is always awaited with wait_group(groups - 1): the groups committed
+    after it are the item's later groups plus this chunk's commits for the earlier ones."""
+
+    weight_addresses = MoeW13EarlyRefillSm90.weight_addresses
+    reduce_and_store = MoeW13EarlyRefillSm90.reduce_and_store
+
+    def await_group(self, gi: int):
+        cp_async_wait(self.groups_per_warp - 1)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.stage_bytes
+        state = self.routing.build(_addr(topk_ids), rows, lane)
+        total = state[5] * self.tiles
+        item = bidx
+        self.issue(ring, self.expert_of_item(state, item, total), _addr(codes), _addr(offsets),
+                   item, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # xq, xs come from moe_prep
+        cute.arch.griddepcontrol_launch_dependents()
+        while item < total:
+            e = self.routing.expert(state, item // self.tiles)
+            tile = item % self.tiles
+            masks = self.routing.pairs(state, e)
+            count = masks[2]
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
+            nxt = item + gdim
+            refill = self.weight_addresses(self.expert_of_item(state, nxt, total), nxt,
+                                           _addr(codes), _addr(offsets), warp, lane)
+            more = Int32(1) if nxt < total else Int32(0)
+            chunk = Int32(0)
+            while chunk < count:
+                ins = self.chunk_inputs_warp(masks, _addr(xq), _addr(xs), count - chunk, chunk,
+                                             warp, lane)
+                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
+                self.chunk_math_refill(ring, ins, _addr(h), tile, scale, red, warp, lane, tidx,
+                                       refill, more * last)
+                chunk += mk.CHUNK_TOKENS
+            item = nxt
+
+    @cute.jit
+    def chunk_math_refill(self, stage: Int32, ins, h: Int64, tile: Int32, scale: Float32,
+                          red: Int32, warp: Int32, lane: Int32, tidx: Int32, refill,
+                          do_refill: Int32):
+        """`chunk_math`, re-issuing each group's weight copies for the next item (when
+        do_refill) right after that group's mma; one commit per group either way."""
+        b_regs, sc, p0, p1, v0, v1 = ins
+        wbase, obase = refill
+        acc = [Float32(0.0)] * 4
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            self.await_group(gi)
+            words = (lds_v4_u32(stage + ((2 * gi) * self.threads + tidx) * 16)
+                     + lds_v4_u32(stage + ((2 * gi + 1) * self.threads + tidx) * 16))
+            offs = lds_v2(stage + self.offsets_at + (gi * self.threads + tidx) * 8)
+            part = group_mma(words, offs, 4, b_regs[gi])
+            if do_refill != 0:
+                for c in cutlass.range_constexpr(2 * gi, 2 * gi + 2):
+                    cp_async_16(stage + (c * self.threads + tidx) * 16, wbase + c * mk.COL_BYTES)
+                cp_async_8(stage + self.offsets_at + (gi * self.threads + tidx) * 8,
+                           obase + gi * mk.GROUP_OFFSET_BYTES)
+            cp_async_commit()
+            sc0, sc1 = sc[gi]
+            acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
+                   fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
+        self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0, v1)
+
+
 def kernel_class(spec: mk.MoeSpec):
-    """The class compiling a group-commit spec (w13, w2 or w13w)."""
-    classes = {"w13": MoeW13PipelinedSm90, "w2": MoeW2PipelinedSm90,
-               "w13w": MoeW13WarpRoutedSm90}
+    """The class compiling a group-commit spec (w13, w2 or a w13w variant)."""
+    if spec.kind == "w13w":
+        return MoeW13WarpRoutedEarlySm90 if spec.variant == "early" else MoeW13WarpRoutedSm90
+    classes = {"w13": MoeW13PipelinedSm90, "w2": MoeW2PipelinedSm90}
     if spec.kind not in classes:
         raise ValueError(f"{spec.name}: group commits exist for w13 / w2 / w13w only, not "
                          f"{spec.kind}")

@@ -206,8 +206,8 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
         w2v = step["w2_one_row"] if rows == 1 else step["w2"]
         w2 = f"moe_w2_{tag}" + (f"_{w2v}" if w2v else "")
         w13 = f"moe_w13_{tag}" + (f"_{step['w13']}" if step["w13"] else "")
-        if step["w13w"] and rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS:
-            w13 = f"moe_w13w_{tag}"
+        if step["w13w"] is not None and rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS:
+            w13 = f"moe_w13w_{tag}" + (f"_{step['w13w']}" if step["w13w"] else "")
         expect = [f"moe_prep_{tag}", w13, w2]
     assert names == expect + [f"moe_combine_{tag}"]
     if rows <= FEW_ROWS:                # larger R: the chains' own tests run these launches

@@ -318,6 +318,7 @@ def test_step_variants_pick_the_group_commit_pair_when_present():
     shape = mk.moe_shape(ModelConfig.preset("v41-flash"), 4)
     assert ml.warp_routed_fits(every | {("w13w", "")}, shape, 10)
     assert not ml.warp_routed_fits(every | {("w13w", "")}, shape, 11)
+    assert not ml.warp_routed_fits(every | {("w13w", "")}, shape, 1, "early")
     assert not ml.warp_routed_fits(every, shape, 1)
 
 
@@ -326,12 +327,14 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
     """moe_w13w: w13sr's pointer ABI, the "g" w13's block / ring / occupancy, and a grid only
     for rows * topk <= 64 (one warp's two ids per lane)."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
-    (spec,) = mk.warp_routed_specs(shape)
+    specs = mk.warp_routed_specs(shape)
+    assert [s.variant for s in specs] == list(mk.W13W_VARIANTS)
     g = next(s for s in mk.variant_specs(shape) if s.kind == "w13" and s.variant == "g")
-    assert spec.params == mk.PARAMS["w13sr"]
-    assert (spec.block, spec.smem_bytes, spec.ctas_per_sm, spec.stages) == (
-        g.block, g.smem_bytes, g.ctas_per_sm, g.stages)
     top = mk.WARP_ROUTED_MAX_PAIRS // shape.topk
-    assert spec.grid(top) == g.grid(top)
-    with pytest.raises(ValueError, match="pairs"):
-        spec.grid(top + 1)
+    for spec in specs:
+        assert spec.params == mk.PARAMS["w13sr"]
+        assert (spec.block, spec.smem_bytes, spec.ctas_per_sm, spec.stages) == (
+            g.block, g.smem_bytes, g.ctas_per_sm, g.stages)
+        assert spec.grid(top) == g.grid(top)
+        with pytest.raises(ValueError, match="pairs"):
+            spec.grid(top + 1)

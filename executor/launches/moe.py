@@ -63,10 +63,11 @@ SELFROUTED_FROM_ROWS = 6
 SELFROUTED_EARLY = "early"
 # The default chain's w13 / w2 the step launches below SELFROUTED_FROM_ROWS ("w2_one_row" at
 # R = 1). Round 4: the per-group-commit kernels (kernels/moe_pipelined.py, bitwise the same y).
-# "w13w": moe_w13w replaces w13 where rows * topk <= mk.WARP_ROUTED_MAX_PAIRS (its weights go out
-# before its wait, overlapping moe_prep). Revert to the round-2 kernels:
-# STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": False}
-STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2", "w13w": True}
+# "w13w": the moe_w13w variant ("" or "early") that replaces w13 where rows * topk <=
+# mk.WARP_ROUTED_MAX_PAIRS (its weights go out before its wait, overlapping moe_prep); None: off.
+# Revert to the round-2 kernels:
+# STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": None}
+STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -152,19 +153,21 @@ def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], row
 
 
 def warp_routed_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                         w2: str | None = None, available=None) -> list[LaunchSpec]:
-    """prep -> w13w -> w2 -> combine (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS); w2 as in
-    `chain_launches`."""
+                         w2: str | None = None, available=None,
+                         w13w: str = "") -> list[LaunchSpec]:
+    """prep -> w13w (variant `w13w`) -> w2 -> combine (rows * topk <=
+    mk.WARP_ROUTED_MAX_PAIRS); w2 as in `chain_launches`."""
     available = available_specs(bundle, shape) if available is None else available
-    if ("w13w", "") not in available:
-        raise KeyError(f"the bundle has no moe_w13w_{shape.tag()}")
+    if ("w13w", w13w) not in available:
+        raise KeyError(f"the bundle has no moe_w13w variant {w13w!r} of {shape.tag()} (have "
+                       f"{variant_names(available, 'w13w')})")
     prep, w2_spec, combine = chain_launches(bundle, shape, ptrs, rows, "", w2,
                                             ("prep", "w2", "combine"), available)
-    return [prep, _launch(bundle, available[("w13w", "")], ptrs, rows), w2_spec, combine]
+    return [prep, _launch(bundle, available[("w13w", w13w)], ptrs, rows), w2_spec, combine]
 
 
-def warp_routed_fits(available, shape: mk.MoeShape, rows: int) -> bool:
-    return ("w13w", "") in available and rows * shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
+def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "") -> bool:
+    return ("w13w", w13w) in available and rows * shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
 
 
 def step_variants(available, rows: int) -> tuple[str, str | None]:
@@ -188,8 +191,9 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
         return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,
                                    available)
     w13, w2 = step_variants(available, rows)
-    if STEP_VARIANTS["w13w"] and warp_routed_fits(available, shape, rows):
-        return warp_routed_launches(bundle, shape, ptrs, rows, w2, available)
+    w13w = STEP_VARIANTS["w13w"]
+    if w13w is not None and warp_routed_fits(available, shape, rows, w13w):
+        return warp_routed_launches(bundle, shape, ptrs, rows, w2, available, w13w)
     return chain_launches(bundle, shape, ptrs, rows, w13, w2, available=available)
 
 

@@ -7,7 +7,7 @@ routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds, the pair the step launches and, where rows * k <= 64, the chain with
-moe_w13w (kernels/moe_pipelined.py) for w13; all bitwise equal to each other), and
+each moe_w13w variant (kernels/moe_pipelined.py) for w13; all bitwise equal to each other), and
 two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
 tolerance and bitwise the default chain's, its quantized x bitwise.
@@ -119,18 +119,18 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     step_w13, step_w2 = ml.step_variants(chain.available, rows)
     if step_w13:
         variants.insert(0, (step_w13, step_w2))
-    if chain.warp_routed_fits(rows):     # moe_w13w in place of w13 (None: its own launch list)
-        variants.insert(0, (None, step_w2))
+    # moe_w13w variants in place of w13 (("w13w", v): their own launch list)
+    variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
-        launches = (chain.launches_warp_routed(rows, w2) if w13 is None
+        launches = (chain.launches_warp_routed(rows, w2, w13[1]) if isinstance(w13, tuple)
                     else chain.launches(rows, w13=w13, w2=w2))
         for spec in launches:
             spec.launch(stream)
         stream.synchronize()
         y = chain.download("y", np.float32, (rows, shape.hidden))
-        label = f"y ({kind}, R={rows}, w13={'moe_w13w' if w13 is None else w13!r}, w2={w2!r})"
+        label = f"y ({kind}, R={rows}, w13={w13!r}, w2={w2!r})"
         mk.check_routed_close(y, want, label)
         ys.append(y)
         np.testing.assert_array_equal(y, ys[0], err_msg=f"{label} vs {variants[0]}")
