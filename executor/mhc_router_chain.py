@@ -152,7 +152,8 @@ def bench_mhc_router(ctx) -> None:
             for router in routers:
                 route, rspec = router.launch(rows), router.spec
                 us = ctx.cold_median_us(lambda route=route: route.launch(ctx.stream), reps=reps)
-                pred = rk.predicted_us(rows, rspec.hidden, rspec.experts, rspec.one_pass)
+                pred = rk.predicted_us(rows, rspec.hidden, rspec.experts, rspec.one_pass,
+                                       rspec.polled)
                 ctx.bandwidth(rspec.name, f"pred {pred:.1f} us", rows, us,
                               rspec.bytes_moved(rows))
                 route_us.append(us)

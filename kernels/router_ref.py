@@ -181,17 +181,18 @@ def router_bytes(rows: int, hidden: int, experts: int, topk: int) -> int:
 
 
 def predicted_us(rows: int, hidden: int = 5120, experts: int = 384,
-                 one_pass: bool = False) -> float:
+                 one_pass: bool = False, polled: bool = False) -> float:
     """Floor at the measured ~4.3 TB/s plus ~4 us of launch, weight round trip and selection,
     plus ~0.04 us a row of CUDA-core fma (2 x 5120 per expert pair and row, 192 pairs).
     one_pass, calibrated on the default's measured 11.8 us (R = 1, alone, L2 flushed): one x
     round trip and barrier a tile of 8 instead of one per 2 rows (~1 us each) and the tile's rows
     selected in parallel at ~0.4 us instead of ~1 us a row per warp: ~8.4 us + ~1.5 us a wave
-    of 132 CTAs (128 CTAs a tile)."""
+    of 132 CTAs (128 CTAs a tile); polled: ~1.2 us less (no fence, atomic and reload)."""
     if not one_pass:
         return router_bytes(rows, hidden, experts, 6) / 4.3e6 + 4.0 + 0.04 * rows
     ctas = ceil_div(rows, ONE_PASS_ROWS) * experts // one_pass_experts_per_cta(experts)
-    return router_bytes(rows, hidden, experts, 6) / 4.3e6 + 7.5 + 1.5 * ceil_div(ctas, 132)
+    return (router_bytes(rows, hidden, experts, 6) / 4.3e6 + 7.5 + 1.5 * ceil_div(ctas, 132)
+            - 1.2 * polled)
 
 
 # ---- reference -----------------------------------------------------------------------------------
