@@ -73,10 +73,14 @@ BENCH_MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.s
 CONTEXTS = (4096, 65536)
 CASES_ENV = "HOPDEC_STEP_CASES"        # "1x4k,6x64k": those (rows x context) only
 PACK_WORKERS_ENV = "HOPDEC_PACK_WORKERS"   # threads packing the weights (default: every core)
-# per-layer packing tasks by module, longest first (a layer's experts: ~9 s on one core); mhc's
-# last: they wait for the embedding and head rows that its globals task draws
-PACK_ORDER = ("executor.stages.ffn_tiled", "executor.stages.attn_proj",
-              "executor.stages.attn_index", "executor.stages.mhc")
+# per-layer packing tasks by module, longest first (one core: a layer's experts ~7 s, an Engram
+# layer's mhc ~9 s after PREFETCH, attention ~4 s; a list-scheduling estimate on 16 threads
+# gives 13 s this way, 17 s with mhc last)
+PACK_ORDER = ("executor.stages.ffn_tiled", "executor.stages.mhc", "executor.stages.attn_proj",
+              "executor.stages.attn_index")
+# drawn first, each on its own thread: the two largest global tensors (331 MB of bf16 rows each
+# on rank 0, ~3 s to draw), which mhc's globals task and every mhc per-layer task ask for first
+PREFETCH = ("embed.weight", "head.weight")
 LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 GRAPH_REPS, EAGER_REPS = 30, 8
 HBM_BYTES_PER_S = 4.8e12
@@ -311,6 +315,8 @@ def pack_parallel(cfg, fetch, layer_map, workers: int, modules=BENCH_MODULES):
     with ThreadPoolExecutor(workers, thread_name_prefix="pack") as pool:
         try:
             # globals first (the per-layer tasks wait for what they fetch), then longest first
+            for name in PREFETCH:
+                pool.submit(fetch, name)
             heads = {m: pool.submit(lambda m=m: list(m.weights(cfg, TP, RANK, fetch, layers=[])))
                      for m in packers}
             parts = {(m, s.index): pool.submit(_layer_part, m, cfg, fetch, s)
