@@ -340,15 +340,24 @@ class DenseStreamSm90:
             side = Int32(tile != (self.units * cta // self.ctas) // self.ksteps)
             if tidx < RED_THREADS:
                 st_f32(ws + Int64(((2 * cta + side) * RED_THREADS + tidx) * 4), total)
-            cute.arch.fence_acq_rel_gpu()
+            # Round 3: every thread fences. Else one thread does, ordered with the others by the
+            # CTA barrier (the cooperative-groups grid-sync pattern): one ERRBAR + L1
+            # invalidation per CTA instead of 256 (the reads below bypass L1 anyway).
+            if cutlass.const_expr(self.round3):
+                cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
             counter = counters + tile
             if tidx == 0:
+                if cutlass.const_expr(not self.round3):
+                    cute.arch.fence_acq_rel_gpu()     # release the CTA's partials
                 old = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+                if cutlass.const_expr(not self.round3):
+                    cute.arch.fence_acq_rel_gpu()     # acquire the others' for the CTA
                 flag[0] = Int32(old == c_hi - c_lo)
             cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
             if flag[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
+                if cutlass.const_expr(self.round3):
+                    cute.arch.fence_acq_rel_gpu()
                 if tidx < RED_THREADS:
                     total = Float32(0.0)
                     c = c_lo
