@@ -30,9 +30,11 @@ such activations with N(0, 1/D) weights move a logit by ~2^-8 x |hidden| / sqrt(
 ~ 0.01; 4 layers with output projections at 1/32 gain do not amplify that (the emulated and
 device tiny steps, 8 layers, stay under 0.1).
 
-Expected device run time on one H200 (16 cores): ~70-90 s, almost all host work: packing the 4
-ranks (~35 GB of arena bytes, 4 threads) ~40-60 s, upload ~5 s, the reference ~20 s (prefill and
-4 steps at real widths), the device steps < 1 s each. The timings are printed.
+Expected device run time on one H200 host (16 cores, 128 GB): ~70-120 s, almost all host work
+(the timings are printed): drawing the synthetic tensors once in 16 processes ~10-15 s, packing
+16 (rank, module) parts on threads (~35 GB of arena bytes) ~20-40 s, upload ~5 s, the reference
+~20-40 s (it dequantizes ~3.4 G weights to fp32, FP8 ones at ~100 M/s through ml_dtypes; ~25 GB
+of host memory), the device steps < 1 s each. Not measured on a GPU yet.
 """
 from __future__ import annotations
 
