@@ -300,9 +300,11 @@ def pack_parallel(cfg, fetch, layer_map, workers: int, modules=BENCH_MODULES):
     uploads in the same order, with every (module, packed layer) packed on its own thread.
 
     A stage module's weights(layers=reps) is its globals (those of layers=[]), then each layer's
-    arrays in layer order, then any later globals; so each layer is packed alone (layers=[i],
-    its globals skipped or not made: the task stops at the first global after its arrays) and
-    the pieces are put back in that order. A module that does not split so is an error."""
+    arrays in layer order, then any later globals; so each layer is packed alone (layers=[i]:
+    its leading globals are dropped, fetched once through SharedFetch; a generator is closed at
+    the first global after the layer's arrays, so only that one is made again, e.g. attn_proj's
+    first RoPE table, ~2 s) and the pieces are put back in that order. A module that does not
+    split so is an error (the CPU test checks the stage modules on tiny)."""
     requests, _ = arena_contents(cfg, TP, RANK, fetch, MAX_ROWS, (), layer_map)  # checks the map
     mods = [importlib.import_module(name) for name in modules]
     for mod in mods:
@@ -464,7 +466,8 @@ class DeviceStep:
         from executor.runtime import Arena
 
         self.cp, self.cfg, self.stream = cp, cfg, ctx.stream
-        requests, uploads, self.pack_s = host_contents(cfg)
+        self.pack_workers = pack_workers()
+        requests, uploads, self.pack_s = host_contents(cfg, workers=self.pack_workers)
         self.weights = weight_bytes(cfg, uploads)
         self.geometry = cache_geometry(cfg)
         rules = bound_rules(cfg, self.geometry)
@@ -570,6 +573,7 @@ def bench_step(ctx) -> None:
     t0 = time.perf_counter()
     dev = DeviceStep(ctx, cfg, bundle)
     ctx.metric("step: host packing of the representative layers (8 of 40)", dev.pack_s, "s")
+    ctx.metric("step: host packing threads", dev.pack_workers, "")
     ctx.metric("step: arena upload + cache set-up", dev.upload_s, "s")
     ctx.metric("step: dense weight bytes per step", dev.weights.dense / 1e9, "GB")
     lines = []
