@@ -184,13 +184,17 @@ class ValueSource:
 
     def __init__(self, seed: int):
         self.seed = seed
-        self._last = threading.local()      # .pair: (base, weight, scale) made by this thread
+        self._last = threading.local()      # .pair: ((base, columns), weight, scale), per thread
 
-    def __call__(self, spec: TensorSpec) -> np.ndarray:
+    def __call__(self, spec: TensorSpec, columns: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor of `spec`; `columns` (FP8 pairs only): weight columns [c0, c1) on whole
+        blocks, quantized from the same whole draw (the blocks are independent: what cutting
+        the whole pair gives, at a fraction of the quantization)."""
         if spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE):
+            key = (spec.base, columns)
             pair = getattr(self._last, "pair", None)
-            if pair is None or pair[0] != spec.base:
-                pair = self._last.pair = (spec.base, *self._fp8_pair(spec))
+            if pair is None or pair[0] != key:
+                pair = self._last.pair = (key, *self._fp8_pair(spec, columns))
             return pair[1] if spec.fmt is Fmt.FP8 else pair[2]
         rng = tensor_rng(self.seed, spec.name)
         if spec.fmt is Fmt.MXFP4:
@@ -200,7 +204,7 @@ class ValueSource:
                                 gain=output_gain(spec.name))
         return _plain_values(spec, rng)
 
-    def _fp8_pair(self, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
+    def _fp8_pair(self, spec: TensorSpec, columns=None) -> tuple[np.ndarray, np.ndarray]:
         rng = tensor_rng(self.seed, spec.base)
         # Engram table rows are embeddings ~ N(0, 1) with one scale per row and 32 columns;
         # linear weights ~ N(0, 1/fan_in) with one scale per 32x32 block.
@@ -209,7 +213,12 @@ class ValueSource:
         if spec.fmt is Fmt.FP8_SCALE:
             n, k = n * block_rows, k * BLOCK
         std = np.float32(1.0 if block_rows == 1 else k**-0.5 * output_gain(spec.name))
-        return fp8_quantize(rng.standard_normal((n, k), dtype=np.float32) * std, block_rows)
+        draw = rng.standard_normal((n, k), dtype=np.float32)     # whole: one sequential stream
+        if columns is not None:
+            if columns[0] % BLOCK or columns[1] % BLOCK:
+                raise ValueError(f"{spec.base}: columns {columns} are not on {BLOCK}-column blocks")
+            draw = draw[:, columns[0]:columns[1]]
+        return fp8_quantize(draw * std, block_rows)
 
 
 def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
@@ -218,7 +227,8 @@ def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
     The values `synth(cfg, out, seed)` writes, generated on demand without any file: a stage
     module's `weights()` can pack a rank from it directly. A tensor cut along its rows whose
     values are drawn row after row (`_drawn_by_rows`) is drawn only up to the rank's last row
-    (the first rows of a longer draw are the same values); any other is drawn whole and cut by
+    (the first rows of a longer draw are the same values); an FP8 pair cut along its columns is
+    drawn whole and only the rank's blocks quantized; any other is drawn whole and cut by
     `loader.sharding.shard`. An unknown name raises KeyError naming it. Threads may call it
     at once (every tensor has its own generator; the FP8 pair cache is per thread).
     """
@@ -236,6 +246,9 @@ def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
         if cut is not None and spec.split.dim == 0 and _drawn_by_rows(spec):
             head = dataclasses.replace(spec, shape=(cut[1], *spec.shape[1:]))
             return source(head)[cut[0]:]
+        if cut is not None and spec.split.dim == 1 and spec.fmt in (Fmt.FP8, Fmt.FP8_SCALE):
+            unit = BLOCK if spec.fmt is Fmt.FP8_SCALE else 1      # a scale column: 32 weights
+            return source(spec, columns=(cut[0] * unit, cut[1] * unit))
         return sharding.shard(source(spec), spec, tp, rank)
 
     return fetch

@@ -193,3 +193,69 @@ def reference_model(cfg: ModelConfig, synth: SharedSynth) -> ReferenceModel:
                 lw = rank.layer(spec.index)
                 lw.experts = _Experts(lw, lw.num_experts, unique)   # overrides the cached list
     return ReferenceModel(cfg, ranks)
+
+
+# ---- the reference run, in its own process (overlapping the ranks' packing) ----------------------
+
+MAX_CONTEXT = 128
+
+
+def compressed_ids_stand_in(cfg, tokens) -> np.ndarray:
+    """Stand-in for the tokenizer's compressed-vocab map (executor.reference.step.compressed_ids
+    refuses v41's, which hopdec does not have): the identity, on ids below
+    engram_compressed_vocab_size only (callers draw every input token there)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and tokens.max() >= cfg.engram_compressed_vocab_size:
+        raise ValueError(f"token {tokens.max()} has no stand-in compressed id (below "
+                         f"{cfg.engram_compressed_vocab_size} only)")
+    return tokens
+
+
+def new_caches(cfg):
+    """The sequence's reference caches (seeded page permutation: the same tables every call)."""
+    from executor.reference.kvcache import KVCaches
+    return KVCaches.allocate(cfg, max_seqs=1, max_context=MAX_CONTEXT)
+
+
+def block_rows(caches, start: int, tokens, kind: str):
+    """One block of line 0 at positions start.., padded to a bucket of 8 rows."""
+    from executor.reference.rows import RowBatch, RowBlock
+    return RowBatch.from_blocks([RowBlock(0, start, tuple(tokens), kind)], caches.block_tables,
+                                caches.ring_slots, pad_to=8)
+
+
+def reference_run(job):
+    """(cfg, seed, drawn tensors, prompt, blocks) -> (caches after the prompt, [StepOutput] of
+    each block): the reference prefills `prompt`, then runs each (kind, tokens) block at the next
+    positions, every block accepted whole. Runs in a spawned process (reference_in_process), so
+    it patches the compressed-vocab stand-in into its own copy of executor.reference.step."""
+    import copy
+
+    import executor.reference.step as reference_step
+    from executor.reference.prefill import prefill
+
+    cfg, seed, drawn, prompt, blocks = job
+    reference_step.compressed_ids = compressed_ids_stand_in
+    synth = SharedSynth(cfg, seed)
+    synth._full.update(drawn)
+    model = reference_model(cfg, synth)
+    caches = new_caches(cfg)
+    prefill(model, caches, 0, prompt)
+    initial = copy.deepcopy(caches)
+    seq, outs = list(prompt), []
+    for kind, tokens in blocks:
+        rows = block_rows(caches, len(seq), tokens, kind)
+        seq += list(tokens)
+        outs.append(reference_step.decode_step(model, rows, caches,
+                                               [np.asarray(seq, np.int64)]))
+    return initial, outs
+
+
+def reference_in_process(cfg, synth: SharedSynth, prompt, blocks):
+    """Start reference_run in a spawned process over synth's drawn tensors; a Future of its
+    result (the caller packs and runs the ranks meanwhile)."""
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    future = pool.submit(reference_run, (cfg, synth.seed, dict(synth._full), list(prompt),
+                                         list(blocks)))
+    pool.shutdown(wait=False)
+    return future

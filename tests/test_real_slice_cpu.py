@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import real_slice as rs
+from ref_model import caches_equal
 
 from executor.bench_step import bench_config
 from loader.config import ModelConfig
@@ -110,3 +111,24 @@ def test_packing_per_module_gives_arena_contents_slices(tiny):
         assert sorted(want) == sorted(name for name, _ in uploads)
         for name, array in uploads:
             assert _same(array, want[name]), (rank, name)
+
+
+def test_reference_in_a_process_equals_the_reference_here(tiny):
+    rng = np.random.default_rng(6)
+    prompt = [int(t) for t in rng.integers(0, 1000, 9)]
+    blocks = [("decode", [int(rng.integers(0, 1000))]),
+              ("verify", [int(t) for t in rng.integers(0, 1000, 6)])]
+    shared = rs.SharedSynth(tiny, seed=6)
+    for name in shared.specs:
+        if not rs.EXPERT.fullmatch(name):
+            shared.full(name)          # drawn here and shipped; the experts drawn where read
+    future = rs.reference_in_process(tiny, shared, prompt, blocks)
+    here_caches, here = rs.reference_run((tiny, 6, dict(shared._full), prompt, blocks))
+    there_caches, there = future.result(timeout=300)
+    assert len(here) == len(there) == 2
+    for a, b in zip(here, there):
+        assert _same(a.logits, b.logits) and _same(a.tokens, b.tokens)
+    assert caches_equal(here_caches, there_caches)
+    assert here_caches.swa.keys() and any(np.any(a) for a in here_caches.swa.values())
+    with pytest.raises(ValueError, match="no stand-in compressed id"):
+        rs.compressed_ids_stand_in(rs.slice_config_v41(), np.array([[99092]]))

@@ -6,14 +6,15 @@ what it cuts and why is in its docstring) and packs the 4 ranks' arenas in paral
 of loader.synth's values. tests/gpu/device_ranks.py runs the 4 ranks in lockstep on one GPU with
 the cross-rank stages on the host (exactly what the collective kernels compute; those are tested
 across processes in tests/gpu/test_collectives.py and, through the real Executor, in
-test_step_tp4_processes.py). The NumPy reference runs the same slice at TP 4 over the same values.
+test_step_tp4_processes.py). The NumPy reference runs the same slice at TP 4 over the same values,
+in a spawned process while the ranks are packed and uploaded (real_slice.reference_in_process).
 
 One sequence: the reference prefills a 14-token prompt; the ranks get its caches once, then run
 3 decode steps and one verify block of 6 rows (8-row buckets: 7 or 2 padding rows), their own
 caches carrying over. Every input token is drawn below engram_compressed_vocab_size (99092 of
 129280): the tokenizer's compressed-vocab map is not in hopdec, so the reference refuses v41's
 Engram (executor.reference.step.compressed_ids) and this test stands in the identity on those
-ids for it (`_compressed_ids`); and the device's rows prep hashes the current token's raw id
+ids for it (real_slice.compressed_ids_stand_in); and the device's rows prep hashes the current token's raw id
 (history32[r, 0] = token_ids[r]), which is right only where the map is the identity (reported:
 with the real map the current token must be mapped too). So a step's input is not the previous
 step's greedy token (which may lie above 99092) but a drawn one; each step's outputs are still
@@ -30,11 +31,12 @@ such activations with N(0, 1/D) weights move a logit by ~2^-8 x |hidden| / sqrt(
 ~ 0.01; 4 layers with output projections at 1/32 gain do not amplify that (the emulated and
 device tiny steps, 8 layers, stay under 0.1).
 
-Expected device run time on one H200 host (16 cores, 128 GB): ~70-120 s, almost all host work
-(the timings are printed): drawing the synthetic tensors once in 16 processes ~10-15 s, packing
-16 (rank, module) parts on threads (~35 GB of arena bytes) ~20-40 s, upload ~5 s, the reference
-~20-40 s (it dequantizes ~3.4 G weights to fp32, FP8 ones at ~100 M/s through ml_dtypes; ~25 GB
-of host memory), the device steps < 1 s each. Not measured on a GPU yet.
+Expected device run time on one H200 host (16 cores, 128 GB): ~50-90 s, almost all host work
+(the timings are printed): drawing the synthetic tensors once in 16 processes ~10-15 s, then at
+the same time (a) packing 16 (rank, module) parts on threads (~35 GB of arena bytes) ~20-40 s and
+the upload ~5 s, and (b) the reference ~25-45 s in its process (it dequantizes ~3.4 G weights to
+fp32, the FP8 ones at ~100 M/s through ml_dtypes; ~25 GB of host memory); the device steps < 1 s
+each. Not measured on a GPU yet.
 """
 from __future__ import annotations
 
@@ -48,11 +50,7 @@ import real_slice as rs
 import stage_ffn_few_experts
 from device_ranks import DeviceRanks, PackedRanks
 
-import executor.reference.step as reference_step
-from executor.reference.kvcache import KVCaches
-from executor.reference.prefill import prefill
-from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.step import decode_step, ngram_lookback
+from executor.reference.step import ngram_lookback
 from executor.runtime import Bundle
 from kernels import engram_ref
 
@@ -64,6 +62,7 @@ BLOCKS = ("decode", "decode", "decode", "verify")
 VERIFY_ROWS = 6
 PROMPT = 14
 LOGIT_BOUND = 0.25
+REFERENCE_TIMEOUT_S = 600
 CACHES = ("swa_", "compressed_", "index_keys_", "compressor_ring_")
 
 
@@ -77,28 +76,13 @@ def bundle(dev):
     b.close()
 
 
-def _compressed_ids(cfg, tokens: np.ndarray) -> np.ndarray:
-    """Stand-in for the tokenizer's compressed-vocab map: the identity, on ids below
-    engram_compressed_vocab_size only (the test draws every input token there)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and tokens.max() >= cfg.engram_compressed_vocab_size:
-        raise ValueError(f"token {tokens.max()} has no stand-in compressed id (below "
-                         f"{cfg.engram_compressed_vocab_size} only)")
-    return tokens
-
-
-@pytest.fixture
-def compressed_vocab_stand_in(monkeypatch):
-    monkeypatch.setattr(reference_step, "compressed_ids", _compressed_ids)
-
-
 def _tokens(rng, cfg, n: int) -> list[int]:
     return [int(t) for t in rng.integers(0, cfg.engram_compressed_vocab_size, n)]
 
 
 def _history(cfg, rows, seq):
     raw = ngram_lookback(rows, [np.asarray(seq, np.int64)], cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(_compressed_ids(cfg, raw), rows.positions,
+    return engram_ref.ngram_history(rs.compressed_ids_stand_in(cfg, raw), rows.positions,
                                     cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
 
 
@@ -126,43 +110,37 @@ def _check(ranks, rows, n: int, out, step: int) -> float:
     return diff
 
 
-def test_real_dimension_slice_follows_the_reference(dev, stream, bundle,
-                                                     compressed_vocab_stand_in):
+def test_real_dimension_slice_follows_the_reference(dev, stream, bundle):
     rng = np.random.default_rng()
     cfg = rs.slice_config_v41()
-    synth = rs.SharedSynth(cfg)
-    draw_s = synth.prefetch(stage_ffn_few_experts.UNIQUE_EXPERTS)
-    contents, pack_s = rs.pack_ranks(cfg, synth, 192)
-    caches = KVCaches.allocate(cfg, max_seqs=1, max_context=128)
+    prompt = _tokens(rng, cfg, PROMPT)
+    blocks = [(kind, _tokens(rng, cfg, 1 if kind == "decode" else VERIFY_ROWS))
+              for kind in BLOCKS]
     t0 = time.perf_counter()
-    ranks = DeviceRanks(dev, None, bundle, rs.TP, caches, stream,
+    synth = rs.SharedSynth(cfg)
+    timings = [f"synthetic draws {synth.prefetch(stage_ffn_few_experts.UNIQUE_EXPERTS):.1f} s"]
+    reference = rs.reference_in_process(cfg, synth, prompt, blocks)    # meanwhile: the ranks
+    contents, pack_s = rs.pack_ranks(cfg, synth, 192)
+    timings.append(f"pack {pack_s:.1f} s")
+    t1 = time.perf_counter()
+    ranks = DeviceRanks(dev, None, bundle, rs.TP, rs.new_caches(cfg), stream,
                         packed=PackedRanks(cfg, rs.MODULES, tuple(contents)))
     del contents
-    upload_s = time.perf_counter() - t0
+    synth.release()
     try:
-        t0 = time.perf_counter()
-        model = rs.reference_model(cfg, synth)
-        prompt = _tokens(rng, cfg, PROMPT)
-        prefill(model, caches, 0, prompt)
-        seq = prompt + _tokens(rng, cfg, 1)
-        timings = [f"synthetic draws {draw_s:.1f} s", f"pack {pack_s:.1f} s",
-                   f"upload {upload_s:.1f} s", f"reference prefill {time.perf_counter() - t0:.1f} s"]
-        diffs = []
-        for step, kind in enumerate(BLOCKS):
-            drafts = [] if kind == "decode" else _tokens(rng, cfg, VERIFY_ROWS - 1)
-            toks = (seq[-1], *drafts)
-            rows = RowBatch.from_blocks([RowBlock(0, len(seq) - 1, toks, kind)],
-                                        caches.block_tables, caches.ring_slots, pad_to=8)
-            ranks.load(rows, caches if step == 0 else None, _history(cfg, rows, seq + drafts))
-            t0 = time.perf_counter()
-            launches = ranks.run(rows.num_rows)
+        timings.append(f"upload {time.perf_counter() - t1:.1f} s")
+        initial, outs = reference.result(timeout=REFERENCE_TIMEOUT_S)
+        timings.append(f"reference done {time.perf_counter() - t0:.1f} s after the start")
+        seq, diffs = list(prompt), []
+        for step, ((kind, tokens), out) in enumerate(zip(blocks, outs, strict=True)):
+            rows = rs.block_rows(initial, len(seq), tokens, kind)
+            seq += tokens
+            ranks.load(rows, initial if step == 0 else None, _history(cfg, rows, seq))
             t1 = time.perf_counter()
-            out = decode_step(model, rows, caches, [np.asarray(seq + drafts, np.int64)])
-            timings.append(f"step {step} ({kind}): device {t1 - t0:.2f} s ({launches} launches), "
-                           f"reference {time.perf_counter() - t1:.1f} s")
-            diffs.append(_check(ranks, rows, len(toks), out, step))
-            seq += drafts + _tokens(rng, cfg, 1)
+            launches = ranks.run(rows.num_rows)
+            timings.append(f"step {step} ({kind}) {time.perf_counter() - t1:.2f} s, "
+                           f"{launches} launches")
+            diffs.append(_check(ranks, rows, len(tokens), out, step))
         print("real-dimension slice:", "; ".join(timings), f"; logit differences {diffs}")
     finally:
         ranks.close()
-        synth.release()
