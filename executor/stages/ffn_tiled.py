@@ -60,7 +60,7 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None, unique: int = UNIQUE_EX
         for name, array in ffn.weights(small, tp, rank, small_fetch, [index]):
             if name.endswith(gate_names):
                 continue
-            if name.endswith(expert_names):   # [E / unique, unique, ...]: a view, no copy
+            if name.endswith(expert_names) and total > unique:   # a view: [E / unique, ...]
                 array = np.broadcast_to(array, (total // unique, *array.shape))
             yield name, array
         yield from ffn._gate_weights(cfg, fetch, cfg.layer(index))   # every row: real routing
