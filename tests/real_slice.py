@@ -1,4 +1,8 @@
-"""The first layers of v41-flash at real dimensions on 4 TP ranks: config, weights, reference model.
+"""The first layers of v41-flash at real dimensions on 4 TP ranks: config, weights, reference run.
+
+Used by tests/gpu/test_step_real_slice.py: `slice_config_v41`, `SharedSynth` (+ `prefetch`),
+`pack_ranks` (the ranks' arena contents), `reference_in_process` (the TP4 reference's prefill
+and steps in a spawned process, over the same drawn tensors).
 
 What the slice keeps and what it cuts (each cut changes no value the test's steps compute):
 - Layers 0..N-1 of v41-flash (`loader.synth.slice_config`): with N = 4 that is layer 0 (SWA, the
