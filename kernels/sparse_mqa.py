@@ -143,7 +143,8 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                                                        row_info, state_lines, base, tidx, s, r,
                                                        rows, pages_per_seq, page_size)
         if cutlass.const_expr(self.push):
-            self._load_records_by_record(base, tidx)
+            if cutlass.const_expr("gather" not in self.skip):
+                self._load_records_by_record(base, tidx)
         elif cutlass.const_expr("gather" not in self.skip):
             self._load_records(base, tidx, n_pad)
         cp_async_wait_all()

@@ -154,7 +154,7 @@ class SparseMqaPush:
         g, t = lane // 4, lane % 4
         acc = cute.make_rmem_tensor((4, 8), Float32)
         acc.fill(0.0)
-        e0 = Int32(0)
+        e0 = Int32(self.E if "pv" in self.skip else 0)     # the pv ablation skips the loop
         while e0 < self.E:
             a = self._p_frag(base, e0, g, t)
             ea = base + self.lay.records + (e0 + 2 * t) * REC

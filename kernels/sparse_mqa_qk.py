@@ -37,7 +37,7 @@ CHAINS = 2
 
 
 class SparseMqaQkRuns:
-    """`_logits_runs`, mixed into SparseMqaSm90 (reads `lay`, `E`)."""
+    """`_logits_runs`, mixed into SparseMqaSm90 (reads `lay`, `E`, `skip`)."""
 
     @cute.jit
     def _logits_runs(self, base: Int32, tidx: Int32):
@@ -49,7 +49,7 @@ class SparseMqaQkRuns:
         while tile < self.E // 8:
             entry = base + self.lay.records + (tile * 8 + g) * REC
             acc.fill(0.0)
-            for grp in cutlass.range_constexpr(GROUPS):
+            for grp in cutlass.range_constexpr(0 if "qk" in self.skip else GROUPS):
                 qa = base + self.lay.q + g * ref.Q_ROW_BYTES + (64 * grp + 16 * t) * 2
                 qb = qa + 8 * ref.Q_ROW_BYTES
                 rg = lds_v4_u32(qa) + lds_v4_u32(qa + 16)      # row g: dims 16t .. 16t + 15

@@ -68,6 +68,9 @@ PHASES = ("addr", "gather", "qk", "pv", "exchange")   # what a timing-only ablat
 # addr: no top-k / block-table loads (entry j reads compressed record j: bench contexts only);
 # gather: no record loads; qk / pv: no mma loops; exchange: no DSMEM and no cluster barriers.
 ABLATIONS = (("gather",), ("addr",), ("qk",), ("pv",), ("exchange",), PHASES)
+# Ablations of the step's push kernel (its record copy, QK and PV loops; its exchange cannot be
+# skipped: a store into a CTA that has left is undefined).
+PUSH_ABLATIONS = (("gather",), ("qk",), ("pv",), ("gather", "qk", "pv"))
 INFO_FIELDS = 4                  # row_info: position, swa_lo, swa_hi, seq
 
 PARAMS = (("q", "u64"), ("out", "u64"), ("swa", "u64"), ("compressed", "u64"), ("topk", "u64"),
@@ -219,7 +222,7 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
                          f"only with top-k), phases {PHASES}")
     push = exchange == "push"
     if exchange not in EXCHANGES or push and (split != "fixed" or cluster != CTA_THREADS // 32
-                                              or skip):
+                                              or not set(skip) <= set(PUSH_ABLATIONS[-1])):
         raise ValueError(f"sparse MQA: exchange {exchange!r}; {EXCHANGES}, push only with the "
                          f"fixed split, {CTA_THREADS // 32} CTAs, {CTAS_PER_SM} CTAs per SM")
     if split == "fixed":
@@ -232,8 +235,6 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     name += "_fixed" if split == "fixed" else ""
     name += "_push" if push else ""
     name += "_runs" if qk_runs else ""
-    if qk_runs and skip:
-        raise ValueError(f"{name}: qk_runs has no ablations")
     name += "_skip_" + "_".join(skip) if skip else ""
     if CTAS_PER_SM * (layout.total + 1024) > SM_SMEM_BYTES:
         raise ValueError(f"{name}: {CTAS_PER_SM} CTAs per SM of {layout.total} B shared memory")
@@ -274,10 +275,15 @@ def candidate_specs(cfg, tp: int,
 
 def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
     """Beside `sparse_mqa_specs`: the other candidates (tested like the step's kernel) and the
-    timing-only ablations of the balanced kernel (`ABLATIONS`), reported side by side."""
-    step = sparse_mqa_specs(cfg, tp, max_block_rows)[1].name
-    others = [s for s in candidate_specs(cfg, tp, max_block_rows).values() if s.name != step]
-    return others + [_topk_spec(cfg, tp, max_block_rows, skip=skip) for skip in ABLATIONS]
+    timing-only ablations of the balanced kernel (`ABLATIONS`) and of the step's kernel when it
+    pushes (`PUSH_ABLATIONS`), reported side by side."""
+    step = sparse_mqa_specs(cfg, tp, max_block_rows)[1]
+    others = [s for s in candidate_specs(cfg, tp, max_block_rows).values() if s.name != step.name]
+    ablations = [_topk_spec(cfg, tp, max_block_rows, skip=skip) for skip in ABLATIONS]
+    if step.exchange == "push":
+        ablations += [_topk_spec(cfg, tp, max_block_rows, skip=skip, **STEP_TOPK_VARIANT)
+                      for skip in PUSH_ABLATIONS]
+    return others + ablations
 
 
 # ---- row metadata ------------------------------------------------------------------------------

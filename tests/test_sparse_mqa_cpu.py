@@ -304,7 +304,9 @@ def test_variant_specs_build_beside_the_step_kernel(cfg):
         got = np.sort(np.concatenate(cta_shares(f, n_swa)))
         assert np.array_equal(got, np.arange(n_swa + f.topk))
     ablations = [v for v in variants if v.ablation]
-    assert [v.skip for v in ablations] == list(ref.ABLATIONS)
+    assert [v.skip for v in ablations] == list(ref.ABLATIONS) + list(ref.PUSH_ABLATIONS)
+    assert all(v.exchange == "pull" for v in ablations[:len(ref.ABLATIONS)])
+    assert all(v.name.startswith(base[1].name + "_skip_") for v in ablations[len(ref.ABLATIONS):])
     assert all("_skip_" in v.name for v in ablations)
     names = [s.name for s in list(base) + variants]
     assert len(set(names)) == len(names)
