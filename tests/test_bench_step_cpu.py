@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from executor import bench_step as bs
+from executor import bench_step_pack as bp
 from executor.bind import binding_rules
 from executor.emulate import bind_host, run_lockstep
 from executor.emulate.ranks import caller_tensors, fill_caller_tensors
@@ -126,7 +127,7 @@ def test_tiled_experts_equal_packing_an_aliasing_fetch(tiny):
         tiled = got[name]
         if ".experts." in name:              # [E / 8, 8, ...] repeating 8 experts, no copy
             assert tiled.shape == (array.shape[0] // 8, 8, *array.shape[1:]), name
-            assert bs.repeats(tiled) and not tiled.flags.writeable, name
+            assert bp.repeats(tiled) and not tiled.flags.writeable, name
             tiled = np.ascontiguousarray(tiled).reshape(array.shape)
         assert tiled.dtype == array.dtype and tiled.shape == array.shape, name
         assert np.array_equal(tiled.view(np.uint8), array.view(np.uint8)), name
@@ -255,8 +256,8 @@ def test_parallel_packing_equals_arena_contents(tiny):
                for m in bs.BENCH_MODULES]
     want_req, want_up = arena_contents(tiny, bs.TP, bs.RANK, synth_fetch(tiny, 5, bs.TP, bs.RANK),
                                        bs.MAX_ROWS, modules, layer_map)
-    got_req, got_up = bs.pack_parallel(tiny, synth_fetch(tiny, 5, bs.TP, bs.RANK), layer_map, 3,
-                                       modules)
+    got_req, got_up = bp.pack_parallel(tiny, bs.TP, bs.RANK, synth_fetch(tiny, 5, bs.TP, bs.RANK),
+                                       bs.MAX_ROWS, modules, layer_map, 3)
     assert got_req == want_req
     assert [name for name, _ in got_up] == [name for name, _ in want_up]
     for (name, got), (_, want) in zip(got_up, want_up):
@@ -268,7 +269,7 @@ def test_parallel_packing_equals_arena_contents(tiny):
         return [first.setdefault(id(a), name) for name, a in uploads]
     assert sharing(got_up) == sharing(want_up)
     assert any(name.startswith("mtp.") for name, _ in got_up)
-    assert any(bs.repeats(a) for _, a in got_up)          # the experts stay repeating views
+    assert any(bp.repeats(a) for _, a in got_up)          # the experts stay repeating views
     # upload_all (one repeat up, the rest copied on the "device") fills the arena as uploading
     # arena_contents' contiguous arrays one by one does
     arenas = [HostArena(AddressSpace(), want_req) for _ in range(2)]
@@ -286,17 +287,17 @@ def test_parallel_packing_equals_arena_contents(tiny):
 
 def test_serial_order_refuses_a_module_that_does_not_split_by_layer():
     heads = [("embed", 0), ("rope", 1)]
-    part = bs.LayerPart(("embed",), [("layers.3.w", 2)], "rope")
+    part = bp.LayerPart(("embed",), [("layers.3.w", 2)], "rope")
     mod = types.SimpleNamespace(__name__="fake_stage")
-    assert bs._serial_order(mod, heads, [(3, part)]) == [("embed", 0), ("layers.3.w", 2),
+    assert bp._serial_order(mod, heads, [(3, part)]) == [("embed", 0), ("layers.3.w", 2),
                                                          ("rope", 1)]
-    after = bs.LayerPart((), [("layers.4.w", 3)], "embed")             # every global after
-    assert bs._serial_order(mod, heads, [(4, after)]) == [("layers.4.w", 3), *heads]
-    for bad in ([(3, bs.LayerPart(("rope",), [("layers.3.w", 2)], None))],   # out of order
-                [(3, bs.LayerPart(("embed",), [("layers.3.w", 2)], None))],  # rope unmade
+    after = bp.LayerPart((), [("layers.4.w", 3)], "embed")             # every global after
+    assert bp._serial_order(mod, heads, [(4, after)]) == [("layers.4.w", 3), *heads]
+    for bad in ([(3, bp.LayerPart(("rope",), [("layers.3.w", 2)], None))],   # out of order
+                [(3, bp.LayerPart(("embed",), [("layers.3.w", 2)], None))],  # rope unmade
                 [(2, after), (3, part)]):                # layers split the globals differently
         with pytest.raises(RuntimeError, match=r"fake_stage.weights\(layers=\[3\]\)"):
-            bs._serial_order(mod, heads, bad)
+            bp._serial_order(mod, heads, bad)
 
 
 def test_shared_fetch_makes_each_name_once_for_many_threads(tiny):
@@ -309,7 +310,7 @@ def test_shared_fetch_makes_each_name_once_for_many_threads(tiny):
         calls.append(name)
         return plain(name)
 
-    shared = bs.SharedFetch(counted)
+    shared = bp.SharedFetch(counted)
     names = ["embed.weight", "layers.2.attn.wq_b.weight", "layers.2.attn.wq_b.scale",
              "layers.3.attn.wo_b.weight", "layers.3.attn.wo_b.scale"] * 6
     with ThreadPoolExecutor(6) as pool:
