@@ -40,7 +40,14 @@ from kernels.mhc_kernel_ref import (
     MhcPreSpec,
     mhc_specs,
 )
-from kernels.mhc_lean import MhcLeanTail, atomic_add_acq_rel, fence_gpu, rcp_approx
+from kernels.mhc_lean import (
+    MhcLeanTail,
+    atomic_add_acq_rel,
+    bf16x2_to_f32,
+    fence_gpu,
+    rcp_approx,
+    stg_v4,
+)
 from kernels.ptx import (
     asm,
     ld_f32,
@@ -66,11 +73,6 @@ VEC = 8                              # bf16 per 16-byte vector
 _asm = partial(asm, side_effects=True)
 
 
-def stg_v4(addr: Int64, w):
-    void([Int64(addr)] + [Int32(x) for x in w], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-         "l,r,r,r,r")
-
-
 def lds_v4_f32(saddr: Int32):
     v = _asm(4, [Int32(saddr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
              kind=T.f32())
@@ -80,15 +82,6 @@ def lds_v4_f32(saddr: Int32):
 def sts_v4(saddr: Int32, w):
     void([Int32(saddr)] + [Int32(x) for x in w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
          "r,r,r,r,r")
-
-
-def bf16x2_to_f32(word: Int32):
-    """A packed bf16 pair -> (low, high) as fp32 (exact: bit placement)."""
-    lo = Float32(_asm(1, [Int32(word)], "shl.b32 $0, $1, 16;", "=f,r", kind=T.f32(),
-                      side_effects=False))
-    hi = Float32(_asm(1, [Int32(word)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r", kind=T.f32(),
-                      side_effects=False))
-    return lo, hi
 
 
 def shfl_xor_i32(x: Int32, offset: int) -> Int32:
@@ -110,15 +103,18 @@ class MhcPreSm90(MhcLeanTail):
         self.fn_floats = MIX_DIM * self.S * SLICE_WIDTH
         self.red_offset = spec.fn_region_bytes                 # bytes: reduced [rows, 32] sums
         self.flag_offset = self.red_offset + 4 * ROWS_PER_CTA * PARTIAL_STRIDE
+        self.norm_offset = self.flag_offset + 16               # fused norm: 4 warp totals
 
     @cute.jit
     def __call__(self, streams: cute.Pointer, sub_out: cute.Pointer, coeff_prev: cute.Pointer,
                  fn: cute.Pointer, scale: cute.Pointer, base: cute.Pointer,
                  streams_out: cute.Pointer, x_out: cute.Pointer, coeff_out: cute.Pointer,
                  mixes: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+                 norm_weight: cute.Pointer, x_normed: cute.Pointer,
                  rows: Int32, norm_eps: Float32, hc_eps: Float32, stream: cuda.CUstream):
         self.kernel(streams, sub_out, coeff_prev, fn, scale, base, streams_out, x_out, coeff_out,
-                    mixes, workspace, counters, rows, norm_eps, hc_eps).launch(
+                    mixes, workspace, counters, norm_weight, x_normed, rows, norm_eps,
+                    hc_eps).launch(
             grid=[self.spec.slices, 1, 1], block=list(self.spec.block), stream=stream,
             smem=self.spec.smem_bytes, use_pdl=True)
 
@@ -127,6 +123,7 @@ class MhcPreSm90(MhcLeanTail):
                fn: cute.Pointer, scale: cute.Pointer, base: cute.Pointer,
                streams_out: cute.Pointer, x_out: cute.Pointer, coeff_out: cute.Pointer,
                mixes: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+               norm_weight: cute.Pointer, x_normed: cute.Pointer,
                rows: Int32, norm_eps: Float32, hc_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         slice_idx, block_row, _ = cute.arch.block_idx()
@@ -135,6 +132,8 @@ class MhcPreSm90(MhcLeanTail):
             smem = cutlass.memory.SmemAllocator()
             sbase = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
             self._stage_fn(fn, sbase, slice_idx, tidx)
+            if cutlass.const_expr(self.spec.norm_weight != ""):
+                self._prefetch_norm_weight(norm_weight, slice_idx, tidx)
             cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()     # streams, sub_out, coeff_prev: earlier kernels
 
@@ -155,8 +154,9 @@ class MhcPreSm90(MhcLeanTail):
                                    sbase, rows, row, slice_idx, d0, dv)
 
         if cutlass.const_expr(self.spec.lean):
-            self._lean_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
-                            block_row, rows, tidx, norm_eps, hc_eps)
+            self._lean_tail(scale, base, coeff_out, mixes, workspace, counters, x_out,
+                            norm_weight, x_normed, sbase, block_row, rows, tidx, norm_eps,
+                            hc_eps)
         else:
             if cutlass.const_expr(self.mixes_on):
                 self._split_k_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
@@ -424,5 +424,5 @@ def compile_spec(spec: MhcPreSpec, options: str = "--gpu-arch sm_90a"):
     def ptr():
         return make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
 
-    return cute.compile(MhcPreSm90(spec), *[ptr() for _ in range(12)], Int32(1),
+    return cute.compile(MhcPreSm90(spec), *[ptr() for _ in range(14)], Int32(1),
                         Float32(1e-20), Float32(1e-6), cuda.CUstream(0), options=options)

@@ -19,10 +19,13 @@ S = 1 with mode "plain" is layer 0's broadcast mixes (X = the embedding, fn summ
 coeff_prev pre = one-hot so x = the embedding).
 
 PTX ABI: (u64 streams, u64 sub_out, u64 coeff_prev, u64 fn, u64 scale, u64 base,
-u64 streams_out, u64 x_out, u64 coeff_out, u64 mixes, u64 workspace, u64 counters, u32 rows,
-f32 norm_eps, f32 hc_eps). streams_out may alias streams (a thread reads and writes the same
-elements); counters (i32 [row blocks]) must be zero before the first launch (the last CTA of a
-row block resets its counter).
+u64 streams_out, u64 x_out, u64 coeff_out, u64 mixes, u64 workspace, u64 counters,
+u64 norm_weight, u64 x_normed, u32 rows, f32 norm_eps, f32 hc_eps). streams_out may alias streams
+(a thread reads and writes the same elements); counters (i32 [row blocks]) must be zero before
+the first launch (the last CTA of a row block resets its counter). norm_weight / x_normed are
+read / written only by the fused-norm variants (`_lean_norm{bf16,f32}`: x_normed =
+`norm_ref.rmsnorm_ref(x, norm_weight, norm_eps)` bitwise, the last CTA of each row block
+normalising its rows in the `kernels.norm` order); the other variants never touch them.
 """
 from __future__ import annotations
 
@@ -48,7 +51,9 @@ MODES = ("post", "plain", "postonly")
 PARAMS = (("streams", "u64"), ("sub_out", "u64"), ("coeff_prev", "u64"), ("fn", "u64"),
           ("scale", "u64"), ("base", "u64"), ("streams_out", "u64"), ("x_out", "u64"),
           ("coeff_out", "u64"), ("mixes", "u64"), ("workspace", "u64"), ("counters", "u64"),
-          ("rows", "u32"), ("norm_eps", "f32"), ("hc_eps", "f32"))
+          ("norm_weight", "u64"), ("x_normed", "u64"), ("rows", "u32"), ("norm_eps", "f32"),
+          ("hc_eps", "f32"))
+NORM_WEIGHT_DTYPES = ("bf16", "f32")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class MhcPreSpec:
     live_rows: bool = False         # coefficients only for real rows (variant "_lr")
     approx_rcp: bool = False        # Sinkhorn normalises by rcp.approx (variant "_rcp")
     lean: bool = False              # live rows only, spread reduce, a thread per row (Round 4)
+    norm_weight: str = ""           # lean + the RMSNorm of x (weight dtype; "" = a 2nd launch)
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
 
@@ -90,7 +96,8 @@ class MhcPreSpec:
         """Dynamic smem: the fn region and the last CTA's reduced [rows, 32] sums, a flag."""
         if self.mode == "postonly":
             return 0
-        return self.fn_region_bytes + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
+        return (self.fn_region_bytes + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
+                + (16 if self.norm_weight else 0))          # the norm's 4 warp totals
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -99,13 +106,18 @@ class MhcPreSpec:
         return (self.slices, ceil_div(rows, ROWS_PER_CTA), 1)
 
     def bytes_moved(self, rows: int) -> int:
-        return mhc_pre_bytes(rows, self.width, self.streams, self.mode)
+        """The step's bytes; with the fused norm also its y and weight (x is re-read from L2)."""
+        norm = 0
+        if self.norm_weight:
+            norm = 2 * rows * self.width + self.width * (2 if self.norm_weight == "bf16" else 4)
+        return mhc_pre_bytes(rows, self.width, self.streams, self.mode) + norm
 
     def to_dict(self) -> dict:
         return {"family": "mhc", "name": self.name, "width": self.width, "streams": self.streams,
                 "mode": self.mode, "sinkhorn_iters": self.sinkhorn_iters,
                 "early_trigger": self.early_trigger, "live_rows": self.live_rows,
                 "approx_rcp": self.approx_rcp, "lean": self.lean,
+                "norm_weight": self.norm_weight,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "slices": self.slices,
                 "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH}
@@ -113,7 +125,8 @@ class MhcPreSpec:
 
 def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
               early_trigger: bool = False, live_rows: bool = False,
-              approx_rcp: bool = False, lean: bool = False) -> MhcPreSpec:
+              approx_rcp: bool = False, lean: bool = False,
+              norm_weight: str = "") -> MhcPreSpec:
     if mode not in MODES:
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
@@ -132,17 +145,22 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
     slices = width // SLICE_WIDTH
     if lean and slices % min(REDUCE_CHUNK, slices):
         raise ValueError(f"mHC lean: {slices} slices do not split into chunks of {REDUCE_CHUNK}")
+    if norm_weight and (not lean or norm_weight not in NORM_WEIGHT_DTYPES):
+        raise ValueError(f"mHC fused RMSNorm weight {norm_weight!r}: expected one of "
+                         f"{NORM_WEIGHT_DTYPES}, with lean")
     suffix = (("_et" if early_trigger else "") + ("_lr" if live_rows else "")
-              + ("_rcp" if approx_rcp else "") + ("_lean" if lean else ""))
+              + ("_rcp" if approx_rcp else "") + ("_lean" if lean else "")
+              + (f"_norm{norm_weight}" if norm_weight else ""))
     return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}{suffix}", width, streams, mode,
-                      sinkhorn_iters, early_trigger, live_rows, approx_rcp, lean)
+                      sinkhorn_iters, early_trigger, live_rows, approx_rcp, lean, norm_weight)
 
 
 def spec_from_dict(d: dict) -> MhcPreSpec:
     """The spec a manifest record (`MhcPreSpec.to_dict`) was built from."""
     return make_spec(d["width"], d["streams"], d["mode"], d["sinkhorn_iters"],
                      d.get("early_trigger", False), d.get("live_rows", False),
-                     d.get("approx_rcp", False), d.get("lean", False))
+                     d.get("approx_rcp", False), d.get("lean", False),
+                     d.get("norm_weight", ""))
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
@@ -155,7 +173,9 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
             make_spec(d, HC_MULT, "post", it, live_rows=True),
             make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True),
             make_spec(d, HC_MULT, "post", it, lean=True),
-            make_spec(d, HC_MULT, "plain", it, lean=True)]
+            make_spec(d, HC_MULT, "plain", it, lean=True),
+            *[make_spec(d, HC_MULT, "post", it, lean=True, norm_weight=w)
+              for w in NORM_WEIGHT_DTYPES]]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:

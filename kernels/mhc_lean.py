@@ -15,6 +15,11 @@ unrolled 32-row tail on one SM whatever R is):
 - Coefficients: one thread per live row holds the whole 4 x 4 Sinkhorn matrix in registers: row
   and column sums are register adds (no shuffles), each normalisation is v·rcp.approx(total)
   (as variant `_rcp`), and the 8 rows of a warp run side by side instead of 16 lanes per row.
+- Fused RMSNorm (`norm_weight` set): the same last CTA re-reads its rows' x from L2 and
+  normalises them with the thread geometry and summation order of `kernels.norm`
+  (`norm_ref.row_geometry`: at D = 5120, 128 threads x 5 vectors, butterfly 16..1, warp totals
+  in warp order), so x_normed equals `norm_ref.rmsnorm_ref` bitwise; every CTA prefetches its
+  slice of the weight into L2 before the PDL wait. This saves the norm's launch.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
+from kernels import norm_ref
 from kernels.mhc_kernel_ref import (
     CTA_THREADS,
     HC_MULT,
@@ -30,13 +36,18 @@ from kernels.mhc_kernel_ref import (
     PARTIALS,
     REDUCE_CHUNK,
     ROWS_PER_CTA,
+    SLICE_WIDTH,
 )
 from kernels.ptx import (
     asm,
     ld_f32,
     ld_f32_gpu,
+    ld_v4_f32,
+    ld_v4_u32,
     lds_f32,
     lds_s32,
+    pack_bf16x2,
+    shfl_xor_f32,
     st_s32,
     st_v4_f32,
     sts_f32,
@@ -62,6 +73,41 @@ def fence_gpu():
     void([], "fence.acq_rel.gpu;", "")
 
 
+def stg_v4(addr: Int64, w):
+    void([Int64(addr)] + [Int32(x) for x in w], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+         "l,r,r,r,r")
+
+
+def ld_v4_u32_l2(addr: Int64):
+    """16 bytes another CTA of this launch wrote (read after the acquire): L2, never L1."""
+    v = asm(4, [Int64(addr)], "ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+            side_effects=True)
+    return [Int32(x) for x in v]
+
+
+def prefetch_l2(addr: Int64):
+    void([Int64(addr)], "prefetch.global.L2 [$0];", "l")
+
+
+def bf16x2_to_f32(word: Int32):
+    """A packed bf16 pair -> (low, high) as fp32 (exact: bit placement)."""
+    lo = Float32(asm(1, [Int32(word)], "shl.b32 $0, $1, 16;", "=f,r", kind=T.f32(),
+                     side_effects=False))
+    hi = Float32(asm(1, [Int32(word)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r", kind=T.f32(),
+                     side_effects=False))
+    return lo, hi
+
+
+BUTTERFLY_STEPS = {1: 0, 2: 1, 4: 2, 8: 3, 16: 4, 32: 5}
+
+
+def norm_geometry(width: int) -> tuple[int, int, int, int, int]:
+    """`kernels.norm`'s row geometry (threads per row, vectors a thread) and what follows from
+    it: butterfly lanes, warps per row, rows a CTA normalises at once (plain Python ints)."""
+    tpr, vecs = norm_ref.row_geometry(width)
+    return tpr, vecs, min(tpr, 32), max(1, tpr // 32), CTA_THREADS // tpr
+
+
 # ---- tail ----------------------------------------------------------------------------------------
 
 class MhcLeanTail:
@@ -70,10 +116,11 @@ class MhcLeanTail:
     @cute.jit
     def _lean_tail(self, scale: cute.Pointer, base: cute.Pointer, coeff_out: cute.Pointer,
                    mixes: cute.Pointer, workspace: cute.Pointer, counters: cute.Pointer,
+                   x_out: cute.Pointer, norm_weight: cute.Pointer, x_normed: cute.Pointer,
                    sbase: Int32, block_row: Int32, rows: Int32, tidx: Int32,
                    norm_eps: Float32, hc_eps: Float32):
         """Elect the last CTA of the row block; it reduces the live rows and writes their
-        coefficients, then resets the counter."""
+        coefficients (and with the fused norm their x_normed), then resets the counter."""
         cute.arch.sync_threads()             # every partial of this CTA is issued
         counter = counters.toint() + Int64(block_row) * 4
         if tidx == 0:
@@ -85,10 +132,16 @@ class MhcLeanTail:
         cute.arch.griddepcontrol_launch_dependents()
         if lds_s32(sbase + self.flag_offset) != 0:
             live = cutlass.min(rows - block_row * ROWS_PER_CTA, ROWS_PER_CTA)
+            weight = None
+            if cutlass.const_expr(self.spec.norm_weight != ""):
+                weight = self._lean_norm_weight(norm_weight, tidx)    # in flight meanwhile
             self._lean_reduce(workspace, sbase, block_row, rows, live, tidx)
             if tidx < live:
                 self._lean_row(scale, base, coeff_out, mixes, sbase, block_row * ROWS_PER_CTA
                                + tidx, tidx, norm_eps, hc_eps)
+            if cutlass.const_expr(self.spec.norm_weight != ""):
+                self._lean_norm(x_out, weight, x_normed, sbase, block_row, live, tidx,
+                                norm_eps)
             if tidx == 0:
                 st_s32(counter, Int32(0))
 
@@ -180,3 +233,75 @@ class MhcLeanTail:
             for j in cutlass.range_constexpr(n):
                 out[n * j + k] = c[n * j + k] * inv
         return out
+
+    @cute.jit
+    def _prefetch_norm_weight(self, norm_weight: cute.Pointer, slice_idx: Int32, tidx: Int32):
+        """This CTA's slice of the norm weight into L2 (the last CTA reads the whole row)."""
+        nbytes = SLICE_WIDTH * (2 if self.spec.norm_weight == "bf16" else 4)
+        if tidx * 128 < nbytes:
+            prefetch_l2(norm_weight.toint() + Int64(slice_idx * nbytes + tidx * 128))
+
+    @cute.jit
+    def _lean_norm_weight(self, norm_weight: cute.Pointer, tidx: Int32):
+        """This thread's weights (fp32), vectors k·tpr + t: the same for every row."""
+        tpr, vecs, _, _, _ = norm_geometry(self.D)
+        t = tidx % tpr
+        w = []
+        for k in cutlass.range_constexpr(vecs):
+            d0 = (k * tpr + t) * 8
+            if cutlass.const_expr(self.spec.norm_weight == "bf16"):
+                raw = ld_v4_u32(norm_weight.toint() + Int64(d0 * 2))
+                for q in cutlass.range_constexpr(4):
+                    lo, hi = bf16x2_to_f32(raw[q])
+                    w.append(lo)
+                    w.append(hi)
+            else:
+                w += ld_v4_f32(norm_weight.toint() + Int64(d0 * 4))
+                w += ld_v4_f32(norm_weight.toint() + Int64(d0 * 4 + 16))
+        return w
+
+    @cute.jit
+    def _lean_norm(self, x_out: cute.Pointer, weight, x_normed: cute.Pointer,
+                   sbase: Int32, block_row: Int32, live: Int32, tidx: Int32, eps: Float32):
+        """x_normed = (x·rstd)·w in bf16 for the live rows, exactly as `kernels.norm`: a group
+        of `tpr` threads per row, thread t sums the squares of vectors k·tpr + t in order, the
+        group's butterfly (offsets lanes/2 .. 1), then warp totals in warp order."""
+        tpr, vecs, lanes, warps_per_row, groups = norm_geometry(self.D)
+        t = tidx % tpr
+        for it in cutlass.range(0, (live + groups - 1) // groups, unroll=1):
+            rl = it * groups + tidx // tpr
+            row = block_row * ROWS_PER_CTA + cutlass.min(rl, live - 1)
+            xrow = x_out.toint() + Int64(row * self.D * 2)
+            words = [ld_v4_u32_l2(xrow + Int64((k * tpr + t) * 16)) for k in range(vecs)]
+            acc = Float32(0.0)
+            for k in cutlass.range_constexpr(vecs):
+                for q in cutlass.range_constexpr(4):
+                    lo, hi = bf16x2_to_f32(words[k][q])
+                    acc = acc + lo * lo
+                    acc = acc + hi * hi
+            for i in cutlass.range_constexpr(BUTTERFLY_STEPS[lanes]):
+                acc = acc + shfl_xor_f32(acc, lanes >> (i + 1))
+            total = acc
+            if cutlass.const_expr(warps_per_row > 1):
+                if tidx % 32 == 0:
+                    sts_f32(sbase + self.norm_offset + (tidx // 32) * 4, acc)
+                cute.arch.sync_threads()
+                total = lds_f32(sbase + self.norm_offset)
+                for w in cutlass.range_constexpr(1, warps_per_row):
+                    total = total + lds_f32(sbase + self.norm_offset + w * 4)
+                cute.arch.sync_threads()            # the slots are rewritten by the next row
+            rstd = Float32(1.0) / cute.math.sqrt(total / Float32(self.D) + eps)
+            if rl < live:
+                self._lean_norm_store(words, rstd, weight, x_normed, row, t, tpr, vecs)
+
+    @cute.jit
+    def _lean_norm_store(self, words, rstd: Float32, w, x_normed: cute.Pointer, row: Int32,
+                         t: Int32, tpr: int, vecs: int):
+        """y = (x·rstd)·w rounded to bf16, vector k·tpr + t of the row."""
+        for k in cutlass.range_constexpr(vecs):
+            packed = []
+            for q in cutlass.range_constexpr(4):
+                lo, hi = bf16x2_to_f32(words[k][q])
+                packed.append(pack_bf16x2((lo * rstd) * w[8 * k + 2 * q],
+                                          (hi * rstd) * w[8 * k + 2 * q + 1]))
+            stg_v4(x_normed.toint() + Int64((row * self.D + (k * tpr + t) * 8) * 2), packed)

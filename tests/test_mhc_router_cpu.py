@@ -35,7 +35,13 @@ def test_mhc_specs_and_bytes(config):
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_lr",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp",
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_lean",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain_lean"]
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain_lean",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean_normbf16",
+                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean_normf32"]
+    fused = specs[-1]
+    assert fused.bytes_moved(1) == specs[0].bytes_moved(1) + (2 + 4) * cfg.hidden_size
+    assert fused.smem_bytes == specs[-3].smem_bytes + 16
+    assert mk.spec_from_dict(fused.to_dict()) == fused
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
     assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)
@@ -74,6 +80,10 @@ def test_mhc_spec_validation():
         mk.make_spec(256, 4, "postonly", 20, lean=True)
     with pytest.raises(ValueError, match="chunks"):
         mk.make_spec(64 * 24, 4, "post", 20, lean=True)        # 24 slices: no 16-slice chunks
+    with pytest.raises(ValueError, match="with lean"):
+        mk.make_spec(256, 4, "post", 20, norm_weight="f32")
+    with pytest.raises(ValueError, match="RMSNorm weight 'f16'"):
+        mk.make_spec(256, 4, "post", 20, lean=True, norm_weight="f16")
 
 
 @pytest.mark.parametrize("width, chunks", [(256, 1), (5120, 5), (64 * 32, 2)])

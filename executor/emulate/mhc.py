@@ -7,9 +7,11 @@ rcp.approx, measured within 7.5e-7 of div.rn against the 1e-5 tolerance, docs/pe
 `_lean` the reduce order and a thread per row's Sinkhorn with rcp.approx), so all run
 `mk.mhc_pre_ref` (postonly: its post and collapse halves). Written, as the kernel writes them:
 streams_out (modes post, postonly) and x_out for rows [0, rows); except in postonly, mixes and
-coeff_out for those rows, the workspace partials (floats 0..24 of row (slice, r) of the
-[slices, rows, 32] scratch: the slice's 24 dot products and Σx²) and the row-block counters
-(which must be zero before: the kernel's last-CTA election needs it, and leaves them zero).
+coeff_out for those rows (the fused-norm `_norm*` variants: also x_normed = `norm_ref.
+rmsnorm_ref` of x_out, bitwise as the kernel), the workspace partials (floats 0..24 of row
+(slice, r) of the [slices, rows, 32] scratch: the slice's 24 dot products and Σx²) and the
+row-block counters (which must be zero before: the kernel's last-CTA election needs it, and
+leaves them zero).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 from executor.emulate import NoEmulator
 from kernels import mhc_kernel_ref as mk
 from kernels import mhc_ref
+from kernels import norm_ref as nr
 from kernels.common_ref import BF16
 
 
@@ -89,3 +92,8 @@ def emulate(record, grid, args, space) -> None:
     if spec.mode != "plain":
         space.array(args["streams_out"], BF16, (rows, s, d))[...] = x_new.astype(BF16)
     space.array(args["x_out"], BF16, (rows, d))[...] = collapse.astype(BF16)
+    if spec.norm_weight:
+        weight = space.array(args["norm_weight"], BF16 if spec.norm_weight == "bf16"
+                             else np.float32, d).copy()
+        space.array(args["x_normed"], BF16, (rows, d))[...] = nr.rmsnorm_ref(
+            collapse.astype(BF16), weight, args["norm_eps"])

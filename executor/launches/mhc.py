@@ -14,6 +14,8 @@ buffer holds at least R rows, row r at r times its row size):
                           may be `streams` itself: in place), x_out bf16 [R, D] (the collapse
                           Σ pre_prev·X'), and except in mode postonly: mixes f32 [R, 24],
                           coeff_out f32 [R, 24] (this sublayer's pre|post|comb)
+                   fused norm (spec.norm_weight): also reads norm_weight [D] (that dtype) and
+                          writes x_normed bf16 [R, D] (the RMSNorm of x_out; no 2nd launch)
                    scratch workspace f32 [slices, R, 32] (`mk.workspace_bytes(spec, max_rows)`;
                           the launch writes floats 0..24 of each row), counters i32 [row blocks]
                           (`mk.counter_count(max_rows)`): ZERO before the first launch; every
@@ -50,6 +52,8 @@ NORM_POINTERS = ("x_out", "norm_weight", "x_normed")
 MHC_UNTOUCHED = {"post": (), "plain": ("sub_out", "streams_out"),
                  "postonly": ("fn", "scale", "base", "coeff_out", "mixes", "workspace",
                               "counters")}
+# Read / written only by the fused-norm variants (spec.norm_weight); others may leave them out.
+MHC_NORM_POINTERS = ("norm_weight", "x_normed")
 
 
 def _pointers(kernel_name: str, ptrs: Mapping[str, int], names: tuple[str, ...],
@@ -63,8 +67,10 @@ def _pointers(kernel_name: str, ptrs: Mapping[str, int], names: tuple[str, ...],
 def mhc_pre_launch(bundle, spec: mk.MhcPreSpec, ptrs: Mapping[str, int], rows: int,
                    norm_eps: float, hc_eps: float) -> LaunchSpec:
     """ptrs: MHC_POINTERS (streams, sub_out, coeff_prev, fn, scale, base, streams_out, x_out,
-    coeff_out, mixes, workspace, counters), less the mode's MHC_UNTOUCHED if wanted."""
-    pointers = _pointers(spec.name, ptrs, MHC_POINTERS, MHC_UNTOUCHED[spec.mode], "streams")
+    coeff_out, mixes, workspace, counters, norm_weight, x_normed), less the mode's
+    MHC_UNTOUCHED if wanted, and less MHC_NORM_POINTERS unless the spec fuses the norm."""
+    optional = MHC_UNTOUCHED[spec.mode] + (() if spec.norm_weight else MHC_NORM_POINTERS)
+    pointers = _pointers(spec.name, ptrs, MHC_POINTERS, optional, "streams")
     return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
                       (*pointers, rows, norm_eps, hc_eps), pdl=True)
 

@@ -58,6 +58,8 @@ ONE_HOT = "mhc.one_hot_coeff"       # constant packed coefficients whose pre is 
 SMALL_ROWS = 8                      # mhc_pre: `_lr` up to here, `_lr_rcp` above (docs/perf.md run 20)
 MHC_LEAN = True                     # mhc_pre post / plain at S = 4: the `_lean` variant at every R
                                     # (Round 4); False reverts to `_lr` / `_lr_rcp` and `plain`
+FUSED_NORM_ROWS = 2                 # post mhc_pre with its RMSNorm inside (`_lean_norm*`, no norm
+                                    # launch) up to here; 0 = never (Round 4)
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -94,10 +96,11 @@ def _broadcasts(cfg, layer) -> bool:
 # ---- mHC ------------------------------------------------------------------------------------------
 
 def _mhc_spec(ctx, streams: int, mode: str, live_rows=False, approx_rcp=False,
-              lean=False) -> mk.MhcPreSpec:
+              lean=False, norm_weight="") -> mk.MhcPreSpec:
     cfg = ctx.cfg
     spec = mk.make_spec(cfg.hidden_size, streams, mode, cfg.hc_sinkhorn_iters,
-                        live_rows=live_rows, approx_rcp=approx_rcp, lean=lean)
+                        live_rows=live_rows, approx_rcp=approx_rcp, lean=lean,
+                        norm_weight=norm_weight)
     ctx.kernel(spec.name)           # in the bundle, or a clear error at wiring time
     return spec
 
@@ -113,8 +116,18 @@ def _mhc_weights(ctx, prefix: str, sublayer: str, summed: bool = False) -> dict[
             "base": ctx.ptr(f"{prefix}hc_{sublayer}_base")}
 
 
+def _fuses_norm(ctx, layer, sublayer: str) -> bool:
+    """Whether this sublayer's mhc_pre is a post step that normalises x itself (at rows <=
+    FUSED_NORM_ROWS): every FFN; attention except the first layer and Engram layers (plain)."""
+    if not (MHC_LEAN and FUSED_NORM_ROWS):
+        return False
+    return sublayer == "ffn" or not (layer.has_engram or layer.index == _first_layer(ctx.cfg,
+                                                                                     layer))
+
+
 def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, coeff_out: str):
-    """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse."""
+    """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse;
+    at rows <= FUSED_NORM_ROWS also the sublayer's RMSNorm into `xn` (its norm stage is empty)."""
     if MHC_LEAN:
         small = large = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True)
     else:
@@ -125,8 +138,15 @@ def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, c
             "x_out": ctx.ptr("x"), "coeff_out": ctx.ptr(coeff_out),
             **_mhc_weights(ctx, prefix, sublayer), **_mhc_scratch(ctx)}
     eps = (ctx.cfg.rms_norm_eps, ctx.cfg.hc_eps)
+    fused = None
+    if MHC_LEAN and FUSED_NORM_ROWS:
+        fused = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, norm_weight=_norm_dtype())
+        fused_ptrs = {**ptrs, "norm_weight": ctx.ptr(f"{prefix}{sublayer}_norm.weight"),
+                      "x_normed": ctx.ptr("xn")}
 
     def build(rows):
+        if fused is not None and rows <= FUSED_NORM_ROWS:
+            return [mhc_pre_launch(ctx.bundle, fused, fused_ptrs, rows, *eps)]
         spec = small if rows <= SMALL_ROWS else large
         return [mhc_pre_launch(ctx.bundle, spec, ptrs, rows, *eps)]
     return build
@@ -178,20 +198,28 @@ def _ffn_mhc_pre(ctx, layer):
                       "coeff.ffn")
 
 
-def _norm(ctx, weight: str, out: str):
+def _norm(ctx, weight: str, out: str, fused: bool = False):
+    """rows -> the RMSNorm of `x` into `out`; none where the mhc_pre before it (`fused`) did it."""
     spec = nr.make_spec(ctx.cfg.hidden_size, _norm_dtype())
     ctx.kernel(spec.name)
     ptrs = {"x_out": ctx.ptr("x"), "norm_weight": ctx.ptr(weight), "x_normed": ctx.ptr(out)}
     eps = ctx.cfg.rms_norm_eps
-    return lambda rows: [mhc_norm_launch(ctx.bundle, spec, ptrs, rows, eps)]
+
+    def build(rows):
+        if fused and rows <= FUSED_NORM_ROWS:
+            return []
+        return [mhc_norm_launch(ctx.bundle, spec, ptrs, rows, eps)]
+    return build
 
 
 def _attn_norm(ctx, layer):
-    return _norm(ctx, weight_prefix(ctx.cfg, layer) + "attn_norm.weight", "xn")
+    return _norm(ctx, weight_prefix(ctx.cfg, layer) + "attn_norm.weight", "xn",
+                 _fuses_norm(ctx, layer, "attn"))
 
 
 def _ffn_norm(ctx, layer):
-    return _norm(ctx, weight_prefix(ctx.cfg, layer) + "ffn_norm.weight", "xn")
+    return _norm(ctx, weight_prefix(ctx.cfg, layer) + "ffn_norm.weight", "xn",
+                 _fuses_norm(ctx, layer, "ffn"))
 
 
 # ---- head -----------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.
 - route weights: s_k / (Σ s + 1e-20)·1.5 with the reference scores of the kernel's ids: 2^-17
   relative (a few ulps of score, a 6-term sum and a division).
 - counters: every row block's counter is back to 0 after the launch (the next launch relies on it).
+- RMSNorm: bitwise `norm_ref.rmsnorm_ref` of the kernel's own x, whether the separate kernel
+  or the fused-norm variants (`_lean_norm*`, launched alone: x_normed must come from them).
 - `_tile8` / `_tile8p` (one pass, kernels/router_tile.py) are held to the same bounds: their fp32
   sum has fewer roundings (2 vectors a thread, 10 warps: 30 vs the bound's 49 at D = 5120), their
   selection the same scores and tie rule. `_tile8p`'s exchange words must be zero again after
@@ -107,7 +109,7 @@ def _coefficients(rows: int, streams: int) -> np.ndarray:
 
 def _mhc_case(dev, stream, bundle, spec, rows: int, cfg, in_place: bool):
     s, d, m = spec.streams, spec.width, mk.MIX_DIM
-    step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))
+    step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))        # weight dtype: the spec's
     try:
         x = to_bf16(RNG.standard_normal((rows, s, d)) * RNG.uniform(0.05, 20))
         f = to_bf16(RNG.standard_normal((rows, d)) * RNG.uniform(0.05, 20))
@@ -117,6 +119,8 @@ def _mhc_case(dev, stream, bundle, spec, rows: int, cfg, in_place: bool):
         scale = RNG.uniform(0.5, 2, 3).astype(np.float32)
         base = RNG.uniform(-1, 1, m).astype(np.float32)
         w = RNG.uniform(-2, 2, d).astype(np.float32)
+        if spec.norm_weight == "bf16":
+            w = to_bf16(w)
         for name, host in (("streams", x), ("sub_out", f), ("coeff_prev", prev), ("fn", fn),
                            ("scale", np.append(scale, np.float32(0))), ("base", base),
                            ("norm_weight", w)):
@@ -126,7 +130,8 @@ def _mhc_case(dev, stream, bundle, spec, rows: int, cfg, in_place: bool):
         cp.cuda.Device().synchronize()
         eps, hc_eps = cfg.rms_norm_eps, cfg.hc_eps
         step.launch_pre(rows, eps, hc_eps, in_place=in_place).launch(stream)
-        step.launch_norm(rows, eps).launch(stream)
+        if not spec.norm_weight:           # fused: x_normed must come from mhc_pre alone
+            step.launch_norm(rows, eps).launch(stream)
         stream.synchronize()
         a = step.arena
         source = "streams" if in_place or spec.mode == "plain" else "streams_out"
@@ -180,14 +185,16 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
 
 
 @pytest.mark.parametrize("mode", ["post", "post_et", "post_lr", "post_lr_rcp", "post_lean",
-                                  "plain", "plain_lean", "broadcast", "postonly"])
+                                  "post_lean_normbf16", "post_lean_normf32", "plain",
+                                  "plain_lean", "broadcast", "postonly"])
 def test_mhc_pre_matches_reference(dev, stream, setup, mode):
     cfg, bundle = setup
     streams = 1 if mode == "broadcast" else mk.HC_MULT
     kind = "plain" if mode == "broadcast" else mode.split("_")[0]
     spec = mk.make_spec(cfg.hidden_size, streams, kind, cfg.hc_sinkhorn_iters,
                         early_trigger=mode == "post_et", live_rows="_lr" in mode,
-                        approx_rcp="_rcp" in mode, lean="_lean" in mode)
+                        approx_rcp="_rcp" in mode, lean="_lean" in mode,
+                        norm_weight=mode.partition("_norm")[2])
     for rows in ROWS:
         in_place = spec.mode != "plain" and rows % 2 == 0
         out = _mhc_case(dev, stream, bundle, spec, rows, cfg, in_place)
