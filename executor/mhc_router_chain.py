@@ -20,6 +20,7 @@ from executor.launches.mhc import (
 from kernels import mhc_kernel_ref as mk
 from kernels import norm_ref as nr
 from kernels import router_ref as rk
+from kernels.common_ref import to_bf16
 
 BENCH_ROWS = (1, 5, 6, 12, 48, 192)
 QUICK_ROWS = (1, 6, 48, 192)
@@ -101,7 +102,9 @@ def _fill_mhc(step: MhcStep, rng) -> None:
     coeff = np.tile(np.concatenate([np.full(4, 0.25), np.ones(4), np.full(16, 0.25)]),
                     (step.max_rows, 1)).astype(np.float32)
     upload(step.arena, "coeff_prev", coeff)
-    upload(step.arena, "norm_weight", np.ones(d, np.float32))
+    ones = np.ones(d, np.float32)
+    upload(step.arena, "norm_weight", to_bf16(ones) if step.norm_spec.weight_dtype == "bf16"
+           else ones)
 
 
 def _time_step(ctx, step: MhcStep, rows: int, reps: int) -> float:
