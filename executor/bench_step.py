@@ -141,8 +141,12 @@ def row_batch(cfg, geometry: CacheGeometry, case: Case, context: int, rng):
     at positions context - block .. context - 1 (context_lens = context)."""
     if context < case.block:
         raise ValueError(f"context {context} is shorter than a block of {case.block} rows")
+    # Tokens from rank 0's vocabulary shard: the benchmark's all-reduces are local copies, so a
+    # token of another shard would embed to zeros here and every such row would route alike
+    # (run 22 saw 6 distinct experts at R = 5 where uniform routing gives ~26).
+    shard = cfg.vocab_size // TP
     blocks = [RowBlock(s, context - case.block,
-                       tuple(int(t) for t in rng.integers(0, cfg.vocab_size, case.block)),
+                       tuple(int(t) for t in rng.integers(0, shard, case.block)),
                        case.kind) for s in range(case.seqs)]
     tables = np.arange(geometry.num_pages, dtype=np.int32).reshape(geometry.max_seqs, -1)
     rows = RowBatch.from_blocks(blocks, tables, geometry.ring_slots)
