@@ -58,8 +58,9 @@ POINTER_KEYS = {
     "w13w": ("ids", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
 }
 # docs/perf.md run 17 (us, uniform routing): R=1 default 26.08 / self-routed early 27.14;
-# R=6 84.19 / 76.29; R=8 104.6 / 94.7; R=192 729 / 689. R = 2..5 were not measured: default kept.
-SELFROUTED_FROM_ROWS = 6
+# R=6 84.19 / 76.29; R=8 104.6 / 94.7; R=192 729 / 689. Run 15:55 (moe-design.md Round 4): R=2
+# w13w early 38.05 / self-routed early 38.50, R=4 59.42 / 56.46: self-routed early from R = 3.
+SELFROUTED_FROM_ROWS = 3
 SELFROUTED_EARLY = "early"
 # The default chain's w13 / w2 the step launches below SELFROUTED_FROM_ROWS ("w2_one_row" at
 # R = 1). Round 4: the per-group-commit kernels (kernels/moe_pipelined.py, bitwise the same y).

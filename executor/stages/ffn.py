@@ -9,7 +9,7 @@ rank's partial, which the FFN all-reduce sums over ranks in fp32):
   ffn.moe_routed     moe chain       xn, ids, weights -> ffn.moe.y f32 (the routed sum, slot
                                      order; executor/launches/moe.py `step_launches` picks the
                                      default chain with moe_w13w and the group-commit w2 below
-                                     6 rows, the self-routed one from 6)
+                                     SELFROUTED_FROM_ROWS = 3 rows, the self-routed one from 3)
   ffn.shared_expert  dense w1|w3     xn -> ffn.shared_h13 bf16 [R, 2I]   (bf16(x·W13ᵀ))
                      swiglu          -> ffn.shared_h bf16 [R, I]         (bf16(SwiGLU))
                      dense w2        -> ffn.shared_out bf16 [R, D]       (bf16(h·W2ᵀ))
