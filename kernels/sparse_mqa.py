@@ -97,7 +97,6 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         self.topk = spec.topk
         self.dims_per_cta = ref.HEAD_DIM // self.S
         self.skip = frozenset(spec.skip)
-        self.exchange = "exchange" not in self.skip
         self.consts = self.lay.consts >= 0      # sink and RoPE row prefetched into smem
         self.push = spec.exchange == "push"     # kernels/sparse_mqa_push.py
         if self.E > ref.CTA_THREADS or self.E % ref.ENTRY_TILE:
@@ -145,7 +144,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         if cutlass.const_expr(self.push):
             if cutlass.const_expr("gather" not in self.skip):
                 self._load_records_by_record(base, tidx)
-        elif cutlass.const_expr("gather" not in self.skip):
+        else:
             self._load_records(base, tidx, n_pad)
         cp_async_wait_all()
         cute.arch.sync_threads()
@@ -181,10 +180,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
 
     @cute.jit
     def _cluster_sync(self):
-        if cutlass.const_expr(self.exchange):
-            cluster_sync()
-        else:                               # ablation: the CTA's own barrier only
-            cute.arch.sync_threads()
+        cluster_sync()
 
     # ---- phase C/D: logits and the CTA's softmax statistics ----------------------------------
 
@@ -205,7 +201,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
             entry = base + self.lay.records + (tile * 8 + g) * REC
             acc.fill(0.0)
             scale = Float32(0.0)
-            for kk in cutlass.range_constexpr(0 if "qk" in self.skip else ref.HEAD_DIM // 16):
+            for kk in cutlass.range_constexpr(ref.HEAD_DIM // 16):
                 k0 = 16 * kk
                 a = self._q_frag(base, k0, g, t)
                 if cutlass.const_expr(k0 < NOPE):
@@ -280,16 +276,14 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         bad = Float32(1.0)                  # a launch without the cluster shape: NaN out
         if cluster_ok:
             bad = Float32(0.0)
-            for rank in cutlass.range_constexpr(self.S if self.exchange else 0):
+            for rank in cutlass.range_constexpr(self.S):
                 big = cutlass.max(big, ld_cluster_f32(stat, rank))
                 bad = cutlass.max(bad, ld_cluster_f32(stat + 8, rank))
             norm = cute.math.exp(sink_h - big)
-            for rank in cutlass.range_constexpr(self.S if self.exchange else 0):
+            for rank in cutlass.range_constexpr(self.S):
                 part = ld_cluster_f32(stat + 4, rank)
                 if part > Float32(0.0):
                     norm = norm + part * cute.math.exp(ld_cluster_f32(stat, rank) - big)
-            if cutlass.const_expr(not self.exchange):    # ablation: this CTA's own statistics
-                norm = norm + lds_f32(stat + 4)
         if bad > Float32(0.0):
             big = Float32(float("nan"))
         sts_v2_f32(base + self.lay.norm + h * 8, big, norm)
@@ -328,7 +322,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         g, t = lane // 4, lane % 4
         acc = cute.make_rmem_tensor((4, 8), Float32)
         acc.fill(0.0)
-        e0 = Int32(n_pad if "pv" in self.skip else 0)  # the pv ablation skips the loop
+        e0 = Int32(0)
         while e0 < n_pad:
             a = self._p_frag(base, e0, g, t)
             ea = base + self.lay.records + (e0 + 2 * t) * REC
@@ -386,12 +380,10 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                 v.fill(float("nan"))
                 if cluster_ok:
                     v.fill(0.0)
-                    for rank in cutlass.range_constexpr(self.S if self.exchange else 0):
+                    for rank in cutlass.range_constexpr(self.S):
                         part = ld_cluster_v4_f32(src, rank)
                         for k in cutlass.range_constexpr(4):
                             v[k] = v[k] + part[k]
-                    if cutlass.const_expr(not self.exchange):   # ablation: own partial only
-                        v[0] = lds_f32(src)
                 for k in cutlass.range_constexpr(4):
                     v[k] = round_bf16(v[k])
                 if d >= NOPE:

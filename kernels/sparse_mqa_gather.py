@@ -28,7 +28,7 @@ REC_WORDS = REC // 8                # 73 8-byte words per record
 
 
 class SparseMqaGather:
-    """Phases A/B; the kernel class sets `spec`, `lay`, `S`, `E`, `H`, `topk`, `skip`."""
+    """Phases A/B; the kernel class sets `spec`, `lay`, `S`, `E`, `H`, `topk`."""
 
     @cute.jit
     def _addresses_balanced(self, q: cute.Pointer, swa: cute.Pointer, compressed: cute.Pointer,
@@ -157,10 +157,7 @@ class SparseMqaGather:
                         page_size: Int32) -> Int64:
         """Global address of entry j of the row: 0 = masked (zeros, -inf), 1 = bad input (NaN)."""
         addr = Int64(0)
-        if cutlass.const_expr("addr" in self.skip):
-            if in_range:                    # ablation: no dependent loads (bench contexts only)
-                addr = compressed.toint() + Int64(j) * REC
-        elif in_range:
+        if in_range:
             if bad_row:
                 addr = Int64(1)
             elif j < nswa:

@@ -304,9 +304,9 @@ def test_variant_specs_build_beside_the_step_kernel(cfg):
         got = np.sort(np.concatenate(cta_shares(f, n_swa)))
         assert np.array_equal(got, np.arange(n_swa + f.topk))
     ablations = [v for v in variants if v.ablation]
-    assert [v.skip for v in ablations] == list(ref.ABLATIONS) + list(ref.PUSH_ABLATIONS)
-    assert all(v.exchange == "pull" for v in ablations[:len(ref.ABLATIONS)])
-    assert all(v.name.startswith(base[1].name + "_skip_") for v in ablations[len(ref.ABLATIONS):])
+    assert [v.skip for v in ablations] == list(ref.PUSH_ABLATIONS)
+    assert all(v.name.startswith(base[1].name + "_skip_") for v in ablations)
+    assert all(v.exchange == "push" for v in ablations)
     assert all("_skip_" in v.name for v in ablations)
     names = [s.name for s in list(base) + variants]
     assert len(set(names)) == len(names)
@@ -317,6 +317,8 @@ def test_variant_specs_build_beside_the_step_kernel(cfg):
         ref.make_spec(4, 16, 5, 0, 32, split="fixed")
     with pytest.raises(ValueError, match="push only"):
         ref.make_spec(16, 128, 5, 512, 256, exchange="push")            # balanced split
+    with pytest.raises(ValueError, match="ablations of push kernels only"):
+        ref.make_spec(16, 128, 5, 512, 256, split="fixed", skip=("qk",))
     with pytest.raises(ValueError, match="exchange"):
         ref.make_spec(16, 128, 5, 512, 256, split="fixed", exchange="other")
 
