@@ -9,9 +9,10 @@ unrolled 32-row tail on one SM whatever R is):
   through shared memory (the cooperative-groups grid-barrier pattern), not three fences in
   every thread.
 - Reduce: the (row, partial) sums of the live rows only, spread over all 128 threads: a thread
-  sums REDUCE_CHUNK consecutive slices in slice order (16 independent L2 loads in flight), the
-  chunk sums land in the (now free) fn region, and one thread per (row, partial) adds its chunks
-  in chunk order. The order is fixed, so the mixes do not depend on timing.
+  sums REDUCE_CHUNK consecutive slices in slice order, REDUCE_BATCH such units at once (64
+  independent L2 loads in flight), the chunk sums land in the (now free) fn region, and one
+  thread per (row, partial) adds its chunks in chunk order. The order is fixed, so the mixes do
+  not depend on timing.
 - Coefficients: one thread per live row holds the whole 4 x 4 Sinkhorn matrix in registers: row
   and column sums are register adds (no shuffles), each normalisation is v·rcp.approx(total)
   (as variant `_rcp`), and the 8 rows of a warp run side by side instead of 16 lanes per row.
@@ -110,6 +111,9 @@ def norm_geometry(width: int) -> tuple[int, int, int, int, int]:
 
 # ---- tail ----------------------------------------------------------------------------------------
 
+REDUCE_BATCH = 4                     # reduce units a thread loads at once (4 x 16 in flight)
+
+
 class MhcLeanTail:
     """Lean tail methods; the kernel class provides spec, S, D, red_offset and flag_offset."""
 
@@ -132,15 +136,16 @@ class MhcLeanTail:
         cute.arch.griddepcontrol_launch_dependents()
         if lds_s32(sbase + self.flag_offset) != 0:
             live = cutlass.min(rows - block_row * ROWS_PER_CTA, ROWS_PER_CTA)
-            weight = None
-            if cutlass.const_expr(self.spec.norm_weight != ""):
-                weight = self._lean_norm_weight(norm_weight, tidx)    # in flight meanwhile
+            weight, first = None, None
+            if cutlass.const_expr(self.spec.norm_weight != ""):    # in flight meanwhile
+                weight = self._lean_norm_weight(norm_weight, tidx)
+                first = self._lean_norm_load(x_out, block_row, live, Int32(0), tidx)
             self._lean_reduce(workspace, sbase, block_row, rows, live, tidx)
             if tidx < live:
                 self._lean_row(scale, base, coeff_out, mixes, sbase, block_row * ROWS_PER_CTA
                                + tidx, tidx, norm_eps, hc_eps)
             if cutlass.const_expr(self.spec.norm_weight != ""):
-                self._lean_norm(x_out, weight, x_normed, sbase, block_row, live, tidx,
+                self._lean_norm(x_out, first, weight, x_normed, sbase, block_row, live, tidx,
                                 norm_eps)
             if tidx == 0:
                 st_s32(counter, Int32(0))
@@ -153,17 +158,25 @@ class MhcLeanTail:
         chunks = self.spec.reduce_chunks
         stride = Int64(rows * PARTIAL_STRIDE * 4)            # one slice of the workspace
         units = live * PARTIALS * chunks
-        for u in cutlass.range(tidx, units, CTA_THREADS, unroll=1):
-            item, c = u // chunks, u % chunks
-            rl, v = item // PARTIALS, item % PARTIALS
-            row = block_row * ROWS_PER_CTA + rl
-            addr = (workspace.toint() + Int64((row * PARTIAL_STRIDE + v) * 4)
-                    + stride * Int64(c * chunk))
-            vals = [ld_f32_gpu(addr + stride * s) for s in range(chunk)]
-            total = vals[0]
-            for s in cutlass.range_constexpr(1, chunk):
-                total = total + vals[s]
-            sts_f32(sbase + u * 4, total)
+        # REDUCE_BATCH units a thread at once, all their loads issued before any sum, so a
+        # batch costs one L2 round trip (the loads are ordered asm: a loop would serialise them).
+        for start in cutlass.range(0, units, CTA_THREADS * REDUCE_BATCH, unroll=1):
+            vals = []
+            for j in cutlass.range_constexpr(REDUCE_BATCH):
+                u = cutlass.min(start + tidx + j * CTA_THREADS, units - 1)   # clamped: real
+                item, c = u // chunks, u % chunks
+                rl, v = item // PARTIALS, item % PARTIALS
+                row = block_row * ROWS_PER_CTA + rl
+                addr = (workspace.toint() + Int64((row * PARTIAL_STRIDE + v) * 4)
+                        + stride * Int64(c * chunk))
+                vals.append([ld_f32_gpu(addr + stride * s) for s in range(chunk)])
+            for j in cutlass.range_constexpr(REDUCE_BATCH):
+                total = vals[j][0]
+                for s in cutlass.range_constexpr(1, chunk):
+                    total = total + vals[j][s]
+                u = start + tidx + j * CTA_THREADS
+                if u < units:
+                    sts_f32(sbase + u * 4, total)
         cute.arch.sync_threads()
         for item in cutlass.range(tidx, live * PARTIALS, CTA_THREADS, unroll=1):
             total = lds_f32(sbase + item * chunks * 4)
@@ -261,38 +274,55 @@ class MhcLeanTail:
         return w
 
     @cute.jit
-    def _lean_norm(self, x_out: cute.Pointer, weight, x_normed: cute.Pointer,
+    def _lean_norm_load(self, x_out: cute.Pointer, block_row: Int32, live: Int32, it: Int32,
+                        tidx: Int32):
+        """Iteration `it`'s row of this thread's group (clamped to a real row): its x words."""
+        tpr, vecs, _, _, groups = norm_geometry(self.D)
+        rl = it * groups + tidx // tpr
+        row = block_row * ROWS_PER_CTA + cutlass.min(rl, live - 1)
+        xrow = x_out.toint() + Int64(row * self.D * 2)
+        return [ld_v4_u32_l2(xrow + Int64((k * tpr + tidx % tpr) * 16)) for k in range(vecs)]
+
+    @cute.jit
+    def _lean_norm(self, x_out: cute.Pointer, first, weight, x_normed: cute.Pointer,
                    sbase: Int32, block_row: Int32, live: Int32, tidx: Int32, eps: Float32):
         """x_normed = (x·rstd)·w in bf16 for the live rows, exactly as `kernels.norm`: a group
         of `tpr` threads per row, thread t sums the squares of vectors k·tpr + t in order, the
-        group's butterfly (offsets lanes/2 .. 1), then warp totals in warp order."""
+        group's butterfly (offsets lanes/2 .. 1), then warp totals in warp order. `first`: the
+        x words of iteration 0, loaded before the reduce."""
+        _, _, _, _, groups = norm_geometry(self.D)
+        self._lean_norm_row(first, Int32(0), weight, x_normed, sbase, block_row, live, tidx, eps)
+        for it in cutlass.range(1, (live + groups - 1) // groups, unroll=1):
+            words = self._lean_norm_load(x_out, block_row, live, it, tidx)
+            self._lean_norm_row(words, it, weight, x_normed, sbase, block_row, live, tidx, eps)
+
+    @cute.jit
+    def _lean_norm_row(self, words, it: Int32, weight, x_normed: cute.Pointer, sbase: Int32,
+                       block_row: Int32, live: Int32, tidx: Int32, eps: Float32):
+        """One iteration: Σx² in the norm's order, rstd, and the store of the real rows."""
         tpr, vecs, lanes, warps_per_row, groups = norm_geometry(self.D)
-        t = tidx % tpr
-        for it in cutlass.range(0, (live + groups - 1) // groups, unroll=1):
-            rl = it * groups + tidx // tpr
-            row = block_row * ROWS_PER_CTA + cutlass.min(rl, live - 1)
-            xrow = x_out.toint() + Int64(row * self.D * 2)
-            words = [ld_v4_u32_l2(xrow + Int64((k * tpr + t) * 16)) for k in range(vecs)]
-            acc = Float32(0.0)
-            for k in cutlass.range_constexpr(vecs):
-                for q in cutlass.range_constexpr(4):
-                    lo, hi = bf16x2_to_f32(words[k][q])
-                    acc = acc + lo * lo
-                    acc = acc + hi * hi
-            for i in cutlass.range_constexpr(BUTTERFLY_STEPS[lanes]):
-                acc = acc + shfl_xor_f32(acc, lanes >> (i + 1))
-            total = acc
-            if cutlass.const_expr(warps_per_row > 1):
-                if tidx % 32 == 0:
-                    sts_f32(sbase + self.norm_offset + (tidx // 32) * 4, acc)
-                cute.arch.sync_threads()
-                total = lds_f32(sbase + self.norm_offset)
-                for w in cutlass.range_constexpr(1, warps_per_row):
-                    total = total + lds_f32(sbase + self.norm_offset + w * 4)
-                cute.arch.sync_threads()            # the slots are rewritten by the next row
-            rstd = Float32(1.0) / cute.math.sqrt(total / Float32(self.D) + eps)
-            if rl < live:
-                self._lean_norm_store(words, rstd, weight, x_normed, row, t, tpr, vecs)
+        rl = it * groups + tidx // tpr
+        row = block_row * ROWS_PER_CTA + cutlass.min(rl, live - 1)
+        acc = Float32(0.0)
+        for k in cutlass.range_constexpr(vecs):
+            for q in cutlass.range_constexpr(4):
+                lo, hi = bf16x2_to_f32(words[k][q])
+                acc = acc + lo * lo
+                acc = acc + hi * hi
+        for i in cutlass.range_constexpr(BUTTERFLY_STEPS[lanes]):
+            acc = acc + shfl_xor_f32(acc, lanes >> (i + 1))
+        total = acc
+        if cutlass.const_expr(warps_per_row > 1):
+            if tidx % 32 == 0:
+                sts_f32(sbase + self.norm_offset + (tidx // 32) * 4, acc)
+            cute.arch.sync_threads()
+            total = lds_f32(sbase + self.norm_offset)
+            for w in cutlass.range_constexpr(1, warps_per_row):
+                total = total + lds_f32(sbase + self.norm_offset + w * 4)
+            cute.arch.sync_threads()            # the slots are rewritten by the next row
+        rstd = Float32(1.0) / cute.math.sqrt(total / Float32(self.D) + eps)
+        if rl < live:
+            self._lean_norm_store(words, rstd, weight, x_normed, row, tidx % tpr, tpr, vecs)
 
     @cute.jit
     def _lean_norm_store(self, words, rstd: Float32, w, x_normed: cute.Pointer, row: Int32,

@@ -55,11 +55,14 @@ from kernels.common_ref import BF16
 from loader.schema import UNCERTAIN
 
 ONE_HOT = "mhc.one_hot_coeff"       # constant packed coefficients whose pre is one-hot (stream 0)
-SMALL_ROWS = 8                      # mhc_pre: `_lr` up to here, `_lr_rcp` above (docs/perf.md run 20)
-MHC_LEAN = True                     # mhc_pre post / plain at S = 4: the `_lean` variant at every R
-                                    # (Round 4); False reverts to `_lr` / `_lr_rcp` and `plain`
+SMALL_ROWS = 8                      # mhc_pre: `_lean` (`_lr`) up to here, `_lr_rcp` above
+MHC_LEAN = True                     # mhc_pre: post at R <= SMALL_ROWS and S = 4 plain use `_lean`
+                                    # (run 15:55: 14.0 / 18.2 us at R = 1 / 6 against `_lr_rcp`'s
+                                    # 17.8 / 19.2; above, `_lr_rcp` 39.5 / 57.2 at R = 48 / 192 vs
+                                    # 45.6 / 65.8); False reverts to `_lr` / `_lr_rcp` and `plain`
 FUSED_NORM_ROWS = 2                 # post mhc_pre with its RMSNorm inside (`_lean_norm*`, no norm
-                                    # launch) up to here; 0 = never (Round 4)
+                                    # launch) up to here; 0 = never (run 15:55, R = 1: 13.3 us vs
+                                    # `_lean` + rmsnorm 15.7; R = 6: 21.0 vs 19.6)
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -129,10 +132,10 @@ def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, c
     """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse;
     at rows <= FUSED_NORM_ROWS also the sublayer's RMSNorm into `xn` (its norm stage is empty)."""
     if MHC_LEAN:
-        small = large = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True)
+        small = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True)
     else:
         small = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True)
-        large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
+    large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
     ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr(sub_out),
             "coeff_prev": ctx.ptr(coeff_prev), "streams_out": ctx.ptr("streams"),
             "x_out": ctx.ptr("x"), "coeff_out": ctx.ptr(coeff_out),
