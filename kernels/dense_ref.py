@@ -349,11 +349,15 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
 # 6.44, main_proj 30.4 vs 57.2, Engram wkv 46.8 vs 51.8 (docs/notes/dense-design.md).
 R8_VARIANT_ROUND3 = {"shared_w13": "stream", "shared_w2": "stream", "wo_b": "stream",
                      "grouped": "stream"}
-# Round 4 (predicted, docs/notes/dense-design.md "Round 4"): whole tiles per CTA where tiles
-# spread over the 132 SMs with balance >= 0.8, the balanced split for shared w1|w3 (72 tiles).
+# Round 4, measured (devicecheck --quick 15:55, PDL chain, us at R = 1 / 8, docs/notes/
+# dense-design.md "Round 4"): whole tiles per CTA win everywhere but shared w2 (one K step per
+# tile: nothing to save) - wq_a|wkv 7.10/7.63 (mma 7.73/8.10), wq_b 6.68/7.01 (mma 7.04/7.87),
+# wo_b 5.67/6.37 (stream 7.39/7.85), wo_a 5.22/5.72 (stream 7.09/7.50), indexer wq_b 4.07/4.38
+# (mma 5.90/6.16), shared w1|w3 4.25/4.95 (stream_x 6.35/6.70); shared w2 stream 2.84/3.17
+# (stream_xt 2.94/3.31).
 R8_VARIANT_ROUND4 = {"wqa_wkv": "stream_xt", "wq_b": "stream_xt", "wo_b": "stream_xt",
                      "grouped": "stream_xt", "indexer_wq_b": "stream_xt",
-                     "shared_w13": "stream_x", "shared_w2": "stream_xt"}
+                     "shared_w13": "stream_xt", "shared_w2": "stream"}
 R8_VARIANT = R8_VARIANT_ROUND4          # revert to the round-3 kernels: = R8_VARIANT_ROUND3
 # R <= 8 candidates compiled beside the step's kernel (bf16 epilogue, the one the step uses), so
 # the family benchmark measures them side by side; shared w2 has one K step per tile, where
