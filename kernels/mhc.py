@@ -104,6 +104,7 @@ class MhcPreSm90(MhcLeanTail):
         self.red_offset = spec.fn_region_bytes                 # bytes: reduced [rows, 32] sums
         self.flag_offset = self.red_offset + 4 * ROWS_PER_CTA * PARTIAL_STRIDE
         self.norm_offset = self.flag_offset + 16               # fused norm: 4 warp totals
+        self.const_offset = self.norm_offset + 16              # lean: scale[3], base[24]
 
     @cute.jit
     def __call__(self, streams: cute.Pointer, sub_out: cute.Pointer, coeff_prev: cute.Pointer,
@@ -134,6 +135,8 @@ class MhcPreSm90(MhcLeanTail):
             self._stage_fn(fn, sbase, slice_idx, tidx)
             if cutlass.const_expr(self.spec.norm_weight != ""):
                 self._prefetch_norm_weight(norm_weight, slice_idx, tidx)
+            if cutlass.const_expr(self.spec.lean):
+                self._stage_consts(scale, base, sbase, tidx)
             cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()     # streams, sub_out, coeff_prev: earlier kernels
 

@@ -96,8 +96,9 @@ class MhcPreSpec:
         """Dynamic smem: the fn region and the last CTA's reduced [rows, 32] sums, a flag."""
         if self.mode == "postonly":
             return 0
+        # lean: the norm's 4 warp totals (16 B), then scale[3] and base[24] staged (128 B)
         return (self.fn_region_bytes + 4 * ROWS_PER_CTA * PARTIAL_STRIDE + 16
-                + (16 if self.norm_weight else 0))          # the norm's 4 warp totals
+                + (16 + 128 if self.lean else 0))
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)

@@ -197,8 +197,9 @@ class MhcLeanTail:
         mean = lds_f32(red + MIX_DIM * 4) / Float32(self.S * self.D)
         rstd = Float32(1.0) / cute.math.sqrt(mean + norm_eps)
         m = [lds_f32(red + 4 * v) * rstd for v in range(MIX_DIM)]
-        s = [ld_f32(scale.toint() + Int64(4 * i)) for i in range(3)]
-        b = [ld_f32(base.toint() + Int64(4 * v)) for v in range(MIX_DIM)]
+        consts = sbase + self.const_offset                 # staged before the PDL wait
+        s = [lds_f32(consts + 4 * i) for i in range(3)]
+        b = [lds_f32(consts + 4 * (3 + v)) for v in range(MIX_DIM)]
         coeff = []
         for k in cutlass.range_constexpr(n):               # pre = σ(m·s0 + b) + hc_eps
             z = m[k] * s[0] + b[k]
@@ -246,6 +247,16 @@ class MhcLeanTail:
             for j in cutlass.range_constexpr(n):
                 out[n * j + k] = c[n * j + k] * inv
         return out
+
+    @cute.jit
+    def _stage_consts(self, scale: cute.Pointer, base: cute.Pointer, sbase: Int32, tidx: Int32):
+        """scale[0:3] and base[0:24] (model constants) into shared memory before the PDL wait,
+        so the last CTA's coefficient rows do not wait on a cold HBM round trip."""
+        if tidx < 3:
+            sts_f32(sbase + self.const_offset + tidx * 4, ld_f32(scale.toint() + Int64(4 * tidx)))
+        elif tidx < 3 + MIX_DIM:
+            sts_f32(sbase + self.const_offset + tidx * 4,
+                    ld_f32(base.toint() + Int64(4 * (tidx - 3))))
 
     @cute.jit
     def _prefetch_norm_weight(self, norm_weight: cute.Pointer, slice_idx: Int32, tidx: Int32):

@@ -40,7 +40,7 @@ def test_mhc_specs_and_bytes(config):
                                        f"mhc_pre_d{cfg.hidden_size}_s4_post_lean_normf32"]
     fused = specs[-1]
     assert fused.bytes_moved(1) == specs[0].bytes_moved(1) + (2 + 4) * cfg.hidden_size
-    assert fused.smem_bytes == specs[-3].smem_bytes + 16
+    assert fused.smem_bytes == specs[-3].smem_bytes
     assert mk.spec_from_dict(fused.to_dict()) == fused
     post = specs[0]
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
@@ -89,14 +89,16 @@ def test_mhc_spec_validation():
 @pytest.mark.parametrize("width, chunks", [(256, 1), (5120, 5), (64 * 32, 2)])
 def test_lean_smem_holds_the_chunk_sums(width, chunks):
     """The lean reduce writes [32 rows, 25, chunks] chunk sums into the fn region, then the
-    reduced [32, 32] sums and a flag after it; the default variants keep their layout."""
+    reduced [32, 32] sums, a flag, the norm's warp totals and the staged scale / base after it;
+    the default variants keep their layout."""
     for streams, mode in ((4, "post"), (4, "plain"), (1, "plain")):
         lean = mk.make_spec(width, streams, mode, 20, lean=True)
         default = mk.make_spec(width, streams, mode, 20)
         assert lean.reduce_chunks == chunks
         assert lean.fn_region_bytes >= 4 * mk.ROWS_PER_CTA * mk.PARTIALS * chunks
         assert lean.fn_region_bytes >= default.fn_region_bytes == 4 * 24 * streams * 64
-        assert lean.smem_bytes == lean.fn_region_bytes + 4 * 32 * 32 + 16 <= 48 * 1024
+        assert lean.smem_bytes == lean.fn_region_bytes + 4 * 32 * 32 + 16 + 16 + 128 <= 48 * 1024
+        assert default.smem_bytes == default.fn_region_bytes + 4 * 32 * 32 + 16
 
 
 @pytest.mark.parametrize("config", CONFIGS)
