@@ -69,11 +69,11 @@ from loader import formats
 # (docs/devicecheck run 17: R = 48 41.2 vs 93.1 us, R = 192 78.7 vs 108.3 us).
 ROUTER_ROWS_PER_CTA = rk.ROWS_PER_CTA
 # Buckets of at most this many rows take the one-pass router (kernels/router_tile.py), its polled
-# `_tile8p` while ROUTER_TILE_POLLED, else `_tile8`: every bucket, by the prediction (R = 48 / 192:
-# ~16 / ~44 us vs the default's measured 28.5 / 63). Revert: ROUTER_TILE_POLLED = False (the
-# counter-based one-pass kernel), ROUTER_TILE_MAX_ROWS = rk.ONE_PASS_ROWS (one-pass only at
-# R <= 8), ROUTER_TILE_MAX_ROWS = 0 (the default kernel everywhere).
-ROUTER_TILE_MAX_ROWS = rk.MAX_ROWS
+# `_tile8p` while ROUTER_TILE_POLLED, else `_tile8`. Run 15:55, us a launch in the step: 5.1 / 6.6
+# / 22.5 / 72.3 at R = 1 / 6 / 48 / 192 vs the default's 6.2 / 10.3 / 28.5 / 63: the lines cross
+# near R = 105, so the default keeps R > 96. Revert: ROUTER_TILE_POLLED = False (the counter-based
+# one-pass kernel), ROUTER_TILE_MAX_ROWS = 0 (the default kernel everywhere).
+ROUTER_TILE_MAX_ROWS = 96
 ROUTER_TILE_POLLED = True
 SHARED_LABELS = ("shared_w13", "shared_w2")
 EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
