@@ -232,6 +232,13 @@ class RouterTileSm90:
                 xw = ld_v4_u32(x.toint() + Int64((row * D + (tidx + i * self.T) * 8) * 2))
                 for q in cutlass.range_constexpr(4):
                     xreg[q, i, r] = xw[q]
+        wf = cute.make_rmem_tensor((8, self.V, self.EPC), Float32)   # unpacked once, not a row
+        for q in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(self.V):
+                for e in cutlass.range_constexpr(self.EPC):
+                    w_lo, w_hi = bf16x2_to_f32(wreg[q, i, e])
+                    wf[2 * q, i, e] = w_lo
+                    wf[2 * q + 1, i, e] = w_hi
         acc = cute.make_rmem_tensor((self.N,), Float32)
         acc.fill(0.0)
         for r in cutlass.range_constexpr(RT):
@@ -240,9 +247,8 @@ class RouterTileSm90:
                     for q in cutlass.range_constexpr(4):
                         x_lo, x_hi = bf16x2_to_f32(xreg[q, i, r])
                         for e in cutlass.range_constexpr(self.EPC):
-                            w_lo, w_hi = bf16x2_to_f32(wreg[q, i, e])
-                            acc[e * RT + r] = acc[e * RT + r] + x_lo * w_lo
-                            acc[e * RT + r] = acc[e * RT + r] + x_hi * w_hi
+                            acc[e * RT + r] = acc[e * RT + r] + x_lo * wf[2 * q, i, e]
+                            acc[e * RT + r] = acc[e * RT + r] + x_hi * wf[2 * q + 1, i, e]
         warp, lane = tidx // WARP, tidx % WARP
         vals = []
         for j in cutlass.range_constexpr(self.N):
@@ -281,6 +287,26 @@ class RouterTileSm90:
                     st_tagged(exchange + Int64(at * 8), total)
 
     @cute.jit
+    def _lane_best(self, key, lane: Int32):
+        """The lane's largest key and its expert, lower index on a tie: a pairwise tree (depth
+        ceil(log2 C) instead of a C - 1 chain); a pair's left half always holds the lower
+        indices, so strict > keeps them."""
+        cands = []
+        for c in cutlass.range_constexpr(self.lanes_e):
+            cands.append((key[c], lane + c * WARP))
+        for _level in cutlass.range_constexpr((self.lanes_e - 1).bit_length()):
+            paired = []
+            for j in cutlass.range_constexpr(len(cands) // 2):
+                k, i = cands[2 * j]
+                kb, ib = cands[2 * j + 1]
+                if kb > k:
+                    k = kb
+                    i = ib
+                paired.append((k, i))
+            cands = paired + cands[len(cands) // 2 * 2:]
+        return cands[0]
+
+    @cute.jit
     def _select(self, bias_s: Int32, lgs, ids: cute.Pointer, weights: cute.Pointer, row: Int32,
                 lane: Int32):
         """One warp, lane l holding logits l + 32c in lgs: sqrt(softplus) scores, top-k of
@@ -301,12 +327,7 @@ class RouterTileSm90:
         chosen_ids = []
         chosen_scores = []
         for _k in cutlass.range_constexpr(self.spec.topk):
-            best = key[0]
-            best_i = lane
-            for c in cutlass.range_constexpr(1, self.lanes_e):
-                if key[c] > best:                   # strict: the lower index keeps a tie
-                    best = key[c]
-                    best_i = lane + c * WARP
+            best, best_i = self._lane_best(key, lane)
             top = redux_max_s32(best)
             cand = best_i
             if best != top:

@@ -461,7 +461,7 @@ def order_key(v: np.ndarray) -> np.ndarray:
 
 
 def redux_topk(selection: np.ndarray, k: int) -> np.ndarray:
-    """Model of `_select` in `_tile8`: lane-local best key (strict >, ascending c), warp max of
+    """Model of `_select` in `_tile8`: lane-local best key (a pairwise tree, strict >), warp max of
     the keys (redux.max), warp min of the indices holding it (redux.min), the owner masks."""
     rows, e = selection.shape
     per_lane = -(-e // 32)
@@ -471,11 +471,15 @@ def redux_topk(selection: np.ndarray, k: int) -> np.ndarray:
     lanes = np.arange(32)
     out = np.zeros((rows, k), np.int64)
     for slot in range(k):
-        best, best_i = keys[:, 0].copy(), np.broadcast_to(lanes, (rows, 32)).copy()
-        for c in range(1, per_lane):
-            better = keys[:, c] > best
-            best, best_i = np.where(better, keys[:, c], best), np.where(better, lanes + 32 * c,
-                                                                        best_i)
+        # `_lane_best`: a pairwise tree over c (left halves hold the lower indices; strict >)
+        cands = [(keys[:, c], np.broadcast_to(lanes + 32 * c, (rows, 32))) for c in range(per_lane)]
+        while len(cands) > 1:
+            paired = []
+            for (ka, ia), (kb, ib) in zip(cands[0::2], cands[1::2]):
+                better = kb > ka
+                paired.append((np.where(better, kb, ka), np.where(better, ib, ia)))
+            cands = paired + cands[len(cands) // 2 * 2:]
+        best, best_i = cands[0]
         top = best.max(axis=1, keepdims=True)
         win = np.where(best == top, best_i, 2**31 - 1).min(axis=1)
         out[:, slot] = win
