@@ -22,8 +22,8 @@ and a selection that runs the tile's rows on separate warps with redux.sync arg-
 ABI, counters, outputs and tie rule.
 
 Variant `_tile8p` (`polled`): the same tile, but no fence / counter / last CTA: each CTA stores its
-logits also as tagged 64-bit words (1 << 32 | fp32 bits, one single-copy-atomic store) into an
-exchange after the counters (`EXCHANGE_OFFSET`, u64 [rows, E]); CTA 0 of the row block polls its
+logits' scores and selection keys also as tagged 64-bit words (one single-copy-atomic store) into
+an exchange after the counters (`EXCHANGE_OFFSET`, u64 [rows, E]); CTA 0 of the row block polls its
 rows' words until every tag is set (bounded by %globaltimer: POLL_TIMEOUT_NS), zeroes them and
 selects. The scratch (`counters` pointer) is `scratch_bytes(max_rows)` long, zero before the first
 launch and left zero by every launch.

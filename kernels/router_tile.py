@@ -18,11 +18,13 @@ shuffles an arg-max round), this kernel:
   the indices holding it (ties to the lower index), the owner masks it.
 
 `_tile8p` (`polled`) replaces the fence + counter atomic + logits reload (three L2 round trips
-between the slowest CTA's logits and the selection) by tagged words: every CTA also stores each
-logit as one 64-bit word (tag 1 in the high half, the fp32 bits in the low half: one
-single-copy-atomic store, so no fence orders it); CTA 0 of the row block polls its rows' words
-until every tag is set (bounded by %globaltimer), zeroes them for the next launch (which writes
-only after its griddepcontrol.wait, i.e. after this grid) and selects from the polled values.
+between the slowest CTA's logits and the selection) by tagged words: every CTA also stores, for
+each of its logits, the score s = sqrt(softplus) and the key of s + bias as one 64-bit word (the
+key in the low half, s with its free sign bit set as the tag in the high half: one
+single-copy-atomic store, so no fence orders it; the 384 scores are computed by 128 CTAs, not by
+the selecting warp); CTA 0 of the row block polls its rows' words until every tag is set
+(bounded by %globaltimer), zeroes them for the next launch (which writes only after its
+griddepcontrol.wait, i.e. after this grid) and ranks the polled keys.
 CTA 0 spins while others may not yet run: at most one spinning CTA per row block (<= 32), and
 the dependents launch only once every CTA has triggered, so every producer gets an SM.
 """
@@ -72,18 +74,29 @@ def redux_min_s32(v: Int32) -> Int32:
                      side_effects=True))
 
 
-def st_tagged(addr: Int64, value: Float32):
-    """(1 << 32) | bits(value) as one relaxed 64-bit store: the tag and the value land together."""
-    void([Int64(addr), Float32(value)], "{ .reg .b32 b; .reg .b64 v; mov.b32 b, $1;\n"
-         "mov.b64 v, {b, 1}; st.relaxed.gpu.global.b64 [$0], v; }", "l,f")
+def st_scored(addr: Int64, score: Float32, key: Int32):
+    """(key, bits(score) | 1 << 31) as one relaxed 64-bit store: a score is >= +0 or NaN, so its
+    sign bit is free to tag the word (a zeroed word is empty); key and score land together."""
+    void([Int64(addr), Float32(score), Int32(key)], "{ .reg .b32 b; .reg .b64 v;\n"
+         "mov.b32 b, $1; or.b32 b, b, 0x80000000; mov.b64 v, {$2, b};\n"
+         "st.relaxed.gpu.global.b64 [$0], v; }", "l,f,r")
 
 
-def ld_tagged(addr: Int64):
-    """(value, tag) of a tagged word, one relaxed 64-bit load at L2 (another CTA's store)."""
-    lo, hi = asm(2, [Int64(addr)], "{ .reg .b64 v; ld.relaxed.gpu.global.b64 v, [$2];\n"
-                 "mov.b64 {$0, $1}, v; }", "=r,=r,l", side_effects=True)
-    return Float32(asm(1, [Int32(lo)], "mov.b32 $0, $1;", "=f,r", kind=T.f32(),
-                       side_effects=False)), Int32(hi)
+def ld_scored(addr: Int64):
+    """(score, key, tagged) of a scored word, one relaxed 64-bit load at L2."""
+    key, hi = asm(2, [Int64(addr)], "{ .reg .b64 v; ld.relaxed.gpu.global.b64 v, [$2];\n"
+                  "mov.b64 {$0, $1}, v; }", "=r,=r,l", side_effects=True)
+    score = Float32(asm(1, [Int32(hi)], "{ .reg .b32 b; and.b32 b, $1, 0x7FFFFFFF;\n"
+                        "mov.b32 $0, b; }", "=f,r", kind=T.f32(), side_effects=False))
+    return score, Int32(key), Int32(hi)
+
+
+@cute.jit
+def score_of(logit: Float32) -> Float32:
+    """sqrt(softplus(l)), softplus = max(l, 0) + log1p(exp(-|l|))."""
+    softplus = cutlass.max(logit, Float32(0.0)) + cute.math.log1p(
+        cute.math.exp(-cute.math.absf(logit)))
+    return cute.math.sqrt(softplus)
 
 
 def st_zero_u64(addr: Int64):
@@ -160,9 +173,8 @@ class RouterTileSm90:
                 for it in cutlass.range_constexpr(-(-self.RT // self.W)):
                     slot = warp + it * self.W
                     if (slot < self.RT) & (first + slot < rows):   # uniform over the warp
-                        lgs = self._poll_row(exchange, first + slot, lane)
-                        self._select(sbase + self.bias_offset, lgs, ids, weights, first + slot,
-                                     lane)
+                        score, key = self._poll_row(exchange, first + slot, lane)
+                        self._rank(score, key, ids, weights, first + slot, lane)
         else:
             self._count_and_select(logits, ids, weights, counters, sbase, tidx, block_row,
                                    first, rows)
@@ -192,7 +204,8 @@ class RouterTileSm90:
                     for c in cutlass.range_constexpr(self.lanes_e):
                         e = cutlass.min(lane + c * WARP, E - 1)
                         lgs[c] = ld_f32_gpu(logits.toint() + Int64((row * E + e) * 4))
-                    self._select(sbase + self.bias_offset, lgs, ids, weights, row, lane)
+                    score, key = self._scores(sbase + self.bias_offset, lgs, lane)
+                    self._rank(score, key, ids, weights, row, lane)
             if tidx == 0:
                 st_s32(counter, Int32(0))
 
@@ -201,15 +214,17 @@ class RouterTileSm90:
         """One warp: the row's logits from the tagged words, once every tag is set (or after
         POLL_TIMEOUT_NS: then whatever is there); the words are zeroed for the next launch."""
         E = self.spec.experts
-        lgs = cute.make_rmem_tensor((self.lanes_e,), Float32)
+        score = cute.make_rmem_tensor((self.lanes_e,), Float32)
+        key = cute.make_rmem_tensor((self.lanes_e,), Int32)
         start = cute.arch.globaltimer()
         waiting = Int32(1)
         while waiting != 0:
             ready = Int32(1)
             for c in cutlass.range_constexpr(self.lanes_e):
                 e = cutlass.min(lane + c * WARP, E - 1)
-                value, tag = ld_tagged(exchange + Int64((row * E + e) * 8))
-                lgs[c] = value
+                s, k, tag = ld_scored(exchange + Int64((row * E + e) * 8))
+                score[c] = s
+                key[c] = k
                 if tag == 0:
                     ready = Int32(0)
             waiting = Int32(1) - vote_all(ready)
@@ -218,7 +233,9 @@ class RouterTileSm90:
         for c in cutlass.range_constexpr(self.lanes_e):
             if lane + c * WARP < E:
                 st_zero_u64(exchange + Int64((row * E + lane + c * WARP) * 8))
-        return lgs
+            else:
+                key[c] = Int32(MASKED)
+        return score, key
 
     @cute.jit
     def _tile_logits(self, x: cute.Pointer, logits: cute.Pointer, exchange: Int64, wreg,
@@ -283,8 +300,10 @@ class RouterTileSm90:
             if first + r < rows:
                 at = (first + r) * self.spec.experts + e0 + e
                 st_f32(logits.toint() + Int64(at * 4), total)
-                if cutlass.const_expr(self.polled):
-                    st_tagged(exchange + Int64(at * 8), total)
+                if cutlass.const_expr(self.polled):     # the consumer's score work, spread out
+                    s = score_of(total)
+                    st_scored(exchange + Int64(at * 8), s,
+                              order_key(s + lds_f32(sbase + self.bias_offset + (e0 + e) * 4)))
 
     @cute.jit
     def _lane_best(self, key, lane: Int32):
@@ -307,23 +326,24 @@ class RouterTileSm90:
         return cands[0]
 
     @cute.jit
-    def _select(self, bias_s: Int32, lgs, ids: cute.Pointer, weights: cute.Pointer, row: Int32,
-                lane: Int32):
-        """One warp, lane l holding logits l + 32c in lgs: sqrt(softplus) scores, top-k of
-        score + bias (ties: lower index), weights."""
+    def _scores(self, bias_s: Int32, lgs, lane: Int32):
+        """Lane l's scores sqrt(softplus) of logits l + 32c, and the keys of score + bias."""
         E = self.spec.experts
         key = cute.make_rmem_tensor((self.lanes_e,), Int32)
         score = cute.make_rmem_tensor((self.lanes_e,), Float32)
         for c in cutlass.range_constexpr(self.lanes_e):
             e = cutlass.min(lane + c * WARP, E - 1)
-            lg = lgs[c]
-            softplus = cutlass.max(lg, Float32(0.0)) + cute.math.log1p(
-                cute.math.exp(-cute.math.absf(lg)))
-            s = cute.math.sqrt(softplus)
+            s = score_of(lgs[c])
             score[c] = s
             key[c] = order_key(s + lds_f32(bias_s + e * 4))
             if lane + c * WARP >= E:
                 key[c] = Int32(MASKED)
+        return score, key
+
+    @cute.jit
+    def _rank(self, score, key, ids: cute.Pointer, weights: cute.Pointer, row: Int32,
+              lane: Int32):
+        """One warp: top-k of the keys (ties: lower index), weights s / (Σ s + 1e-20)·scaling."""
         chosen_ids = []
         chosen_scores = []
         for _k in cutlass.range_constexpr(self.spec.topk):
