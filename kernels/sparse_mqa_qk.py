@@ -16,7 +16,6 @@ from cutlass import Float32, Int32, cute
 
 from kernels import sparse_mqa_ref as ref
 from kernels.ptx import (
-    asm,
     e4m3x2_to_bf16x2,
     lds_s64,
     lds_u8,
@@ -37,14 +36,6 @@ SOFTMAX_SCALE = ref.HEAD_DIM ** -0.5
 CHAINS = 2
 
 
-def e4m3x2_to_bf16x2_unscaled(pair: Int32) -> Int32:
-    """Two e4m3 (low 16 bits, low byte = lower k) -> bf16x2, exact (e4m3 fits bf16)."""
-    text = ("{ .reg .b16 p, h0, h1; .reg .b32 hh; .reg .f32 f0, f1;\n"
-            "cvt.u16.u32 p, $1;\n cvt.rn.f16x2.e4m3x2 hh, p;\n mov.b32 {h0, h1}, hh;\n"
-            "cvt.f32.f16 f0, h0;\n cvt.f32.f16 f1, h1;\n cvt.rn.bf16x2.f32 $0, f1, f0; }")
-    return Int32(asm(1, [Int32(pair)], text, "=r,r", side_effects=False))
-
-
 class SparseMqaQkRuns:
     """`_logits_runs`, mixed into SparseMqaSm90 (reads `lay`, `E`, `skip`)."""
 
@@ -58,45 +49,30 @@ class SparseMqaQkRuns:
         while tile < self.E // 8:
             entry = base + self.lay.records + (tile * 8 + g) * REC
             acc.fill(0.0)
-            tot = cute.make_rmem_tensor((4,), Float32)      # group-scale: sum of scaled groups
-            tot.fill(0.0)
             for grp in cutlass.range_constexpr(0 if "qk" in self.skip else GROUPS):
                 qa = base + self.lay.q + g * ref.Q_ROW_BYTES + (64 * grp + 16 * t) * 2
                 qb = qa + 8 * ref.Q_ROW_BYTES
                 rg = lds_v4_u32(qa) + lds_v4_u32(qa + 16)      # row g: dims 16t .. 16t + 15
                 rh = lds_v4_u32(qb) + lds_v4_u32(qb + 16)      # row g + 8
                 b = []
-                scale = Float32(1.0)
                 if cutlass.const_expr(grp < GROUPS - 1):
                     scale = ue8m0_to_f32(lds_u8(entry + SCALE_OFF + grp))
                     words = (lds_v2_u32(entry + 64 * grp + 16 * t)
                              + lds_v2_u32(entry + 64 * grp + 16 * t + 8))
                     for kk in cutlass.range_constexpr(4):         # word kk: dims 4kk .. 4kk + 3
-                        if cutlass.const_expr(self.spec.qk_group_scale):
-                            b.append((e4m3x2_to_bf16x2_unscaled(words[kk]),
-                                      e4m3x2_to_bf16x2_unscaled(words[kk] >> 16)))
-                        else:
-                            b.append((e4m3x2_to_bf16x2(words[kk], scale, scale),
-                                      e4m3x2_to_bf16x2(words[kk] >> 16, scale, scale)))
+                        b.append((e4m3x2_to_bf16x2(words[kk], scale, scale),
+                                  e4m3x2_to_bf16x2(words[kk] >> 16, scale, scale)))
                 else:                       # bf16 rope dims: 8 bytes per k-step
                     for kk in cutlass.range_constexpr(4):
                         b.append(tuple(lds_v2_u32(entry + ROPE_OFF + 32 * t + 8 * kk)))
-                if cutlass.const_expr(self.spec.qk_group_scale):
-                    acc.fill(0.0)
                 for kk in cutlass.range_constexpr(4):
                     a = (rg[2 * kk], rh[2 * kk], rg[2 * kk + 1], rh[2 * kk + 1])
                     c = 4 * ((4 * grp + kk) % CHAINS)
                     d = mma_bf16_16816(a, b[kk], [acc[c + i] for i in range(4)])
                     for i in cutlass.range_constexpr(4):
                         acc[c + i] = d[i]
-                if cutlass.const_expr(self.spec.qk_group_scale):   # this group, scaled (exact)
-                    for i in cutlass.range_constexpr(4):
-                        tot[i] = tot[i] + (acc[i] + acc[4 + i]) * scale
             for i in cutlass.range_constexpr(4):           # fixed order: chain 0 + chain 1
-                if cutlass.const_expr(self.spec.qk_group_scale):
-                    acc[i] = tot[i]
-                else:
-                    acc[i] = acc[i] + acc[4 + i]
+                acc[i] = acc[i] + acc[4 + i]
             n0 = tile * 8 + 2 * t
             for e in cutlass.range_constexpr(2):
                 valid = lds_s64(base + self.lay.addresses + (n0 + e) * 8) > 1

@@ -161,10 +161,6 @@ class SparseMqaSpec:
     # QK with lane-run k order (kernels/sparse_mqa_qk.py): 16-dim runs per lane, vector loads,
     # two accumulator chains. The logits' fp32 summation order differs from the plain order.
     qk_runs: bool = False
-    # With qk_runs: each 64-dim group's dot product from UNSCALED e4m3 -> bf16 values, times the
-    # group's power-of-two scale in fp32 at the end (exact; 2 fewer instructions per value pair;
-    # another fp32 summation order of the same products).
-    qk_group_scale: bool = False
 
     @property
     def swa_share(self) -> int:
@@ -204,13 +200,12 @@ class SparseMqaSpec:
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
                 "skip": list(self.skip), "exchange": self.exchange,
-                "qk_runs": self.qk_runs, "qk_group_scale": self.qk_group_scale}
+                "qk_runs": self.qk_runs}
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
               split: str = "balanced", skip: tuple[str, ...] = (),
-              exchange: str = "pull", qk_runs: bool = False,
-              qk_group_scale: bool = False) -> SparseMqaSpec:
+              exchange: str = "pull", qk_runs: bool = False) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -239,26 +234,21 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     name += "_fixed" if split == "fixed" else ""
     name += "_push" if push else ""
     name += "_runs" if qk_runs else ""
-    name += "_gs" if qk_group_scale else ""
-    if qk_group_scale and not qk_runs:
-        raise ValueError(f"{name}: qk_group_scale needs qk_runs")
     name += "_skip_" + "_".join(skip) if skip else ""
     if CTAS_PER_SM * (layout.total + 1024) > SM_SMEM_BYTES:
         raise ValueError(f"{name}: {CTAS_PER_SM} CTAs per SM of {layout.total} B shared memory")
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
                          layout.total, split=split, skip=tuple(skip), exchange=exchange,
-                         qk_runs=qk_runs, qk_group_scale=qk_group_scale)
+                         qk_runs=qk_runs)
 
 
 # Every top-k kernel the bundle carries with outputs that count (GPU-tested), by variant key.
 TOPK_VARIANTS = {"balanced": {}, "fixed": {"split": "fixed"},
                  "fixed_push": {"split": "fixed", "exchange": "push"},
-                 "fixed_push_runs": {"split": "fixed", "exchange": "push", "qk_runs": True},
-                 "fixed_push_runs_gs": {"split": "fixed", "exchange": "push", "qk_runs": True,
-                                        "qk_group_scale": True}}
-# The top-k kernel the step runs. One-line revert: TOPK_VARIANTS["fixed_push_runs"] (the best
-# measured at 15:55: 11.2 us at R = 1), or "fixed_push", or "fixed" (session 1's best, 12.5 us).
-STEP_TOPK_VARIANT = TOPK_VARIANTS["fixed_push_runs_gs"]
+                 "fixed_push_runs": {"split": "fixed", "exchange": "push", "qk_runs": True}}
+# The top-k kernel the step runs. One-line revert: TOPK_VARIANTS["fixed_push"], or "fixed" (the
+# best measured in session 1, 12.7 us at R = 1).
+STEP_TOPK_VARIANT = TOPK_VARIANTS["fixed_push_runs"]
 
 
 def _topk_spec(cfg, tp: int, max_block_rows: int, **variant) -> SparseMqaSpec:

@@ -282,14 +282,10 @@ def test_variant_specs_build_beside_the_step_kernel(cfg):
     base = _specs(cfg)
     variants = ref.variant_specs(cfg, 4)
     cands = ref.candidate_specs(cfg, 4)
-    assert sorted(cands) == ["balanced", "fixed", "fixed_push", "fixed_push_runs",
-                             "fixed_push_runs_gs"]
+    assert sorted(cands) == ["balanced", "fixed", "fixed_push", "fixed_push_runs"]
     step = [k for k, v in cands.items() if v == base[1]]
     assert len(step) == 1 and ref.STEP_TOPK_VARIANT == ref.TOPK_VARIANTS[step[0]]
     assert cands["fixed_push_runs"].qk_runs and not cands["fixed_push"].qk_runs
-    assert cands["fixed_push_runs_gs"].qk_group_scale and not cands["fixed_push_runs"].qk_group_scale
-    with pytest.raises(ValueError, match="needs qk_runs"):
-        ref.make_spec(16, 128, 5, 512, 256, split="fixed", exchange="push", qk_group_scale=True)
     assert cands["balanced"].split == "balanced" and cands["balanced"].exchange == "pull"
     f, push = cands["fixed"], cands["fixed_push"]
     assert (f.split, f.exchange, push.split, push.exchange) == ("fixed", "pull", "fixed", "push")

@@ -46,8 +46,7 @@ def spec_of(record_spec: dict) -> ref.SparseMqaSpec:
                              s["smem_bytes"], split=s.get("split", "balanced"),
                              skip=tuple(s.get("skip", ())),
                              exchange=s.get("exchange", "pull"),
-                             qk_runs=s.get("qk_runs", False),
-                             qk_group_scale=s.get("qk_group_scale", False))
+                             qk_runs=s.get("qk_runs", False))
 
 
 def uses(spec: ref.SparseMqaSpec) -> tuple[str, ...]:
