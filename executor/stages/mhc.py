@@ -55,14 +55,15 @@ from kernels.common_ref import BF16
 from loader.schema import UNCERTAIN
 
 ONE_HOT = "mhc.one_hot_coeff"       # constant packed coefficients whose pre is one-hot (stream 0)
-SMALL_ROWS = 8                      # mhc_pre: `_lean` (`_lr`) up to here, `_lr_rcp` above
+SMALL_ROWS = 64                     # mhc_pre: `_lean` up to here, `_lr_rcp` above (MHC_LEAN off:
+                                    # `_lr` up to 8)
 MHC_LEAN = True                     # mhc_pre: post at R <= SMALL_ROWS and S = 4 plain use `_lean`
-                                    # (run 15:55: 14.0 / 18.2 us at R = 1 / 6 against `_lr_rcp`'s
-                                    # 17.8 / 19.2; above, `_lr_rcp` 39.5 / 57.2 at R = 48 / 192 vs
-                                    # 45.6 / 65.8); False reverts to `_lr` / `_lr_rcp` and `plain`
+                                    # (run 16:25: 12.9 / 14.9 / 35.3 us at R = 1 / 6 / 48 against
+                                    # `_lr_rcp`'s 18.3 / 19.3 / 40.4; at 192 `_lr_rcp` 56.5 vs
+                                    # 63.3); False reverts to `_lr` / `_lr_rcp` and `plain`
 FUSED_NORM_ROWS = 2                 # post mhc_pre with its RMSNorm inside (`_lean_norm*`, no norm
-                                    # launch) up to here; 0 = never (run 15:55, R = 1: 13.3 us vs
-                                    # `_lean` + rmsnorm 15.7; R = 6: 21.0 vs 19.6)
+                                    # launch) up to here; 0 = never (run 16:25, R = 1: 13.2 us vs
+                                    # `_lean` + rmsnorm 14.4; R = 6: 19.0 vs 16.2)
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, c
     def build(rows):
         if fused is not None and rows <= FUSED_NORM_ROWS:
             return [mhc_pre_launch(ctx.bundle, fused, fused_ptrs, rows, *eps)]
-        spec = small if rows <= SMALL_ROWS else large
+        spec = small if rows <= (SMALL_ROWS if MHC_LEAN else 8) else large
         return [mhc_pre_launch(ctx.bundle, spec, ptrs, rows, *eps)]
     return build
 
