@@ -2,7 +2,7 @@
 `gather` from the cache bytes, then `sparse_mqa_ref`).
 
 Covers the SWA-only kernel and every top-k kernel whose outputs count (split balanced or fixed,
-any ctas_per_sm / qk_chains: one reference); the timing-only ablations (`skip`) raise NoEmulator.
+pull or push exchange, any QK load order: one reference); the timing-only ablations (`skip`) raise NoEmulator.
 Bad input reads as the kernel writes it: a row whose top-k entry is on an unallocated page or
 whose SWA range is wider than the kernel's, or that reads a record never written (poison), is NaN
 (a bf16 NaN; the GPU tests check isnan, not the bits); a position outside the RoPE table gives NaN
