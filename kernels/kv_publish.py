@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import cutlass
 from cuda.bindings import driver as cuda
-from cutlass import Float32, Int32, Int64, cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, cute
 from cutlass.cutlass_dsl import T
 
 from kernels import kv_publish_ref as kp
+from kernels import split_norm_ref
 from kernels.indexer_ptx import _addr, _asm, exp2_f32, ld_v2_f32, pack_e4m3, pow2_exponent
 from kernels.ptx import (
     bf16_pair,
@@ -34,6 +35,7 @@ from kernels.ptx import (
     st_v2_b32,
     void,
 )
+from kernels.split_norm import VEC, SplitNormSm90
 
 LANES = 32
 ROPE_LANE0 = (kp.HEAD_DIM - 64 - 256) // 8        # 24: lanes whose second vector is rope dims
@@ -97,10 +99,12 @@ def pack_bf16(lo: Float32, hi: Float32):
 
 
 class KvSwaInsertSm90:
-    """One warp per row: RMSNorm, RoPE, record encode, store at the row's slot."""
+    """One warp per row: RMSNorm, RoPE, record encode, store at the row's slot. `kv_row_stride`:
+    the elements between two rows' kv (512 here; the fused wq_a|wkv row in AttnPrepSm90)."""
 
-    def __init__(self, spec: kp.KvPublishSpec):
+    def __init__(self, spec: kp.KvPublishSpec, kv_row_stride: int = kp.HEAD_DIM):
         self.spec = spec
+        self.kv_row_stride = kv_row_stride
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, weight: cute.Pointer, table: cute.Pointer,
@@ -131,7 +135,7 @@ class KvSwaInsertSm90:
                row: Int32, num_positions: Int32, eps: Float32, lane: Int32):
         x = []
         for half in cutlass.range_constexpr(2):
-            words = ld_v4_u32(kv + Int64(row * kp.HEAD_DIM + 256 * half + 8 * lane) * 2)
+            words = ld_v4_u32(kv + Int64(row * self.kv_row_stride + 256 * half + 8 * lane) * 2)
             for w in cutlass.range_constexpr(4):
                 lo, hi = bf16_pair(words[w])
                 x += [lo, hi]
@@ -195,21 +199,78 @@ class KvSwaInsertSm90:
             st_u8(rec + Int64(kp.kvrecord_ref.KV_SCALE_OFFSET + 4 * half + lane // 8), e + 127)
 
 
-def kernel_function(spec: kp.KvPublishSpec):
+class AttnPrepSm90(SplitNormSm90):
+    """attn_prep: per row, warp 2j normalises the q head (SplitNormSm90's load, sum and store
+    helpers, unchanged) and warp 2j + 1 inserts the kv tail (KvSwaInsertSm90.insert at the fused
+    row stride). The roles are warp-uniform, so each warp's shuffles stay inside its role."""
+
+    def __init__(self, spec: kp.AttnPrepSpec):
+        super().__init__(split_norm_ref.make_spec(spec.q_width, spec.head_dim))
+        assert self.threads_per_row == LANES and self.split.block == spec.block, spec
+        self.prep = spec
+        self.kv_insert = KvSwaInsertSm90(kp.make_swa_spec(spec.head_dim), spec.row_stride)
+
+    @cute.jit
+    def __call__(self, qkv: cute.Pointer, q_weight: cute.Pointer, kv_weight: cute.Pointer,
+                 table: cute.Pointer, positions: cute.Pointer, slots: cute.Pointer,
+                 qr: cute.Pointer, cache: cute.Pointer, rows: Int32, num_positions: Int32,
+                 eps: Float32, stream: cuda.CUstream):
+        self.prep_kernel(qkv, q_weight, kv_weight, table, positions, slots, qr, cache, rows,
+                         num_positions, eps).launch(
+            grid=[1, 1, 1], block=list(self.prep.block), stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def prep_kernel(self, qkv: cute.Pointer, q_weight: cute.Pointer, kv_weight: cute.Pointer,
+                    table: cute.Pointer, positions: cute.Pointer, slots: cute.Pointer,
+                    qr: cute.Pointer, cache: cute.Pointer, rows: Int32, num_positions: Int32,
+                    eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp, lane = tidx // LANES, tidx % LANES
+        row = bidx * kp.PREP_ROWS_PER_CTA + warp // 2
+
+        smem = cutlass.memory.SmemAllocator()
+        w_smem = smem.allocate_tensor(Float32, cute.make_layout((self.width,)), byte_alignment=16)
+        self._stage_weight(q_weight, w_smem, tidx)   # a model constant: before the wait
+
+        cute.arch.griddepcontrol_wait()    # qkv, positions and slots come from earlier kernels
+        if row < rows:
+            if warp % 2 == 0:
+                x_regs = cute.make_rmem_tensor((VEC // 2, self.vecs_per_thread), Uint32)
+                self._load_row(qkv, x_regs, row, lane)
+                rstd = self._row_rstd(x_regs, None, tidx, Int32(0), eps)
+                self._normalise_store(x_regs, rstd, w_smem, qr, row, lane)
+            else:
+                slot = ld_s64(_addr(slots) + Int64(row) * 8)
+                if slot >= Int64(0):
+                    self.kv_insert.insert(
+                        _addr(qkv) + Int64(2 * self.width), _addr(kv_weight), _addr(table),
+                        _addr(positions), _addr(cache) + slot * kp.kvrecord_ref.KV_RECORD_BYTES,
+                        row, num_positions, eps, lane)
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+def kernel_function(spec):
+    if spec.kind == "attn_prep":
+        return AttnPrepSm90.prep_kernel
     return KvSwaInsertSm90.kernel
 
 
-def specs(cfg, tp: int) -> list[kp.KvPublishSpec]:
+def specs(cfg, tp: int) -> list:
     del tp
-    return [kp.make_swa_spec(cfg.head_dim)]
+    return [kp.make_swa_spec(cfg.head_dim), kp.make_attn_prep_spec(cfg.q_lora_rank, cfg.head_dim)]
 
 
-def compile_spec(spec: kp.KvPublishSpec, options: str = "--gpu-arch sm_90a"):
+def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
     from cutlass.cute.runtime import make_ptr
 
-    def ptr():
-        return make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=16)
+    # attn_prep's q helpers index typed pointers (elements, not bytes); the rest take addresses.
+    types = {"qkv": BFloat16, "qr": BFloat16, "q_weight": Float32}
 
-    args = [ptr() if k == "u64" else Float32(1e-6) if k == "f32" else Int32(1)
-            for _, k in spec.params]
-    return cute.compile(KvSwaInsertSm90(spec), *args, cuda.CUstream(0), options=options)
+    def ptr(name):
+        return make_ptr(types.get(name, Int32), 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    args = [ptr(n) if k == "u64" else Float32(1e-6) if k == "f32" else Int32(1)
+            for n, k in spec.params]
+    kernel = AttnPrepSm90(spec) if spec.kind == "attn_prep" else KvSwaInsertSm90(spec)
+    return cute.compile(kernel, *args, cuda.CUstream(0), options=options)

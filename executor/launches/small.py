@@ -10,6 +10,8 @@ the same names, so `{name: arena.ptr(name) for name, *_ in requests}` is a valid
                    in place: x's last 64 dims of every head; copy: out bf16 [R, H, hd] whole
     SWA insert     kv bf16 [R, 512], weight f32 [512], table f32 [P, 32, 2], positions i32 [R],
                    slots i64 [R]  ->  cache u8 [num_slots, 584]: 584 bytes at each slot >= 0
+    attn prep      qkv bf16 [R, W + 512], q_weight f32 [W], kv_weight f32 [512], table,
+                   positions, slots as the insert  ->  qr bf16 [R, W] and the insert's records
 
 No builder needs scratch. The bundle's record of each kernel must describe the spec asked for
 (same width, heads, dtype...): a bundle built for another model fails here, not in the launch.
@@ -115,3 +117,33 @@ def swa_insert_launches(bundle, spec: kv_publish_ref.KvPublishSpec, ptrs: Mappin
     return [LaunchSpec(kernel_for(bundle, spec), spec.grid(rows),
                        (ptrs["kv"], ptrs["weight"], ptrs["table"], ptrs["positions"],
                         ptrs["slots"], ptrs["cache"], rows, num_positions, float(eps)))]
+
+
+# ---- attn prep: q_norm | kv_norm + RoPE + SWA insert (kernels.kv_publish) ------------------------
+
+def attn_prep_requests(spec: kv_publish_ref.AttnPrepSpec, max_rows: int, num_positions: int,
+                       num_slots: int) -> list[tuple]:
+    w, d, rec = spec.q_width, spec.head_dim, kvrecord_ref.KV_RECORD_BYTES
+    return [("qkv", max_rows * spec.row_stride * 2, f"bf16 [{max_rows}, {w + d}]"),
+            ("q_weight", w * 4, f"f32 [{w}]"), ("kv_weight", d * 4, f"f32 [{d}]"),
+            ("table", rope_ref.table_bytes(num_positions), f"f32 [{num_positions}, 32, 2]"),
+            ("positions", max_rows * 4, f"i32 [{max_rows}]"),
+            ("slots", max_rows * 8, f"i64 [{max_rows}] (-1: padding row)"),
+            ("qr", max_rows * w * 2, f"bf16 [{max_rows}, {w}]"),
+            ("cache", num_slots * rec, f"u8 [{num_slots}, {rec}]")]
+
+
+def attn_prep_launches(bundle, spec: kv_publish_ref.AttnPrepSpec, ptrs: Mapping[str, int],
+                       rows: int, num_positions: int, eps: float) -> list[LaunchSpec]:
+    """One launch for rows r < rows: qr[r] = RMSNorm(qkv[r, :W]) * q_weight, and for slots[r] >= 0
+    the SWA record of qkv[r, W:] (kv_norm, RoPE at positions[r]) at cache + slots[r] * 584.
+    Writes qr[:rows] and those records only; qr must not overlap qkv."""
+    check_ptrs(spec.name, ptrs, {"qkv": 16, "q_weight": 16, "kv_weight": 16, "table": 16,
+                                 "positions": 4, "slots": 8, "qr": 16, "cache": 8})
+    if isinstance(num_positions, bool) or not isinstance(num_positions, int) or not (
+            1 <= num_positions < 2**31):
+        raise ValueError(f"{spec.name}: num_positions must be an int in [1, 2**31), got "
+                         f"{num_positions!r}")
+    return [LaunchSpec(kernel_for(bundle, spec), spec.grid(rows),
+                       tuple(ptrs[name] for name, kind in spec.params if kind == "u64")
+                       + (rows, num_positions, float(eps)))]
