@@ -18,6 +18,28 @@ the weights packed by the stage modules, zeroed first) and wires every stage a s
 (executor/stages/) builds, on the bound addresses; a plan that still misses stages raises
 NotImplementedError naming them, frees that arena again and captures nothing (`step` then
 declines with NOT_CAPTURED).
+
+DSpark rounds (`dspark=True`, model doc §4, docs/notes/dspark-round.md):
+
+    ex = Executor(..., dspark=True)    # bind() also takes accepted, bonus (executor/bind.py)
+    ex.bind(...); ex.capture()         # verify and draft graphs per sequence-slot bucket
+    code = ex.round(n_seqs, stream)    # draft graph, then verify graph: one round, no host work
+    # whenever the caller wants (after the stream): accepted[s], bonus[s], and the round's
+    # committed tokens tokens[s (k + 1) + j], j = 0..accepted[s] (the greedy picks of the
+    # verify rows: the accepted drafts, then the bonus)
+
+The plans are the sync-free ones: decode_plan(dspark=True, sync_free=True) (the verify step
+ends with the draft rows' Engram lookback and the row advance to the next draft rows) and
+draft_plan(sync_free=True) (it ends by writing the next verify rows and their lookback). So
+between rounds the bound rows are the next draft step's, and the caller writes rows, caches,
+`bonus` and the draft rows' `token_history` once, before the first round (after prefill). The
+graphs are captured per sequence-slot bucket S (each row bucket b gives S = b // (k + 1)): the
+verify graph at S (k + 1) rows, the draft graph at S k; slots n_seqs..S-1 are padding (`bonus`
+-1). `round(n_seqs)` replays both graphs of the smallest S >= n_seqs (two cuGraphLaunch, the
+draft then the verify, in stream order); `draft(n_seqs)` replays the draft graph alone and
+`step(n_rows)` the verify graph of the smallest S (k + 1) >= n_rows. Their declines are step's
+(decided before any launch), TOO_MANY_ROWS above the largest S; `round`/`draft` on an executor
+without DSpark return UNSUPPORTED_FEATURE.
 """
 from __future__ import annotations
 
@@ -32,8 +54,8 @@ from executor.bind import (
     cuda_device,
     validate_binding,
 )
-from executor.graphs import BUCKETS, GraphSet
-from executor.plan import Plan, decode_plan
+from executor.graphs import BUCKETS, GraphSet, bucket_table
+from executor.plan import Plan, decode_plan, draft_plan
 from executor.reasons import SUPPORTED_FEATURES, StepFeature, StepResult
 from executor.wiring import StepContext, arena_contents, wire
 
@@ -53,7 +75,7 @@ class Executor:
                  owns_bundle: bool = False,
                  capture_graphs: Callable = GraphSet.capture, ranges=None,
                  stage_modules=None, arena_factory: Callable | None = None,
-                 dspark: bool = False):
+                 dspark: bool = False, draft: Plan | None = None):
         """`device`: the runtime Device (its `ordinal` is where bound tensors must live).
         `plan`: the step plan (default `decode_plan(config)`). `capture_graphs(stream, record,
         buckets) -> GraphSet` is GraphSet.capture; tests substitute a recording fake.
@@ -64,8 +86,8 @@ class Executor:
         `OneShotAllReduce.state()`), None at tp=1. `stage_modules` (default
         wiring.STAGE_MODULES) and `arena_factory(requests) -> Arena` (default an Arena on
         `device`; tests pass a HostArena) shape the arena capture() builds. `dspark`: serve
-        DSpark verify steps (the plan adds the aux states, device-side acceptance, ring
-        rollback and context KV; bind() then also takes `accepted` and `bonus`)."""
+        DSpark rounds (module docstring: the sync-free verify plan, the draft plan `draft`,
+        default draft_plan(config, sync_free=True); bind() also takes accepted and bonus)."""
         for name, value in (("tp", tp), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Executor: {name} must be an int, got {value!r}")
@@ -82,7 +104,18 @@ class Executor:
         self.buckets = buckets
         self.max_rows = buckets[-1]
         self.rules = binding_rules(config, tp, geometry, dspark=dspark)
-        self.plan = decode_plan(config, dspark=dspark) if plan is None else plan
+        if draft is not None and not dspark:
+            raise ValueError("Executor: a draft plan serves DSpark rounds: pass dspark=True")
+        self.dspark = dspark
+        if plan is None:
+            plan = decode_plan(config, dspark=dspark, sync_free=dspark)
+        self.plan = plan
+        self.draft_plan = (draft_plan(config, sync_free=True) if dspark and draft is None
+                           else draft)
+        self.round_slots = _round_slots(config, buckets) if dspark else ()
+        self._step_buckets = (tuple(s * (config.dspark_block_size + 1) for s in self.round_slots)
+                              if dspark else buckets)
+        self._round_table = bucket_table(self.round_slots) if dspark else [0]
         self.arena = None                # the rank's arena, built by capture()
         self._fetch = getattr(weights, "fetch", weights)
         self._stage_modules = stage_modules
@@ -92,6 +125,7 @@ class Executor:
         self._ranges = ranges
         self._binding: Binding | None = None
         self._graphs: GraphSet | None = None
+        self._draft_graphs: GraphSet | None = None
         self._stream_handle = 0
         self._stream = None
         self._closed = False
@@ -136,26 +170,41 @@ class Executor:
                                "graphs record their addresses)")
         if self._graphs is not None:
             raise RuntimeError("Executor.capture: already captured")
-        unwired = self.plan
-        if self.plan.missing_stages() and self._fetch is not None:
+        unwired = self.plan, self.draft_plan
+        if self._fetch is not None and any(p.missing_stages() for p in self._plans()):
             self._wire()
+        graphs = []
         try:
-            self.plan.require_complete()
+            for p in self._plans():
+                p.require_complete()
             stream = self.device.stream() if stream is None else stream
-
-            def record(rows: int) -> None:
-                self.plan.record(stream, rows, self._ranges)
-
-            self._graphs = self._capture_graphs(stream, record, self.buckets)
+            graphs.append(self._capture_plan(self.plan, stream, self._step_buckets))
+            if self.dspark:
+                k = self.config.dspark_block_size
+                graphs.append(self._capture_plan(self.draft_plan, stream,
+                                                 tuple(s * k for s in self.round_slots)))
         except BaseException:
-            if self.plan is not unwired:        # the arena this call built goes with the plan
-                arena, self.arena, self.plan = self.arena, None, unwired
+            for g in graphs:
+                g.close()
+            if (self.plan, self.draft_plan) != unwired:     # the arena this call built goes too
+                arena, self.arena = self.arena, None
+                self.plan, self.draft_plan = unwired
                 arena.close()
             raise
+        self._graphs = graphs[0]
+        self._draft_graphs = graphs[1] if self.dspark else None
+
+    def _plans(self) -> list[Plan]:
+        return [self.plan] + ([self.draft_plan] if self.dspark else [])
+
+    def _capture_plan(self, plan: Plan, stream, buckets) -> GraphSet:
+        def record(rows: int) -> None:
+            plan.record(stream, rows, self._ranges)
+        return self._capture_graphs(stream, record, buckets)
 
     def _wire(self) -> None:
-        """Build the arena and wire the plan on it; on any failure (a missing stage included)
-        the arena is freed and the plan left as it was."""
+        """Build the arena and wire the plan (and the draft plan) on it; on any failure (a
+        missing stage included) the arena is freed and the plans left as they were."""
         cfg = self.config
         requests, uploads = arena_contents(cfg, self.tp, self.rank, self._fetch, self.max_rows,
                                            self._stage_modules)
@@ -173,10 +222,16 @@ class Executor:
                               self._binding.pointers, self.max_rows, self.comm, self.geometry)
             plan = wire(self.plan, ctx, self._stage_modules)
             plan.require_complete()
+            draft = None
+            if self.dspark:
+                draft = wire(self.draft_plan, ctx, self._stage_modules)
+                draft.require_complete()
         except BaseException:
             arena.close()
             raise
         self.arena, self.plan = arena, plan
+        if self.dspark:
+            self.draft_plan = draft
 
     # ---- step ------------------------------------------------------------------------------
 
@@ -200,13 +255,54 @@ class Executor:
         reason = self._decline_reason(n_rows, features)
         if reason:
             return reason
+        self._graphs.launch(n_rows, self._caller_stream(stream))
+        return StepResult.SERVED
+
+    def round(self, n_seqs: int, stream: int) -> int:
+        """Serve one DSpark round of `n_seqs` sequence slots on the caller's stream: the draft
+        graph, then the verify graph, of the smallest slot bucket >= n_seqs (module docstring).
+        Returns SERVED (0) or step's declines, decided before any launch; UNSUPPORTED_FEATURE
+        on an executor without DSpark."""
+        reason = self._round_decline("round", n_seqs, stream)
+        if reason:
+            return reason
+        handle = self._caller_stream(stream)
+        slots = self._round_table[n_seqs]
+        k = self.config.dspark_block_size
+        self._draft_graphs.launch(slots * k, handle)
+        self._graphs.launch(slots * (k + 1), handle)
+        return StepResult.SERVED
+
+    def draft(self, n_seqs: int, stream: int) -> int:
+        """Only the draft step of a round (its graph of the smallest slot bucket >= n_seqs);
+        the declines of `round`."""
+        reason = self._round_decline("draft", n_seqs, stream)
+        if reason:
+            return reason
+        k = self.config.dspark_block_size
+        self._draft_graphs.launch(self._round_table[n_seqs] * k, self._caller_stream(stream))
+        return StepResult.SERVED
+
+    def _round_decline(self, what: str, n_seqs: int, stream: int) -> StepResult:
+        if type(n_seqs) is not int or type(stream) is not int:
+            raise TypeError(f"Executor.{what} takes plain ints (n_seqs, stream), got "
+                            f"{type(n_seqs).__name__}, {type(stream).__name__}")
+        if n_seqs < 0 or stream <= 1:
+            raise ValueError(f"Executor.{what}: need n_seqs >= 0 and a stream handle > 1 (0 and "
+                             f"1 are the legacy default stream); got n_seqs={n_seqs}, "
+                             f"stream={stream}")
+        if not self.dspark:
+            return StepResult.UNSUPPORTED_FEATURE
+        return self._decline_reason(n_seqs, 0, self.round_slots[-1])
+
+    def _caller_stream(self, stream: int):
         if stream != self._stream_handle:
             self._stream = self._external_stream(stream)
             self._stream_handle = stream
-        self._graphs.launch(n_rows, self._stream)
-        return StepResult.SERVED
+        return self._stream
 
-    def _decline_reason(self, n_rows: int, features: int) -> StepResult:
+    def _decline_reason(self, n_rows: int, features: int, limit: int = 0) -> StepResult:
+        """`limit`: the most rows (or sequence slots) served, default the step's."""
         if self._closed:
             return StepResult.CLOSED
         if self._binding is None:
@@ -215,7 +311,7 @@ class Executor:
             return StepResult.NOT_CAPTURED
         if n_rows == 0:
             return StepResult.NO_ROWS
-        if n_rows > self.max_rows:
+        if n_rows > (limit or self._step_buckets[-1]):
             return StepResult.TOO_MANY_ROWS
         if features & _PREFILL:
             return StepResult.PREFILL_ROWS
@@ -243,10 +339,12 @@ class Executor:
             return
         self._closed = True
         graphs, self._graphs = self._graphs, None
+        draft_graphs, self._draft_graphs = self._draft_graphs, None
         arena, self.arena = self.arena, None
         try:
-            if graphs is not None:
-                graphs.close()
+            for g in (graphs, draft_graphs):
+                if g is not None:
+                    g.close()
         finally:
             try:
                 if arena is not None:
@@ -263,3 +361,10 @@ class Executor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _round_slots(config, buckets) -> tuple[int, ...]:
+    """The sequence-slot buckets of DSpark rounds: S = b // (k + 1) of every row bucket b (at
+    least 1), so each slot bucket's verify rows S (k + 1) fit the largest row bucket."""
+    block = config.dspark_block_size + 1
+    return tuple(sorted({max(1, b // block) for b in buckets}))

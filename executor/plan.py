@@ -180,8 +180,9 @@ def decode_plan(cfg, dspark: bool = False, sync_free: bool = False) -> Plan:
     dspark=True: the verify step of a DSpark round (executor/stages/dspark.py): the aux states
     after each target layer's attn.mhc_pre, then after the pick the device-side acceptance, the
     ratio-2 ring rollback and the draft stages' context KV at the accepted positions.
-    sync_free=True (with dspark): last, the row advance that makes the bound rows the draft
-    step's (dspark.advance_draft), so the draft graph can follow with no host write.
+    sync_free=True (with dspark): last, the draft rows' Engram lookback (dspark.history_draft,
+    Engram models) and the row advance that makes the bound rows the draft step's
+    (dspark.advance_draft), so the draft graph can follow with no host write.
     """
     if dspark and not cfg.dspark_target_layer_ids:
         raise ValueError("decode_plan(dspark=True): the config has no DSpark target layers")
@@ -210,6 +211,8 @@ def decode_plan(cfg, dspark: bool = False, sync_free: bool = False) -> Plan:
     if dspark:
         stages += _accept_stages(cfg)
     if sync_free:
+        if cfg.engram_layer_ids:
+            stages.append(Stage("dspark.history_draft", "kernels.dspark", missing=NOT_WIRED))
         stages.append(Stage("dspark.advance_draft", "kernels.dspark", missing=NOT_WIRED))
     return Plan(stages)
 
@@ -232,8 +235,9 @@ def draft_plan(cfg, sync_free: bool = False) -> Plan:
     embeds them; the DSpark stages run like backbone layers; the last stage's collapse, its norm
     and the shared head give the base logits U (`dspark.base`); then k Markov steps (a local
     argmax and the cross-rank pick each) and a last copy write the next verify step's token_ids
-    (executor/stages/dspark.py); sync_free=True: last, the row advance makes the bound rows the
-    next verify step's (dspark.advance_verify). The stage layers' roles carry a `draft.` prefix:
+    (executor/stages/dspark.py); sync_free=True: last, the verify rows' Engram lookback
+    (dspark.history_verify, Engram models) and the row advance that makes the bound rows the next
+    verify step's (dspark.advance_verify). The stage layers' roles carry a `draft.` prefix:
     executor/stages/draft.py maps each to the backbone builder of the same role, which names the
     stage's weights `mtp.{s}.` (wiring.weight_prefix).
     """
@@ -252,5 +256,7 @@ def draft_plan(cfg, sync_free: bool = False) -> Plan:
     stages += [Stage(f"dspark.markov{i}", "kernels.dspark", missing=NOT_WIRED)
                for i in range(cfg.dspark_block_size + 1)]
     if sync_free:
+        if cfg.engram_layer_ids:
+            stages.append(Stage("dspark.history_verify", "kernels.dspark", missing=NOT_WIRED))
         stages.append(Stage("dspark.advance_verify", "kernels.dspark", missing=NOT_WIRED))
     return Plan(stages)

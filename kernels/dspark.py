@@ -14,7 +14,10 @@ inside the captured round, so they read the device-side counts and never the hos
   partials; the last CTA (an acq_rel counter) reduces the tiles, a warp per sequence, into the
   pairs and re-zeroes the counter;
 - advance: one thread per sequence slot (grid-stride); it reads only its own per-sequence
-  entries and writes its k or k + 1 rows, so the in-place rewrite of the rows cannot race.
+  entries and writes its k or k + 1 rows, so the in-place rewrite of the rows cannot race;
+- history: one CTA, one thread per sequence slot; each thread loads the tokens its rows need
+  into a register array, a CTA barrier, then the writes (another slot's rows may overlap the
+  rows it read: the layouts differ), all column indices compile-time.
 Nothing precedes the PDL wait: every input is an earlier kernel's output (or the previous
 step's), and the outputs may still be read by the previous step's kernels.
 """
@@ -33,6 +36,7 @@ from kernels.dspark_ref import (
     AcceptSpec,
     AdvanceSpec,
     AuxSpec,
+    HistorySpec,
     MarkovSpec,
     RollbackSpec,
     markov_specs_for,
@@ -406,8 +410,73 @@ class AdvanceSm90:
         cute.arch.griddepcontrol_launch_dependents()
 
 
+class HistorySm90:
+    """Kernel object for one HistorySpec."""
+
+    def __init__(self, spec: HistorySpec):
+        self.spec = spec
+
+    @cute.jit
+    def __call__(self, token_ids: cute.Pointer, token_history: cute.Pointer,
+                 accepted: cute.Pointer, bonus: cute.Pointer, seqs: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(token_ids, token_history, accepted, bonus, seqs).launch(
+            grid=[1, 1, 1], block=list(self.spec.block), stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, token_ids: cute.Pointer, token_history: cute.Pointer,
+               accepted: cute.Pointer, bonus: cute.Pointer, seqs: Int32):
+        s, _, _ = cute.arch.thread_idx()
+        spec = self.spec
+        k, c = spec.steps, spec.cols
+        held = cute.make_rmem_tensor(cute.make_layout((c,)), Int64)   # the tail before P'
+        live = Int32(0)
+        token = Int64(-1)
+
+        cute.arch.griddepcontrol_wait()     # accepted, bonus, the Markov stages' token_ids
+
+        if s < seqs:
+            token = _load(bonus, s)
+            if token >= 0:
+                live = Int32(1)
+                if spec.to_verify:
+                    for m in cutlass.range_constexpr(c):        # the draft block's first row
+                        held[m] = _load(token_history, (s * k) * c + m)
+                else:
+                    f = s * (k + 1)
+                    a = _load(accepted, s)
+                    for m in cutlass.range_constexpr(c):        # the verify block, its history
+                        if a >= m:
+                            held[m] = _load(token_ids, f + a - m)
+                        else:
+                            held[m] = _load(token_history, f * c + (m - a - 1))
+        cute.arch.sync_threads()            # every read above before any write below
+
+        if live != 0:
+            if spec.to_verify:              # token_ids: the Markov stages', not written here
+                for j in cutlass.range_constexpr(k + 1):
+                    row = s * (k + 1) + j
+                    for m in cutlass.range_constexpr(c):
+                        if j > m:
+                            _store(token_history, row * c + m,
+                                   _load(token_ids, s * (k + 1) + (j - 1 - m)))
+                        else:
+                            _store(token_history, row * c + m, held[m - j])
+            else:
+                for j in cutlass.range_constexpr(k):
+                    row = s * k + j
+                    for m in cutlass.range_constexpr(c):
+                        if j > m:
+                            _store(token_history, row * c + m,
+                                   token if j - 1 - m == 0 else Int64(spec.noise_token))
+                        else:
+                            _store(token_history, row * c + m, held[m - j])
+
+        cute.arch.griddepcontrol_launch_dependents()
+
+
 _KERNELS = {AuxSpec: AuxSm90, AcceptSpec: AcceptSm90, RollbackSpec: RollbackSm90,
-            MarkovSpec: MarkovSm90, AdvanceSpec: AdvanceSm90}
+            MarkovSpec: MarkovSm90, AdvanceSpec: AdvanceSm90, HistorySpec: HistorySm90}
 
 
 def kernel_function(spec):
@@ -444,5 +513,8 @@ def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
                             ptr(Int64, 8), ptr(Int8, 1), ptr(Int64, 8), ptr(Int32, 4),
                             ptr(Int32, 4), ptr(Int64, 8), Int32(1), Int32(1), stream,
                             options=options)
+    if isinstance(spec, HistorySpec):
+        return cute.compile(HistorySm90(spec), ptr(Int64, 8), ptr(Int64, 8), ptr(Int32, 4),
+                            ptr(Int64, 8), Int32(1), stream, options=options)
     return cute.compile(RollbackSm90(spec), ptr(Float32, 16), ptr(Int64, 8), ptr(Int32, 4),
                         ptr(Int32, 4), ptr(Int32, 4), Int32(1), stream, options=options)

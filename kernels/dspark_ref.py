@@ -79,6 +79,30 @@ verify rows), one thread per sequence slot s < seqs, so a round needs no host wr
   int64; block_kind int8; bonus int64.
   PTX ABI: (u64 token_ids, u64 positions, u64 seq_index, u64 slot_mapping, u64 block_kind,
   u64 context_lens, u64 state_lines, u64 accepted, u64 bonus, u32 ring_slots, u32 seqs).
+Engram lookback of the next step's rows (sync-free rounds: before the row advance to the draft
+rows, after the acceptance; before the advance to the verify rows, after the Markov stages):
+`token_history` [R, c] (c = max_ngram - 1; column m of a row at position p holds the token at
+p - 1 - m, the pad id before position 0), on the device. One CTA, one thread per sequence slot
+s < seqs (seqs <= 256), slots with bonus[s] < 0 untouched; each thread reads everything it needs
+into registers, the CTA synchronises, then it writes, so rewriting token_history in another row
+layout in place cannot race:
+
+    to the draft, verify block f = s (k + 1), a = accepted[s], new bonus position P' = P + a + 1:
+        tail[m]  = token at P' - 1 - m = token_ids[f + a - m] if a >= m
+                   else token_history[f, m - a - 1]                       (m < c)
+        draft row s k + j, column m: the draft block [bonus, noise x (k - 1)]'s token at
+                   P' + j - 1 - m if j > m, else tail[m - j]
+    to the verify, draft row s k holds the tail (column m: the token at P' - 1 - m):
+        verify row s (k + 1) + j, column m: token_ids[s (k + 1) + j - 1 - m] if j > m,
+                   else token_history[s k, m - j]
+
+  The tail is carried only in the draft block's first row's history, so the caller writes the
+  first draft step's token_history (as every step's rows) and the device keeps it from then on.
+  Tokens are copied as they are: right while Engram's compressed-vocabulary map is the identity
+  (tiny; the rows prep has the same limit, docs/notes/step-wiring.md). The draft step hashes
+  nothing (its stages have no Engram), so only its first rows' history is meaningful.
+  token_ids, token_history, bonus int64; accepted int32.
+  PTX ABI: (u64 token_ids, u64 token_history, u64 accepted, u64 bonus, u32 seqs).
 """
 from __future__ import annotations
 
@@ -109,6 +133,8 @@ ADVANCE_PARAMS = (("token_ids", "u64"), ("positions", "u64"), ("seq_index", "u64
                   ("slot_mapping", "u64"), ("block_kind", "u64"), ("context_lens", "u64"),
                   ("state_lines", "u64"), ("accepted", "u64"), ("bonus", "u64"),
                   ("ring_slots", "u32"), ("seqs", "u32"))
+HISTORY_PARAMS = (("token_ids", "u64"), ("token_history", "u64"), ("accepted", "u64"),
+                  ("bonus", "u64"), ("seqs", "u32"))
 KIND_DECODE, KIND_VERIFY, KIND_DRAFT = range(3)     # executor/reference/rows.py BLOCK_KINDS
 ROLLBACK_PARAMS = (("ring", "u64"), ("positions", "u64"), ("seq_index", "u64"),
                    ("state_lines", "u64"), ("accepted", "u64"), ("rows", "u32"))
@@ -252,6 +278,53 @@ class AdvanceSpec:
                 "smem_bytes": self.smem_bytes}
 
 
+@dataclass(frozen=True)
+class HistorySpec:
+    """The Engram lookback of the next step's rows (draft or verify), k = `steps`."""
+
+    name: str
+    steps: int
+    to_verify: bool                 # False: verify -> draft rows; True: draft -> verify rows
+    cols: int                       # token_history columns: max_ngram - 1
+    noise_token: int
+    params: tuple[tuple[str, str], ...] = HISTORY_PARAMS
+    block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
+    smem_bytes: int = 0
+
+    def grid(self, seqs: int) -> tuple[int, int, int]:
+        check_rows(seqs, self.name)
+        if seqs > CTA_THREADS:
+            raise ValueError(f"{self.name}: {seqs} sequence slots; one CTA serves at most "
+                             f"{CTA_THREADS} (it synchronises between its reads and writes)")
+        return (1, 1, 1)
+
+    def to_dict(self) -> dict:
+        return {"family": "dspark", "kind": "history", "name": self.name, "steps": self.steps,
+                "to_verify": self.to_verify, "cols": self.cols, "noise_token": self.noise_token,
+                "params": params_dict(self.params), "block": list(self.block),
+                "smem_bytes": self.smem_bytes}
+
+
+def make_history_spec(steps: int, to_verify: bool, cols: int, noise_token: int) -> HistorySpec:
+    _positive("steps", steps)
+    if not isinstance(to_verify, bool):
+        raise TypeError(f"dspark history: to_verify must be a bool, got {to_verify!r}")
+    if isinstance(cols, bool) or not isinstance(cols, (int, np.integer)) or not 1 <= cols <= 8:
+        raise ValueError(f"dspark history: cols {cols!r} must be an int in 1..8 (a model "
+                         f"without Engram has no token_history)")
+    if isinstance(noise_token, bool) or not isinstance(noise_token, (int, np.integer)) \
+            or not 0 <= noise_token < 2**31:
+        raise ValueError(f"dspark history: noise_token {noise_token!r} is not a token id")
+    target = "verify" if to_verify else "draft"
+    return HistorySpec(f"dspark_history_{target}_k{steps}_c{cols}_n{noise_token}", steps,
+                       to_verify, int(cols), int(noise_token))
+
+
+def history_cols(cfg) -> int:
+    """token_history's columns (0 without Engram)."""
+    return cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0
+
+
 def make_advance_spec(steps: int, to_verify: bool, noise_token: int) -> AdvanceSpec:
     _positive("steps", steps)
     if not isinstance(to_verify, bool):
@@ -302,7 +375,10 @@ def specs_for(cfg) -> list:
             make_accept_spec(block),
             make_rollback_spec(1 << (block + 1).bit_length(), block),
             *(make_advance_spec(cfg.dspark_block_size, to_verify, cfg.dspark_noise_token_id)
-              for to_verify in (False, True))]
+              for to_verify in (False, True)),
+            *(make_history_spec(cfg.dspark_block_size, to_verify, history_cols(cfg),
+                                cfg.dspark_noise_token_id)
+              for to_verify in (False, True) if history_cols(cfg))]
 
 
 def markov_specs_for(cfg, tp: int) -> list[MarkovSpec]:
@@ -407,3 +483,28 @@ def advance_ref(spec: AdvanceSpec, rows: dict, state_lines, accepted, bonus,
         if not spec.to_verify:
             rows["token_ids"][mine] = [bonus[s]] + [spec.noise_token] * (k - 1)
         rows["context_lens"][s] = start + width
+
+
+def history_ref(spec: HistorySpec, token_ids, token_history, accepted, bonus,
+                seqs: int) -> None:
+    """What the history kernel writes, in place, into token_history [R, cols]: the next step's
+    lookback, sequence slots 0..seqs-1, those with bonus < 0 skipped."""
+    k, c = spec.steps, spec.cols
+    ids = np.asarray(token_ids, np.int64).copy()       # every read sees the step's values
+    hist = np.asarray(token_history, np.int64).copy()
+    for s in range(seqs):
+        if bonus[s] < 0:
+            continue
+        if spec.to_verify:
+            f, src = s * (k + 1), s * k
+            block = ids[f:f + k + 1]
+            for j in range(k + 1):
+                token_history[f + j] = [block[j - 1 - m] if j > m else hist[src, m - j]
+                                        for m in range(c)]
+            continue
+        f, a = s * (k + 1), int(accepted[s])
+        tail = [ids[f + a - m] if a >= m else hist[f, m - a - 1] for m in range(c)]
+        block = [int(bonus[s])] + [spec.noise_token] * (k - 1)
+        for j in range(k):
+            token_history[s * k + j] = [block[j - 1 - m] if j > m else tail[m - j]
+                                        for m in range(c)]

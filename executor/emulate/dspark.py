@@ -1,4 +1,4 @@
-"""kernels.dspark on the host: aux, accept, rollback, Markov, advance (kernels/dspark_ref.py)."""
+"""kernels.dspark on the host: aux, accept, rollback, Markov, advance, history (dspark_ref.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -122,8 +122,20 @@ def _advance(record, grid, args, space) -> None:
                     space.array(args["bonus"], np.int64, seqs), ring_slots, seqs)
 
 
+def _history(record, grid, args, space) -> None:
+    s = record.spec
+    spec = ref.make_history_spec(s["steps"], s["to_verify"], s["cols"], s["noise_token"])
+    seqs = args["seqs"]
+    _check(spec, record, grid, seqs)
+    rows = seqs * (spec.steps + 1)          # the verify layout spans both layouts' rows
+    ref.history_ref(spec, space.array(args["token_ids"], np.int64, rows),
+                    space.array(args["token_history"], np.int64, (rows, spec.cols)),
+                    space.array(args["accepted"], np.int32, seqs),
+                    space.array(args["bonus"], np.int64, seqs), seqs)
+
+
 _KINDS = {"aux": _aux, "accept": _accept, "rollback": _rollback, "markov": _markov,
-          "advance": _advance}
+          "advance": _advance, "history": _history}
 
 
 def emulate(record, grid, args, space) -> None:

@@ -15,6 +15,8 @@
                    context_lens, state_lines, accepted, bonus}, seqs, ring_slots)
         the next step's rows (draft after a verify, verify after a draft) of `seqs` sequence
         slots, in place in the bound row tensors
+    history_launch(bundle, spec, {token_ids, token_history, accepted, bonus}, seqs)
+        the next step's Engram lookback (token_history) in place, before its row advance
 
 Each returns one LaunchSpec (PDL on), allocates nothing (kernels/dspark_ref.py has the ABIs).
 """
@@ -23,7 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from executor.launch import LaunchSpec
-from kernels.dspark_ref import AcceptSpec, AdvanceSpec, AuxSpec, MarkovSpec, RollbackSpec
+from kernels.dspark_ref import (
+    AcceptSpec,
+    AdvanceSpec,
+    AuxSpec,
+    HistorySpec,
+    MarkovSpec,
+    RollbackSpec,
+)
 
 
 def _pointers(spec, ptrs: Mapping[str, int], scalars: int = 1) -> list[int]:
@@ -68,3 +77,8 @@ def advance_launch(bundle, spec: AdvanceSpec, ptrs: Mapping[str, int], seqs: int
         raise ValueError(f"{spec.name}: ring_slots {ring_slots!r} must be a positive u32")
     return LaunchSpec(bundle.kernel(spec.name), spec.grid(seqs),
                       (*_pointers(spec, ptrs, 2), ring_slots, seqs), pdl=True)
+
+
+def history_launch(bundle, spec: HistorySpec, ptrs: Mapping[str, int], seqs: int) -> LaunchSpec:
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(seqs), (*_pointers(spec, ptrs), seqs),
+                      pdl=True)

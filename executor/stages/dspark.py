@@ -36,6 +36,15 @@ steps (kernels/dspark_ref.py's advance):
                          the token_ids: the rows become the next verify step's, k + 1 per
                          sequence at the bonus position
 
+Before each advance (Engram models), the next step's Engram lookback (kernels/dspark_ref.py's
+history), so `token_history` needs no host write either:
+
+  dspark.history_draft   before dspark.advance_draft: the draft rows' token_history, whose first
+                         row per sequence carries the c = max_ngram - 1 tokens before the new
+                         bonus (from the verify rows, their history and the accepted count)
+  dspark.history_verify  before dspark.advance_verify: the verify rows' token_history from that
+                         carried tail and the Markov stages' token_ids
+
 Both rewrite the rows in place. That is safe because every reader of the step's rows (rows_prep,
 the rollback, the acceptance) is an earlier kernel of the same graph, complete at the advance's
 PDL wait, and the next graph, which reads the new rows, starts after this one in stream order.
@@ -57,6 +66,7 @@ from executor.launches.dspark import (
     accept_launch,
     advance_launch,
     aux_launch,
+    history_launch,
     markov_launch,
     rollback_launch,
 )
@@ -343,7 +353,32 @@ def _advance(to_verify: bool):
     return factory
 
 
+def _history(to_verify: bool):
+    """The next step's token_history, before its advance (Engram models)."""
+    def factory(ctx, layer):
+        del layer
+        cfg = ctx.cfg
+        k, cols = cfg.dspark_block_size, dspark_ref.history_cols(cfg)
+        spec = dspark_ref.make_history_spec(k, to_verify, cols, cfg.dspark_noise_token_id)
+        ctx.kernel(spec.name)
+        ptrs = {name: ctx.ptr(name) for name in ("token_ids", "token_history", "accepted",
+                                                 "bonus")}
+        per_seq = k if to_verify else k + 1            # this step's rows per sequence slot
+
+        def build(rows):
+            seqs = rows // per_seq
+            if seqs < 1 or seqs * (k + 1) > ctx.max_rows:
+                raise ValueError(f"{spec.name}: a bucket of {rows} rows holds {seqs} sequence "
+                                 f"slots of {per_seq} rows; their verify rows must fit "
+                                 f"{ctx.max_rows}")
+            return [history_launch(ctx.bundle, spec, ptrs, seqs)]
+        return build
+    return factory
+
+
 BUILDERS = {
+    "dspark.history_draft": _history(False),
+    "dspark.history_verify": _history(True),
     "dspark.advance_draft": _advance(False),
     "dspark.advance_verify": _advance(True),
     **{f"dspark.markov{i}": _markov(i) for i in range(MAX_DRAFTS + 1)},

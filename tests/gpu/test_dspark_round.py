@@ -9,17 +9,18 @@ stage by stage on one stream; the cross-rank stages (all-reduces, greedy picks, 
 pick) run on the host between segments (their kernels: tests/gpu/test_collectives.py).
 
 SEQS sequences (state lines 0..SEQS-1), ROUNDS rounds of: the draft step (head, 3 DSpark stages,
-base logits U, 5 Markov steps writing the next verify rows' token_ids, the row advance to the
-verify rows), then the verify step (the whole target forward, the pick, device-side acceptance,
-the ratio-2 ring rollback, the draft stages' context KV at the accepted positions, the row advance
-to the next draft rows). The host writes the rows once, before round 0; afterwards only the
-verify step's Engram `token_history` (not the device's yet: see the sync-free test's docstring)
-and, in the SCRIPTED rounds, the drafts (so that long accepted counts occur: the synthetic
-drafter rarely matches the target). The reference follows the device's drafts: it drafts with
-draft_base_logits / markov_drafts (for the comparison) and verifies the drafts the device made.
+base logits U, 5 Markov steps writing the next verify rows' token_ids, their Engram lookback, the
+row advance to the verify rows), then the verify step (the whole target forward, the pick,
+device-side acceptance, the ratio-2 ring rollback, the draft stages' context KV at the accepted
+positions, the draft rows' Engram lookback, the row advance to the next draft rows). The host writes the rows once, before round 0 (their `token_history`
+included); afterwards nothing but, in the SCRIPTED rounds, the drafts and their lookback (so that
+long accepted counts occur: the synthetic drafter rarely matches the target). The reference
+follows the device's drafts: it drafts with draft_base_logits / markov_drafts (for the
+comparison) and verifies the drafts the device made.
 
 Checked every round, on every rank:
-- draft step: every rank wrote the same token_ids rows, row 0 the bonus; U (`dspark.base`) within
+- draft step: every rank wrote the same token_ids rows, row 0 the bonus, and the verify rows'
+  `token_history` exactly the reference's lookback (dspark.history); U (`dspark.base`) within
   U_BOUND of the reference's; the 5 drafts equal markov_drafts(reference U) except at a near tie
   (test_dspark_draft_emulated's rule: the reference's Markov logits of the two tokens differ by
   no more than the U difference on those columns plus the Markov sum's rounding), after which that
@@ -29,7 +30,8 @@ Checked every round, on every rank:
   unless the reference's deciding row is a near tie (top-2 margin <= LOGIT_BOUND, the rule of
   test_dspark_round_emulated / sync_free); after such a tie the host reloads the reference's
   caches and rows (the device accepted another length: its caches no longer match) and the rounds
-  go on; otherwise the rows are exactly from_blocks of the next draft blocks (advance_draft), every
+  go on; otherwise `tokens` holds each sequence's accepted drafts then its bonus at its first
+  accepted + 1 verify rows (where a caller reads the round's tokens), the rows are exactly from_blocks of the next draft blocks (advance_draft), every
   ratio-2 ring row is NaN (rolled back) exactly where the reference's is, the draft stages' SWA
   slots written are the reference's, every rank holds the same bytes in every SWA cache, and the
   context KV is the reference's composition on the device's own aux (see _check_context: the
@@ -135,6 +137,26 @@ def _assert_rows(s: DeviceRound, want: RowBatch, what: str) -> None:
                 f"{what} rank {r}: {name} {got.tolist()}, want {getattr(want, name).tolist()}")
         got = s.ranks.read(r, "context_lens", np.int64, (MAX_ROWS,))[:want.num_seqs]
         assert np.array_equal(got, want.context_lens), f"{what} rank {r}: context_lens {got}"
+
+
+def _assert_history(s: DeviceRound, want: np.ndarray, what: str) -> None:
+    """The bound token_history rows on every rank are exactly `want` (the reference lookback)."""
+    cols = s.cfg.engram_max_ngram_size - 1
+    for r in range(TP):
+        got = s.ranks.read(r, "token_history", np.int64, (MAX_ROWS, cols))[:want.shape[0]]
+        assert np.array_equal(got, want), f"{what} rank {r}: token_history {got.tolist()}, " \
+                                          f"want {want.tolist()}"
+
+
+def _assert_committed(s: DeviceRound, drafts, accepted, seqs, rnd: int) -> None:
+    """The round's committed tokens, where a caller reads them: tokens[s (k + 1) + j] for j <=
+    accepted[s] are the accepted drafts, then the new bonus (every rank)."""
+    k = s.k
+    for r in range(TP):
+        got = s.ranks.read(r, "tokens", np.int64, (MAX_ROWS,))
+        for q, (seq, d, a) in enumerate(zip(seqs, drafts, accepted)):
+            assert got[q * (k + 1):q * (k + 1) + a + 1].tolist() == [*d[:a], seq.bonus], (
+                f"round {rnd} rank {r} seq {q}: committed tokens")
 
 
 def _load(s: DeviceRound, seqs) -> None:
@@ -329,10 +351,14 @@ def run_rounds(s: DeviceRound, rng, rounds: int = ROUNDS) -> None:
             drafts = _script(s, seqs, SCRIPTED[rnd], rng)
             rows = _blocks(s, seqs, drafts)
         prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
-        s.ranks.write("token_history", _history(cfg, rows, prior)[:, 1:].astype(np.int64))
+        history = _history(cfg, rows, prior)[:, 1:].astype(np.int64)
+        if rnd in SCRIPTED:                 # the host's drafts: their lookback is the host's too
+            s.ranks.write("token_history", history)
+        _assert_history(s, history, f"round {rnd} verify rows")
         s.launches += s.ranks.run_plans(s.verify, SEQS * (k + 1))
         accepted = _check_verify(s, seqs, drafts, rnd, SCRIPTED.get(rnd))
         if accepted is not None:
+            _assert_committed(s, drafts, accepted, seqs, rnd)
             _assert_rows(s, _blocks(s, seqs), f"round {rnd} draft rows")
             _check_caches(s, seqs, rnd)
             _check_context(s, rows, accepted, rnd)

@@ -1,0 +1,79 @@
+"""GPU test of kernels/dspark.py's history kernel (the next draft or verify rows' Engram lookback)
+against kernels/dspark_ref.py's history_ref.
+
+Integer copies only, so exact: every element of token_history (and of the inputs) is compared, over
+fresh random token ids, histories, accepted counts (0..k) and bonus tokens (some negative: padding
+slots, which must stay untouched), for 1, a few and the most sequence slots a 192-row verify
+bucket holds (32) and one CTA's limit (256 slots, over a larger buffer). Everything the ref does
+not write (rows past the slots, padding slots' rows) keeps its random value, so a stray write
+shows. The kernel rewrites token_history in
+another row layout in place; slots whose rows overlap another slot's reads are exactly the
+multi-slot cases here, so a missing barrier would show as a mismatch. Bundles: HOPDEC_BUNDLE
+(tiny) and HOPDEC_BUNDLE_V41 (v41-flash: another noise id).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.launches.dspark import history_launch
+from executor.runtime import Arena, Bundle
+from kernels import dspark_ref as ref
+from loader.config import ModelConfig
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
+           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
+
+
+@pytest.fixture(scope="module", params=sorted(BUNDLES))
+def setup(request, dev):
+    env, default = BUNDLES[request.param]
+    path = Path(os.environ.get(env, default))
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
+    bundle = Bundle.load(dev, path)
+    yield ModelConfig.preset(request.param), bundle
+    bundle.close()
+
+
+def _run(dev, stream, arrays: dict, launch) -> dict:
+    """Upload `arrays` into one arena, run `launch(ptrs)`, return every slice back as numpy."""
+    with Arena(dev, [(n, max(a.nbytes, 16)) for n, a in arrays.items()]) as arena:
+        for name, a in arrays.items():
+            raw = np.ascontiguousarray(a).view(np.uint8).ravel()
+            arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
+        cp.cuda.Device().synchronize()
+        launch({n: arena.ptr(n) for n in arrays}).launch(stream)
+        stream.synchronize()
+        return {n: cp.asnumpy(arena.view(n, np.uint8, (a.nbytes,))).view(a.dtype).reshape(a.shape)
+                for n, a in arrays.items()}
+
+
+@pytest.mark.parametrize("to_verify", [False, True])
+@pytest.mark.parametrize("seqs", [1, 3, 32, 256])
+def test_history_kernel_is_the_ref(dev, stream, setup, to_verify, seqs):
+    cfg, bundle = setup
+    rng = np.random.default_rng()
+    k, cols = cfg.dspark_block_size, ref.history_cols(cfg)
+    spec = ref.make_history_spec(k, to_verify, cols, cfg.dspark_noise_token_id)
+    rows = max(192, seqs * (k + 1))
+    bonus = rng.integers(0, cfg.vocab_size, rows)
+    bonus[rng.random(rows) < 0.2] = -1                  # padding slots
+    arrays = {"token_ids": rng.integers(0, cfg.vocab_size, rows),
+              "token_history": rng.integers(0, cfg.vocab_size, (rows, cols)),
+              "accepted": rng.integers(0, k + 1, rows).astype(np.int32),
+              "bonus": bonus}
+    got = _run(dev, stream, arrays, lambda p: history_launch(bundle, spec, p, seqs))
+    want = {n: a.copy() for n, a in arrays.items()}
+    ref.history_ref(spec, want["token_ids"], want["token_history"], want["accepted"],
+                    want["bonus"], seqs)
+    for name, a in want.items():
+        bad = np.argwhere(got[name] != a)
+        assert bad.size == 0, (f"{spec.name} seqs={seqs}: {name} differs at {bad[:4].tolist()} "
+                               f"(got {got[name][tuple(bad[0])]}, want {a[tuple(bad[0])]})")
