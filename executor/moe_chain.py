@@ -173,6 +173,11 @@ def bench_moe_routed(ctx) -> None:
             for w13w in chain.warp_routed_variants(rows):
                 chains.append((" w13w" + (f" {w13w}" if w13w else ""),
                                chain.launches_warp_routed(rows, step_w2, w13w)))
+            # Round 5: both kernels fed by bulk copies (where w13w fits), else w2 "bulk" alone.
+            if ml.bulk_fits(chain.available, shape, rows):
+                chains.append((" bulk", chain.launches_warp_routed(rows, "bulk", "bulk")))
+            elif ("w2", "bulk") in chain.available:
+                chains.append((" w2 bulk", chain.launches(rows, step_w13 or "", "bulk")))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):

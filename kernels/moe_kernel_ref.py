@@ -48,7 +48,7 @@ from kernels.moe_shape_ref import (
     CHUNK_TOKENS,
     COL_BYTES,
     COL_K,
-    GROUP_OFFSET_BYTES,  # noqa: F401 (unused here; the kernels read mk.GROUP_OFFSET_BYTES)
+    GROUP_OFFSET_BYTES,
     KSTEP,
     LANES,
     LUT_HI_BASE,
@@ -115,7 +115,9 @@ PARAMS = {
 # warp, <= 64 pairs) to issue its weights before griddepcontrol.wait; w13sr's ABI.
 PARAMS["w13w"] = PARAMS["w13sr"]
 WARP_ROUTED_MAX_PAIRS = 64
-W13W_VARIANTS = ("", "early")    # "early": the next item's weights refilled mid-math
+# "early": the next item's weights refilled mid-math; "bulk": per-warp bulk copies on mbarriers
+# (kernels/moe_bulk.py).
+W13W_VARIANTS = ("", "early", "bulk")
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -269,15 +271,50 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
     if shape.num_experts > LANES * 32:
         return []                                   # the expert bitmap is one word per lane
     base = _w13_spec(shape, *W13_VARIANTS[1])
+    warps = base.block[0] // LANES
     return [MoeSpec(f"moe_w13w_{shape.tag()}" + (f"_{v}" if v else ""), "w13w", shape,
-                    base.block, smem_bytes=base.smem_bytes, ctas_per_sm=base.ctas_per_sm,
-                    stages=1, variant=v, group_commits=True) for v in W13W_VARIANTS]
+                    base.block, ctas_per_sm=base.ctas_per_sm, stages=1, variant=v,
+                    group_commits=True,
+                    smem_bytes=bulk_smem_bytes(shape, warps) if v == "bulk" else base.smem_bytes)
+            for v in W13W_VARIANTS]
+
+
+def bulk_parts(shape: MoeShape, warps: int) -> int:
+    """Bulk-copy pairs (codes + offsets, one mbarrier each) per warp slice of a w13 item: two
+    halves where the slice has an even number of 128-groups (v41: 2 x 5 KB), else one."""
+    return 2 if (shape.k13 // COL_K // warps // 2) % 2 == 0 else 1
+
+
+def bulk_warp_bytes(shape: MoeShape, warps: int) -> int:
+    """One warp's K slice of a w13 item as moe_w13w "bulk" stores it: codes, then offsets."""
+    cols = shape.k13 // COL_K // warps
+    return cols * COL_BYTES + (cols // 2) * GROUP_OFFSET_BYTES
+
+
+def bulk_smem_bytes(shape: MoeShape, warps: int) -> int:
+    """The one-item stage, the cross-warp reduction (16 B a thread), an mbarrier per part."""
+    return (warps * bulk_warp_bytes(shape, warps) + warps * LANES * 16
+            + warps * bulk_parts(shape, warps) * 8)
+
+
+def bulk_w2_stage_bytes(shape: MoeShape) -> int:
+    """moe_w2 "bulk": the 8 warps' tiles (codes, then offsets: the packed layout) + a barrier
+    per warp."""
+    cols = shape.k2 // COL_K
+    return W2_WARPS * (cols * COL_BYTES + shape.groups(shape.k2) * GROUP_OFFSET_BYTES + 8)
+
+
+W2_BULK_STAGES, W2_BULK_CTAS = 2, 2     # the next item in flight behind the math, 2 CTAs/SM
 
 
 def variant_specs(shape: MoeShape) -> list[MoeSpec]:
-    """Candidate w13 / w2 kernels (other ring depths and occupancies), built beside the default."""
+    """Candidate w13 / w2 kernels (other ring depths and occupancies, bulk copies), built beside
+    the default."""
+    bulk = MoeSpec(f"moe_w2_{shape.tag()}_bulk", "w2", shape, (W2_WARPS * LANES, 1, 1),
+                   smem_bytes=W2_BULK_STAGES * bulk_w2_stage_bytes(shape) + w2_smem_bytes(shape),
+                   ctas_per_sm=W2_BULK_CTAS, stages=W2_BULK_STAGES, variant="bulk")
     return ([_w13_spec(shape, *v) for v in W13_VARIANTS[1:]]
-            + [_w2_spec(shape, *v) for v in W2_VARIANTS[1:]])
+            + [_w2_spec(shape, *v) for v in W2_VARIANTS[1:]] + [bulk])
 
 
 # The self-routed chain: moe_xquant -> moe_w13sr -> moe_w2sr -> moe_combine (no moe_prep). Each

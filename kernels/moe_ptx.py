@@ -65,6 +65,59 @@ cp_async_commit = partial(ptx.cp_async_commit, memory_clobber=True)
 cp_async_wait = partial(ptx.cp_async_wait, memory_clobber=True)
 
 
+# ---- mbarrier + bulk copy (TMA engine, no tensor map): kernels/moe_bulk.py -------------------
+# A bulk copy's bytes land through the async proxy and are counted on an mbarrier in shared
+# memory: the consumer waits on the barrier's phase, never on a per-thread cp.async group.
+
+def mbar_init(saddr: Int32, arrivals: int):
+    """Initialise the 8-byte mbarrier at saddr: a phase completes after `arrivals` arrivals and
+    once every byte announced with expect_tx has landed."""
+    void([Int32(saddr)], f"mbarrier.init.shared::cta.b64 [$0], {arrivals};", "r")
+
+
+def mbar_init_fence():
+    """Make this thread's mbarrier.init visible to the async proxy (the bulk-copy engine) before
+    a copy names the barrier."""
+    void([], "fence.mbarrier_init.release.cluster;", "~{memory}")
+
+
+def mbar_arrive_expect_tx(saddr: Int32, nbytes: int):
+    """One arrival on the barrier that also announces `nbytes` more bytes for its current phase
+    (the phase cannot complete before they land)."""
+    void([Int32(saddr)], f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};",
+         "r,~{memory}")
+
+
+def bulk_copy_g2s(sdst: Int32, gsrc: Int64, nbytes: int, mbar: Int32):
+    """cp.async.bulk: `nbytes` (a multiple of 16; both addresses 16-aligned) global -> shared,
+    one instruction for the whole range, counted as complete_tx on the mbarrier at `mbar`."""
+    void([Int32(sdst), Int64(gsrc), Int32(mbar)],
+         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+         f"[$0], [$1], {nbytes}, [$2];", "r,l,r,~{memory}")
+
+
+def mbar_try_wait(saddr: Int32, parity: Int32):
+    """1 once the barrier's phase of parity `parity` has completed (the current phase has the
+    other parity), else 0 after a bounded hardware wait. Acquire: shared-memory reads after it
+    see the bytes the completed phase counted."""
+    return Int32(_asm(1, [Int32(saddr), Int32(parity)],
+                      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;\n"
+                      "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", side_effects=True))
+
+
+@cute.jit
+def mbar_wait(saddr: Int32, parity: Int32):
+    """Spin on `mbar_try_wait` until the phase of parity `parity` has completed."""
+    done = mbar_try_wait(saddr, parity)
+    while done == 0:
+        done = mbar_try_wait(saddr, parity)
+
+
+def syncwarp():
+    """All 32 lanes reach this point (and their earlier shared-memory accesses are ordered)."""
+    void([], "bar.warp.sync -1;", "~{memory}")
+
+
 def atom_or_shared(saddr: Int32, value: Int32):
     void([Int32(saddr), Int32(value)], "red.shared.or.b32 [$0], $1;", "r,r")
 

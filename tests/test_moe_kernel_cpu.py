@@ -333,8 +333,45 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
     top = mk.WARP_ROUTED_MAX_PAIRS // shape.topk
     for spec in specs:
         assert spec.params == mk.PARAMS["w13sr"]
+        smem = (mk.bulk_smem_bytes(shape, g.block[0] // mk.LANES) if spec.variant == "bulk"
+                else g.smem_bytes)
         assert (spec.block, spec.smem_bytes, spec.ctas_per_sm, spec.stages) == (
-            g.block, g.smem_bytes, g.ctas_per_sm, g.stages)
+            g.block, smem, g.ctas_per_sm, g.stages)
         assert spec.grid(top) == g.grid(top)
         with pytest.raises(ValueError, match="pairs"):
             spec.grid(top + 1)
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_bulk_w13_slices_are_contiguous_and_fit(config):
+    """moe_w13w "bulk" copies a warp's K slice of an item as `parts` (codes, offsets) ranges:
+    they must tile the warp's slice of the packed tile exactly, be 16-byte multiples at 16-byte
+    aligned addresses (cp.async.bulk), and the stage + reduction + barriers fit 3 CTAs per SM."""
+    shape = mk.moe_shape(ModelConfig.preset(config), 4)
+    spec = next(s for s in mk.warp_routed_specs(shape) if s.variant == "bulk")
+    warps = spec.block[0] // mk.LANES
+    cols = shape.k13 // mk.COL_K
+    per_warp_cols = cols // warps
+    parts = mk.bulk_parts(shape, warps)
+    part_groups = per_warp_cols // 2 // parts
+    assert part_groups * parts * 2 == per_warp_cols
+    code_ranges, offset_ranges = [], []
+    for warp in range(warps):
+        for part in range(parts):
+            col = warp * per_warp_cols + 2 * part_groups * part
+            grp = warp * per_warp_cols // 2 + part_groups * part
+            code_ranges.append((col * mk.COL_BYTES, 2 * part_groups * mk.COL_BYTES))
+            offset_ranges.append((grp * mk.GROUP_OFFSET_BYTES,
+                                  part_groups * mk.GROUP_OFFSET_BYTES))
+    for ranges, total in ((code_ranges, cols * mk.COL_BYTES),
+                          (offset_ranges, cols // 2 * mk.GROUP_OFFSET_BYTES)):
+        assert all(start % 16 == 0 and size % 16 == 0 and size > 0 for start, size in ranges)
+        covered = np.zeros(total, np.int32)
+        for start, size in ranges:
+            covered[start:start + size] += 1
+        np.testing.assert_array_equal(covered, 1)      # every byte of the tile exactly once
+    tile_codes, tile_offsets = shape.w13_bytes[0] // shape.tiles13, shape.w13_bytes[1] // \
+        shape.tiles13
+    assert (tile_codes, tile_offsets) == (cols * mk.COL_BYTES, cols // 2 * mk.GROUP_OFFSET_BYTES)
+    assert mk.bulk_warp_bytes(shape, warps) * warps == tile_codes + tile_offsets
+    assert spec.ctas_per_sm * (spec.smem_bytes + 1024) <= 228 * 1024

@@ -28,6 +28,8 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
   self-routed  xquant(x -> xq, xs) -> w13sr(ids, xq, xs, w13 -> h) -> w2sr(ids, h, w2 -> ye)
                -> combine (the default one)
   warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
+  bulk         warp-routed with w13w "bulk" and w2 "bulk" (kernels/moe_bulk.py): the step's
+               chain where it fits (STEP_BULK)
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -69,6 +71,10 @@ SELFROUTED_EARLY = "early"
 # Revert to the round-2 kernels:
 # STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": None}
 STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
+# Round 5 (moe-design.md): where rows * topk <= mk.WARP_ROUTED_MAX_PAIRS the step runs
+# prep -> w13w "bulk" -> w2 "bulk" -> combine (weights by cp.async.bulk on mbarriers, bitwise the
+# same y), ahead of the selections above. Revert to round 4: STEP_BULK = False
+STEP_BULK = True
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -171,6 +177,11 @@ def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "") -
     return ("w13w", w13w) in available and rows * shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
 
 
+def bulk_fits(available, shape: mk.MoeShape, rows: int) -> bool:
+    """The bulk-copy chain (w13w "bulk", w2 "bulk") is in the bundle and routes `rows`."""
+    return ("w2", "bulk") in available and warp_routed_fits(available, shape, rows, "bulk")
+
+
 def step_variants(available, rows: int) -> tuple[str, str | None]:
     """(w13, w2) of the default chain the step launches at `rows`: STEP_VARIANTS when the bundle
     has both, else the defaults (w2 None = by rows)."""
@@ -182,11 +193,14 @@ def step_variants(available, rows: int) -> tuple[str, str | None]:
 
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int) -> list[LaunchSpec]:
-    """What the decode step runs for `rows`: the self-routed chain with both early-refill
-    variants from SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default
-    chain with `step_variants` (its w13 moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
+    """What the decode step runs for `rows`: with STEP_BULK the bulk-copy chain where it fits
+    (`bulk_fits`); else the self-routed chain with both early-refill variants from
+    SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default chain with
+    `step_variants` (its w13 moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
     only the default one writes meta / pairs."""
     available = available_specs(bundle, shape)
+    if STEP_BULK and bulk_fits(available, shape, rows):
+        return warp_routed_launches(bundle, shape, ptrs, rows, "bulk", available, "bulk")
     early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and early <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,

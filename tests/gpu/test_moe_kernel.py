@@ -7,7 +7,8 @@ routing lists (bitwise: deterministic integer work), x quantized to FP8 (bitwise
 mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref with the tolerance
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds, the pair the step launches and, where rows * k <= 64, the chain with
-each moe_w13w variant (kernels/moe_pipelined.py) for w13; all bitwise equal to each other), and
+each moe_w13w variant (kernels/moe_pipelined.py, kernels/moe_bulk.py) for w13, and the bulk-copy
+chain the step runs (w13w "bulk" + w2 "bulk"); all bitwise equal to each other), and
 two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
 tolerance and bitwise the default chain's, its quantized x bitwise.
@@ -121,6 +122,8 @@ def test_moe_chain_matches_reference(setup, kind, rows):
         variants.insert(0, (step_w13, step_w2))
     # moe_w13w variants in place of w13 (("w13w", v): their own launch list)
     variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
+    if ml.bulk_fits(chain.available, shape, rows):   # the step's bulk-copy chain (round 5)
+        variants.insert(0, (("w13w", "bulk"), "bulk"))
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()

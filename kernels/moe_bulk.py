@@ -1,0 +1,307 @@
+"""moe_w13w "bulk": the warp-routed w13 fed by bulk (TMA-engine) copies instead of per-thread cp.async.
+
+Same items, routing, math and ABI as `moe_w13w` (`kernels/moe_pipelined.py`), so h (and y) is
+bitwise the same; only how an item's weights reach shared memory changes. Round 4 measured w13 at
+~1.5 TB/s at R = 1 however its cp.async ring was pipelined: 128 threads issuing 16-byte LDGSTS
+(11.5 K copy instructions per SM and round, plus 4x-duplicated 8-byte offset copies) capped the
+bytes in flight. Here each warp's K slice of an item is already contiguous in the packed layout
+(`cols_per_warp` columns x 512 B of codes, `groups_per_warp` x 64 B of offsets), so lane 0 of the
+warp fetches it with `parts` pairs of `cp.async.bulk` (multi-KB codes + the part's offsets),
+each pair counted on its own mbarrier. Shared memory mirrors the global slice:
+
+    stage = [warp 0: codes (cols_per_warp x 512 B) | offsets (groups_per_warp x 64 B)] [warp 1 ...]
+    then the cross-warp reduction area (threads x 16 B), then the mbarriers [warp][part] x 8 B
+
+A lane reads its 16-byte words at column * 512 + lane * 16 (a warp reads 512 contiguous bytes: no
+bank conflict) and its offset word at group * 64 + (lane / 4) * 8 (quad broadcast).
+
+Synchronisation: a warp's barriers are used by that warp only. Item n of the CTA (n = 0, 1, ..)
+completes phase n of each barrier, so the consumer waits with parity n & 1 before a part's first
+group. The next item's part is issued by lane 0 in the item's last token chunk right after the
+warp's mma on that part's last group: mma.sync needs every lane's operands, so all lanes'
+shared-memory reads of the part have completed ("early" refill, per part). The first item is
+issued before griddepcontrol.wait (the ids are the router's, complete before moe_prep passed its
+own wait: w13w's routing reads them with ld.relaxed.gpu).
+"""
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+
+from kernels import moe_kernel_ref as mk
+from kernels.moe import MoeW2Sm90
+from kernels.moe_pipelined import MoeW13WarpRoutedSm90
+from kernels.moe_ptx import (
+    _addr,
+    bulk_copy_g2s,
+    fmul_add,
+    group_mma,
+    ld_relaxed_u32,
+    ld_u32,
+    lds_v2,
+    mbar_arrive_expect_tx,
+    mbar_init,
+    mbar_init_fence,
+    mbar_wait,
+    syncwarp,
+)
+from kernels.moe_selfroute import MoeW13EarlyRefillSm90
+from kernels.ptx import ld_f32_if, lds_f32, lds_u32, lds_v4_u32, st_bf16
+
+
+class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
+    """moe_w13w "bulk": a one-item ring per CTA filled by per-warp bulk copies on mbarriers."""
+
+    reduce_and_store = MoeW13EarlyRefillSm90.reduce_and_store
+
+    def __init__(self, spec: mk.MoeSpec):
+        super().__init__(spec)
+        self.parts = mk.bulk_parts(spec.shape, self.warps)
+        self.part_groups = self.groups_per_warp // self.parts
+        self.part_code_bytes = 2 * self.part_groups * mk.COL_BYTES
+        self.part_offset_bytes = self.part_groups * mk.GROUP_OFFSET_BYTES
+        self.slice_code_bytes = self.cols_per_warp * mk.COL_BYTES
+        self.warp_bytes = mk.bulk_warp_bytes(spec.shape, self.warps)
+        self.stage_bytes = self.warps * self.warp_bytes
+        self.bars_at = self.stage_bytes + self.threads * 16
+
+    def bar(self, ring: Int32, warp: Int32, part: int) -> Int32:
+        return ring + self.bars_at + (warp * self.parts + part) * 8
+
+    @cute.jit
+    def issue_part(self, ring: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
+                   total: Int32, warp: Int32, lane: Int32, part: int):
+        """Lane 0: one part of this warp's K slice of item (expert e), codes then offsets, on the
+        part's barrier (nothing past the last item)."""
+        if lane == 0 and item < total:
+            tile_id = Int64(e * self.tiles + item % self.tiles)
+            col = warp * self.cols_per_warp + 2 * self.part_groups * part
+            grp = warp * self.groups_per_warp + self.part_groups * part
+            dst = ring + warp * self.warp_bytes
+            bar = self.bar(ring, warp, part)
+            mbar_arrive_expect_tx(bar, self.part_code_bytes + self.part_offset_bytes)
+            bulk_copy_g2s(dst + part * self.part_code_bytes,
+                          codes + (tile_id * self.cols + col) * mk.COL_BYTES,
+                          self.part_code_bytes, bar)
+            bulk_copy_g2s(dst + self.slice_code_bytes + part * self.part_offset_bytes,
+                          offsets + (tile_id * self.groups + grp) * mk.GROUP_OFFSET_BYTES,
+                          self.part_offset_bytes, bar)
+
+    @cute.jit
+    def issue_item(self, ring: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
+                   total: Int32, warp: Int32, lane: Int32):
+        for part in cutlass.range_constexpr(self.parts):
+            self.issue_part(ring, e, codes, offsets, item, total, warp, lane, part)
+
+    @cute.jit
+    def refill_part(self, ring: Int32, refill, warp: Int32, lane: Int32, part: int,
+                    do_refill: Int32):
+        """The next item's `part` into the slot this warp has just finished reading."""
+        nxt_e, nxt, total, codes, offsets = refill
+        if do_refill != 0:
+            syncwarp()             # every lane's reads of the part are done (warp-uniform)
+            self.issue_part(ring, nxt_e, codes, offsets, nxt, total, warp, lane, part)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.stage_bytes
+        if lane == 0:
+            for part in cutlass.range_constexpr(self.parts):
+                mbar_init(self.bar(ring, warp, part), 1)
+            mbar_init_fence()
+        syncwarp()
+        state = self.routing.build(_addr(topk_ids), rows, lane)
+        total = state[5] * self.tiles
+        item = bidx
+        self.issue_item(ring, self.expert_of_item(state, item, total), _addr(codes),
+                        _addr(offsets), item, total, warp, lane)
+        cute.arch.griddepcontrol_wait()          # xq, xs come from moe_prep
+        cute.arch.griddepcontrol_launch_dependents()
+        phase = Int32(0)
+        while item < total:
+            e = self.routing.expert(state, item // self.tiles)
+            tile = item % self.tiles
+            masks = self.routing.pairs(state, e)
+            count = masks[2]
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
+            nxt = item + gdim
+            nxt_e = self.expert_of_item(state, nxt, total)
+            chunk = Int32(0)
+            while chunk < count:
+                ins = self.chunk_inputs_warp(masks, _addr(xq), _addr(xs), count - chunk, chunk,
+                                             warp, lane)
+                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
+                acc = self.slice_math(ring, ins, warp, lane, phase,
+                                      (nxt_e, nxt, total, _addr(codes), _addr(offsets)), last)
+                _, _, p0, p1, v0, v1 = ins
+                self.reduce_and_store(acc, _addr(h), tile, scale, red, warp, lane, tidx,
+                                      p0, p1, v0, v1)
+                chunk += mk.CHUNK_TOKENS
+            item = nxt
+            phase = phase ^ 1
+
+    @cute.jit
+    def slice_math(self, ring: Int32, ins, warp: Int32, lane: Int32, phase: Int32, refill,
+                   do_refill: Int32):
+        """This warp's K slice against one token chunk: each part awaited on its barrier before
+        its first group; with do_refill, the next item's part issued right after the mma of the
+        part's last group. Returns the 4 fp32 accumulators (chunk_math's order exactly)."""
+        b_regs, sc, _, _, _, _ = ins
+        base = ring + warp * self.warp_bytes
+        acc = [Float32(0.0)] * 4
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            part = gi // self.part_groups
+            if gi % self.part_groups == 0:
+                mbar_wait(self.bar(ring, warp, part), phase)
+            words = (lds_v4_u32(base + (2 * gi) * mk.COL_BYTES + lane * 16)
+                     + lds_v4_u32(base + (2 * gi + 1) * mk.COL_BYTES + lane * 16))
+            offs = lds_v2(base + self.slice_code_bytes + gi * mk.GROUP_OFFSET_BYTES
+                          + (lane // 4) * 8)
+            group = group_mma(words, offs, 4, b_regs[gi])
+            if gi % self.part_groups == self.part_groups - 1:
+                self.refill_part(ring, refill, warp, lane, part, do_refill)
+            sc0, sc1 = sc[gi]
+            acc = [fmul_add(acc[0], group[0], sc0), fmul_add(acc[1], group[1], sc1),
+                   fmul_add(acc[2], group[2], sc0), fmul_add(acc[3], group[3], sc1)]
+        return acc
+
+
+class MoeW2BulkSm90(MoeW2Sm90):
+    """moe_w2 "bulk": moe_w2's items, routing lists and math with a `stages`-deep ring filled by
+    one bulk copy pair per warp and item (the warp's 16-row tile: K = I whole, codes then
+    offsets, contiguous in the packed layout). Each stage ends with one mbarrier per warp; item n
+    of the CTA lands in stage n % stages and completes that barrier's phase n // stages."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        super().__init__(spec)
+        self.tile_code_bytes = self.cols * mk.COL_BYTES
+        self.tile_offset_bytes = self.groups * mk.GROUP_OFFSET_BYTES
+        self.warp_bytes = self.tile_code_bytes + self.tile_offset_bytes
+        self.bars_at = mk.W2_WARPS * self.warp_bytes
+        self.stage_bytes = mk.bulk_w2_stage_bytes(spec.shape)
+
+    @cute.jit
+    def issue(self, stage: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
+              total: Int32, warp: Int32, lane: Int32, tidx: Int32):
+        """Lane 0: this warp's tile of item (expert e) into the stage, on the stage's barrier
+        of the warp (nothing past the last item)."""
+        if lane == 0 and item < total:
+            tile_id = Int64(e * self.shape.tiles2 + (item % self.blocks) * mk.W2_WARPS + warp)
+            dst = stage + warp * self.warp_bytes
+            bar = stage + self.bars_at + warp * 8
+            mbar_arrive_expect_tx(bar, self.warp_bytes)
+            bulk_copy_g2s(dst, codes + tile_id * self.tile_code_bytes, self.tile_code_bytes, bar)
+            bulk_copy_g2s(dst + self.tile_code_bytes,
+                          offsets + tile_id * self.tile_offset_bytes, self.tile_offset_bytes,
+                          bar)
+
+    @cute.kernel
+    def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               ye: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        sq = ring + self.stages * self.stage_bytes
+        if lane == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                mbar_init(ring + s * self.stage_bytes + self.bars_at + warp * 8, 1)
+            mbar_init_fence()
+        syncwarp()
+        m = _addr(meta)
+        e_count = self.shape.num_experts
+        # Before the wait, as moe_w2: prep's lists are final (two kernels back).
+        total = ld_relaxed_u32(m, Int32(1)) * self.blocks
+        for s in cutlass.range_constexpr(self.stages - 1):
+            first = bidx + s * gdim
+            self.issue(ring + s * self.stage_bytes, self.expert_of(m, first, total),
+                       _addr(codes), _addr(offsets), first, total, warp, lane, tidx)
+        cute.arch.griddepcontrol_wait()          # h comes from moe_w13
+        cute.arch.griddepcontrol_launch_dependents()
+        item = bidx
+        it = Int32(0)
+        while item < total:
+            ahead_item = item + (self.stages - 1) * gdim
+            ahead_e = self.expert_of(m, ahead_item, total)
+            j = item // self.blocks
+            first = ld_u32(m + 4 * (mk.META_HEADER + e_count + j), Int32(1))
+            count = ld_u32(m + 4 * (mk.META_HEADER + 2 * e_count + j), Int32(1))
+            e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
+            # The stage ahead was last read in the previous iteration, before its final barrier.
+            self.issue(ring + ((it + self.stages - 1) % self.stages) * self.stage_bytes, ahead_e,
+                       _addr(codes), _addr(offsets), ahead_item, total, warp, lane, tidx)
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
+            tile = (item % self.blocks) * mk.W2_WARPS + warp
+            stage = ring + (it % self.stages) * self.stage_bytes
+            phase = (it // self.stages) % 2
+            chunk = Int32(0)
+            while chunk < count:
+                self.quantize_chunk(_addr(pairs) + Int64(first) * 4, _addr(h), count - chunk,
+                                    chunk, sq, warp, lane)
+                mbar_wait(stage + self.bars_at + warp * 8, phase)
+                cute.arch.sync_threads()
+                self.chunk_mma(stage + warp * self.warp_bytes, _addr(ye), tile, scale, sq, lane,
+                               tidx)
+                cute.arch.sync_threads()
+                chunk += mk.CHUNK_TOKENS
+            item += gdim
+            it += 1
+
+    @cute.jit
+    def chunk_mma(self, tile_at: Int32, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
+                  lane: Int32, tidx: Int32):
+        """moe_w2's chunk_mma on the warp's tile as the bulk copy laid it out (the source's
+        layout: column c of lane l at c * 512 + l * 16, group offsets at 64 B each)."""
+        g, t = lane // 4, lane % 4
+        k_pad = self.shape.k2
+        acc = [Float32(0.0)] * 4
+        for grp in cutlass.range_constexpr(self.groups):
+            n_steps = self.ksteps(grp)
+            words = [w for c in range(2 * grp, min(2 * grp + 2, self.cols))
+                     for w in lds_v4_u32(tile_at + c * mk.COL_BYTES + lane * 16)]
+            offs = lds_v2(tile_at + self.tile_code_bytes + grp * mk.GROUP_OFFSET_BYTES
+                          + (lane // 4) * 8)
+            b_regs = []
+            for s4 in cutlass.range_constexpr(n_steps):
+                b_regs.append(lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
+            part = group_mma(words, offs, n_steps, b_regs)
+            sc0 = lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
+            sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
+            acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
+                   fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
+        self.store_ye(acc, ye, tile, scale, sq, lane)
+
+    @cute.jit
+    def store_ye(self, acc, ye: Int64, tile: Int32, scale: Float32, sq: Int32, lane: Int32):
+        g, t = lane // 4, lane % 4
+        hidden = self.shape.hidden
+        p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
+        p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
+        n = tile * mk.TILE_ROWS + g
+        if p0 >= 0:
+            st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
+            st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
+        if p1 >= 0:
+            st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
+            st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
+
+
+def kernel_class(spec: mk.MoeSpec):
+    """The class compiling a "bulk" spec (w13w or w2)."""
+    classes = {"w13w": MoeW13BulkSm90, "w2": MoeW2BulkSm90}
+    if spec.variant != "bulk" or spec.kind not in classes:
+        raise ValueError(f"{spec.name}: bulk copies exist for w13w / w2 \"bulk\" only")
+    return classes[spec.kind]
