@@ -42,6 +42,8 @@ class MhcStep:
         self.norm_kernel = bundle.kernel(self.norm_spec.name)
         self.arena = Arena(device, mhc_requests(spec, max_rows, norm_weight))
         self.arena.view("counters", np.int32)[...] = 0
+        if spec.polled:                 # `_lean_poll`: its exchange of tagged words, too
+            self.arena.view("workspace", np.uint8)[...] = 0
 
     def _ptrs(self, in_place: bool = False) -> dict[str, int]:
         ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}

@@ -15,8 +15,9 @@ How (grid = (D / 64 slices, row blocks of 32); 128 threads; 8 threads own a row'
   mixes, and turns them into pre/post/comb: a half-warp per row, lane (j, k) holds comb[j, k],
   row sums over lanes xor 1, 2 and column sums over xor 4, 8 (20 Sinkhorn rounds ~ 1 us). It
   then resets the counter for the next launch.
-- PDL trigger at exit (default); variant `_et` triggers once every CTA has written x_out, so
-  the RMSNorm launches during the last CTA's tail.
+- PDL trigger at exit. Variants: `_lr` / `_rcp` (live rounds only, Sinkhorn by rcp.approx),
+  `_lean` (kernels/mhc_lean.py: work in proportion to the live rows, optional fused RMSNorm),
+  `_lean_poll` (kernels/mhc_poll.py: `_lean`'s arithmetic, tagged words instead of the election).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from kernels.mhc_lean import (
     rcp_approx,
     stg_v4,
 )
+from kernels.mhc_poll import MhcPollTail
 from kernels.ptx import (
     asm,
     ld_f32,
@@ -92,7 +94,7 @@ def shfl_xor_i32(x: Int32, offset: int) -> Int32:
 
 # ---- kernel --------------------------------------------------------------------------------------
 
-class MhcPreSm90(MhcLeanTail):
+class MhcPreSm90(MhcLeanTail, MhcPollTail):
     """Kernel object for one MhcPreSpec (config-only __init__, jit launcher, kernel)."""
 
     def __init__(self, spec: MhcPreSpec):
@@ -156,7 +158,13 @@ class MhcPreSm90(MhcLeanTail):
                 self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out, workspace,
                                    sbase, rows, row, slice_idx, d0, dv)
 
-        if cutlass.const_expr(self.spec.lean):
+        if cutlass.const_expr(self.spec.polled):
+            # x_out, the partials and x words of this CTA are stored: the next kernel may
+            # launch (its wait covers this grid); then this CTA's consumer tasks, if any.
+            cute.arch.griddepcontrol_launch_dependents()
+            self._poll_tail(scale, base, coeff_out, mixes, workspace, counters, norm_weight,
+                            x_normed, sbase, slice_idx, block_row, rows, tidx, norm_eps, hc_eps)
+        elif cutlass.const_expr(self.spec.lean):
             self._lean_tail(scale, base, coeff_out, mixes, workspace, counters, x_out,
                             norm_weight, x_normed, sbase, block_row, rows, tidx, norm_eps,
                             hc_eps)
@@ -164,8 +172,7 @@ class MhcPreSm90(MhcLeanTail):
             if cutlass.const_expr(self.mixes_on):
                 self._split_k_tail(scale, base, coeff_out, mixes, workspace, counters, sbase,
                                    block_row, rows, tidx, norm_eps, hc_eps)
-            if cutlass.const_expr(not self.spec.early_trigger):
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _split_k_tail(self, scale: cute.Pointer, base: cute.Pointer, coeff_out: cute.Pointer,
@@ -181,10 +188,6 @@ class MhcPreSm90(MhcLeanTail):
             old = atomic_add_acq_rel(counter, Int32(1))
             sts_s32(sbase + self.flag_offset, Int32(old == self.spec.slices - 1))
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.spec.early_trigger):
-            # x_out is complete in every CTA: the next kernel (the RMSNorm) may launch and stage
-            # its weight during the last CTA's reduce and Sinkhorn (its wait still covers them).
-            cute.arch.griddepcontrol_launch_dependents()
         if lds_s32(sbase + self.flag_offset) != 0:
             fence_gpu()
             self._reduce_slices(workspace, sbase, block_row, rows, tidx)
@@ -238,6 +241,8 @@ class MhcPreSm90(MhcLeanTail):
             packed.append(pack_bf16x2(pair[0], pair[1]))
         if valid:
             stg_v4(x_out.toint() + Int64((r * self.D + d0) * 2), packed)
+            if cutlass.const_expr(self.spec.polled):
+                self._poll_store_x(packed, workspace, r, d0)
 
         if cutlass.const_expr(self.mixes_on):
             self._partials(xs, workspace, sbase, rows, r, valid, slice_idx, dv)
@@ -264,7 +269,10 @@ class MhcPreSm90(MhcLeanTail):
             for sh in cutlass.range_constexpr(3):
                 total = total + shfl_xor_f32(total, THREADS_PER_ROW >> (sh + 1))
             part[v] = total
-        if valid & (dv == 0):
+        if cutlass.const_expr(self.spec.polled):
+            if valid:
+                self._poll_store_partials(part, workspace, r, slice_idx, dv)
+        elif valid & (dv == 0):
             ws = workspace.toint() + Int64((slice_idx * rows + r) * PARTIAL_STRIDE * 4)
             for v in cutlass.range_constexpr(PARTIALS):
                 st_f32(ws + Int64(4 * v), part[v])

@@ -65,11 +65,11 @@ class MhcPreSpec:
     streams: int
     mode: str
     sinkhorn_iters: int
-    early_trigger: bool = False     # PDL trigger before the last CTA's reduce (variant "_et")
     live_rows: bool = False         # coefficients only for real rows (variant "_lr")
     approx_rcp: bool = False        # Sinkhorn normalises by rcp.approx (variant "_rcp")
     lean: bool = False              # live rows only, spread reduce, a thread per row (Round 4)
     norm_weight: str = ""           # lean + the RMSNorm of x (weight dtype; "" = a 2nd launch)
+    polled: bool = False            # lean with tagged-word handoff, a consumer CTA a row (Round 5)
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
 
@@ -81,6 +81,17 @@ class MhcPreSpec:
     def reduce_chunks(self) -> int:
         """lean: the slices of a partial are summed in chunks of <= REDUCE_CHUNK, one thread each."""
         return self.slices // min(REDUCE_CHUNK, self.slices)
+
+    @property
+    def exchange_x_offset(self) -> int:
+        """polled: bytes of a row's exchange before its x words (the partial words [25, slices],
+        padded to 16 bytes)."""
+        return 8 * (PARTIALS * self.slices + (PARTIALS * self.slices) % 2)
+
+    @property
+    def exchange_row_bytes(self) -> int:
+        """polled: one row's tagged words: partials [25, slices], then x as bf16 pairs [D / 2]."""
+        return self.exchange_x_offset + 8 * (self.width // 2)
 
     @property
     def fn_region_bytes(self) -> int:
@@ -116,18 +127,19 @@ class MhcPreSpec:
     def to_dict(self) -> dict:
         return {"family": "mhc", "name": self.name, "width": self.width, "streams": self.streams,
                 "mode": self.mode, "sinkhorn_iters": self.sinkhorn_iters,
-                "early_trigger": self.early_trigger, "live_rows": self.live_rows,
+                "live_rows": self.live_rows,
                 "approx_rcp": self.approx_rcp, "lean": self.lean,
                 "norm_weight": self.norm_weight,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "slices": self.slices,
-                "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH}
+                "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH,
+                **({"polled": True} if self.polled else {})}
 
 
 def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
-              early_trigger: bool = False, live_rows: bool = False,
+              live_rows: bool = False,
               approx_rcp: bool = False, lean: bool = False,
-              norm_weight: str = "") -> MhcPreSpec:
+              norm_weight: str = "", polled: bool = False) -> MhcPreSpec:
     if mode not in MODES:
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
@@ -140,46 +152,58 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
     if (live_rows or approx_rcp) and mode == "postonly":
         raise ValueError("mHC live_rows / approx_rcp change the coefficients tail, which "
                          "postonly has not")
-    if lean and (mode == "postonly" or early_trigger or live_rows or approx_rcp):
-        raise ValueError("mHC lean is its own tail (live rows, rcp.approx, early trigger); it "
-                         "takes no other variant flag and no postonly")
+    if lean and (mode == "postonly" or live_rows or approx_rcp):
+        raise ValueError("mHC lean is its own tail (live rows, rcp.approx); it takes no other "
+                         "variant flag and no postonly")
     slices = width // SLICE_WIDTH
+    if polled and (not lean or not norm_weight or slices % 2):
+        raise ValueError(f"mHC polled is a handoff of the lean tail with the norm fused (needs "
+                         f"lean and norm_weight) over 16-byte pairs of words (needs an even "
+                         f"slice count, got {slices})")
     if lean and slices % min(REDUCE_CHUNK, slices):
         raise ValueError(f"mHC lean: {slices} slices do not split into chunks of {REDUCE_CHUNK}")
     if norm_weight and (not lean or norm_weight not in NORM_WEIGHT_DTYPES):
         raise ValueError(f"mHC fused RMSNorm weight {norm_weight!r}: expected one of "
                          f"{NORM_WEIGHT_DTYPES}, with lean")
-    suffix = (("_et" if early_trigger else "") + ("_lr" if live_rows else "")
+    suffix = (("_lr" if live_rows else "")
               + ("_rcp" if approx_rcp else "") + ("_lean" if lean else "")
-              + (f"_norm{norm_weight}" if norm_weight else ""))
+              + ("_poll" if polled else "") + (f"_norm{norm_weight}" if norm_weight else ""))
     return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}{suffix}", width, streams, mode,
-                      sinkhorn_iters, early_trigger, live_rows, approx_rcp, lean, norm_weight)
+                      sinkhorn_iters, live_rows, approx_rcp, lean, norm_weight,
+                      polled)
 
 
 def spec_from_dict(d: dict) -> MhcPreSpec:
     """The spec a manifest record (`MhcPreSpec.to_dict`) was built from."""
     return make_spec(d["width"], d["streams"], d["mode"], d["sinkhorn_iters"],
-                     d.get("early_trigger", False), d.get("live_rows", False),
+                     d.get("live_rows", False),
                      d.get("approx_rcp", False), d.get("lean", False),
-                     d.get("norm_weight", ""))
+                     d.get("norm_weight", ""), d.get("polled", False))
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
+    """What the step launches (executor/stages/mhc.py): post at R <= 8 `_lean_poll_norm*`, above
+    `_lr_rcp`; Engram layers `plain_lean`; layer 0 the 1-stream plain; `postonly` (Engram's
+    pending post, the tail). `_lean` and `_lean_norm*`: the revert (MHC_POLL_ROWS = 0) and the
+    bitwise reference of `_lean_poll` in the GPU tests."""
     if cfg.hc_mult != HC_MULT or cfg.hc_mix_dim != MIX_DIM:
         raise ValueError(f"mHC kernels are built for hc_mult {HC_MULT}, config has {cfg.hc_mult}")
     d, it = cfg.hidden_size, cfg.hc_sinkhorn_iters
-    return [make_spec(d, HC_MULT, "post", it), make_spec(d, HC_MULT, "plain", it),
+    return [make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True),
             make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "postonly", it),
-            make_spec(d, HC_MULT, "post", it, early_trigger=True),
-            make_spec(d, HC_MULT, "post", it, live_rows=True),
-            make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True),
             make_spec(d, HC_MULT, "post", it, lean=True),
             make_spec(d, HC_MULT, "plain", it, lean=True),
             *[make_spec(d, HC_MULT, "post", it, lean=True, norm_weight=w)
+              for w in NORM_WEIGHT_DTYPES],
+            *[make_spec(d, HC_MULT, "post", it, lean=True, polled=True, norm_weight=w)
               for w in NORM_WEIGHT_DTYPES]]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:
+    """The `workspace` scratch: f32 partials [slices, rows, 32]; polled: the tagged exchange
+    words [rows, exchange_row_bytes] (zero before the first launch, left zero by every launch)."""
+    if spec.polled:
+        return max_rows * spec.exchange_row_bytes
     return 4 * spec.slices * max_rows * PARTIAL_STRIDE
 
 

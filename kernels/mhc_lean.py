@@ -311,9 +311,17 @@ class MhcLeanTail:
     def _lean_norm_row(self, words, it: Int32, weight, x_normed: cute.Pointer, sbase: Int32,
                        block_row: Int32, live: Int32, tidx: Int32, eps: Float32):
         """One iteration: Σx² in the norm's order, rstd, and the store of the real rows."""
-        tpr, vecs, lanes, warps_per_row, groups = norm_geometry(self.D)
+        tpr, _, _, _, groups = norm_geometry(self.D)
         rl = it * groups + tidx // tpr
         row = block_row * ROWS_PER_CTA + cutlass.min(rl, live - 1)
+        self._norm_row(words, row, rl < live, weight, x_normed, sbase, tidx, eps)
+
+    @cute.jit
+    def _norm_row(self, words, row: Int32, store, weight, x_normed: cute.Pointer, sbase: Int32,
+                  tidx: Int32, eps: Float32):
+        """Σx² of this thread's words in the norm's order, its group's butterfly, the warp
+        totals in warp order (every thread must call it), rstd; stores row where `store`."""
+        tpr, vecs, lanes, warps_per_row, _ = norm_geometry(self.D)
         acc = Float32(0.0)
         for k in cutlass.range_constexpr(vecs):
             for q in cutlass.range_constexpr(4):
@@ -332,7 +340,7 @@ class MhcLeanTail:
                 total = total + lds_f32(sbase + self.norm_offset + w * 4)
             cute.arch.sync_threads()            # the slots are rewritten by the next row
         rstd = Float32(1.0) / cute.math.sqrt(total / Float32(self.D) + eps)
-        if rl < live:
+        if store:
             self._lean_norm_store(words, rstd, weight, x_normed, row, tidx % tpr, tpr, vecs)
 
     @cute.jit

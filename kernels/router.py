@@ -214,7 +214,7 @@ def kernel_function(spec: RouterSpec):
 
 def specs(cfg, tp: int) -> list[RouterSpec]:
     """The routers of the config's routed experts (replicated on every rank: tp plays no part):
-    both row blocks, `_tile8` and `_tile8p`, and the DSpark stages' routers (their own expert count
+    the default, `_tile8` and `_tile8p`, and the DSpark stages' routers (their own expert count
     and top-k: the default row block, `_tile8`, `_tile8p`) when the config has them."""
     del tp
     out = router_specs(cfg)

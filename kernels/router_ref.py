@@ -9,7 +9,7 @@ One launch computes, for R rows of x [R, D] (BF16) and the gate weight W [E, D] 
 i.e. `moe_ref.route` (model doc §2.2 F1), in the MoE chain's input format (`executor/moe_chain.py`:
 int32 ids and fp32 route weights, [R, k] row-major, slot order = best first).
 
-How: grid = (E / 2 experts per CTA, row blocks of 16; variant `_rb32`: 32). A CTA holds its 2 experts' weight rows in
+How: grid = (E / 2 experts per CTA, row blocks of 16). A CTA holds its 2 experts' weight rows in
 registers (loaded before the PDL wait) and computes their logits for the rows of its block; the
 last CTA of a row block to arrive (acq_rel counter, reset by that CTA) selects and normalises,
 a warp per row. The sum order (thread t: its vectors t, t + T, ... in order, 8 fma each; warp
@@ -25,8 +25,11 @@ Variant `_tile8p` (`polled`): the same tile, but no fence / counter / last CTA: 
 logits' scores and selection keys also as tagged 64-bit words (one single-copy-atomic store) into
 an exchange after the counters (`EXCHANGE_OFFSET`, u64 [rows, E]); CTA 0 of the row block polls its
 rows' words until every tag is set (bounded by %globaltimer: POLL_TIMEOUT_NS), zeroes them and
-selects. The scratch (`counters` pointer) is `scratch_bytes(max_rows)` long, zero before the first
-launch and left zero by every launch.
+selects. A poll that gives up (a bug or a lost producer: wrong outputs, never a hang) sets
+the sticky timeout flag, the scratch's first i32 (the polled kernel has no counters): the host
+reads it (the step's `ffn.router_counters`[0]), the GPU tests require it zero. The scratch
+(`counters` pointer) is `scratch_bytes(max_rows)` long, zero before the first launch and left
+zero by every launch (the flag too, unless a poll timed out).
 
 PTX ABI: (u64 x, u64 weight, u64 bias, u64 logits, u64 ids, u64 weights, u64 counters, u32 rows);
 counters (i32 [row blocks]) must be zero before the first launch.
@@ -41,7 +44,7 @@ from kernels.common_ref import ceil_div, check_rows, params_dict
 
 EXPERTS_PER_CTA = 2
 ROWS_PER_CTA = 16                  # default row block (the last CTA selects for its rows)
-ROW_BLOCK_VARIANTS = (16, 32)
+ROW_BLOCK_VARIANTS = (16,)         # `_rb32` (32) lost at every bucket (run 17) and was deleted
 MAX_CTA_THREADS = 128
 MAX_ROWS = 256
 WARP = 32
@@ -161,7 +164,7 @@ def spec_from_dict(sp: dict) -> RouterSpec:
 
 
 def router_specs(cfg) -> list[RouterSpec]:
-    """The row-block variants (16, `_rb32`), the one-pass `_tile8` and `_tile8p`, in that order."""
+    """The default (row blocks of 16), the one-pass `_tile8` and `_tile8p`, in that order."""
     if cfg.scoring_func != "sqrtsoftplus" or cfg.topk_method != "noaux_tc":
         raise ValueError(f"router kernel: scoring {cfg.scoring_func!r} / {cfg.topk_method!r}; "
                          "built for sqrtsoftplus / noaux_tc")

@@ -23,8 +23,9 @@ each of its logits, the score s = sqrt(softplus) and the key of s + bias as one 
 key in the low half, s with its free sign bit set as the tag in the high half: one
 single-copy-atomic store, so no fence orders it; the 384 scores are computed by 128 CTAs, not by
 the selecting warp); CTA 0 of the row block polls its rows' words until every tag is set
-(bounded by %globaltimer), zeroes them for the next launch (which writes only after its
-griddepcontrol.wait, i.e. after this grid) and ranks the polled keys.
+(bounded by %globaltimer; a timeout sets the sticky flag at the scratch's first i32, which the
+host reads), zeroes them for the next launch (which writes only after its griddepcontrol.wait,
+i.e. after this grid) and ranks the polled keys.
 CTA 0 spins while others may not yet run: at most one spinning CTA per row block (<= 32), and
 the dependents launch only once every CTA has triggered, so every producer gets an SM.
 """
@@ -212,7 +213,8 @@ class RouterTileSm90:
     @cute.jit
     def _poll_row(self, exchange: Int64, row: Int32, lane: Int32):
         """One warp: the row's logits from the tagged words, once every tag is set (or after
-        POLL_TIMEOUT_NS: then whatever is there); the words are zeroed for the next launch."""
+        POLL_TIMEOUT_NS: then the scratch's first i32, the timeout flag, is set and whatever is
+        there is used); the words are zeroed for the next launch."""
         E = self.spec.experts
         score = cute.make_rmem_tensor((self.lanes_e,), Float32)
         key = cute.make_rmem_tensor((self.lanes_e,), Int32)
@@ -228,7 +230,8 @@ class RouterTileSm90:
                 if tag == 0:
                     ready = Int32(0)
             waiting = Int32(1) - vote_all(ready)
-            if cute.arch.globaltimer() - start > Int64(POLL_TIMEOUT_NS):
+            if (waiting != 0) & (cute.arch.globaltimer() - start > Int64(POLL_TIMEOUT_NS)):
+                st_s32(exchange - Int64(EXCHANGE_OFFSET), Int32(1))   # the sticky timeout flag
                 waiting = Int32(0)
         for c in cutlass.range_constexpr(self.lanes_e):
             if lane + c * WARP < E:

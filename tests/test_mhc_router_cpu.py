@@ -27,30 +27,33 @@ CONFIGS = ("tiny", "v41-flash")
 def test_mhc_specs_and_bytes(config):
     cfg = ModelConfig.preset(config)
     specs = mk.mhc_specs(cfg)
-    assert [s.name for s in specs] == [f"mhc_pre_d{cfg.hidden_size}_s4_post",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain",
-                                       f"mhc_pre_d{cfg.hidden_size}_s1_plain",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_postonly",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_et",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lr_rcp",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_plain_lean",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean_normbf16",
-                                       f"mhc_pre_d{cfg.hidden_size}_s4_post_lean_normf32"]
-    fused = specs[-1]
-    assert fused.bytes_moved(1) == specs[0].bytes_moved(1) + (2 + 4) * cfg.hidden_size
-    assert fused.smem_bytes == specs[-3].smem_bytes
-    assert mk.spec_from_dict(fused.to_dict()) == fused
-    post = specs[0]
+    d = cfg.hidden_size
+    assert [s.name for s in specs] == [f"mhc_pre_d{d}_s4_post_lr_rcp", f"mhc_pre_d{d}_s1_plain",
+                                       f"mhc_pre_d{d}_s4_postonly", f"mhc_pre_d{d}_s4_post_lean",
+                                       f"mhc_pre_d{d}_s4_plain_lean",
+                                       f"mhc_pre_d{d}_s4_post_lean_normbf16",
+                                       f"mhc_pre_d{d}_s4_post_lean_normf32",
+                                       f"mhc_pre_d{d}_s4_post_lean_poll_normbf16",
+                                       f"mhc_pre_d{d}_s4_post_lean_poll_normf32"]
+    post, lean, fused, polled = specs[0], specs[3], specs[6], specs[8]
+    assert fused.bytes_moved(1) == post.bytes_moved(1) + (2 + 4) * d
+    assert fused.smem_bytes == lean.smem_bytes == polled.smem_bytes
+    for spec in specs:
+        assert mk.spec_from_dict(spec.to_dict()) == spec
+    # The exchange: [25, slices] partial words, then D/2 words of bf16 pairs, 16-byte aligned.
+    assert polled.exchange_x_offset == 8 * 25 * (d // 64) and polled.exchange_x_offset % 16 == 0
+    assert polled.exchange_row_bytes == polled.exchange_x_offset + 4 * d
+    assert mk.workspace_bytes(polled, 8) == 8 * polled.exchange_row_bytes
+    assert mk.workspace_bytes(post, 8) == 4 * (d // 64) * 8 * 32
     assert post.grid(1) == (cfg.hidden_size // 64, 1, 1)
     assert post.grid(192) == (cfg.hidden_size // 64, 6, 1)
+    assert polled.grid(192) == post.grid(192)
     assert post.smem_bytes <= 48 * 1024        # no opt-in needed
     fn_bytes = 4 * 24 * 4 * cfg.hidden_size
     assert post.bytes_moved(1) - fn_bytes == (2 * 4 + 2 + 2 + 2 * 4) * cfg.hidden_size + 4 * 72
     if config == "v41-flash":
         assert fn_bytes == 1_966_080                 # the 1.97 MB of fn per sublayer
-    postonly = specs[3]
+    postonly = specs[2]
     assert postonly.bytes_moved(1) == post.bytes_moved(1) - fn_bytes - 4 * 48
     assert postonly.smem_bytes == 0
     for bad_rows in (0, mk.MAX_ROWS + 1):
@@ -73,7 +76,7 @@ def test_mhc_spec_validation():
         mk.make_spec(256, 4, "postonly", 20, live_rows=True)
     with pytest.raises(ValueError, match="approx_rcp"):
         mk.make_spec(256, 4, "postonly", 20, approx_rcp=True)
-    for flags in ({"live_rows": True}, {"approx_rcp": True}, {"early_trigger": True}):
+    for flags in ({"live_rows": True}, {"approx_rcp": True}):
         with pytest.raises(ValueError, match="lean"):
             mk.make_spec(256, 4, "post", 20, lean=True, **flags)
     with pytest.raises(ValueError, match="lean"):
@@ -84,6 +87,10 @@ def test_mhc_spec_validation():
         mk.make_spec(256, 4, "post", 20, norm_weight="f32")
     with pytest.raises(ValueError, match="RMSNorm weight 'f16'"):
         mk.make_spec(256, 4, "post", 20, lean=True, norm_weight="f16")
+    for flags, slices in (({"norm_weight": "f32"}, 4), ({"lean": True}, 4),
+                          ({"lean": True, "norm_weight": "f32", "width": 64 * 3}, 3)):
+        with pytest.raises(ValueError, match=f"polled.*got {slices}"):
+            mk.make_spec(flags.pop("width", 256), 4, "post", 20, polled=True, **flags)
 
 
 @pytest.mark.parametrize("width, chunks", [(256, 1), (5120, 5), (64 * 32, 2)])
@@ -104,9 +111,8 @@ def test_lean_smem_holds_the_chunk_sums(width, chunks):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_router_specs_and_bytes(config):
     cfg = ModelConfig.preset(config)
-    spec, variant, tile, polled = rk.router_specs(cfg)
+    spec, tile, polled = rk.router_specs(cfg)
     assert spec.name == f"router_e{cfg.n_routed_experts}_d{cfg.hidden_size}_k6"
-    assert variant.name == spec.name + "_rb32"
     assert tile.name == spec.name + "_tile8" and tile.one_pass and not tile.polled
     assert polled == dataclasses.replace(tile, name=tile.name + "p", polled=True)
     assert rk.spec_from_dict(polled.to_dict()) == polled
@@ -119,12 +125,11 @@ def test_router_specs_and_bytes(config):
     assert tile.threads * tile.vecs_per_thread * 8 == cfg.hidden_size
     assert tile.threads % 32 == 0 and tile.threads <= 1024
     assert rk.spec_from_dict(tile.to_dict()) == tile
-    assert rk.spec_from_dict(variant.to_dict()) == variant
+    assert rk.spec_from_dict(spec.to_dict()) == spec
     if config == "v41-flash":
         assert (tile.threads, tile.experts_per_cta, tile.grid(8)[0]) == (320, 3, 128)
     assert spec.grid(6) == (cfg.n_routed_experts // 2, 1, 1)
     assert spec.grid(192) == (cfg.n_routed_experts // 2, 12, 1)
-    assert variant.grid(192) == (cfg.n_routed_experts // 2, 6, 1)
     assert spec.threads * spec.vecs_per_thread * 8 == cfg.hidden_size
     if config == "v41-flash":
         assert spec.bytes_moved(0) - 4 * 384 == 3_932_160   # the 3.9 MB BF16 gate per layer

@@ -1,7 +1,7 @@
 """kernels.mhc on the host: one `mhc_pre` launch (post, mixes, Sinkhorn, collapse) by its reference.
 
-Every variant of the manifest (post, post_et, post_lr, post_lr_rcp, post_lean, plain at S = 4
-and 1, plain_lean, postonly) computes the same values within the GPU test's tolerances (`_et`
+Every variant of the manifest (post, post_et, post_lr, post_lr_rcp, post_lean, post_lean_poll,
+plain at S = 4 and 1, plain_lean, postonly) computes the same values within the GPU test's tolerances (`_et`
 moves only the PDL trigger, `_lr` only which padded lanes run, `_rcp` Sinkhorn's divisions:
 rcp.approx, measured within 7.5e-7 of div.rn against the 1e-5 tolerance, docs/perf.md run 20;
 `_lean` the reduce order and a thread per row's Sinkhorn with rcp.approx), so all run
@@ -11,7 +11,8 @@ coeff_out for those rows (the fused-norm `_norm*` variants: also x_normed = `nor
 rmsnorm_ref` of x_out, bitwise as the kernel), the workspace partials (floats 0..24 of row
 (slice, r) of the [slices, rows, 32] scratch: the slice's 24 dot products and Σx²) and the
 row-block counters (which must be zero before: the kernel's last-CTA election needs it, and
-leaves them zero).
+leaves them zero). `_lean_poll` (bitwise `_lean`'s outputs) uses `workspace` as its exchange of
+tagged words and `counters[0]` as its timeout flag: both zero before, and left zero.
 """
 from __future__ import annotations
 
@@ -53,6 +54,20 @@ def claim_counters(name: str, space, ptr: int, blocks: int) -> None:
     counters[...] = 0
 
 
+def claim_exchange(spec: mk.MhcPreSpec, space, exchange: int, status: int, rows: int) -> None:
+    """`_lean_poll`: its rows' tagged words must be empty before the launch (a stale tagged word
+    would be taken as this launch's) and are left empty (each consumer zeroes what it read); the
+    timeout flag (status[0]) must be clear: a set one says an earlier launch gave up."""
+    words = space.array(exchange, np.uint64, rows * spec.exchange_row_bytes // 8)
+    if words.any():
+        raise ValueError(f"{spec.name}: exchange at {space.name_of(exchange)} must be zero before "
+                         f"the launch, found {np.count_nonzero(words)} written words")
+    flag = space.array(status, np.int32, 1)
+    if flag.any():
+        raise ValueError(f"{spec.name}: timeout flag at {space.name_of(status)} is set: an "
+                         "earlier launch's consumer gave up waiting for its words")
+
+
 def slice_partials(x_new: np.ndarray, fn: np.ndarray, slices: int) -> np.ndarray:
     """[slices, R, 25] f32: each 64-wide slice's X'·fnᵀ and Σx² (the workspace scratch)."""
     rows, s = x_new.shape[:2]
@@ -80,13 +95,17 @@ def emulate(record, grid, args, space) -> None:
         fn = space.array(args["fn"], np.float32, (m, s * d)).copy()
         scale = space.array(args["scale"], np.float32, 3).copy()
         base = space.array(args["base"], np.float32, m).copy()
-        claim_counters(spec.name, space, args["counters"], spec.grid(rows)[1])
+        if spec.polled:
+            claim_exchange(spec, space, args["workspace"], args["counters"], rows)
+        else:
+            claim_counters(spec.name, space, args["counters"], spec.grid(rows)[1])
         out = mk.mhc_pre_ref(spec.mode, x, sub_out, prev, fn, scale, base, args["norm_eps"],
                              args["hc_eps"], spec.sinkhorn_iters)
         x_new, collapse = out.streams, out.x
-        workspace = space.array(args["workspace"], np.float32,
-                                (spec.slices, rows, mk.PARTIAL_STRIDE))
-        workspace[:, :, :mk.PARTIALS] = slice_partials(x_new, fn, spec.slices)
+        if not spec.polled:
+            workspace = space.array(args["workspace"], np.float32,
+                                    (spec.slices, rows, mk.PARTIAL_STRIDE))
+            workspace[:, :, :mk.PARTIALS] = slice_partials(x_new, fn, spec.slices)
         space.array(args["mixes"], np.float32, (rows, m))[...] = out.mixes
         space.array(args["coeff_out"], np.float32, (rows, m))[...] = out.coeff
     if spec.mode != "plain":

@@ -1,8 +1,10 @@
 """kernels.router on the host: logits, biased top-k and route weights by the router reference.
 
-Every variant (row blocks 16, `_rb32`, the one-pass `_tile8`) computes the same values. Written, as the kernel writes them:
-logits [rows, E], ids [rows, k] (best first, ties to the lower index), weights [rows, k], and the
-row-block counters (zero before, zero after: `executor.emulate.mhc.claim_counters`).
+Every variant (row blocks of 16, the one-pass `_tile8` / `_tile8p`) computes the same values.
+Written, as the kernel writes them: logits [rows, E], ids [rows, k] (best first, ties to the lower
+index), weights [rows, k], and the row-block counters (zero before, zero after:
+`executor.emulate.mhc.claim_counters`; `_tile8p`'s first i32 is its timeout flag, which must be
+clear, and its exchange words are left zero).
 """
 from __future__ import annotations
 

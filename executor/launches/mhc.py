@@ -21,6 +21,12 @@ buffer holds at least R rows, row r at r times its row size):
                           (`mk.counter_count(max_rows)`): ZERO before the first launch; every
                           launch leaves them zero, so all mhc_pre launches of a step may share one
                           workspace and one counter array (they run one after another)
+                          `_lean_poll` (spec.polled): workspace = its own exchange of tagged
+                          words (`mk.workspace_bytes(spec, max_rows)`, zero before the first
+                          launch, left zero), counters = its timeout flag i32 [1+] (zero; a
+                          consumer that gave up sets [0], which stays set: the host reads it).
+                          Never share these with the other variants (their partials would read
+                          as tagged words)
   mhc_norm_launch  reads  x_out bf16 [R, D], norm_weight f32 or bf16 [D]
                    writes x_normed bf16 [R, D] (`kernels.norm` RMSNorm; not in place here)
   router_launch    reads  x bf16 [R, D], weight bf16 [E, D], bias f32 [E]

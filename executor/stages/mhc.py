@@ -52,21 +52,24 @@ from kernels import mhc_kernel_ref as mk
 from kernels import mhc_ref, rows_ref
 from kernels import norm_ref as nr
 from kernels.common_ref import BF16
+from loader import engram_vocab
 from loader.schema import UNCERTAIN
 
 ONE_HOT = "mhc.one_hot_coeff"       # constant packed coefficients whose pre is one-hot (stream 0)
-SMALL_ROWS = 8                      # mhc_pre: `_lean` up to here, `_lr_rcp` above (MHC_LEAN off:
-                                    # `_lr` up to 8). 64 measured faster alone (35.3 vs 40.4 us at
-                                    # R = 48) but made the emulated DSpark draft's U leave its
-                                    # 0.08 bound once in 10 runs (0.20; 10-row draft blocks):
-                                    # back to 8 until that is understood
-MHC_LEAN = True                     # mhc_pre: post at R <= SMALL_ROWS and S = 4 plain use `_lean`
-                                    # (run 16:25: 12.9 / 14.9 / 35.3 us at R = 1 / 6 / 48 against
-                                    # `_lr_rcp`'s 18.3 / 19.3 / 40.4; at 192 `_lr_rcp` 56.5 vs
-                                    # 63.3); False reverts to `_lr` / `_lr_rcp` and `plain`
+POLL_EXCHANGE = "mhc.exchange"      # `_lean_poll`'s workspace: tagged words, zero between launches
+POLL_STATUS = "mhc.poll_status"     # `_lean_poll`'s counters: [0] = a consumer timed out (sticky)
+SMALL_ROWS = 8                      # post mhc_pre: `_lean` up to here, `_lr_rcp` above (S = 4
+                                    # plain: `_lean` at every R). 64 measured faster alone (35.3 vs
+                                    # 40.4 us at R = 48) but made the emulated DSpark draft's U
+                                    # leave its 0.08 bound once in 10 runs (0.20; 10-row draft
+                                    # blocks): back to 8 until that is understood
 FUSED_NORM_ROWS = 2                 # post mhc_pre with its RMSNorm inside (`_lean_norm*`, no norm
                                     # launch) up to here; 0 = never (run 16:25, R = 1: 13.2 us vs
                                     # `_lean` + rmsnorm 14.4; R = 6: 19.0 vs 16.2)
+MHC_POLL_ROWS = 8                   # post mhc_pre up to here: `_lean_poll_norm*` (tagged-word
+                                    # handoff, a consumer CTA a row and a norm, so the RMSNorm is
+                                    # inside at every such R; bitwise `_lean`'s outputs); 0 reverts
+                                    # to round 4 (`_lean`, fused norm at R <= FUSED_NORM_ROWS)
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -103,11 +106,11 @@ def _broadcasts(cfg, layer) -> bool:
 # ---- mHC ------------------------------------------------------------------------------------------
 
 def _mhc_spec(ctx, streams: int, mode: str, live_rows=False, approx_rcp=False,
-              lean=False, norm_weight="") -> mk.MhcPreSpec:
+              lean=False, norm_weight="", polled=False) -> mk.MhcPreSpec:
     cfg = ctx.cfg
     spec = mk.make_spec(cfg.hidden_size, streams, mode, cfg.hc_sinkhorn_iters,
                         live_rows=live_rows, approx_rcp=approx_rcp, lean=lean,
-                        norm_weight=norm_weight)
+                        norm_weight=norm_weight, polled=polled)
     ctx.kernel(spec.name)           # in the bundle, or a clear error at wiring time
     return spec
 
@@ -123,10 +126,15 @@ def _mhc_weights(ctx, prefix: str, sublayer: str, summed: bool = False) -> dict[
             "base": ctx.ptr(f"{prefix}hc_{sublayer}_base")}
 
 
+def _fused_norm_rows() -> int:
+    """Rows up to which the post mhc_pre normalises x itself (its norm stage has no launch)."""
+    return max(MHC_POLL_ROWS, FUSED_NORM_ROWS)
+
+
 def _fuses_norm(ctx, layer, sublayer: str) -> bool:
     """Whether this sublayer's mhc_pre is a post step that normalises x itself (at rows <=
-    FUSED_NORM_ROWS): every FFN; attention except the first layer and Engram layers (plain)."""
-    if not (MHC_LEAN and FUSED_NORM_ROWS):
+    _fused_norm_rows()): every FFN; attention except the first layer and Engram layers (plain)."""
+    if not _fused_norm_rows():
         return False
     return sublayer == "ffn" or not (layer.has_engram or layer.index == _first_layer(ctx.cfg,
                                                                                      layer))
@@ -134,11 +142,9 @@ def _fuses_norm(ctx, layer, sublayer: str) -> bool:
 
 def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, coeff_out: str):
     """rows -> the post-mode mhc_pre: pending post of `sub_out`, new coefficients, collapse;
-    at rows <= FUSED_NORM_ROWS also the sublayer's RMSNorm into `xn` (its norm stage is empty)."""
-    if MHC_LEAN:
-        small = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True)
-    else:
-        small = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True)
+    at rows <= _fused_norm_rows() also the sublayer's RMSNorm into `xn` (its norm stage is
+    empty): `_lean_poll_norm*` up to MHC_POLL_ROWS (its own exchange and timeout flag)."""
+    small = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True)
     large = _mhc_spec(ctx, mk.HC_MULT, "post", live_rows=True, approx_rcp=True)
     ptrs = {"streams": ctx.ptr("streams"), "sub_out": ctx.ptr(sub_out),
             "coeff_prev": ctx.ptr(coeff_prev), "streams_out": ctx.ptr("streams"),
@@ -146,15 +152,23 @@ def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, c
             **_mhc_weights(ctx, prefix, sublayer), **_mhc_scratch(ctx)}
     eps = (ctx.cfg.rms_norm_eps, ctx.cfg.hc_eps)
     fused = None
-    if MHC_LEAN and FUSED_NORM_ROWS:
+    if FUSED_NORM_ROWS:
         fused = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, norm_weight=_norm_dtype())
-        fused_ptrs = {**ptrs, "norm_weight": ctx.ptr(f"{prefix}{sublayer}_norm.weight"),
-                      "x_normed": ctx.ptr("xn")}
+    fused_ptrs = {**ptrs, "norm_weight": ctx.ptr(f"{prefix}{sublayer}_norm.weight"),
+                  "x_normed": ctx.ptr("xn")}
+    polled = None
+    if MHC_POLL_ROWS:
+        polled = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, polled=True,
+                           norm_weight=_norm_dtype())
+        polled_ptrs = {**fused_ptrs, "workspace": ctx.ptr(POLL_EXCHANGE),
+                       "counters": ctx.ptr(POLL_STATUS)}
 
     def build(rows):
+        if polled is not None and rows <= MHC_POLL_ROWS:
+            return [mhc_pre_launch(ctx.bundle, polled, polled_ptrs, rows, *eps)]
         if fused is not None and rows <= FUSED_NORM_ROWS:
             return [mhc_pre_launch(ctx.bundle, fused, fused_ptrs, rows, *eps)]
-        spec = small if rows <= (SMALL_ROWS if MHC_LEAN else 8) else large
+        spec = small if rows <= SMALL_ROWS else large
         return [mhc_pre_launch(ctx.bundle, spec, ptrs, rows, *eps)]
     return build
 
@@ -188,7 +202,7 @@ def _attn_mhc_pre(ctx, layer):
         raise ValueError(f"{ONE_HOT} holds {mk.MAX_ROWS} rows, the step has {ctx.max_rows}")
     carried = ONE_HOT if first else "coeff.ffn"
     summed = _broadcasts(cfg, layer)
-    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain", lean=MHC_LEAN and not summed)
+    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain", lean=not summed)
     ptrs = {"streams": ctx.ptr("embed.out" if summed else "streams"),
             "coeff_prev": ctx.ptr(carried), "x_out": ctx.ptr("x"),
             "coeff_out": ctx.ptr("coeff.attn"),
@@ -213,7 +227,7 @@ def _norm(ctx, weight: str, out: str, fused: bool = False):
     eps = ctx.cfg.rms_norm_eps
 
     def build(rows):
-        if fused and rows <= FUSED_NORM_ROWS:
+        if fused and rows <= _fused_norm_rows():
             return []
         return [mhc_norm_launch(ctx.bundle, spec, ptrs, rows, eps)]
     return build
@@ -255,6 +269,7 @@ def _engram_hash(ctx, layer):
     for index in ctx.cfg.engram_layer_ids:
         spec = ek.make_hash_spec(ctx.cfg, index)
         ptrs = {"tokens": ctx.ptr("history32"), "positions": ctx.ptr("positions32"),
+                "vocab_map": ctx.ptr(engram_vocab.VOCAB_MAP_NAME),
                 "ids": ctx.ptr(_ids_name(index))}
         launches.append((spec, ptrs))
     return lambda rows: [engram_hash_launch(ctx.bundle, spec, ptrs, rows)
@@ -368,6 +383,14 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
            Buffer("mhc.workspace", np.float32, (spec.slices, r, mk.PARTIAL_STRIDE),
                   "mhc_pre split-K partials"),
            Buffer("mhc.counters", np.int32, (mk.counter_count(r),), "mhc_pre, zeroed once")]
+    if MHC_POLL_ROWS:
+        polled = mk.make_spec(d, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters, lean=True,
+                              polled=True)
+        out += [Buffer(POLL_EXCHANGE, np.uint64,
+                       (mk.workspace_bytes(polled, min(r, MHC_POLL_ROWS)) // 8,),
+                       "mhc_pre _lean_poll tagged words, zeroed once, left zero"),
+                Buffer(POLL_STATUS, np.int32, (4,), "mhc_pre _lean_poll timeout flag [0], "
+                       "zeroed once: nonzero = a consumer gave up, outputs wrong")]
     heads = lr.lm_head_specs(cfg, tp)
     out += [Buffer("tail.keys", np.uint64, (lr.MAX_ROWS,), "lm_head argmax keys, zeroed once"),
             Buffer("tail.counters", np.uint32,
@@ -397,6 +420,8 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.n
     one_hot[:, :cfg.hc_mult] = mhc_ref.one_hot_pre(mk.MAX_ROWS, cfg.hc_mult)
     out = [(name, fetch(name)) for name in ("embed.weight", "head.weight", "norm.weight")]
     out.append((ONE_HOT, one_hot))
+    if cfg.engram_layer_ids:        # the hash reads raw ids through it (raises if v41 lacks it)
+        out.append((engram_vocab.VOCAB_MAP_NAME, engram_vocab.fetch_vocab_map(cfg, fetch)))
     last = cfg.num_layers_total - 1
     for layer in packed_layers(cfg, layers):
         i, pre = layer.index, weight_prefix(cfg, layer)
