@@ -42,8 +42,10 @@ from kernels.dense_ref import (
     DenseSpec,
     dense_specs,
 )
+from kernels.moe_ptx import swiglu
 from kernels.ptx import (
     ld_bf16,
+    ld_f32,
     ld_f32_gpu,
     ld_v4_u32,
     mma_bf16_16816_ordered,
@@ -89,6 +91,13 @@ def e4m3x4_to_bf16x2x2(word: Int32, scale2: Int32):
     return Int32(even), Int32(odd)
 
 
+def round_bf16(v: Float32) -> Float32:
+    """v rounded to bf16 (rn), back in fp32: the reference's intermediate bf16 roundings."""
+    return Float32(_asm([T.f32()], [Float32(v)],
+                        "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }",
+                        "=f,f")[0])
+
+
 def prmt(a: Int32, b: Int32, selector: int) -> Int32:
     return Int32(_asm([T.i32()], [a, b], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r")[0])
 
@@ -104,6 +113,11 @@ class DenseW8A16Sm90:
         self.row_tiles, self.split_k = spec.row_tiles, spec.split_k
         self.chunks = -(-spec.k // CHUNK_K)
         self.tiles_per_group = spec.n // TILE_N
+        # "swiglu": rows g / g+8 of a tile are a gate / up pair (dense_ref.interleave_gate_up);
+        # their scale blocks are gate row n0/64 and up row N/64 + n0/64 of the checkpoint's.
+        self.swiglu = spec.epilogue == "swiglu"
+        self.halves = 2 if self.swiglu else 1
+        self.up_scale_off = (spec.n // 2 // FP8_BLOCK) * (spec.k // FP8_BLOCK)
 
     @cute.jit
     def __call__(self, x: cute.Pointer, weight: cute.Pointer, scales: cute.Pointer,
@@ -130,10 +144,12 @@ class DenseW8A16Sm90:
         w_row = weight.toint() + Int64((grp * self.n + n0 + g) * self.k)
         s_row = scales.toint() + Int64((grp * (self.n // FP8_BLOCK) + n0 // FP8_BLOCK)
                                        * (self.k // FP8_BLOCK))
+        if cutlass.const_expr(self.swiglu):
+            s_row = scales.toint() + Int64(n0 // (2 * FP8_BLOCK) * (self.k // FP8_BLOCK))
         x_base = x.toint() + Int64(grp * self.k * 2)
 
         wbuf = cute.make_rmem_tensor((WORDS, PREFETCH), Int32)
-        sbuf = cute.make_rmem_tensor((PREFETCH,), Int32)
+        sbuf = cute.make_rmem_tensor((self.halves, PREFETCH), Int32)
         acc = cute.make_rmem_tensor((4, self.row_tiles), Float32)
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout(
@@ -184,7 +200,10 @@ class DenseW8A16Sm90:
         for w in cutlass.range_constexpr(4):
             wbuf[w, i] = lo[w]
             wbuf[4 + w, i] = hi[w]
-        sbuf[i] = scale_bf16x2(ld_u8(s_row + Int64(kk // FP8_BLOCK)), valid)
+        sbuf[0, i] = scale_bf16x2(ld_u8(s_row + Int64(kk // FP8_BLOCK)), valid)
+        if cutlass.const_expr(self.swiglu):
+            sbuf[1, i] = scale_bf16x2(ld_u8(s_row + Int64(self.up_scale_off + kk // FP8_BLOCK)),
+                                      valid)
 
     @cute.jit
     def _mma_chunk(self, acc, wbuf, sbuf, i: cutlass.Constexpr, x_base: Int64, c: Int32,
@@ -195,7 +214,7 @@ class DenseW8A16Sm90:
         a_odd = cute.make_rmem_tensor((4, 2), Int32)
         for j in cutlass.range_constexpr(4):
             for h in cutlass.range_constexpr(2):
-                e, o = e4m3x4_to_bf16x2x2(wbuf[4 * h + j, i], sbuf[i])
+                e, o = e4m3x4_to_bf16x2x2(wbuf[4 * h + j, i], sbuf[h % self.halves, i])
                 a_even[j, h] = e
                 a_odd[j, h] = o
         for rt in cutlass.range_constexpr(self.row_tiles):
@@ -221,12 +240,15 @@ class DenseW8A16Sm90:
                 red[lane, q, rt, warp] = acc[q, rt]
         cute.arch.sync_threads()
         q, ln = tidx // WARP, tidx % WARP            # this thread's accumulator (q, lane ln)
-        totals = cute.make_rmem_tensor((self.row_tiles,), Float32)
+        # [rt, 0]: accumulator q; [rt, 1] ("swiglu", q < 2): accumulator q + 2, its up row
+        totals = cute.make_rmem_tensor((self.row_tiles, self.halves), Float32)
         for rt in cutlass.range_constexpr(self.row_tiles):
-            total = red[ln, q, rt, 0]
-            for w in cutlass.range_constexpr(1, CTA_WARPS):
-                total = total + red[ln, q, rt, w]
-            totals[rt] = total
+            for h in cutlass.range_constexpr(self.halves):
+                qh = (q + 2 * h) % 4
+                total = red[ln, qh, rt, 0]
+                for w in cutlass.range_constexpr(1, CTA_WARPS):
+                    total = total + red[ln, qh, rt, w]
+                totals[rt, h] = total
         cute.arch.sync_threads()                      # red is rewritten by the next pass
         if cutlass.const_expr(self.split_k == 1):
             self._epilogue(totals, q, ln, grp, n0, p, rows, residual, out)
@@ -235,7 +257,7 @@ class DenseW8A16Sm90:
             base = ((p * self.split_k + slice_idx) * self.spec.tiles + tile) * per_tile
             ws = workspace.toint()
             for rt in cutlass.range_constexpr(self.row_tiles):
-                st_f32(ws + Int64((base + rt * 128 + tidx) * 4), totals[rt])
+                st_f32(ws + Int64((base + rt * 128 + tidx) * 4), totals[rt, 0])
             cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
             counter = counters + (p * self.spec.tiles + tile)
@@ -247,11 +269,13 @@ class DenseW8A16Sm90:
                 cute.arch.fence_acq_rel_gpu()
                 for rt in cutlass.range_constexpr(self.row_tiles):
                     first = (p * self.split_k * self.spec.tiles + tile) * per_tile + rt * 128
-                    total = ld_f32_gpu(ws + Int64((first + tidx) * 4))
-                    for s in cutlass.range_constexpr(1, self.split_k):
-                        step = s * self.spec.tiles * per_tile
-                        total = total + ld_f32_gpu(ws + Int64((first + step + tidx) * 4))
-                    totals[rt] = total
+                    for h in cutlass.range_constexpr(self.halves):
+                        slot = first + (tidx + 64 * h) % 128
+                        total = ld_f32_gpu(ws + Int64(slot * 4))
+                        for s in cutlass.range_constexpr(1, self.split_k):
+                            step = s * self.spec.tiles * per_tile
+                            total = total + ld_f32_gpu(ws + Int64((slot + step) * 4))
+                        totals[rt, h] = total
                 self._epilogue(totals, q, ln, grp, n0, p, rows, residual, out)
                 if tidx == 0:
                     cute.arch.store(counter.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
@@ -260,20 +284,33 @@ class DenseW8A16Sm90:
     @cute.jit
     def _epilogue(self, totals, q: Int32, ln: Int32, grp: Int32, n0: Int32, p: Int32,
                   rows: Int32, residual: cute.Pointer, out: cute.Pointer):
-        """Accumulator (q, lane ln) of row tile rt is y[row, n]; store it with the epilogue."""
+        """Accumulator (q, lane ln) of row tile rt is y[row, n]; store it with the epilogue
+        ("swiglu": threads q < 2 store bf16(SwiGLU(bf16(gate), bf16(up))) of column n0/2 + ln/4)."""
         n = grp * self.n + n0 + ln // 4 + 8 * (q // 2)
-        width = self.groups * self.n
+        width = self.spec.out_width
+        if cutlass.const_expr(self.swiglu):
+            n = n0 // 2 + ln // 4
         for rt in cutlass.range_constexpr(self.row_tiles):
             r = p * self.spec.rows_per_pass + rt * ROW_TILE + 2 * (ln % 4) + q % 2
-            if r < rows:
+            keep = r < rows
+            if cutlass.const_expr(self.swiglu):
+                keep = keep & (q < 2)
+            if keep:
                 idx = Int64(r * width + n)
+                y = totals[rt, 0]
                 if cutlass.const_expr(self.spec.epilogue == "f32"):
-                    st_f32(out.toint() + idx * 4, totals[rt])
+                    st_f32(out.toint() + idx * 4, y)
                 elif cutlass.const_expr(self.spec.epilogue == "residual"):
                     res = ld_bf16(residual.toint() + idx * 2)
-                    st_bf16(out.toint() + idx * 2, totals[rt] + res)
+                    st_bf16(out.toint() + idx * 2, y + res)
+                elif cutlass.const_expr(self.spec.epilogue == "add_f32"):
+                    routed = ld_f32(residual.toint() + idx * 4)
+                    st_bf16(out.toint() + idx * 2, round_bf16(y) + routed)
+                elif cutlass.const_expr(self.swiglu):
+                    h = swiglu(round_bf16(y), round_bf16(totals[rt, 1]), self.spec.swiglu_limit)
+                    st_bf16(out.toint() + idx * 2, h)
                 else:
-                    st_bf16(out.toint() + idx * 2, totals[rt])
+                    st_bf16(out.toint() + idx * 2, y)
 
 
 def kernel_class(spec: DenseSpec):

@@ -17,12 +17,15 @@ accumulation, the same K permutation and epilogues); what changes is how the wei
 - A tile's warp partials meet in smem in warp order; a tile shared with other CTAs (at most the
   first and last of a CTA's range) goes through workspace slot (cta, first/last), summed in CTA
   order by the last contributor to arrive on the tile's counter, which resets it: deterministic.
-Variants (DenseSpec.variant): "stream" is the round-3 kernel, unchanged. "stream_x" keeps x
+Variants (DenseSpec.variant): "stream" is the round-3 kernel, unchanged. "stream_xt" keeps x
 `x_slots - 1` units ahead in a register ring (x's L2 latency once per few units, not per unit),
 alternates two accumulator sets where a warp owns one chunk per unit (half the dependent mma
-chain), and loads the scale bytes before the weights. "stream_xt" adds whole tiles per CTA: no
-tile is shared, so no workspace, fence, atomic or last-arrival pass (balance: tiles over <= 132
-CTAs instead of units).
+chain), loads the scale bytes before the weights, and gives each CTA whole tiles: no tile is
+shared, so no workspace, fence, atomic or last-arrival pass (balance: tiles over <= 132 CTAs
+instead of units).
+Epilogues: those of kernels/dense.py; "swiglu" (stream_xt only) reads a tile's rows g / g+8 as a
+gate / up pair with their own scale bytes (two runs of the smem scale window) and stores
+bf16(SwiGLU(bf16(gate), bf16(up))); "add_f32" adds the f32 routed sum to bf16(y).
 
 PTX ABI: that of the dense family (kernels/dense_ref.PARAMS); weight, scales, x, out 16-aligned.
 """
@@ -31,13 +34,15 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
 
-from kernels.dense import e4m3x4_to_bf16x2x2, ld_u8, prmt, scale_bf16x2
+from kernels.dense import e4m3x4_to_bf16x2x2, ld_u8, prmt, round_bf16, scale_bf16x2
 from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N, WARP, DenseSpec
+from kernels.moe_ptx import swiglu
 from kernels.ptx import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
     ld_bf16,
+    ld_f32,
     ld_f32_gpu,
     ld_v4_u32,
     lds_u8,
@@ -84,6 +89,11 @@ class DenseStreamSm90:
         self.chunks = spec.chunks
         self.chunks_per_warp = -(-self.chunks // STREAM_WARPS)
         self.window = -(-spec.scale_window() // 16) * 16
+        # "swiglu": a tile's rows g / g+8 are gate / up rows (dense_ref.interleave_gate_up), with
+        # scales in two runs: the gate rows' at smem 0, the up rows' at s_half (N/64 rows on).
+        self.swiglu = spec.epilogue == "swiglu"
+        self.s_half, self.tps = spec.scale_half(), spec.tiles_per_scale_row
+        self.up_scale_rows = spec.n // 2 // FP8_BLOCK
         self.kg = spec.k // FP8_BLOCK
         self.tiles_per_group = spec.n // TILE_N
 
@@ -136,7 +146,7 @@ class DenseStreamSm90:
         acc.fill(0.0)
         xbuf = cute.make_rmem_tensor((8, self.chunks_per_warp, self.x_slots), Int32)
         row = cutlass.min(g, rows - 1)
-        srow0 = u_begin // self.ksteps // 2
+        srow0 = u_begin // self.ksteps // self.tps
         if cutlass.const_expr(self.round3):
             self._round3_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
                               flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,
@@ -219,9 +229,10 @@ class DenseStreamSm90:
 
     @cute.jit
     def _scale_window(self, u_begin: Int32, n_units: Int32):
-        """(first 32-row scale block, bytes) of the CTA's scale window (whole blocks)."""
-        srow0 = u_begin // self.ksteps // 2
-        return srow0, ((u_begin + n_units - 1) // self.ksteps // 2 - srow0 + 1) * self.kg
+        """(first 32-row scale block, bytes) of the CTA's scale run (whole blocks; "swiglu": of
+        its gate rows, the up rows' run is as long)."""
+        srow0 = u_begin // self.ksteps // self.tps
+        return srow0, ((u_begin + n_units - 1) // self.ksteps // self.tps - srow0 + 1) * self.kg
 
     @cute.jit
     def _scale_loads(self, sbytes, scales: cute.Pointer, u_begin: Int32, n_units: Int32,
@@ -230,15 +241,26 @@ class DenseStreamSm90:
         srow0, win = self._scale_window(u_begin, n_units)
         s_src = scales.toint() + Int64(srow0 * self.kg)
         for j in cutlass.range_constexpr(cute.size(sbytes)):
-            sbytes[j] = ld_u8(s_src + Int64(cutlass.min(tidx + CONSUMERS * j, win - 1)))
+            at = tidx + CONSUMERS * j
+            end = win
+            if cutlass.const_expr(self.swiglu):       # smem [s_half, ...) <- the up rows' run
+                up = Int32(at >= self.s_half)
+                shift = up * (self.up_scale_rows * self.kg)
+                at = at - up * self.s_half + shift
+                end = win + shift
+            sbytes[j] = ld_u8(s_src + Int64(cutlass.min(at, end - 1)))
 
     @cute.jit
     def _scale_stores(self, sbytes, sc_a: Int32, u_begin: Int32, n_units: Int32, tidx: Int32):
         """sbytes -> the smem scale window (the caller's barrier publishes it)."""
         _, win = self._scale_window(u_begin, n_units)
         for j in cutlass.range_constexpr(cute.size(sbytes)):
-            if tidx + CONSUMERS * j < win:
-                st_shared_u8(sc_a + tidx + CONSUMERS * j, sbytes[j])
+            at = tidx + CONSUMERS * j
+            used = at < win
+            if cutlass.const_expr(self.swiglu):
+                used = (at < win) | ((at >= self.s_half) & (at - self.s_half < win))
+            if used & (at < self.window):
+                st_shared_u8(sc_a + at, sbytes[j])
 
     @cute.jit
     def _chunk_k(self, warp: Int32, t: Int32, cj: cutlass.Constexpr):
@@ -273,7 +295,7 @@ class DenseStreamSm90:
         i = j % self.stages
         cp_async_wait(self.stages - 1)           # this thread's pieces of unit j have landed
         stage = ring_a + i * self.stage_bytes + lane * PIECE
-        s_row = sc_a + (tile // 2 - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
+        s_row = sc_a + (tile // self.tps - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             ch = warp + STREAM_WARPS * cj
             off, valid = self._chunk_k(warp, t, cj)
@@ -281,9 +303,13 @@ class DenseStreamSm90:
                 lo = lds_v4_u32(stage + ch * CHUNK_SMEM)
                 hi = lds_v4_u32(stage + ch * CHUNK_SMEM + WARP * PIECE)
                 scale2 = scale_bf16x2(lds_u8(s_row + off // FP8_BLOCK), valid)
+                scale_hi = scale2                      # rows g and g+8 share a scale block ...
+                if cutlass.const_expr(self.swiglu):    # ... but for a gate / up pair
+                    scale_hi = scale_bf16x2(lds_u8(s_row + self.s_half + off // FP8_BLOCK),
+                                            valid)
                 for jj in cutlass.range_constexpr(4):
                     ae0, ao0 = e4m3x4_to_bf16x2x2(lo[jj], scale2)
-                    ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale2)
+                    ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale_hi)
                     b = (prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x5410),
                          prmt(xbuf[2 * jj, cj, slot], xbuf[2 * jj + 1, cj, slot], 0x7632))
                     a = jj % self.accs            # 2 sets: two independent mma chains
@@ -316,8 +342,18 @@ class DenseStreamSm90:
             total = red[ln, q, 0]
             for w in cutlass.range_constexpr(1, STREAM_WARPS):
                 total = total + red[ln, q, w]
+        up = Float32(0.0)
+        # accumulator q + 2 is q's up row (g + 8); compile-time test, then the runtime one
+        if cutlass.const_expr(self.swiglu):  # noqa: SIM102
+            if tidx < RED_THREADS // 2:
+                up = red[ln, q + 2, 0]
+                for w in cutlass.range_constexpr(1, STREAM_WARPS):
+                    up = up + red[ln, q + 2, w]
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
-        if cutlass.const_expr(self.whole_tiles):  # the CTA owns the tile: no workspace
+        if cutlass.const_expr(self.swiglu):       # whole tiles (make_spec): no workspace
+            if tidx < RED_THREADS // 2:
+                self._swiglu_epilogue(total, up, q, ln, tile, rows, out)
+        elif cutlass.const_expr(self.whole_tiles):  # the CTA owns the tile: no workspace
             if tidx < RED_THREADS:
                 self._epilogue(total, q, ln, tile, rows, residual, out)
         else:
@@ -384,5 +420,19 @@ class DenseStreamSm90:
             elif cutlass.const_expr(self.spec.epilogue == "residual"):
                 res = ld_bf16(residual.toint() + idx * 2)
                 st_bf16(out.toint() + idx * 2, total + res)
+            elif cutlass.const_expr(self.spec.epilogue == "add_f32"):
+                routed = ld_f32(residual.toint() + idx * 4)
+                st_bf16(out.toint() + idx * 2, round_bf16(total) + routed)
             else:
                 st_bf16(out.toint() + idx * 2, total)
+
+    @cute.jit
+    def _swiglu_epilogue(self, gate: Float32, up: Float32, q: Int32, ln: Int32, tile: Int32,
+                         rows: Int32, out: cute.Pointer):
+        """Gate (accumulator q < 2) and up (q + 2) of output column tile*8 + ln/4, row
+        2*(ln%4) + q: h = bf16(SwiGLU(bf16(gate), bf16(up))), moe_ref.shared_expert's roundings."""
+        j = tile * (TILE_N // 2) + ln // 4
+        r = 2 * (ln % 4) + q
+        if r < rows:
+            h = swiglu(round_bf16(gate), round_bf16(up), self.spec.swiglu_limit)
+            st_bf16(out.toint() + Int64(r * (self.n // 2) + j) * 2, h)

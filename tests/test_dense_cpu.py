@@ -267,8 +267,10 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
             assert set(shared) <= {tiles[0], tiles[-1]}
             if s.whole_tiles:                         # no workspace: no tile may be shared
                 assert not shared and u0 % s.ksteps == 0 and u1 % s.ksteps == 0
-            window = (tiles[-1] // 2 - tiles[0] // 2 + 1) * (s.k // 32)
-            assert window <= s.scale_window()
+            per = s.tiles_per_scale_row            # "swiglu": 8 gate + 8 up rows a tile
+            window = (tiles[-1] // per - tiles[0] // per + 1) * (s.k // 32)
+            assert window <= s.scale_half() and s.scale_window() == s.scale_half() * (
+                2 if s.epilogue == "swiglu" else 1)
         assert (owner >= 0).all()
         per_cta = s.units_per_cta
         assert per_cta == max(s.unit_range(c)[1] - s.unit_range(c)[0] for c in range(s.ctas))
@@ -281,7 +283,7 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
 def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
-    """stream_x / stream_xt: x_slots units of x (8 words per chunk a warp owns) within
+    """stream_xt: x_slots units of x (8 words per chunk a warp owns) within
     STREAM_X_REGS, never more slots than the CTA has units (but 2, the ring's minimum), two
     accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged."""
     cfg = ModelConfig.preset(config)
@@ -308,8 +310,10 @@ def test_step_variant_names_and_candidates(v41):
         assert s.name.endswith(f"_{s.epilogue}" if s.variant == default else f"_{tag}")
     plain_r8 = {s.name: s.variant for s in specs if s.row_tiles == 1 and s.name.endswith("_bf16")}
     assert plain_r8["dense_w8a16_wq_b_n8192_k1280_r8_bf16"] == dr.R8_VARIANT.get("wq_b", "mma")
-    assert "dense_w8a16_wq_b_n8192_k1280_r8_bf16_s" in {s.name for s in specs} or \
-        dr.R8_VARIANT.get("wq_b") == "stream"
+    # round 5: no R <= 8 candidates are built (the round-4 losers are gone from the bundle)
+    assert all(s.variant == dr.default_variant(
+        s.name.split("_n")[0].removeprefix("dense_w8a16_").removeprefix("wo_a_fp8_"),
+        s.row_tiles) for s in specs) == (not dr.R8_CANDIDATES)
 
 
 def test_stream_summation_model_matches_the_product():
@@ -364,23 +368,55 @@ def _weights(rng, groups, n, k):
 
 @pytest.mark.parametrize("epilogue", dr.EPILOGUES)
 def test_dense_ref_is_within_its_bound_of_float64(epilogue):
+    """dense_ref within epilogue_expectation's bound of the float64 product (the bound the GPU
+    tests use), and the bound tight enough to catch a wrong scale block (a factor of 2) and, for
+    "swiglu", a gate paired with the wrong up row (the checkpoint's row order fed unpermuted)."""
     rng = np.random.default_rng()
-    w, s = _weights(rng, 1, 64, 160)
+    w, s = _weights(rng, 1, 64, 160)              # checkpoint rows ([w1; w3] for swiglu)
     x = rng.standard_normal((5, 160)).astype(BF16)
-    res = rng.standard_normal((5, 64)).astype(BF16)
-    spec = dr.make_spec("t", 64, 160, epilogue=epilogue)
-    got = dr.dense_ref(spec, x, w, s, res).astype(np.float64)
+    res = rng.standard_normal((5, 64)).astype(np.float32 if epilogue == "add_f32" else BF16)
+    spec = dr.make_spec("t", 64, 160, epilogue=epilogue,
+                        swiglu_limit=7.0 if epilogue == "swiglu" else 0.0)
+    w_kernel = dr.interleave_gate_up(w) if epilogue == "swiglu" else w
+    got = dr.dense_ref(spec, x, w_kernel, s, res).astype(np.float64)
+    assert got.shape == (5, spec.out_width)
     wf = fp8_block_dequantize(w[0], s[0]).astype(np.float64)
-    exact = x.astype(np.float64) @ wf.T + (res.astype(np.float64) if epilogue == "residual" else 0)
-    bound = dr.dense_tolerance(x, wf, spec.out_dtype)
-    if epilogue == "residual":
-        bound = bound + 2.0**-8 * np.abs(exact)
-    assert np.all(np.abs(got - exact) <= bound)
-    # the bound is tight enough to catch a wrong scale (a factor of 2 on one block)
+    want, bound = dr.epilogue_expectation(spec, x.astype(np.float64) @ wf.T,
+                                          dr.dense_tolerance(x, wf, "f32"), res)
+    assert np.all(np.abs(got - want) <= bound)
     s_bad = s.copy()
     s_bad[0, 0, 0] += 1
-    bad = dr.dense_ref(spec, x, w, s_bad, res).astype(np.float64)
-    assert np.any(np.abs(bad - exact) > bound)
+    bad = dr.dense_ref(spec, x, w_kernel, s_bad, res).astype(np.float64)
+    assert np.any(np.abs(bad - want) > bound)
+    if epilogue == "swiglu":
+        unpaired = dr.dense_ref(spec, x, w, s, res).astype(np.float64)
+        assert np.any(np.abs(unpaired - want) > bound)
+
+
+def test_swiglu_rows_pair_a_threads_accumulators_and_scales():
+    """Kernel row m of a "swiglu" tile t is gate row 8t + m (m < 8) or up row N/2 + 8t + m - 8:
+    accumulators q and q + 2 of a lane (C rows g, g + 8) are a gate and its up, stored at
+    column 8t + g; their scale blocks are gate row t // 4 and up row N/64 + t // 4 of the
+    checkpoint's (kernels/dense.py, dense_stream.py read exactly those)."""
+    n = 192
+    order = dr.gate_up_order(n)
+    assert sorted(order) == list(range(n))
+    for tile in range(n // 16):
+        for ln in range(32):
+            for q in range(2):
+                gate_m, up_m = c_coords(ln, q)[0], c_coords(ln, q + 2)[0]
+                assert order[16 * tile + gate_m] == 8 * tile + ln // 4
+                assert order[16 * tile + up_m] == n // 2 + 8 * tile + ln // 4
+        for m in range(16):
+            assert order[16 * tile + m] // 32 == (m >= 8) * (n // 64) + tile // 4
+    w = np.arange(n * 3).reshape(1, n, 3)
+    np.testing.assert_array_equal(dr.deinterleave_gate_up(dr.interleave_gate_up(w)), w)
+    with pytest.raises(ValueError, match="swiglu"):
+        dr.make_spec("bad", 96, 64, epilogue="swiglu", swiglu_limit=7.0)     # N % 64
+    with pytest.raises(ValueError, match="swiglu"):
+        dr.make_spec("bad", 128, 64, epilogue="swiglu", swiglu_limit=7.0, variant="stream")
+    with pytest.raises(ValueError, match="swiglu"):
+        dr.make_spec("bad", 128, 64, epilogue="swiglu")                       # no clamp
 
 
 def test_wo_a_ref_is_blockwise_per_group():

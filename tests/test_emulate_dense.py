@@ -61,18 +61,25 @@ class DenseInputs:
         self.s = rng.integers(112, 125, size=(g, n // 32, k // 32)).astype(np.uint8)
         self.x = rng.standard_normal((dr.MAX_ROWS, g * k)).astype(BF16)
         self.res = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(BF16)
-        self.exact = np.empty((dr.MAX_ROWS, g * n))
-        self.acc_bound = np.empty((dr.MAX_ROWS, g * n))
+        self.res_f32 = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(np.float32)
+        self.exact, self.acc_bound = self._products(self.w)
+        self.swiglu_products = None         # the same bytes read as interleave_gate_up'd rows
+
+    def _products(self, w):
+        g, n, k = w.shape
+        exact, acc_bound = np.empty((dr.MAX_ROWS, g * n)), np.empty((dr.MAX_ROWS, g * n))
         for gi in range(g):
-            wf = fp8_block_dequantize(self.w[gi], self.s[gi]).astype(np.float64)
+            wf = fp8_block_dequantize(w[gi], self.s[gi]).astype(np.float64)
             xg = self.x[:, gi * k:(gi + 1) * k].astype(np.float64)
-            self.exact[:, gi * n:(gi + 1) * n] = xg @ wf.T
-            self.acc_bound[:, gi * n:(gi + 1) * n] = dr.dense_tolerance(xg, wf, "f32")
+            exact[:, gi * n:(gi + 1) * n] = xg @ wf.T
+            acc_bound[:, gi * n:(gi + 1) * n] = dr.dense_tolerance(xg, wf, "f32")
+        return exact, acc_bound
 
     def arena(self, spec: dr.DenseSpec, space: AddressSpace) -> HostArena:
         arena = HostArena(space, ld.dense_requests(spec, dr.MAX_ROWS), name=spec.name)
+        res = self.res_f32 if spec.epilogue == "add_f32" else self.res
         for name, host in (("x", self.x), ("weight", self.w), ("scales", self.s),
-                           ("residual", self.res)):
+                           ("residual", res)):
             if name in arena.slices:
                 arena.upload(name, host)
         arena.fill("out", 0xFF)
@@ -83,12 +90,13 @@ class DenseInputs:
         assert np.all(raw[rows:] == poison), f"{spec.name}: wrote past row {rows}"
         got = raw[:rows].view(BF16 if spec.out_dtype == "bf16" else np.float32)
         got = got.astype(np.float64)
-        exact = self.exact[:rows]
-        if spec.epilogue == "residual":
-            exact = exact + self.res[:rows].astype(np.float64)
-        bound = self.acc_bound[:rows].copy()
-        if spec.out_dtype == "bf16":
-            bound += 2.0**-8 * np.abs(exact) + 2.0**-133
+        exact, acc = self.exact, self.acc_bound
+        if spec.epilogue == "swiglu":
+            if self.swiglu_products is None:
+                self.swiglu_products = self._products(dr.deinterleave_gate_up(self.w))
+            exact, acc = self.swiglu_products
+        res = self.res_f32 if spec.epilogue == "add_f32" else self.res
+        exact, bound = dr.epilogue_expectation(spec, exact[:rows], acc[:rows], res[:rows])
         assert np.isfinite(got).all(), f"{spec.name} R={rows}: poison left in the output"
         bad = np.argwhere(np.abs(got - exact) > bound)
         assert bad.size == 0, (f"{spec.name} R={rows}: {len(bad)} elements out of bound, first "
@@ -106,7 +114,7 @@ def _launch_and_check(bundle, spec, inputs: DenseInputs, rows: int) -> HostArena
     ptrs = {name: arena.ptr(name) for name in arena.slices}
     assert run([ld.dense_launch(bundle, spec, ptrs, rows)], space) == 1
     out_t = np.uint16 if spec.out_dtype == "bf16" else np.uint32
-    inputs.check(spec, rows, arena.download("out", out_t, (dr.MAX_ROWS, spec.groups * spec.n)))
+    inputs.check(spec, rows, arena.download("out", out_t, (dr.MAX_ROWS, spec.out_width)))
     if "counters" in arena.slices:
         assert not arena.view("counters", np.uint8).any(), f"{spec.name}: counters left dirty"
     return arena

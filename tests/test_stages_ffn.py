@@ -7,10 +7,12 @@ Per case (fresh random bf16 xn; rows 1, 6 (a verify block's size), 13 real rows 
   reference's arithmetic), and bitwise equal across ranks (replicated);
 - routed sum `ffn.moe.y`: bitwise `moe_ref.routed_experts` on the reference's dequantized expert
   slices (so the fused-E8M0 packing of every expert decodes to the reference's weights);
-- shared expert, stage by stage on the emulator's own inputs: h13 and the w2 output within
-  2 x `dense_tolerance` of bf16(x·Wᵀ) (both sides are within one such bound of the exact product:
-  fp32 summation order + one bf16 rounding), h bitwise `swiglu_ref`, ffn.partial bitwise
-  bf16(y + shared) (the f32 + bf16 add);
+- shared expert, stage by stage on the emulator's own inputs. Two launches (ffn.SHARED_EXPERT_FUSED):
+  h within `dense_ref.epilogue_expectation`'s "swiglu" bound of SwiGLU of the float64 x·W13ᵀ,
+  ffn.partial within its "add_f32" bound of h·W2ᵀ + y (fp32 summation order, then each rounding).
+  Four launches (reverted): h13 and the w2 output within 2 x `dense_tolerance` of bf16(x·Wᵀ)
+  (both sides are within one such bound of the exact product: fp32 summation order + one bf16
+  rounding), h bitwise `swiglu_ref`, ffn.partial bitwise bf16(y + shared) (the f32 + bf16 add);
 - end to end: ffn.partial against `moe_ref.moe_partial` (quantize_acts=True) within the bound
   those stage errors propagate to (`_partial_bound`);
 - nothing written at or past the bucket's last row in any buffer of the group.
@@ -36,7 +38,9 @@ from loader.checkpoint import Checkpoint
 
 TP = 4
 ROLES = {"ffn.router", "ffn.moe_routed", "ffn.shared_expert"}
-LAUNCHES_PER_RANK = 1 + 4 + 4          # router; MoE chain; w1|w3, SwiGLU, w2, add
+# router; MoE chain; w1|w3 + SwiGLU, w2 + routed sum (reverted: w1|w3, SwiGLU, w2, add)
+SHARED_LAUNCHES = 2 if ffn.SHARED_EXPERT_FUSED else 4
+LAUNCHES_PER_RANK = 1 + 4 + SHARED_LAUNCHES
 CASES = [(1, 1), (6, 6), (13, 16), (48, 48)]          # (real rows, bucket)
 POISONED = ("ffn.partial", "ffn.router_logits", "ffn.topk_ids", "ffn.topk_weights",
             "ffn.moe.meta", "ffn.moe.pairs", "ffn.moe.xq", "ffn.moe.xs", "ffn.moe.h",
@@ -114,8 +118,29 @@ def _partial_bound(y, h, h_ref, w2, shared, shared_ref):
     (2^-24 + 2^-8 relative)."""
     shared_gap = (dr.dense_tolerance(h, w2, "bf16") + dr.dense_tolerance(h_ref, w2, "bf16")
                   + np.abs(h.astype(np.float64) - h_ref) @ np.abs(w2.astype(np.float64)).T)
-    sums = np.abs(y.astype(np.float64) + shared) + np.abs(y.astype(np.float64) + shared_ref)
+    sums = (np.abs(y.astype(np.float64) + shared) + np.abs(y.astype(np.float64) + shared_ref)
+            + shared_gap)                        # shared may be an estimate of the kernel's
     return shared_gap + (2.0**-8 + 2.0**-24) * sums + 2.0**-133
+
+
+def _check_fused(x, h, y, partial, w13, w2, limit: float, what: str):
+    """The two-launch shared expert: h = the w1|w3 kernel's SwiGLU epilogue, partial = the w2
+    kernel's routed-sum epilogue, each within its dense_ref.epilogue_expectation bound of the
+    float64 product of its own inputs. Returns the errors and bf16(h·W2ᵀ) (for the end-to-end
+    bound: the kernel keeps its own in registers)."""
+    inter, d = w2.shape[1], w2.shape[0]
+    spec13 = dr.make_spec("shared_w13", 2 * inter, x.shape[1], epilogue="swiglu",
+                          swiglu_limit=limit)
+    want, bound = dr.epilogue_expectation(
+        spec13, x.astype(np.float64) @ w13.astype(np.float64).T,
+        dr.dense_tolerance(x, w13, "f32"))
+    errs = {"h": _within(h, want, bound, f"{what}: h (w1|w3 + SwiGLU epilogue)")}
+    spec2 = dr.make_spec("shared_w2", d, inter, epilogue="add_f32")
+    want, bound = dr.epilogue_expectation(
+        spec2, h.astype(np.float64) @ w2.astype(np.float64).T,
+        dr.dense_tolerance(h, w2, "f32"), y)
+    errs["partial_stage"] = _within(partial, want, bound, f"{what}: ffn.partial (w2 + routed)")
+    return errs, moe_ref.round_bf16(moe_ref.matmul_t(h.astype(np.float32), w2))
 
 
 def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
@@ -127,17 +152,20 @@ def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
         y, moe_ref.routed_experts(x32, routing, lw.experts, limit, True),
         err_msg=f"rank {r} layer {layer}: routed sum is not moe_ref's bits")
     w13, w2 = lw.shared.w13, lw.shared.w2
-    h13 = s.read(r, "ffn.shared_h13", BF16, bucket, 2 * inter)
     h13_ref = moe_ref.round_bf16(moe_ref.matmul_t(x32, w13))
-    errs = {"h13": _within(h13, h13_ref, 2 * dr.dense_tolerance(x, w13, "bf16"), "h13")}
     h = s.read(r, "ffn.shared_h", BF16, bucket, inter)
-    np.testing.assert_array_equal(h, swiglu_ref(h13, limit), err_msg=f"rank {r}: SwiGLU")
-    shared = s.read(r, "ffn.shared_out", BF16, bucket, d)
-    errs["shared"] = _within(shared, moe_ref.round_bf16(moe_ref.matmul_t(h, w2)),
-                             2 * dr.dense_tolerance(h, w2, "bf16"), "shared w2")
     partial = s.read(r, "ffn.partial", BF16, bucket, d)
-    np.testing.assert_array_equal(partial, residual_add_ref(y, shared),
-                                  err_msg=f"rank {r}: partial is not bf16(y + shared)")
+    if ffn.SHARED_EXPERT_FUSED:
+        errs, shared = _check_fused(x, h, y, partial, w13, w2, limit, f"rank {r} layer {layer}")
+    else:
+        h13 = s.read(r, "ffn.shared_h13", BF16, bucket, 2 * inter)
+        errs = {"h13": _within(h13, h13_ref, 2 * dr.dense_tolerance(x, w13, "bf16"), "h13")}
+        np.testing.assert_array_equal(h, swiglu_ref(h13, limit), err_msg=f"rank {r}: SwiGLU")
+        shared = s.read(r, "ffn.shared_out", BF16, bucket, d)
+        errs["shared"] = _within(shared, moe_ref.round_bf16(moe_ref.matmul_t(h, w2)),
+                                 2 * dr.dense_tolerance(h, w2, "bf16"), "shared w2")
+        np.testing.assert_array_equal(partial, residual_add_ref(y, shared),
+                                      err_msg=f"rank {r}: partial is not bf16(y + shared)")
     # End to end: the reference's own shared-expert path, then moe_partial itself.
     h_ref = moe_ref.round_bf16(moe_ref.swiglu_clamped(h13_ref[:, :inter], h13_ref[:, inter:],
                                                       limit))
@@ -186,6 +214,13 @@ def test_launch_lists_follow_the_bucket(setup, rows, dense, moe_first):
     moe = names("ffn.moe_routed")
     assert moe[0].startswith(moe_first) and moe[-1].startswith("moe_combine_") and len(moe) == 4
     shared = names("ffn.shared_expert")
+    assert len(shared) == SHARED_LAUNCHES
+    if ffn.SHARED_EXPERT_FUSED:
+        assert shared[0].startswith("dense_w8a16_shared_w13_")
+        assert shared[0].endswith(f"_{dense}_swiglu")
+        assert shared[1].startswith("dense_w8a16_shared_w2_")
+        assert shared[1].endswith(f"_{dense}_add_f32")
+        return
     assert shared[0].startswith("dense_w8a16_shared_w13_") and shared[0].endswith(f"_{dense}_bf16")
     assert shared[1].startswith("swiglu_bf16_i")
     assert shared[2].startswith("dense_w8a16_shared_w2_") and shared[2].endswith(f"_{dense}_bf16")
@@ -203,8 +238,10 @@ def test_buffers_and_weights_declared(setup):
         w13 = arena.view(f"layers.{layer}.ffn.shared_experts.w13.weight", np.uint8)
         w1 = s.refs[1].layer(layer).raw("ffn.shared_experts.w1.weight").view(np.uint8)
         w3 = s.refs[1].layer(layer).raw("ffn.shared_experts.w3.weight").view(np.uint8)
-        np.testing.assert_array_equal(w13[:w1.size + w3.size],
-                                      np.concatenate([w1, w3]).reshape(-1))
+        rows = np.concatenate([w1.reshape(w1.shape[0], -1), w3.reshape(w3.shape[0], -1)])
+        if ffn.SHARED_EXPERT_FUSED:                    # the swiglu epilogue's row order
+            rows = dr.interleave_gate_up(rows)
+        np.testing.assert_array_equal(w13[:rows.size], rows.reshape(-1))
     # The router counters and split-K counters start (and, after the runs above, stay) zero.
     for name in ("ffn.router_counters", "ffn.dense_counters"):
         assert not arena.view(name, np.uint8).any(), name

@@ -1,4 +1,5 @@
-"""kernels.dense on the host: y = x @ W^T, W8A16, with its bf16 / f32 / residual epilogue.
+"""kernels.dense on the host: y = x @ W^T, W8A16, with its bf16 / f32 / residual / swiglu / add_f32
+epilogue (`kernels/dense_ref.py`: swiglu writes [rows, N/2], add_f32 reads an f32 residual).
 
 Both variants (register-prefetch "mma", smem-streamed "stream") compute `kernels/dense_ref.dense_ref`
 up to fp32 summation order; the emulator writes its result to out[:rows] and, as the kernel does,
@@ -80,9 +81,11 @@ def emulate_with(reference, record, grid, args, space) -> None:
     out_dtype = np.float32 if spec.out_dtype == "f32" else BF16
     read = {"x": (args["x"], rows * g * k * 2), "weight": (args["weight"], g * n * k),
             "scales": (args["scales"], g * (n // dr.FP8_BLOCK) * (k // dr.FP8_BLOCK))}
-    written = {"out": (args["out"], rows * g * n * np.dtype(out_dtype).itemsize)}
-    if spec.epilogue == "residual":
-        read["residual"] = (args["residual"], rows * g * n * 2)
+    width = spec.out_width
+    written = {"out": (args["out"], rows * width * np.dtype(out_dtype).itemsize)}
+    res_dtype = {"residual": BF16, "add_f32": np.float32}.get(spec.epilogue)
+    if res_dtype is not None:
+        read["residual"] = (args["residual"], rows * g * n * np.dtype(res_dtype).itemsize)
     if spec.workspace_bytes():
         written["workspace"] = (args["workspace"], spec.workspace_bytes())
     if spec.counters_bytes():
@@ -95,10 +98,10 @@ def emulate_with(reference, record, grid, args, space) -> None:
     x = space.array(args["x"], BF16, (rows, g * k)).copy()
     w = space.array(args["weight"], E4M3, (g, n, k)).copy()
     s = space.array(args["scales"], np.uint8, (g, n // dr.FP8_BLOCK, k // dr.FP8_BLOCK)).copy()
-    residual = (space.array(args["residual"], BF16, (rows, g * n)).copy()
-                if spec.epilogue == "residual" else None)
+    residual = (space.array(args["residual"], res_dtype, (rows, g * n)).copy()
+                if res_dtype is not None else None)
     y = reference(spec, x, w, s, residual)
-    space.array(args["out"], out_dtype, (rows, g * n))[...] = y
+    space.array(args["out"], out_dtype, (rows, width))[...] = y
     if "workspace" in written:
         partials = space.array(args["workspace"], np.uint32, spec.workspace_bytes() // 4)
         for part in workspace_written(spec, rows):

@@ -11,7 +11,9 @@ Buffers of a dense / wo_a launch (DenseSpec s, G = s.groups; `dense_requests` si
   read   weight     e4m3 [G, N, K]          (checkpoint layout)
   read   scales     ue8m0 u8 [G, N/32, K/32] (bytes <= 134)
   read   residual   bf16 [rows, G*N]        epilogue "residual" only; may be `out` itself
-  write  out        bf16 [rows, G*N] (f32 for epilogue "f32"); rows >= `rows` untouched
+                    f32 [rows, G*N]         epilogue "add_f32" (the routed sum); not `out`
+  write  out        bf16 [rows, G*N] (f32 for epilogue "f32"; [rows, N/2] for "swiglu", whose
+                    weight rows are dense_ref.interleave_gate_up'd); rows >= `rows` untouched
   scratch workspace f32, s.workspace_bytes() (split-K partials; stream: shared-tile partials)
   scratch counters  u32, s.counters_bytes(): zero when bound, left zero by every launch
 Buffers of an lm_head launch (LmHeadSpec h):
@@ -56,7 +58,7 @@ def dense_spec(bundle, label: str, rows: int, epilogue: str = "bf16",
                prefix: str = "dense_w8a16") -> dr.DenseSpec:
     """The bundle's kernel for layer `label` (dense_ref.dense_shapes) at `rows` rows: the
     plain-named one (variant dense_ref.R8_VARIANT at R <= 8); the R <= 8 candidates beside it
-    carry a variant tag after the epilogue (`_mma`, `_s`, `_sx`, `_sxt`) and are never picked."""
+    carry a variant tag after the epilogue (`_mma`, `_s`, `_sxt`) and are never picked."""
     tail = f"_r{dr.ROW_TILE * row_tiles_for(rows)}_{epilogue}"
     head = f"{prefix}_{label}_n"
     name = _one([n for n in bundle.names() if n.startswith(head) and n.endswith(tail)],
@@ -72,7 +74,7 @@ def wo_a_spec(bundle, rows: int) -> dr.DenseSpec:
 def dense_uses(spec: dr.DenseSpec) -> tuple[str, ...]:
     """The buffers this spec's kernel touches (x, weight, scales, out always)."""
     used = ["x", "weight", "scales", "out"]
-    if spec.epilogue == "residual":
+    if spec.epilogue in ("residual", "add_f32"):
         used.append("residual")
     if spec.workspace_bytes():
         used.append("workspace")
@@ -85,12 +87,14 @@ def dense_requests(spec: dr.DenseSpec, max_rows: int) -> list[tuple[str, int, st
     """(name, nbytes, comment) of every buffer one launch of `spec` needs, for up to max_rows."""
     g, n, k = spec.groups, spec.n, spec.k
     out_bytes = 4 if spec.out_dtype == "f32" else 2
+    res_bytes, w = (4, "f32") if spec.epilogue == "add_f32" else (2, "bf16")
     reqs = {"x": (max_rows * g * k * 2, f"bf16 [{max_rows}, {g * k}]"),
             "weight": (g * n * k, f"e4m3 [{g}, {n}, {k}]"),
             "scales": (g * (n // dr.FP8_BLOCK) * (k // dr.FP8_BLOCK),
                        f"ue8m0 [{g}, {n // dr.FP8_BLOCK}, {k // dr.FP8_BLOCK}]"),
-            "residual": (max_rows * g * n * 2, f"bf16 [{max_rows}, {g * n}]"),
-            "out": (max_rows * g * n * out_bytes, f"{spec.out_dtype} [{max_rows}, {g * n}]"),
+            "residual": (max_rows * g * n * res_bytes, f"{w} [{max_rows}, {g * n}]"),
+            "out": (max_rows * spec.out_width * out_bytes,
+                    f"{spec.out_dtype} [{max_rows}, {spec.out_width}]"),
             "workspace": (spec.workspace_bytes(), "f32 scratch (split-K partials)"),
             "counters": (spec.counters_bytes(), "u32 scratch, zero when bound")}
     return [(name, *reqs[name]) for name in dense_uses(spec)]

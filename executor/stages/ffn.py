@@ -10,17 +10,19 @@ rank's partial, which the FFN all-reduce sums over ranks in fp32):
                                      order; executor/launches/moe.py `step_launches` picks the
                                      default chain with moe_w13w and the group-commit w2 below
                                      SELFROUTED_FROM_ROWS = 3 rows, the self-routed one from 3)
-  ffn.shared_expert  dense w1|w3     xn -> ffn.shared_h13 bf16 [R, 2I]   (bf16(x·W13ᵀ))
-                     swiglu          -> ffn.shared_h bf16 [R, I]         (bf16(SwiGLU))
-                     dense w2        -> ffn.shared_out bf16 [R, D]       (bf16(h·W2ᵀ))
-                     residual add    ffn.moe.y + ffn.shared_out -> ffn.partial
-                                     (bf16(routed + shared): F4's one rounding)
+  ffn.shared_expert  dense w1|w3 +   xn -> ffn.shared_h bf16 [R, I]      (bf16(SwiGLU(bf16(x·W13ᵀ))))
+                     swiglu epilogue
+                     dense w2 +      ffn.shared_h, ffn.moe.y -> ffn.partial
+                     add_f32 epil.   (bf16(routed + bf16(h·W2ᵀ)): F4's rounding)
 
-Four launches for the shared expert, each rounding where `moe_ref.shared_expert` rounds; no
-existing epilogue adds an fp32 routed sum to a bf16 shared output, so the last is the f32 + bf16
-residual add (kernels/elementwise.py). The dense launches pick their kernel by rows (8 rows per
-pass up to 8 rows, 32 above). Padding rows (past the real ones in a bucket) run like any row:
-the FFN writes no cache, and rows >= the bucket are never touched.
+Two launches for the shared expert (SHARED_EXPERT_FUSED), each rounding where
+`moe_ref.shared_expert` / `moe_partial` round: the w1|w3 kernel's "swiglu" epilogue (its weight
+rows interleaved by 8, dense_ref.interleave_gate_up, so one thread holds a gate and its up) and
+the w2 kernel's "add_f32" epilogue. Revert: SHARED_EXPERT_FUSED = False gives the four launches
+of round 4 (w1|w3 -> ffn.shared_h13, swiglu, w2 -> ffn.shared_out, the f32 + bf16 residual add
+of kernels/elementwise.py) and the checkpoint's [w1; w3] row order. The dense launches pick
+their kernel by rows (8 rows per pass up to 8 rows, 32 above). Padding rows (past the real ones
+in a bucket) run like any row: the FFN writes no cache, and rows >= the bucket are never touched.
 
 Scratch is shared by every layer (layers run one after another; each launch reads its
 predecessor's output only after griddepcontrol.wait). The split-K dense workspace and counters
@@ -34,7 +36,8 @@ Weights per backbone layer l (names after the checkpoint; repacked forms with a 
   layers.{l}.ffn.gate.weight          bf16 [E, D]     (replicated)
   layers.{l}.ffn.gate.bias            f32 [E]
   layers.{l}.ffn.shared_experts.w13.weight / .w13.scale   e4m3 [2I_s, D] / ue8m0 [2I_s/32, D/32]
-                                      (the rank's w1 rows, then its w3 rows; dense_shapes
+                                      (the rank's w1 rows, then its w3 rows, the weight rows
+                                      interleaved by 8 when SHARED_EXPERT_FUSED; dense_shapes
                                       "shared_w13")
   layers.{l}.ffn.shared_experts.w2.weight / .w2.scale     e4m3 [D, I_s] / ue8m0 [D/32, I_s/32]
   layers.{l}.ffn.experts.{codes13, offsets13, scales13, codes2, offsets2, scales2}
@@ -76,6 +79,11 @@ ROUTER_ROWS_PER_CTA = rk.ROWS_PER_CTA
 ROUTER_TILE_MAX_ROWS = 96
 ROUTER_TILE_POLLED = True
 SHARED_LABELS = ("shared_w13", "shared_w2")
+# The shared expert in 2 launches (w1|w3 + SwiGLU epilogue, w2 + routed-sum epilogue) instead of
+# 4. Revert: False (also restores the checkpoint's w13 row order; rebind the weights).
+SHARED_EXPERT_FUSED = True
+SHARED_EPILOGUES = ({"shared_w13": "swiglu", "shared_w2": "add_f32"} if SHARED_EXPERT_FUSED
+                    else {"shared_w13": "bf16", "shared_w2": "bf16"})
 EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
 
 
@@ -107,9 +115,11 @@ def _router_scratch_bytes(cfg, rows: int, experts: int) -> int:
 
 
 def _shared_dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
-    """Every shared-expert linear the step may launch (bf16 epilogue, both row tilings)."""
+    """Every shared-expert linear the step may launch (SHARED_EPILOGUES, both row tilings)."""
     shapes = dr.dense_shapes(cfg, tp)
-    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt)
+    epi = SHARED_EPILOGUES
+    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt, epilogue=epi[label],
+                         swiglu_limit=cfg.swiglu_limit if epi[label] == "swiglu" else 0.0)
             for label in SHARED_LABELS for rt in dr.ROW_TILE_CHOICES]
 
 
@@ -156,6 +166,8 @@ def _shared_weights(cfg, tp: int, fetch, layer) -> list[tuple[str, np.ndarray]]:
                     f"{base}w2")
     w13 = np.concatenate([parts["w1"][0], parts["w3"][0]])
     s13 = np.concatenate([parts["w1"][1], parts["w3"][1]])
+    if SHARED_EXPERT_FUSED:                 # the swiglu epilogue's row order (scales unchanged)
+        w13 = dr.interleave_gate_up(w13)
     return [(f"{base}w13.weight", w13), (f"{base}w13.scale", s13),
             (f"{base}w2.weight", parts["w2"][0]), (f"{base}w2.scale", parts["w2"][1])]
 
@@ -262,11 +274,11 @@ def _moe_routed(ctx, layer):
     return build
 
 
-def _dense_by_row_tiles(ctx, label: str) -> dict[int, dr.DenseSpec]:
+def _dense_by_row_tiles(ctx, label: str, epilogue: str = "bf16") -> dict[int, dr.DenseSpec]:
     """row_tiles -> the bundle's spec of `label`, checked against the arena's scratch."""
     out = {}
     for rows in (1, ctx.max_rows):
-        spec = dl.dense_spec(ctx.bundle, label, rows)
+        spec = dl.dense_spec(ctx.bundle, label, rows, epilogue)
         for name, need in (("ffn.dense_workspace", spec.workspace_bytes()),
                            ("ffn.dense_counters", spec.counters_bytes())):
             if need > ctx.arena.nbytes(name):
@@ -277,6 +289,31 @@ def _dense_by_row_tiles(ctx, label: str) -> dict[int, dr.DenseSpec]:
 
 
 def _shared_expert(ctx, layer):
+    return _shared_expert_fused(ctx, layer) if SHARED_EXPERT_FUSED else _shared_expert_4(ctx, layer)
+
+
+def _shared_expert_fused(ctx, layer):
+    """w1|w3 with the SwiGLU epilogue -> ffn.shared_h; w2 with the routed sum -> ffn.partial."""
+    base = _prefix(ctx.cfg, layer) + "shared_experts."
+    w13 = _dense_by_row_tiles(ctx, "shared_w13", "swiglu")
+    w2 = _dense_by_row_tiles(ctx, "shared_w2", "add_f32")
+    scratch = {"workspace": ctx.ptr("ffn.dense_workspace"),
+               "counters": ctx.ptr("ffn.dense_counters")}
+    p13 = {"x": ctx.ptr("xn"), "weight": ctx.ptr(base + "w13.weight"),
+           "scales": ctx.ptr(base + "w13.scale"), "out": ctx.ptr("ffn.shared_h"), **scratch}
+    p2 = {"x": ctx.ptr("ffn.shared_h"), "weight": ctx.ptr(base + "w2.weight"),
+          "scales": ctx.ptr(base + "w2.scale"), "residual": ctx.ptr("ffn.moe.y"),
+          "out": ctx.ptr("ffn.partial"), **scratch}
+
+    def build(rows):
+        tiles = dl.row_tiles_for(rows)
+        return [dl.dense_launch(ctx.bundle, w13[tiles], p13, rows),
+                dl.dense_launch(ctx.bundle, w2[tiles], p2, rows)]
+    return build
+
+
+def _shared_expert_4(ctx, layer):
+    """Round 4's four launches: w1|w3, swiglu, w2, the f32 + bf16 residual add."""
     cfg = ctx.cfg
     base = _prefix(cfg, layer) + "shared_experts."
     act = swiglu_ref.make_spec(ctx.shapes.shared_inter, cfg.swiglu_limit)

@@ -8,8 +8,9 @@ split-K / argmax counters must be back at zero for it to be right).
 Tolerances (kernels/dense_ref.dense_tolerance, lm_head_ref.logits_tolerance): the kernel sums in
 fp32 in another order than NumPy, so it is compared with the float64 product within the fp32
 recursive-summation bound 2*(K-1)*2^-24*sum|x*w| plus half a bf16 ulp (2^-8*|y|) where the output
-is bf16. A wrong scale block (factor 2) or a wrong K permutation exceeds that bound (see
-tests/test_dense_cpu.py). The argmax is compared exactly with NumPy's argmax of the kernel's own
+is bf16; the shared expert's "swiglu" and "add_f32" epilogues propagate it through their
+roundings (dense_ref.epilogue_expectation). A wrong scale block (factor 2), a wrong K permutation
+or a gate paired with the wrong up row exceeds that bound (see tests/test_dense_cpu.py). The argmax is compared exactly with NumPy's argmax of the kernel's own
 logits (the logits kernel sums in the same order as the argmax kernel).
 """
 from __future__ import annotations
@@ -70,34 +71,43 @@ class DenseCase:
         self.s = rng.integers(112, 125, size=(g, n // 32, k // 32)).astype(np.uint8)
         self.x = rng.standard_normal((dr.MAX_ROWS, g * k)).astype(BF16)
         self.res = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(BF16)
-        xf = self.x.astype(np.float64)
-        self.exact = np.empty((dr.MAX_ROWS, g * n))
-        self.acc_bound = np.empty((dr.MAX_ROWS, g * n))
-        for gi in range(g):
-            wf = fp8_block_dequantize(self.w[gi], self.s[gi]).astype(np.float64)
-            xg = xf[:, gi * k:(gi + 1) * k]
-            self.exact[:, gi * n:(gi + 1) * n] = xg @ wf.T
-            self.acc_bound[:, gi * n:(gi + 1) * n] = (2.0 * (k - 1) * 2.0**-24
-                                                      * (np.abs(xg) @ np.abs(wf).T))
+        self.res_f32 = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(np.float32)
+        self.exact, self.acc_bound = self._products(self.w)
+        self.swiglu_products = None         # the same bytes read as interleave_gate_up'd rows
         ws = max([s.workspace_bytes() for s in specs] + [4])
         cnt = max([s.counters_bytes() for s in specs] + [4])
         self.arena = Arena(dev, [("x", self.x.nbytes), ("w", self.w.nbytes), ("s", self.s.nbytes),
-                                 ("res", self.res.nbytes), ("out", dr.MAX_ROWS * g * n * 4),
-                                 ("ws", ws), ("cnt", cnt)])
-        for name, host in (("x", self.x), ("w", self.w), ("s", self.s), ("res", self.res)):
+                                 ("res", self.res.nbytes), ("resf", self.res_f32.nbytes),
+                                 ("out", dr.MAX_ROWS * g * n * 4), ("ws", ws), ("cnt", cnt)])
+        for name, host in (("x", self.x), ("w", self.w), ("s", self.s), ("res", self.res),
+                           ("resf", self.res_f32)):
             self.arena.view(name, np.uint8)[:host.nbytes] = cp.asarray(host.view(np.uint8).ravel())
         self.arena.view("cnt", np.uint32)[:] = 0
         cp.cuda.Device().synchronize()
 
+    def _products(self, w):
+        """float64 x·Wᵀ and the fp32 summation bound 2*(K-1)*2^-24*sum|x*w|, [192, G*N]."""
+        g, n, k = w.shape
+        xf = self.x.astype(np.float64)
+        exact, acc_bound = np.empty((dr.MAX_ROWS, g * n)), np.empty((dr.MAX_ROWS, g * n))
+        for gi in range(g):
+            wf = fp8_block_dequantize(w[gi], self.s[gi]).astype(np.float64)
+            xg = xf[:, gi * k:(gi + 1) * k]
+            exact[:, gi * n:(gi + 1) * n] = xg @ wf.T
+            acc_bound[:, gi * n:(gi + 1) * n] = (2.0 * (k - 1) * 2.0**-24
+                                                 * (np.abs(xg) @ np.abs(wf).T))
+        return exact, acc_bound
+
     def run(self, bundle, spec: dr.DenseSpec, rows: int, stream) -> np.ndarray:
         out_t = np.uint16 if spec.out_dtype == "bf16" else np.uint32
-        out = self.arena.view("out", out_t, (dr.MAX_ROWS, spec.groups * spec.n))
+        out = self.arena.view("out", out_t, (dr.MAX_ROWS, spec.out_width))
         out[:] = _nan(spec.out_dtype)
         cp.cuda.Device().synchronize()
         a = self.arena
         LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
-                   (a.ptr("x"), a.ptr("w"), a.ptr("s"), a.ptr("res"), a.ptr("out"), a.ptr("ws"),
-                    a.ptr("cnt"), rows)).launch(stream)
+                   (a.ptr("x"), a.ptr("w"), a.ptr("s"),
+                    a.ptr("resf" if spec.epilogue == "add_f32" else "res"), a.ptr("out"),
+                    a.ptr("ws"), a.ptr("cnt"), rows)).launch(stream)
         stream.synchronize()
         return cp.asnumpy(out)
 
@@ -105,12 +115,13 @@ class DenseCase:
         assert np.all(raw[rows:] == _nan(spec.out_dtype)), f"{spec.name}: wrote past row {rows}"
         got = raw[:rows].view(BF16 if spec.out_dtype == "bf16" else np.float32)
         got = got.astype(np.float64)
-        exact = self.exact[:rows]
-        if spec.epilogue == "residual":
-            exact = exact + self.res[:rows].astype(np.float64)
-        bound = self.acc_bound[:rows].copy()
-        if spec.out_dtype == "bf16":
-            bound += 2.0**-8 * np.abs(exact) + 2.0**-133
+        exact, acc = self.exact, self.acc_bound
+        if spec.epilogue == "swiglu":
+            if self.swiglu_products is None:
+                self.swiglu_products = self._products(dr.deinterleave_gate_up(self.w))
+            exact, acc = self.swiglu_products
+        res = self.res_f32 if spec.epilogue == "add_f32" else self.res
+        exact, bound = dr.epilogue_expectation(spec, exact[:rows], acc[:rows], res[:rows])
         assert np.isfinite(got).all(), f"{spec.name} R={rows}: NaN left in the output"
         bad = np.argwhere(np.abs(got - exact) > bound)
         assert bad.size == 0, (f"{spec.name} R={rows}: {len(bad)} elements out of bound, first "
@@ -124,8 +135,11 @@ class DenseCase:
 def _rows_for(spec: dr.DenseSpec) -> tuple[int, ...]:
     """Main variants (r8: R <= 8, r32: R > 8) at every R; the other variant and the extra
     epilogues at a few R (every kernel still runs a multi-pass R)."""
+    fused = spec.epilogue in ("swiglu", "add_f32")   # the shared expert's step kernels
     if spec.streamed:                             # R <= 8 only (grid() rejects more)
-        return (1, 5, 6, 8) if spec.epilogue == "bf16" else (6, 8)
+        return (1, 5, 6, 8) if spec.epilogue == "bf16" or fused else (6, 8)
+    if fused:
+        return (1, 8, 17, 48, 192)
     if spec.epilogue != "bf16":
         return (6, 48)
     return ROWS if spec.row_tiles == 1 else (1, 8, 17, 48, 192)
