@@ -127,10 +127,11 @@ def bench_config(cfg: ModelConfig | None = None) -> ModelConfig:
                                               f"{BENCH_ENGRAM_VOCAB})")
 
 
-def cache_geometry(cfg, cases=CASES, contexts=CONTEXTS) -> CacheGeometry:
-    """One geometry for every case: a line and its own pages for each sequence of the widest."""
+def cache_geometry(cfg, cases=CASES, contexts=CONTEXTS, extra_tokens: int = 0) -> CacheGeometry:
+    """One geometry for every case: a line and its own pages for each sequence of the widest
+    (`extra_tokens` past the longest context: rows that advance themselves, the round's)."""
     block, seqs = max(c.block for c in cases), max(c.seqs for c in cases)
-    pages = -(-max(contexts) // PAGE_SIZE)
+    pages = -(-(max(contexts) + extra_tokens) // PAGE_SIZE)
     return CacheGeometry(max_seqs=seqs, ring_slots=next_pow2(cfg.sliding_window + block),
                          ring_rows=next_pow2(block + 2), page_size=PAGE_SIZE,
                          num_pages=seqs * pages, pages_per_seq=pages)
@@ -155,17 +156,20 @@ def row_batch(cfg, geometry: CacheGeometry, case: Case, context: int, rng):
     return rows, history
 
 
-def bound_rules(cfg, geometry) -> dict:
+def bound_rules(cfg, geometry, dspark: bool = False) -> dict:
     """The caller tensors the benchmark binds: the required ones (no `logits`: bound, it would
-    add the logits-mode lm_head, 331 MB more per step, which greedy decoding does not run)."""
-    return {n: r for n, r in binding_rules(cfg, TP, geometry, MAX_ROWS).items() if r.required}
+    add the logits-mode lm_head, 331 MB more per step, which greedy decoding does not run);
+    dspark: the round's too (`accepted`, `bonus`)."""
+    return {n: r for n, r in binding_rules(cfg, TP, geometry, MAX_ROWS, dspark).items()
+            if r.required}
 
 
-def metadata_names(cfg, geometry) -> list[str]:
+def metadata_names(cfg, geometry, dspark: bool = False) -> list[str]:
     """The bound tensors the row metadata fills (everything but caches and outputs)."""
     cache = ("swa_", "compressed_", "index_keys_", "compressor_ring_")
-    return [n for n in binding_rules(cfg, TP, geometry, MAX_ROWS)
-            if not n.startswith(cache) and n not in ("tokens", "logits")]
+    outputs = ("tokens", "logits", "accepted", "bonus")
+    return [n for n in binding_rules(cfg, TP, geometry, MAX_ROWS, dspark)
+            if not n.startswith(cache) and n not in outputs]
 
 
 # ---- bytes that must be read ----------------------------------------------------------------------
@@ -229,20 +233,20 @@ def allreduce_us(rows: int, measured: dict[int, float] | None = None) -> float:
 
 # ---- the rank's memory ----------------------------------------------------------------------------
 
-def host_contents(cfg, seed: int = SEED, workers: int | None = None):
-    """(requests, uploads, seconds): the rank's arena contents from synthetic weights, packed on
-    `workers` threads (default: PACK_WORKERS_ENV, else every core; 1: arena_contents itself;
-    see executor.bench_step_pack)."""
+def host_contents(cfg, seed: int = SEED, workers: int | None = None, modules=BENCH_MODULES):
+    """(requests, uploads, seconds): the rank's arena contents of the stage `modules` from
+    synthetic weights, packed on `workers` threads (default: PACK_WORKERS_ENV, else every core;
+    1: arena_contents itself; see executor.bench_step_pack)."""
     from loader.synth import synth_fetch
 
     t0 = time.perf_counter()
     fetch = synth_fetch(cfg, seed, TP, RANK)
     workers = workers or pack_workers()
     if workers == 1:
-        requests, uploads = arena_contents(cfg, TP, RANK, fetch, MAX_ROWS, BENCH_MODULES,
+        requests, uploads = arena_contents(cfg, TP, RANK, fetch, MAX_ROWS, modules,
                                            representatives(cfg))
     else:
-        requests, uploads = pack_parallel(cfg, TP, RANK, fetch, MAX_ROWS, BENCH_MODULES,
+        requests, uploads = pack_parallel(cfg, TP, RANK, fetch, MAX_ROWS, modules,
                                           representatives(cfg), workers)
     return requests, uploads, time.perf_counter() - t0
 
@@ -298,20 +302,26 @@ def find_bundle(ctx, cfg):
 
 
 class DeviceStep:
-    """Rank 0's arena, bound caller tensors and wired plan on the device."""
+    """Rank 0's arena, bound caller tensors and wired plan on the device.
 
-    def __init__(self, ctx, cfg, bundle):
+    The round benchmark (executor/bench_round.py) reuses it with its own stage `modules`, cache
+    `geometry` and the DSpark tensors (`dspark`), and wires its own plans (`wire_plans`)."""
+
+    def __init__(self, ctx, cfg, bundle, modules=BENCH_MODULES, geometry=None,
+                 dspark: bool = False):
         import cupy as cp
 
         from executor.arena import plan_slices
         from executor.runtime import Arena
 
-        self.cp, self.cfg, self.stream = cp, cfg, ctx.stream
+        self.cp, self.cfg, self.stream, self.dspark = cp, cfg, ctx.stream, dspark
         self.pack_workers = pack_workers()
-        requests, uploads, self.pack_s = host_contents(cfg, workers=self.pack_workers)
+        requests, uploads, self.pack_s = host_contents(cfg, workers=self.pack_workers,
+                                                       modules=modules)
+        self.upload_bytes = {name: array.nbytes for name, array in uploads}
         self.weights = weight_bytes(cfg, uploads)
-        self.geometry = cache_geometry(cfg)
-        rules = bound_rules(cfg, self.geometry)
+        self.geometry = geometry or cache_geometry(cfg)
+        rules = bound_rules(cfg, self.geometry, dspark)
         need = plan_slices(requests)[1] + sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize
                                               for r in rules.values())
         if need > ctx.device.mem_free_bytes():
@@ -337,11 +347,15 @@ class DeviceStep:
             bound = {n: int(t.data.ptr) for n, t in self.tensors.items()}
             step = StepContext(cfg, TP, RANK, bundle, self.arena, bound, MAX_ROWS,
                                geometry=self.geometry)
-            self.plan = wire(decode_plan(cfg), step, BENCH_MODULES)
-            self.plan.require_complete()
+            self.wire_plans(step)
         except BaseException:
             self.close()
             raise
+
+    def wire_plans(self, step) -> None:
+        """The decode step on the stage modules of the benchmark (BENCH_MODULES)."""
+        self.plan = wire(decode_plan(self.cfg), step, BENCH_MODULES)
+        self.plan.require_complete()
 
     def load(self, case: Case, context: int, seed: int = SEED) -> None:
         from executor.emulate.ranks import fill_caller_tensors
@@ -349,7 +363,7 @@ class DeviceStep:
         rows, history = row_batch(self.cfg, self.geometry, case, context,
                                   np.random.default_rng(seed))
         host = {n: np.zeros(self.tensors[n].shape, self.tensors[n].dtype)
-                for n in metadata_names(self.cfg, self.geometry)}
+                for n in metadata_names(self.cfg, self.geometry, self.dspark)}
         fill_caller_tensors(host, rows, history=history)
         for name, array in host.items():
             self.tensors[name].set(array)

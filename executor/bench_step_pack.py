@@ -28,6 +28,9 @@ PACK_ORDER = ("executor.stages.ffn_tiled", "executor.stages.mhc", "executor.stag
 # drawn first, each on its own thread: the two largest global tensors (331 MB of bf16 rows each
 # on rank 0, ~3 s to draw), which mhc's globals task and every mhc per-layer task ask for first
 PREFETCH = ("embed.weight", "head.weight")
+# stage modules whose weights() ignore `layers` (global weights only: main_proj, the Markov head):
+# packed whole as one task, since their names do not split by layer
+WHOLE_MODULES = ("executor.stages.dspark",)
 LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 
 
@@ -75,7 +78,8 @@ def pack_parallel(cfg, tp: int, rank: int, fetch, max_rows: int, modules, layer_
     its leading globals are dropped, fetched once through SharedFetch; a generator is closed at
     the first global after the layer's arrays, so only that one is made again, e.g. attn_proj's
     first RoPE table, ~2 s) and the pieces are put back in that order. A module that does not
-    split so is an error (the CPU test checks the stage modules on tiny)."""
+    split so is an error (the CPU test checks the stage modules on tiny); WHOLE_MODULES, whose
+    weights are globals only, are packed whole by one task."""
     requests, _ = arena_contents(cfg, tp, rank, fetch, max_rows, (), layer_map)  # checks the map
     mods = [importlib.import_module(name) for name in modules]
     for mod in mods:
@@ -92,10 +96,14 @@ def pack_parallel(cfg, tp: int, rank: int, fetch, max_rows: int, modules, layer_
                 pool.submit(fetch, name)
             heads = {m: pool.submit(lambda m=m: list(m.weights(cfg, tp, rank, fetch, layers=[])))
                      for m in packers}
+            split = [m for m in sorted(packers, key=_pack_order)
+                     if m.__name__ not in WHOLE_MODULES]
             parts = {(m, s.index): pool.submit(_layer_part, m, cfg, tp, rank, fetch, s)
-                     for m in sorted(packers, key=_pack_order) for s in specs}
-            packed = [item for m in packers for item in _serial_order(
-                m, heads[m].result(), [(s.index, parts[m, s.index].result()) for s in specs])]
+                     for m in split for s in specs}
+            packed = [item for m in packers for item in (
+                _serial_order(m, heads[m].result(),
+                              [(s.index, parts[m, s.index].result()) for s in specs])
+                if m in split else heads[m].result())]
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise

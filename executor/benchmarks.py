@@ -425,9 +425,11 @@ FAMILY_BENCHMARKS = (
     ("indexer", "executor.indexer_chain:bench_indexer"),
     ("compressor", "executor.compressor_chain:bench_compressor"),
     ("collectives", "collectives.bench:bench_collectives"),
+    ("tp", "collectives.multi:bench_tp"),               # >= 2 GPUs; one skipped line on 1
     ("embed_engram", "executor.embed_engram_chain:bench_embed_engram"),
     ("mhc_router", "executor.mhc_router_chain:bench_mhc_router"),
-    ("step", "executor.bench_step:bench_step"),      # last: it holds ~85 GB of the GPU
+    ("step", "executor.bench_step:bench_step"),      # late: it holds ~85 GB of the GPU
+    ("round", "executor.bench_round:bench_round"),   # after step: it reads the step's times
 )
 
 

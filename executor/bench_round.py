@@ -1,0 +1,473 @@
+"""DSpark round benchmark on one GPU: rank 0 of TP4, the draft and verify graphs back to back.
+
+    hopdec devicecheck --only round --bundle build/bundle-v41-bench-step-tp4 ...
+    HOPDEC_ROUND_CASES=c1x4k,c8x64k hopdec devicecheck --only round ...   # those cases only
+
+Environment: HOPDEC_ROUND_CASES ("cSEQSxCONTEXT,...": SEQS sequences, one of ROUND_SEQS, CONTEXT
+in tokens, k = 1024) runs only those; unset, c1, c4, c8 (quick: c1, c8) at 4k and 64k.
+HOPDEC_PACK_WORKERS as the step benchmark.
+
+What runs (model doc §4; issue 10): on the step benchmark's rank (executor/bench_step.py:
+`bench_config`, synthetic weights, 40 layers sharing 8 representatives' bytes, tiled experts,
+`stages.local_collectives`), two plans on one arena:
+- verify: `decode_plan(cfg, dspark=True, sync_free=True)`, k + 1 = 6 rows per sequence: the
+  step, the aux states, acceptance, ring rollback, main_proj and the 3 stages' context KV, the
+  row advance to the draft rows;
+- draft: `draft_plan(cfg, sync_free=True)`, k = 5 rows per sequence: the 3 DSpark stages (their
+  own weights and 128-expert FFNs, `stages.ffn_tiled_dspark`), the shared head's logits, the 5
+  Markov steps, the row advance back to the verify rows.
+The draft roles are the backbone builders of the benchmark's modules (as stages/draft.py maps
+the executor's). Each Markov step's cross-rank pick is wired on a stand-in state and dropped
+(no peer would ever answer); its latency is added with the all-reduces' in the "+ AR" column
+(one-shot latency at one row per pick: 8 bytes a row, latency-bound). With the local stand-ins
+the target's picks never write `tokens` and the Markov picks never write `dspark.prev`, so every
+draft token is 0 = `tokens`: every round accepts all k drafts and writes k + 1 context KV rows
+(the most work the acceptance can ask for); the rows advance k + 1 positions a round, which the
+cache geometry leaves room for (ROUND_MARGIN).
+
+Timed per (sequences, context): one graph per plan, captured at the case's rows; after an eager
+pass (distinct experts per router, read on the host) and one verify replay, ROUND_REPS rounds of
+draft then verify replayed back to back, with CUDA events before, between and after: medians of
+the round and of each half inside it. (Replaying one half alone would feed it its own advanced
+rows, not the other half's.) No L2 flush: a round reads 8-30 GB.
+
+Reported: the round time, with the all-reduces and picks of both plans added; bytes that must be
+read (each plan's weights: the arena slices its launches point into, the distinct experts its
+routers picked, embedding rows, KV) against 4.8 TB/s and the model doc's 2.14 ms round floor
+(c1); tokens per second per sequence = (accepted + 1) / round at the acceptance lengths of
+ACCEPTANCE (synthetic weights have no acceptance of their own) and over accepted = 0..k, beside
+the upstream PR's median ITL (one streamed chunk per round, so comparable to the round time).
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from executor import bench_step as bs
+from executor.plan import Plan, decode_plan, draft_plan
+from executor.stages import draft as draft_stages
+from executor.stages import local_collectives
+from executor.wiring import builders
+from kernels.kvrecord_ref import KV_RECORD_BYTES
+
+ROUND_MODULES = ("executor.stages.mhc", "executor.stages.attn_proj",
+                 "executor.stages.attn_index", "executor.stages.ffn_tiled_dspark",
+                 "executor.stages.local_collectives", "executor.stages.dspark")
+ROUND_SEQS, QUICK_SEQS = (1, 4, 8), (1, 8)
+CASES_ENV = "HOPDEC_ROUND_CASES"
+ROUND_REPS, WARMUP_ROUNDS = 40, 3
+ROUND_MARGIN = 1024              # tokens past the longest context: > (reps + warmup + 3) x 6
+CROSS_RANK_FAMILY = "kernels.allreduce"
+DOC_ROUND_FLOOR_MS = {1: 2.14}   # model doc §4: verify R = 6 + draft, 10.3 GB at 4.8 TB/s
+# tokens per round counting the bonus (accepted + 1): anchors.md §1 (vllm#56797, V4.1-Flash
+# DSpark k = 5, GSM8K on H20; read as vLLM's mean acceptance length, which counts the bonus)
+# and the upstream PR (seed/upstream-hopper-backend-pr.txt, merged build, real prompts)
+UPSTREAM_AL = 3.25
+ACCEPTANCE = (("anchors vllm#56797", 2.82), ("upstream PR", UPSTREAM_AL))
+# the upstream PR's median ITL with the executor on (4 x H200, TP4, DSpark k = 5), ms, by
+# (sequences, context label): real prompts (short) as "4k", its 64K prompts as "64k"
+UPSTREAM_ITL_MS = {(1, "4k"): 5.34, (8, "4k"): 14.36, (1, "64k"): 5.63, (8, "64k"): 13.63}
+
+
+@dataclass(frozen=True)
+class RoundCase:
+    """`seqs` sequences of one DSpark round: k + 1 verify rows and k draft rows each."""
+
+    seqs: int
+    k: int
+
+    @property
+    def verify(self) -> bs.Case:
+        return bs.Case(self.seqs * (self.k + 1), self.seqs, "verify")
+
+    @property
+    def draft_rows(self) -> int:
+        return self.seqs * self.k
+
+    @property
+    def label(self) -> str:
+        return f"c{self.seqs}"
+
+
+def selected_rounds(k: int, spec: str | None = None, quick: bool = False):
+    """[(RoundCase, contexts)] to run: `spec` (default: CASES_ENV) "cSEQSxCONTEXT,..." such as
+    "c1x4k,c8x64k" (the c optional, SEQS one of ROUND_SEQS, k = 1024 tokens, CONTEXT from a
+    verify block up to max(bs.CONTEXTS)), grouped by case in the order given; unset or empty:
+    ROUND_SEQS (quick: QUICK_SEQS) at every context of bs.CONTEXTS."""
+    spec = os.environ.get(CASES_ENV, "") if spec is None else spec
+    if not spec.strip():
+        return [(RoundCase(s, k), bs.CONTEXTS) for s in (QUICK_SEQS if quick else ROUND_SEQS)]
+    chosen: dict[RoundCase, list[int]] = {}
+    for item in spec.split(","):
+        seqs, _, context = item.strip().lower().removeprefix("c").partition("x")
+        scale = 1024 if context.endswith("k") else 1
+        context = context.removesuffix("k")
+        tokens = int(context) * scale if context.isdigit() else -1
+        if not (seqs.isdigit() and int(seqs) in ROUND_SEQS
+                and k + 1 <= tokens <= max(bs.CONTEXTS)):
+            raise ValueError(f"{CASES_ENV}: {item.strip()!r} is not cSEQSxCONTEXT with SEQS one "
+                             f"of {list(ROUND_SEQS)} and CONTEXT (4k = 4096) from {k + 1} up to "
+                             f"{max(bs.CONTEXTS)}")
+        contexts = chosen.setdefault(RoundCase(int(seqs), k), [])
+        if tokens not in contexts:
+            contexts.append(tokens)
+    return [(case, tuple(contexts)) for case, contexts in chosen.items()]
+
+
+# ---- wiring: the two plans on the benchmark's stage modules -----------------------------------
+
+def round_builders(modules=ROUND_MODULES) -> dict:
+    """role -> builder: the modules' roles, each per-layer role again under `draft.` (on DSpark
+    stage layers only, as stages/draft.py does with the executor's modules) and draft.py's own
+    non-layer roles (collapse, norm, logits head)."""
+    table = builders(modules)
+    for role, build in list(table.items()):
+        if role.startswith(draft_stages.LAYER_GROUPS):
+            table[draft_stages.PREFIX + role] = _on_draft_stage(role, build)
+    for role, build in draft_stages.BUILDERS.items():
+        if not role.removeprefix(draft_stages.PREFIX).startswith(draft_stages.LAYER_GROUPS):
+            table[role] = build
+    return table
+
+
+def _on_draft_stage(role: str, build):
+    def factory(ctx, layer):
+        if layer is None or not layer.is_dspark:
+            raise ValueError(f"draft.{role} runs at a DSpark stage layer, got layer "
+                             f"{getattr(layer, 'index', None)}")
+        return build(ctx, layer)
+    return factory
+
+
+def wire_with(plan: Plan, ctx, table: dict) -> Plan:
+    """`wiring.wire` over a role table instead of module names."""
+    layers = {spec.index: spec for spec in ctx.cfg.layers}
+    return plan.wire_all({s.name: table[s.range_name](
+        ctx, None if s.layer is None else layers[s.layer])
+        for s in plan.missing_stages() if s.range_name in table})
+
+
+def standin_collectives(ctx):
+    """A collective state the Markov builders accept; its launches are dropped (`local_plan`),
+    so its pointers (the never-written zeros of local_collectives) are never read."""
+    from collectives.oneshot import CollectiveState
+
+    zeros = ctx.ptr(local_collectives.ZEROS)
+    return CollectiveState(ctx.rank, ctx.tp, {"peers": zeros, "control": zeros, "status": zeros},
+                           timeout_us=1000)
+
+
+def is_cross_rank(spec) -> bool:
+    return getattr(spec.kernel, "record", spec.kernel).family == CROSS_RANK_FAMILY
+
+
+def local_plan(plan: Plan) -> Plan:
+    """`plan` with every cross-rank launch (the Markov steps' picks) left out of its stages."""
+    def keep(build):
+        return lambda rows: [s for s in build(rows) if not is_cross_rank(s)]
+    return Plan([replace(s, build=keep(s.build)) if s.build else s for s in plan.stages])
+
+
+def wire_round(cfg, ctx, modules=ROUND_MODULES) -> tuple[Plan, Plan]:
+    """(verify, draft) plans wired on `ctx` (its `collectives` set to the stand-in), complete."""
+    ctx.collectives = standin_collectives(ctx)
+    table = round_builders(modules)
+    plans = (wire_with(decode_plan(cfg, dspark=True, sync_free=True), ctx, table),
+             wire_with(draft_plan(cfg, sync_free=True), ctx, table))
+    for plan in plans:
+        plan.require_complete()
+    return plans
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The cross-rank calls of one plan at one bucket (the local stand-ins make none)."""
+
+    allreduces: int
+    gathers: int
+    picks: int
+
+    def latency_us(self, rows: int, table=None) -> float:
+        """One-shot latency: all-reduces and gathers at the bucket's rows, picks at one row."""
+        return ((self.allreduces + self.gathers) * bs.allreduce_us(rows, table)
+                + self.picks * bs.allreduce_us(1, table))
+
+
+def count_collectives(plan: Plan, rows: int) -> Collectives:
+    """From the wired (not local) plan: stages of the cross-rank roles and the picks inside the
+    Markov stages."""
+    counts = {"allreduce": 0, "allgather": 0, "pick": 0}
+    for stage, specs in plan.launches(rows):
+        role = stage.range_name.removeprefix(draft_stages.PREFIX)
+        if role in local_collectives.BUILDERS:
+            kind = next((kind for kind in counts if kind in role), None)
+            if kind is None:
+                raise ValueError(f"{stage.name}: a cross-rank role that is no all-reduce, "
+                                 f"all-gather or pick")
+            counts[kind] += 1
+        else:
+            counts["pick"] += sum(is_cross_rank(s) for s in specs)
+    return Collectives(counts["allreduce"], counts["allgather"], counts["pick"])
+
+
+# ---- bytes that must be read ------------------------------------------------------------------
+
+ROW_TABLES = ("embed.weight", ".engram.embed.", "rope.", "markov_w1")   # read by the rows only
+
+
+def touched_slices(specs, arena) -> set[str]:
+    """The arena slices the launches' pointer arguments point into."""
+    spans = sorted((arena.ptr(name), arena.ptr(name) + s.nbytes, name)
+                   for name, s in arena.slices.items())
+    starts = [start for start, _, _ in spans]
+    out = set()
+    for spec in specs:
+        for (_, kind), value in zip(spec.kernel.params, spec.args):
+            if kind != "u64":
+                continue
+            i = bisect.bisect_right(starts, value) - 1
+            if i >= 0 and value < spans[i][1]:
+                out.add(spans[i][2])
+    return out
+
+
+@dataclass(frozen=True)
+class PlanWeights:
+    """The weights one plan reads: whole (dense), and one routed expert of its layers."""
+
+    dense: int
+    per_expert: int
+    expert_slices: int      # layers whose experts it reads (check: 40 verify, 3 draft)
+
+
+def plan_weights(cfg, upload_bytes: dict[str, int], touched: set[str]) -> PlanWeights:
+    """From the packed weights' sizes and the slices a plan's launches touch."""
+    dense = experts = 0
+    layers = set()
+    for name in touched & set(upload_bytes):
+        if ".ffn.experts." in name:
+            experts += upload_bytes[name]
+            layers.add(name.split(".ffn.experts.")[0])
+        elif not any(key in name for key in ROW_TABLES):
+            dense += upload_bytes[name]
+    dspark = any(name.startswith("mtp.") for name in layers)
+    count = cfg.dspark_n_routed_experts if dspark else cfg.n_routed_experts
+    return PlanWeights(dense, experts // max(1, len(layers) * count), len(layers))
+
+
+def draft_kv_bytes(cfg, case: RoundCase, context: int) -> int:
+    """Each DSpark stage's SWA window and the block's own k rows, per sequence."""
+    stages = sum(1 for spec in cfg.layers if spec.is_dspark)
+    return case.seqs * stages * (min(context, cfg.sliding_window) + case.k) * KV_RECORD_BYTES
+
+
+def round_bytes(cfg, verify: PlanWeights, draft: PlanWeights, case: RoundCase, context: int,
+                distinct_verify: list[int], distinct_draft: list[int]) -> tuple[int, int]:
+    """(verify, draft) bytes that must be read at `context`: the step's formula for the verify
+    (bs.step_bytes), and for the draft its weights, distinct experts, embedding and Markov
+    rows (w1[prev], 256 bf16 a step and sequence) and its stages' KV."""
+    engram_row = cfg.engram_head_dim + cfg.engram_head_dim // 32
+    v = bs.step_bytes(cfg, bs.WeightBytes(verify.dense, verify.per_expert, engram_row),
+                      case.verify, context, distinct_verify)
+    markov_rows = case.k * case.seqs * cfg.dspark_markov_rank * 2
+    d = (draft.dense + draft.per_expert * sum(distinct_draft)
+         + case.draft_rows * cfg.hidden_size * 2 + markov_rows
+         + draft_kv_bytes(cfg, case, context))
+    return v, d
+
+
+def tokens_per_s(tokens_per_round: float, round_us: float) -> float:
+    """Tokens a second of one sequence: (accepted + 1) tokens each round."""
+    return tokens_per_round / (round_us * 1e-6)
+
+
+def acceptance_table(k: int, round_us: float) -> list[tuple[int, float]]:
+    """[(accepted, tokens per second per sequence)] for accepted = 0..k."""
+    return [(a, tokens_per_s(a + 1, round_us)) for a in range(k + 1)]
+
+
+# ---- the benchmark (GPU) ----------------------------------------------------------------------
+
+class DeviceRound(bs.DeviceStep):
+    """The step benchmark's rank with the DSpark weights, tensors and both round plans."""
+
+    def __init__(self, ctx, cfg, bundle, rounds):
+        cases = [bs.Case(c.verify.rows, c.seqs, "verify") for c, _ in rounds]
+        contexts = [t for _, ts in rounds for t in ts]
+        geometry = bs.cache_geometry(cfg, cases, contexts, extra_tokens=ROUND_MARGIN)
+        super().__init__(ctx, cfg, bundle, ROUND_MODULES, geometry, dspark=True)
+
+    def wire_plans(self, step) -> None:
+        wired = wire_round(self.cfg, step)
+        self.wired = dict(zip(("verify", "draft"), wired))
+        self.plans = {name: local_plan(plan) for name, plan in self.wired.items()}
+
+    def distinct_experts(self, built, rows: int) -> list[int]:
+        """Run `built` eagerly; after each router (backbone or draft stage), the distinct
+        experts it picked for the `rows` rows (a host read: this pass is not timed)."""
+        out = []
+        for stage, specs in built:
+            for spec in specs:
+                spec.launch(self.stream)
+            if stage.range_name.removeprefix(draft_stages.PREFIX) == "ffn.router":
+                layer = self.cfg.layer(stage.layer)
+                k, experts = ((self.cfg.dspark_num_experts_per_tok,
+                               self.cfg.dspark_n_routed_experts) if layer.is_dspark else
+                              (self.cfg.num_experts_per_tok, self.cfg.n_routed_experts))
+                self.stream.synchronize()
+                ids = self.arena.download("ffn.topk_ids", np.int32, (rows * k,))
+                if ids.min() < 0 or ids.max() >= experts:
+                    raise RuntimeError(f"{stage.name}: expert ids outside 0..{experts - 1}: "
+                                       f"{np.unique(ids)}")
+                out.append(len(np.unique(ids)))
+        self.stream.synchronize()
+        return out
+
+    def nonfinite(self, name: str, dtype, shape) -> int:
+        values = self.arena.download(name, dtype, shape).astype(np.float32)
+        return int(np.count_nonzero(~np.isfinite(values)))
+
+
+def _time_round(stream, graphs, reps: int, warmup: int) -> dict[str, float]:
+    """Medians over `reps` rounds of the draft graph then the verify graph, with events before,
+    between and after: {"draft", "verify", "round"} in us."""
+    from executor.cuda import check, driver
+
+    cu = driver()
+    flags = cu.CUevent_flags.CU_EVENT_DEFAULT
+    events = [[check(cu.cuEventCreate(flags)) for _ in range(3)] for _ in range(reps)]
+    try:
+        for _ in range(warmup):
+            graphs["draft"].launch(stream)
+            graphs["verify"].launch(stream)
+        for before, between, after in events:
+            check(cu.cuEventRecord(before, stream.cu_handle))
+            graphs["draft"].launch(stream)
+            check(cu.cuEventRecord(between, stream.cu_handle))
+            graphs["verify"].launch(stream)
+            check(cu.cuEventRecord(after, stream.cu_handle))
+        stream.synchronize()
+
+        def median(i, j):
+            return statistics.median(check(cu.cuEventElapsedTime(e[i], e[j])) * 1e3
+                                     for e in events)
+        return {"draft": median(0, 1), "verify": median(1, 2), "round": median(0, 2)}
+    finally:
+        for trio in events:
+            for event in trio:
+                check(cu.cuEventDestroy(event))
+
+
+def bench_round(ctx) -> None:
+    """The DSpark round per number of sequences and context (see the module docstring)."""
+    cfg = bs.bench_config()
+    rounds = selected_rounds(cfg.dspark_block_size, quick=ctx.quick)   # bad env: fails first
+    bundle = bs.find_bundle(ctx, cfg)
+    ar_table = bs._measured_allreduce(ctx)
+    t0 = time.perf_counter()
+    dev = DeviceRound(ctx, cfg, bundle, rounds)
+    ctx.metric("round: host packing (8 of 40 layers, the DSpark stages, main_proj, Markov)",
+               dev.pack_s, "s")
+    ctx.metric("round: arena upload + cache set-up", dev.upload_s, "s")
+    lines, speeds = [], []
+    try:
+        for case, contexts in rounds:
+            lines += _bench_case(ctx, dev, cfg, case, contexts, ar_table, speeds)
+    finally:
+        dev.close()
+    ctx.metric("round: benchmark wall time", time.perf_counter() - t0, "s")
+    _print_tables(cfg, lines, speeds, "this run" if ar_table else "docs/perf.md run 16")
+
+
+def _step_metric(ctx, rows: int, label: str) -> float | None:
+    """The step benchmark's graph replay of this run at `rows` and context, when it ran."""
+    want = f"step R={rows} ctx={label}: graph replay"
+    return next((r.value for r in ctx.metric_rows if r.metric == want), None)
+
+
+def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> list[str]:
+    rows = {"verify": case.verify.rows, "draft": case.draft_rows}
+    built = {name: dev.plans[name].launches(rows[name]) for name in rows}
+    specs = {name: [s for _, group in built[name] for s in group] for name in rows}
+    calls = {name: count_collectives(dev.wired[name], rows[name]) for name in rows}
+    weights = {name: plan_weights(cfg, dev.upload_bytes, touched_slices(specs[name], dev.arena))
+               for name in rows}
+    graphs = {name: bs._capture(dev.stream, specs[name]) for name in rows}
+    lines = []
+    try:
+        for context in contexts:
+            dev.load(case.verify, context)
+            distinct = {name: dev.distinct_experts(built[name], rows[name]) for name in rows}
+            graphs["verify"].launch(dev.stream)          # the rows are the draft's now
+            times = _time_round(dev.stream, graphs, ROUND_REPS, WARMUP_ROUNDS)
+            label = bs._context_label(context)
+            tag = f"round {case.label} ctx={label}"
+            v_bytes, d_bytes = round_bytes(cfg, weights["verify"], weights["draft"], case,
+                                           context, distinct["verify"], distinct["draft"])
+            with_ar = {name: times[name] + calls[name].latency_us(rows[name], ar_table)
+                       for name in rows}
+            with_ar["round"] = with_ar["verify"] + with_ar["draft"]
+            row = ctx.bandwidth("DSpark round (rank 0 of TP4)", f"{case.label} {label}",
+                                rows["verify"], times["round"], v_bytes + d_bytes)
+            for name in ("round", "verify", "draft"):
+                ctx.metric(f"{tag}: {name} graph", times[name], "us")
+                ctx.metric(f"{tag}: {name} + AR", with_ar[name], "us")
+            for name in rows:
+                c = calls[name]
+                ctx.metric(f"{tag}: {name} launches / all-reduces / gathers / picks",
+                           len(specs[name]), "", f"{c.allreduces} / {c.gathers} / {c.picks}")
+                ctx.metric(f"{tag}: {name} distinct experts per layer (mean)",
+                           statistics.mean(distinct[name]), "")
+            floor = (v_bytes + d_bytes) / bs.HBM_BYTES_PER_S * 1e6
+            ctx.metric(f"{tag}: HBM floor of its bytes at 4.8 TB/s", floor, "us")
+            for name, al in ACCEPTANCE:
+                ctx.metric(f"{tag}: tokens/s per sequence at {al} tokens a round ({name})",
+                           tokens_per_s(al, with_ar["round"]), "tok/s")
+            ctx.metric(f"{tag}: non-finite base logits U", dev.nonfinite(
+                "dspark.base", np.float32, (case.draft_rows, cfg.vocab_size // bs.TP)), "")
+            doc = DOC_ROUND_FLOOR_MS.get(case.seqs)
+            step = _step_metric(ctx, rows["verify"], label)
+            pr = UPSTREAM_ITL_MS.get((case.seqs, label))
+            lines.append(
+                f"{case.label:>3s} {label:>4s} {times['round']:>9.1f} {with_ar['round']:>9.1f} "
+                f"{times['verify']:>9.1f} {with_ar['verify']:>9.1f} "
+                f"{f'{step:.1f}' if step else '-':>9s} {times['draft']:>8.1f} "
+                f"{with_ar['draft']:>8.1f} {v_bytes / 1e9:>6.2f} {d_bytes / 1e9:>6.2f} "
+                f"{row.pct_hbm:>5.1f} {floor:>8.1f} {f'{doc * 1e3:.0f}' if doc else '-':>5s} "
+                f"{statistics.mean(distinct['verify']):>6.1f} "
+                f"{statistics.mean(distinct['draft']):>5.1f} {f'{pr * 1e3:.0f}' if pr else '-':>6s}")
+            speeds.append((f"{case.label} {label}", with_ar["round"], pr))
+    finally:
+        for graph in graphs.values():
+            graph.close()
+    return lines
+
+
+def _print_tables(cfg, lines: list[str], speeds, ar_source: str) -> None:
+    k = cfg.dspark_block_size
+    title = (f"DSpark round benchmark (rank 0 of TP4, 1 GPU, k = {k}: draft then verify graph; "
+             f"+ AR: one-shot all-reduces, gathers and picks from {ar_source}; step R: the step "
+             f"benchmark's graph at the verify rows, this run; doc: model doc §4 round floor; "
+             f"PR: the upstream PR's median ITL, executor on)")
+    header = (f"{'c':>3s} {'ctx':>4s} {'round us':>9s} {'+AR us':>9s} {'verify':>9s} "
+              f"{'+AR':>9s} {'step R':>9s} {'draft':>8s} {'+AR':>8s} {'GB v':>6s} {'GB d':>6s} "
+              f"{'%4.8':>5s} {'floor us':>8s} {'doc':>5s} {'exp v':>6s} {'exp d':>5s} "
+              f"{'PR us':>6s}")
+    speed_header = (f"{'case':>9s} " + " ".join(f"{f'a={a}':>7s}" for a in range(k + 1))
+                    + " " + " ".join(f"{f'AL {al}':>8s}" for _, al in ACCEPTANCE)
+                    + f" {f'PR AL {UPSTREAM_AL}':>10s}")
+    out = [title, header, *lines, "",
+           ("tokens/s per sequence from the round + AR time: (accepted + 1) / round; AL: "
+            f"tokens a round (accepted + 1) of ACCEPTANCE; PR: {UPSTREAM_AL} / its median ITL"),
+           speed_header]
+    for name, round_us, pr in speeds:
+        cells = [f"{v:>7.0f}" for _, v in acceptance_table(k, round_us)]
+        cells += [f"{tokens_per_s(al, round_us):>8.0f}" for _, al in ACCEPTANCE]
+        cells.append(f"{f'{tokens_per_s(UPSTREAM_AL, pr * 1e3):.0f}' if pr else '-':>10s}")
+        out.append(f"{name:>9s} " + " ".join(cells))
+    print("\n".join(out), flush=True)
