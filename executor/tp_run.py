@@ -8,6 +8,11 @@
     out.result, out.tokens, out.logits  # StepResult; outputs read back after a stream sync
     rank.close()                        # every rank (a final exchange: peers done with our buffer)
 
+With `dspark=True` the rank's Executor serves DSpark rounds (executor/executor.py): the caller
+tensors add `accepted` and `bonus`, and `rank.round(n_seqs)` / `rank.draft(n_seqs)` enqueue a
+round (draft graph, then verify graph) or its draft step alone on the rank's stream and return
+the code without any synchronisation or read; `rank.read(name)` reads when the test wants.
+
 What it wires, in order: the rank's Device (its primary context, shared with CuPy), the kernel
 bundle, `collectives.oneshot.OneShotAllReduce` over the caller's `exchange` (an all-gather of
 bytes: `collectives.launcher.RankContext.exchange` in tests and benchmarks, an NCCL byte
@@ -129,10 +134,11 @@ def check_buckets(buckets) -> tuple[int, ...]:
     return buckets
 
 
-def bound_rules(cfg, tp: int, geometry: CacheGeometry, bind_logits: bool) -> dict:
+def bound_rules(cfg, tp: int, geometry: CacheGeometry, bind_logits: bool,
+                dspark: bool = False) -> dict:
     """The binding_rules entries a rank binds: every required one, `logits` when asked (bound,
-    it adds the logits-mode lm_head to the step)."""
-    return {n: r for n, r in binding_rules(cfg, tp, geometry).items()
+    it adds the logits-mode lm_head to the step); dspark: the round's outputs too."""
+    return {n: r for n, r in binding_rules(cfg, tp, geometry, dspark=dspark).items()
             if r.required or (n == "logits" and bind_logits)}
 
 
@@ -173,7 +179,7 @@ class TPRank:
 
     def __init__(self, spec: RankSpec, bundle_dir, weights: WeightSource,
                  geometry: CacheGeometry, exchange, *, buckets=BUCKETS, bind_logits: bool = True,
-                 timeout_ms: int | None = None):
+                 timeout_ms: int | None = None, dspark: bool = False):
         """Collective: every rank of the world must construct its TPRank (the IPC handles and the
         capture barrier go through `exchange`). On failure everything opened is closed."""
         from executor.bundle import BundleError, read_manifest
@@ -185,7 +191,8 @@ class TPRank:
                               f"{spec.world}")
         self.spec, self.geometry, self._exchange = spec, geometry, exchange
         self.cfg, fetch = weights.open(spec.world, spec.rank)
-        self.rules = bound_rules(self.cfg, spec.world, geometry, bind_logits)
+        self.dspark = dspark
+        self.rules = bound_rules(self.cfg, spec.world, geometry, bind_logits, dspark)
         self.dev = self.bundle = self.ar = self.executor = self.stream = None
         self.tensors: dict = {}
         self._closed = False
@@ -213,7 +220,7 @@ class TPRank:
                                    self._exchange, timeout_ms=timeout_ms or DEFAULT_TIMEOUT_MS)
         self.executor = Executor(self.cfg, self.bundle, fetch, tp=spec.world, rank=spec.rank,
                                  comm=self.ar.state(), device=self.dev, geometry=self.geometry,
-                                 buckets=buckets)
+                                 buckets=buckets, dspark=self.dspark)
         with self._cp_stream:
             self.tensors = allocate(self.rules, cp.zeros)
         self.stream.synchronize()
@@ -279,6 +286,19 @@ class TPRank:
         tokens = self.read("tokens")[:n_rows]
         logits = self.read("logits")[:n_rows] if "logits" in self.tensors else None
         return StepOutput(0, tokens, logits)
+
+    def round(self, n_seqs: int) -> int:
+        """Executor.round on the rank's stream: enqueued, not waited for, nothing read."""
+        return int(self.executor.round(n_seqs, self.stream.handle))
+
+    def draft(self, n_seqs: int) -> int:
+        """Executor.draft (a round's draft step alone) on the rank's stream, not waited for."""
+        return int(self.executor.draft(n_seqs, self.stream.handle))
+
+    def scratch(self, name: str, dtype, shape) -> np.ndarray:
+        """A host copy of an executor arena slice (tests: e.g. `dspark.base`), after the stream."""
+        self.stream.synchronize()
+        return self.executor.arena.download(name, dtype, shape)
 
     def failed_sources(self) -> list[int]:
         """Ranks whose data some collective of this rank waited for in vain (no sync)."""
