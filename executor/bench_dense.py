@@ -11,11 +11,25 @@ bundle holds beside it (dense_ref.candidate_specs), timed
   tail; per-launch time = graph time / CHAIN.
 Bytes are the kernel's must-read/write bytes (weights + scales + x + out), % is of 4.8 TB/s.
 Humming W8A16 / cuBLAS lm_head numbers are `docs/anchors.md` table 3c (same H200 model, graphs).
+
+Round 5 chain diagnostics (`_diagnose_chain`, the step's R <= 8 kernels at R = 1): why a streamed
+launch costs ~3-4 us more than its bytes inside the chain. Cases beside "R1 pdl":
+- "R1 pdl-l2": the chain on ONE weight copy (L2-resident after the first launch): what is left
+  when HBM is not the limit (residency, hand-off, compute after the wait);
+- "R1 nopdl": the chain without the PDL attribute (no overlap at all);
+- "R1 pdl+probe": each launch followed by the 132-CTA chain-step probe (no smem, triggers at entry),
+  as in the step where small kernels sit between the linears; per pair;
+- "... carve100": the same with CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 100 on both
+  kernels (the SM keeps its largest smem split, so a kernel of another split never has to wait
+  for the SM to drain); restored to the default (-1) afterwards;
+and the metric "CTAs per SM" (cuOccupancyMaxActiveBlocksPerMultiprocessor) under both carveouts:
+two are needed for the next launch's CTAs to stream beside ours.
 """
 from __future__ import annotations
 
 from executor.arena import Arena
 from executor.benchmarks import MB, BenchContext, fill_random_bf16, fill_random_u32
+from executor.cuda import check, driver
 from executor.graphs import Graph
 from executor.launch import LaunchSpec
 from executor.launches.dense import dense_launch, lm_head_launch
@@ -32,10 +46,11 @@ HUMMING_US = {
     "shared_w2": {1: 5.26, 6: 5.27, 8: 5.27, 32: 5.31, 192: 12.62},
     "lm_head": {1: 81.61, 6: 83.89, 8: 84.30, 32: 84.41, 192: 102.13},
 }
-# The epilogue the step uses: bf16 everywhere (executor/stages/attn_proj.py, ffn.py: the
-# reference rounds each rank's partial to bf16 before the all-reduce); R <= 8 candidates
-# (dense_ref.candidate_specs) are built with it only.
-PLAN_EPILOGUE: dict[str, str] = {}
+# The epilogues measured: bf16 everywhere (executor/stages/attn_proj.py: the reference rounds each
+# rank's partial to bf16 before the all-reduce), and the shared expert's fused ones beside its
+# bf16 kernels (executor/stages/ffn.py SHARED_EXPERT_FUSED: w1|w3 + SwiGLU, w2 + routed sum).
+PLAN_EPILOGUES: dict[str, tuple[str, ...]] = {"shared_w13": ("bf16", "swiglu"),
+                                              "shared_w2": ("bf16", "add_f32")}
 
 
 def _label(spec) -> str:
@@ -45,8 +60,12 @@ def _label(spec) -> str:
 
 
 def _shown_name(spec) -> str:
-    """The kernel's name and variant; `*` marks the one the step uses (the plain name)."""
+    """The kernel's name and variant; `*` marks the one the step picks at its row count (the
+    plain name; of the shared expert's, the fused epilogue's)."""
+    from executor.stages.ffn import SHARED_EPILOGUES
     step = "*" if spec.name.endswith(f"_{spec.epilogue}") else ""
+    if _label(spec) in SHARED_EPILOGUES and spec.epilogue != SHARED_EPILOGUES[_label(spec)]:
+        step = ""
     return f"{spec.name} [{spec.variant}{step}]"
 
 
@@ -83,6 +102,67 @@ def _report(ctx: BenchContext, name: str, label: str, rows: int, nbytes: int, we
                    f">= {target_pct:.0f}%", row.pct_hbm >= target_pct)
 
 
+CARVEOUT_MAX, CARVEOUT_DEFAULT = 100, -1
+
+
+def _carveout(kernels, percent: int) -> None:
+    cu = driver()
+    attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    for k in kernels:
+        check(cu.cuFuncSetAttribute(k.function, attr, percent),
+              call=f"cuFuncSetAttribute[{k.name}, carveout {percent}]")
+
+
+def _ctas_per_sm(kernel) -> int:
+    threads = kernel.block[0] * kernel.block[1] * kernel.block[2]
+    return int(check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.function, threads, kernel.smem_bytes)))
+
+
+def _chain_us(ctx: BenchContext, sequence: list[LaunchSpec], per: int) -> float:
+    """µs per `per` launches of a PDL graph of `sequence` (CHAIN launches)."""
+    with Graph.capture(ctx.stream) as g:
+        for launch in sequence:
+            launch.launch(ctx.stream)
+    try:
+        return ctx.timer.median_us(lambda: g.launch(ctx.stream), reps=20, warmup=2) * per \
+            / len(sequence)
+    finally:
+        g.close()
+
+
+def _diagnose_chain(ctx: BenchContext, bundle, spec, launches: list[LaunchSpec],
+                    no_pdl: list[LaunchSpec], rows: int) -> None:
+    """The round-5 chain cases of the module docstring for one step kernel."""
+    from kernels import probes_ref as pr
+    probe_bundle = ctx.bundle_with(pr.CHAIN_STEP.name)
+    name, nbytes = _shown_name(spec), spec.bytes_moved(rows)
+    ctx.bandwidth(name, f"R{rows} pdl-l2", rows, _chain_us(ctx, [launches[0]] * CHAIN, 1),
+                  nbytes)
+    ctx.bandwidth(name, f"R{rows} nopdl", rows,
+                  _chain_us(ctx, [no_pdl[i % len(no_pdl)] for i in range(CHAIN)], 1), nbytes)
+    kernels = [launches[0].kernel]
+    if probe_bundle is not None:
+        with Arena(ctx.device, [("counter", 4)]) as counter:
+            probe = LaunchSpec(probe_bundle.kernel(pr.CHAIN_STEP.name), (ctx.device.sm_count,),
+                               (counter.ptr("counter"),), pdl=True)
+            kernels.append(probe.kernel)
+            pairs = [x for i in range(CHAIN // 2) for x in (launches[i % len(launches)], probe)]
+            for carve in (CARVEOUT_DEFAULT, CARVEOUT_MAX):
+                tag = "" if carve == CARVEOUT_DEFAULT else " carve100"
+                _carveout(kernels, carve)
+                try:
+                    ctx.metric(f"{spec.name}: CTAs per SM (carveout {carve})",
+                               _ctas_per_sm(launches[0].kernel), "CTAs", ">= 2")
+                    ctx.bandwidth(name, f"R{rows} pdl+probe{tag}", rows,
+                                  _chain_us(ctx, pairs, 2), nbytes)
+                    if carve == CARVEOUT_MAX:
+                        ctx.bandwidth(name, f"R{rows} pdl{tag}", rows, _chain_us(
+                            ctx, [launches[i % len(launches)] for i in range(CHAIN)], 1), nbytes)
+                finally:
+                    _carveout(kernels, CARVEOUT_DEFAULT)
+
+
 def _dense_specs(bundle):
     from kernels import dense_ref as dr
     out = []
@@ -91,7 +171,7 @@ def _dense_specs(bundle):
         if rec.family not in ("kernels.dense", "kernels.wo_a"):
             continue
         spec = dr.DenseSpec.from_dict(rec.spec)
-        if spec.epilogue == PLAN_EPILOGUE.get(_label(spec), "bf16"):
+        if spec.epilogue in PLAN_EPILOGUES.get(_label(spec), ("bf16",)):
             out.append(spec)
     return out
 
@@ -119,6 +199,7 @@ def bench_dense(ctx: BenchContext) -> None:
         reqs = [(f"w{c}", wbytes) for c in range(copies)] + [(f"s{c}", sbytes)
                                                              for c in range(copies)]
         reqs += [("x", dr.MAX_ROWS * groups * k * 2), ("out", dr.MAX_ROWS * groups * n * 4),
+                 ("res", dr.MAX_ROWS * groups * n * 4),
                  ("ws", max([v.workspace_bytes() for v in variants] + [4])),
                  ("cnt", max([v.counters_bytes() for v in variants] + [4]))]
         with Arena(ctx.device, reqs) as a:
@@ -126,18 +207,23 @@ def bench_dense(ctx: BenchContext) -> None:
                 fill_random_u32(a, f"w{c}")                  # random e4m3 bytes (some NaN codes:
                 a.view(f"s{c}", "uint8")[:] = 118            # timing only, values unused)
             fill_random_bf16(a, "x")
+            fill_random_bf16(a, "res")                   # bf16 residual / f32 routed sum
             a.view("cnt", "uint32")[:] = 0
             for rows in (QUICK_ROWS if ctx.quick else ROWS):
+                def launch_ptrs(c):
+                    return {"x": a.ptr("x"), "weight": a.ptr(f"w{c}"), "scales": a.ptr(f"s{c}"),
+                            "residual": a.ptr("res"), "out": a.ptr("out"),
+                            "workspace": a.ptr("ws"), "counters": a.ptr("cnt")}
                 for spec in _for_rows(variants, rows):
-                    launches = [dense_launch(bundle, spec,
-                                             {"x": a.ptr("x"), "weight": a.ptr(f"w{c}"),
-                                              "scales": a.ptr(f"s{c}"), "residual": a.ptr("x"),
-                                              "out": a.ptr("out"), "workspace": a.ptr("ws"),
-                                              "counters": a.ptr("cnt")}, rows)
+                    launches = [dense_launch(bundle, spec, launch_ptrs(c), rows)
                                 for c in range(copies)]
                     iso, chain = _time_both(ctx, launches, reps=30 if ctx.quick else 60)
                     _report(ctx, _shown_name(spec), _label(spec), rows, spec.bytes_moved(rows),
                             spec.weight_bytes(), iso, chain, 80.0)
+                    if rows == 1 and spec.streamed:
+                        no_pdl = [dense_launch(bundle, spec, launch_ptrs(c), rows, pdl=False)
+                                  for c in range(copies)]
+                        _diagnose_chain(ctx, bundle, spec, launches, no_pdl, rows)
 
 
 def bench_lm_head(ctx: BenchContext) -> None:
