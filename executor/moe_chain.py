@@ -95,7 +95,7 @@ class MoeChain:
                                  self.available)
 
     def launches_warp_routed(self, rows: int, w2: str | None = None,
-                             w13w: str = "") -> list[LaunchSpec]:
+                             w13w: str = "early") -> list[LaunchSpec]:
         """prep -> w13w -> w2 -> combine (executor/launches/moe.py `warp_routed_launches`)."""
         return ml.warp_routed_launches(self.bundle, self.shape, self.ptrs, rows, w2,
                                        self.available, w13w)

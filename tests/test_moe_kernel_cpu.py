@@ -305,31 +305,33 @@ def test_variant_specs_fit_and_group_commit_twins(config):
             assert (spec.block, spec.smem_bytes, spec.stages, spec.ctas_per_sm) == (
                 twin.block, twin.smem_bytes, twin.stages, twin.ctas_per_sm)
             twins += 1
-    assert twins == 3
+    assert twins == 2
 
 
 def test_step_variants_pick_the_group_commit_pair_when_present():
     from executor.launches import moe as ml
-    every = {("w13", ""), ("w2", ""), ("w2", "r2x2"), ("w13", "g"), ("w2", "g"),
-             ("w2", "gr2x2")}
-    assert ml.step_variants(every, 1) == ("g", "gr2x2")
-    assert ml.step_variants(every, 5) == ("g", "g")
+    every = {("w13", ""), ("w2", ""), ("w2", "r2x2"), ("w2", "g"), ("w2", "gr2x2")}
+    assert ml.step_variants(every, 1) == ("", "gr2x2")
+    assert ml.step_variants(every, 5) == ("", "g")
     assert ml.step_variants({("w13", ""), ("w2", "")}, 3) == ("", None)
     shape = mk.moe_shape(ModelConfig.preset("v41-flash"), 4)
-    assert ml.warp_routed_fits(every | {("w13w", "")}, shape, 10)
-    assert not ml.warp_routed_fits(every | {("w13w", "")}, shape, 11)
-    assert not ml.warp_routed_fits(every | {("w13w", "")}, shape, 1, "early")
+    assert ml.warp_routed_fits(every | {("w13w", "early")}, shape, 10)
+    assert not ml.warp_routed_fits(every | {("w13w", "early")}, shape, 11)
+    assert not ml.warp_routed_fits(every | {("w13w", "early")}, shape, 1, "bulk")
     assert not ml.warp_routed_fits(every, shape, 1)
+    assert ml.bulk_fits(every | {("w13w", "bulk"), ("w2", "bulk")}, shape, 10)
+    assert not ml.bulk_fits(every | {("w13w", "bulk"), ("w2", "bulk")}, shape, 11)
+    assert not ml.bulk_fits(every | {("w13w", "bulk")}, shape, 1)
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
 def test_warp_routed_w13_spec_limits_its_rows(config):
-    """moe_w13w: w13sr's pointer ABI, the "g" w13's block / ring / occupancy, and a grid only
-    for rows * topk <= 64 (one warp's two ids per lane)."""
+    """moe_w13w: w13sr's pointer ABI, the default w13's block / ring / occupancy ("bulk": its
+    own shared memory), and a grid only for rows * topk <= 64 (one warp's two ids per lane)."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     specs = mk.warp_routed_specs(shape)
     assert [s.variant for s in specs] == list(mk.W13W_VARIANTS)
-    g = next(s for s in mk.variant_specs(shape) if s.kind == "w13" and s.variant == "g")
+    g = next(s for s in mk.make_specs(shape) if s.kind == "w13")
     top = mk.WARP_ROUTED_MAX_PAIRS // shape.topk
     for spec in specs:
         assert spec.params == mk.PARAMS["w13sr"]

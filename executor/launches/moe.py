@@ -70,7 +70,8 @@ SELFROUTED_EARLY = "early"
 # mk.WARP_ROUTED_MAX_PAIRS (its weights go out before its wait, overlapping moe_prep); None: off.
 # Revert to the round-2 kernels:
 # STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": None}
-STEP_VARIANTS = {"w13": "g", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
+# (w13 "g" and the plain w13w were deleted in round 5: they measured the same as the defaults.)
+STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 # Round 5 (moe-design.md): where rows * topk <= mk.WARP_ROUTED_MAX_PAIRS the step runs
 # prep -> w13w "bulk" -> w2 "bulk" -> combine (weights by cp.async.bulk on mbarriers, bitwise the
 # same y), ahead of the selections above. Revert to round 4: STEP_BULK = False
@@ -161,7 +162,7 @@ def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], row
 
 def warp_routed_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
                          w2: str | None = None, available=None,
-                         w13w: str = "") -> list[LaunchSpec]:
+                         w13w: str = "early") -> list[LaunchSpec]:
     """prep -> w13w (variant `w13w`) -> w2 -> combine (rows * topk <=
     mk.WARP_ROUTED_MAX_PAIRS); w2 as in `chain_launches`."""
     available = available_specs(bundle, shape) if available is None else available
@@ -173,7 +174,7 @@ def warp_routed_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], ro
     return [prep, _launch(bundle, available[("w13w", w13w)], ptrs, rows), w2_spec, combine]
 
 
-def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "") -> bool:
+def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "early") -> bool:
     return ("w13w", w13w) in available and rows * shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
 
 
