@@ -4,7 +4,8 @@
     HOPDEC_ROUND_CASES=c1x4k,c8x64k hopdec devicecheck --only round ...   # those cases only
 
 Environment: HOPDEC_ROUND_CASES ("cSEQSxCONTEXT,...": SEQS sequences, one of ROUND_SEQS, CONTEXT
-in tokens, k = 1024) runs only those; unset, c1, c4, c8 (quick: c1, c8) at 4k and 64k.
+in tokens, k = 1024) runs only those; unset, c1, c4, c8 at 4k and 64k (quick too: a case costs
+a capture and ~2 s).
 HOPDEC_PACK_WORKERS as the step benchmark.
 
 What runs (model doc §4; issue 10): on the step benchmark's rank (executor/bench_step.py:
@@ -58,7 +59,7 @@ from kernels.kvrecord_ref import KV_RECORD_BYTES
 ROUND_MODULES = ("executor.stages.mhc", "executor.stages.attn_proj",
                  "executor.stages.attn_index", "executor.stages.ffn_tiled_dspark",
                  "executor.stages.local_collectives", "executor.stages.dspark")
-ROUND_SEQS, QUICK_SEQS = (1, 4, 8), (1, 8)
+ROUND_SEQS = (1, 4, 8)
 CASES_ENV = "HOPDEC_ROUND_CASES"
 ROUND_REPS, WARMUP_ROUNDS = 40, 3
 ROUND_MARGIN = 1024              # tokens past the longest context: > (reps + warmup + 3) x 6
@@ -94,14 +95,14 @@ class RoundCase:
         return f"c{self.seqs}"
 
 
-def selected_rounds(k: int, spec: str | None = None, quick: bool = False):
+def selected_rounds(k: int, spec: str | None = None):
     """[(RoundCase, contexts)] to run: `spec` (default: CASES_ENV) "cSEQSxCONTEXT,..." such as
     "c1x4k,c8x64k" (the c optional, SEQS one of ROUND_SEQS, k = 1024 tokens, CONTEXT from a
     verify block up to max(bs.CONTEXTS)), grouped by case in the order given; unset or empty:
-    ROUND_SEQS (quick: QUICK_SEQS) at every context of bs.CONTEXTS."""
+    every ROUND_SEQS at every context of bs.CONTEXTS."""
     spec = os.environ.get(CASES_ENV, "") if spec is None else spec
     if not spec.strip():
-        return [(RoundCase(s, k), bs.CONTEXTS) for s in (QUICK_SEQS if quick else ROUND_SEQS)]
+        return [(RoundCase(s, k), bs.CONTEXTS) for s in ROUND_SEQS]
     chosen: dict[RoundCase, list[int]] = {}
     for item in spec.split(","):
         seqs, _, context = item.strip().lower().removeprefix("c").partition("x")
@@ -366,7 +367,7 @@ def _time_round(stream, graphs, reps: int, warmup: int) -> dict[str, float]:
 def bench_round(ctx) -> None:
     """The DSpark round per number of sequences and context (see the module docstring)."""
     cfg = bs.bench_config()
-    rounds = selected_rounds(cfg.dspark_block_size, quick=ctx.quick)   # bad env: fails first
+    rounds = selected_rounds(cfg.dspark_block_size)     # a bad CASES_ENV fails before packing
     bundle = bs.find_bundle(ctx, cfg)
     ar_table = bs._measured_allreduce(ctx)
     t0 = time.perf_counter()
@@ -409,9 +410,9 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
             tag = f"round {case.label} ctx={label}"
             v_bytes, d_bytes = round_bytes(cfg, weights["verify"], weights["draft"], case,
                                            context, distinct["verify"], distinct["draft"])
-            with_ar = {name: times[name] + calls[name].latency_us(rows[name], ar_table)
-                       for name in rows}
-            with_ar["round"] = with_ar["verify"] + with_ar["draft"]
+            latency = {name: calls[name].latency_us(rows[name], ar_table) for name in rows}
+            with_ar = {name: times[name] + latency[name] for name in rows}
+            with_ar["round"] = times["round"] + sum(latency.values())
             row = ctx.bandwidth("DSpark round (rank 0 of TP4)", f"{case.label} {label}",
                                 rows["verify"], times["round"], v_bytes + d_bytes)
             for name in ("round", "verify", "draft"):
@@ -419,8 +420,9 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
                 ctx.metric(f"{tag}: {name} + AR", with_ar[name], "us")
             for name in rows:
                 c = calls[name]
-                ctx.metric(f"{tag}: {name} launches / all-reduces / gathers / picks",
-                           len(specs[name]), "", f"{c.allreduces} / {c.gathers} / {c.picks}")
+                for what, count in (("launches", len(specs[name])), ("all-reduces", c.allreduces),
+                                    ("all-gathers", c.gathers), ("picks", c.picks)):
+                    ctx.metric(f"{tag}: {name} {what}", count, "")
                 ctx.metric(f"{tag}: {name} distinct experts per layer (mean)",
                            statistics.mean(distinct[name]), "")
             floor = (v_bytes + d_bytes) / bs.HBM_BYTES_PER_S * 1e6

@@ -37,7 +37,6 @@ def test_selected_rounds_from_the_environment(monkeypatch):
     monkeypatch.delenv(br.CASES_ENV, raising=False)
     assert [(c.seqs, t) for c, t in br.selected_rounds(k)] == \
         [(s, bs.CONTEXTS) for s in br.ROUND_SEQS]
-    assert [c.seqs for c, _ in br.selected_rounds(k, quick=True)] == list(br.QUICK_SEQS)
     monkeypatch.setenv(br.CASES_ENV, "c1x4k, 8x64k,c1x100,C1x4K")
     got = br.selected_rounds(k)
     assert [(c.seqs, c.k, t) for c, t in got] == [(1, 5, (4096, 100)), (8, 5, (65536,))]
