@@ -92,6 +92,7 @@ class EngramLayer:
         hd, n, d = lookup_spec.head_dim, gate_spec.streams, gate_spec.width
         slices = [
             ("tokens", 4 * max_rows * hash_spec.max_ngram), ("positions", 4 * max_rows),
+            ("vocab_map", 4 * hash_spec.vocab_size),
             ("ids", 8 * max_rows * lookup_spec.total_cols),
             ("chosen_ids", 8 * max_rows * lookup_spec.total_cols),   # ids fed without the hash
             ("heads", 2 * max_rows * lookup_spec.cols * hd),
@@ -123,11 +124,21 @@ class EngramLayer:
         upload(self.arena, "codes", codes)
         upload(self.arena, "scales", scales)
 
+    def upload_vocab_map(self, vocab_map: np.ndarray) -> None:
+        """The compressed-vocab map, int32 [vocab_size] (values any int32: the kernel and
+        hash_ref only index it)."""
+        vocab_map = np.asarray(vocab_map)
+        if vocab_map.dtype != np.int32 or vocab_map.shape != (self.hash_spec.vocab_size,):
+            raise ValueError(f"engram vocab map must be int32 [{self.hash_spec.vocab_size}], "
+                             f"got {vocab_map.dtype} {list(vocab_map.shape)}")
+        from executor.mhc_router_chain import upload
+        upload(self.arena, "vocab_map", vocab_map)
+
     def launch_hash(self, rows: int) -> LaunchSpec:
         p = self.arena.ptr
         return engram_hash_launch(self.bundle, self.hash_spec,
                                   {"tokens": p("tokens"), "positions": p("positions"),
-                                   "ids": p("ids")}, rows)
+                                   "vocab_map": p("vocab_map"), "ids": p("ids")}, rows)
 
     def launch_lookup(self, rows: int, first_col: int, row_offset: int,
                       ids: str = "ids") -> LaunchSpec:
@@ -161,6 +172,11 @@ def random_table(rng, table_rows: int, head_dim: int) -> tuple[np.ndarray, np.nd
     return codes, scales
 
 
+def random_vocab_map(rng, vocab: int, compressed: int) -> np.ndarray:
+    """A random surjective non-identity map int32 [vocab] onto [0, compressed)."""
+    return (rng.permutation(vocab) % compressed).astype(np.int32)
+
+
 def _fill(layer: EngramLayer, rng) -> None:
     from executor.benchmarks import fill_random_bf16
     from executor.mhc_router_chain import upload
@@ -173,6 +189,7 @@ def _fill(layer: EngramLayer, rng) -> None:
     upload(layer.arena, "tokens", rng.integers(0, 1000, (layer.max_rows, hs.max_ngram),
                                                dtype=np.int32))
     upload(layer.arena, "positions", np.arange(layer.max_rows, dtype=np.int32) + 100)
+    layer.upload_vocab_map(random_vocab_map(rng, hs.vocab_size, hs.vocab_size * 3 // 4 + 1))
     upload(layer.arena, "chosen_ids",
            rng.integers(0, layer.table_rows, (layer.max_rows, cols), dtype=np.int64))
     layer.upload_table(*random_table(rng, layer.table_rows, layer.lookup_spec.head_dim))

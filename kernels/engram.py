@@ -4,7 +4,10 @@ Specs, byte formulas, references and the gate's error bound: `kernels/engram_ker
 
 - Hash (`EngramHashSm90`): one thread per row; the layer's multipliers, primes and offsets are PTX
   immediates, so every `rem.s64` is by a constant. Exact int64: `mul.lo.s64` wraps as NumPy's
-  int64 product does, the remainder is made non-negative as NumPy's floored `%` is.
+  int64 product does, the remainder is made non-negative as NumPy's floored `%` is. The row's
+  max_ngram raw tokens are loaded first, then each is replaced by the raw pad id where p - k < 0
+  or it lies off the map, then read through the compressed-vocab map (`ld.global.nc`: the map
+  is a weight, never written in the step): two dependent load latencies, not max_ngram.
 - Lookup (`EngramLookupSm90`): one thread per 16 FP8 codes of one (row, column): one 16-byte load
   of codes, one scale byte, two 16-byte BF16 stores. E4M3 -> BF16 is exact bit placement (byte
   s.eeee.mmm -> bf16 s.0000eeee.mmm0000 = the value x 2^-120, subnormals included), then one
@@ -18,9 +21,9 @@ Specs, byte formulas, references and the gate's error bound: `kernels/engram_ker
 
 Inline PTX helpers are local to this module (a shared `kernels/ptx.py` did not exist yet).
 
-PTX ABIs: hash (u64 tokens, u64 positions, u64 ids, u32 rows); lookup (u64 ids, u64 codes,
-u64 scales, u64 out, u32 rows, u32 first_col, u32 row_offset, u32 table_rows), codes and out
-16-byte aligned; gate (u64 streams, u64 keys_and_value, u64 q_weight, u64 k_weight, u64 out,
+PTX ABIs: hash (u64 tokens, u64 positions, u64 vocab_map, u64 ids, u32 rows); lookup (u64 ids,
+u64 codes, u64 scales, u64 out, u32 rows, u32 first_col, u32 row_offset, u32 table_rows), codes
+and out 16-byte aligned; gate (u64 streams, u64 keys_and_value, u64 q_weight, u64 k_weight, u64 out,
 u32 rows, f32 eps), all 16-byte aligned, eps > 0.
 """
 from __future__ import annotations
@@ -100,6 +103,16 @@ def _history_token(token: Int32, position: Int32, back: int, pad_id: int) -> Int
     return Int32(_asm([T.i32()], [token, position], text, "=r,r,r")[0])
 
 
+def _mapped_token(vocab_map: Int64, token: Int32, position: Int32, back: int, pad_id: int,
+                  vocab: int) -> Int32:
+    """map[t] with t = the raw pad id when p - back < 0 or the token is off [0, vocab), else the
+    token (the pad goes in before the map: the compressed pad is map[pad_id])."""
+    text = (f"{{ .reg .pred p, q; .reg .b32 t; .reg .b64 a; setp.lt.s32 p, $2, {back}; "
+            f"setp.ge.u32 q, $1, {vocab}; or.pred p, p, q; selp.b32 t, {pad_id}, $1, p; "
+            f"mul.wide.u32 a, t, 4; add.s64 a, a, $3; ld.global.nc.s32 $0, [a]; }}")
+    return Int32(_asm([T.i32()], [token, position, vocab_map], text, "=r,r,r,l")[0])
+
+
 def _mix_in(mix: Int64, token: Int32, multiplier: int, first: bool) -> Int64:
     """mix ^ (int64(token) * multiplier), the product wrapping mod 2^64 (NumPy int64)."""
     text = (f"{{ .reg .s64 t; cvt.s64.s32 t, $1; mul.lo.s64 t, t, {multiplier}; "
@@ -149,14 +162,14 @@ class EngramHashSm90:
         self.spec = spec
 
     @cute.jit
-    def __call__(self, tokens: cute.Pointer, positions: cute.Pointer, ids: cute.Pointer,
-                 rows: Int32, stream: cuda.CUstream):
-        self.kernel(tokens, positions, ids, rows).launch(
+    def __call__(self, tokens: cute.Pointer, positions: cute.Pointer, vocab_map: cute.Pointer,
+                 ids: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(tokens, positions, vocab_map, ids, rows).launch(
             grid=[1, 1, 1], block=list(self.spec.block), stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, tokens: cute.Pointer, positions: cute.Pointer, ids: cute.Pointer,
-               rows: Int32):
+    def kernel(self, tokens: cute.Pointer, positions: cute.Pointer, vocab_map: cute.Pointer,
+               ids: cute.Pointer, rows: Int32):
         spec = self.spec
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -168,10 +181,19 @@ class EngramHashSm90:
             position = _ld_s32(positions.toint() + Int64(row) * 4)
             tok_row = tokens.toint() + Int64(row) * (4 * spec.max_ngram)
             out_row = ids.toint() + Int64(row) * (8 * spec.cols)
+            raw = []                        # every token load in flight before the first use
+            for back in cutlass.range_constexpr(spec.max_ngram):
+                raw.append(_ld_s32(tok_row + back * 4))
+            history = []
+            for back in cutlass.range_constexpr(spec.max_ngram):
+                if cutlass.const_expr(spec.mapped):
+                    history.append(_mapped_token(vocab_map.toint(), raw[back], position, back,
+                                                 spec.pad_id, spec.vocab_size))
+                else:
+                    history.append(_history_token(raw[back], position, back, spec.pad_id))
             mix = Int64(0)
             for back in cutlass.range_constexpr(spec.max_ngram):
-                token = _history_token(_ld_s32(tok_row + back * 4), position, back, spec.pad_id)
-                mix = _mix_in(mix, token, spec.multipliers[back], back == 0)
+                mix = _mix_in(mix, history[back], spec.multipliers[back], back == 0)
                 if cutlass.const_expr(back > 0):
                     for head in cutlass.range_constexpr(spec.heads):
                         col = (back - 1) * spec.heads + head
@@ -384,8 +406,8 @@ def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
     kernel = _KERNELS[type(spec)](spec)
     stream = cuda.CUstream(0)
     if isinstance(spec, EngramHashSpec):
-        return cute.compile(kernel, ptr(Int32, 4), ptr(Int32, 4), ptr(Int64, 8), Int32(1), stream,
-                            options=options)
+        return cute.compile(kernel, ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int64, 8),
+                            Int32(1), stream, options=options)
     if isinstance(spec, EngramLookupSpec):
         return cute.compile(kernel, ptr(Int64, 8), ptr(Uint8), ptr(Uint8, 1), ptr(BFloat16),
                             Int32(1), Int32(0), Int32(0), Int32(1), stream, options=options)

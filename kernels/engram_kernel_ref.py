@@ -3,14 +3,20 @@
 Three launches per Engram layer on each rank (model doc §2.1 item 3, §2.2 E1 and E3; E2, `wkv`,
 is the W8A16 dense family; the all-gather of the looked-up heads is a collective):
 
-- `engram_hash_l{layer}`: compressed-token history -> hash ids. Inputs: tokens int32 [R, max_ngram]
-  (column k = the compressed id at position p-k, newest first, as `step.ngram_lookback` lays it
-  out; entries with p-k < 0 are ignored) and positions int32 [R]. Output: ids int64 [R, orders·heads],
-  `engram_ref.hash_ids(engram_ref.ngram_history(...))` exactly: int64 products that wrap, XOR, and
-  a floored `mod` (a non-negative remainder, as NumPy's), plus the column's row offset. The layer's
-  multipliers, primes, offsets and pad id are compile-time constants, so each Engram layer has its
-  own (tiny) kernel. The compressed-vocabulary map is the caller's (identity for `tiny`; the real
-  129280 -> 99092 map is not in the checkpoint, see docs/notes/reference-choices.md item 13).
+- `engram_hash_l{layer}`: token history -> hash ids. Inputs: tokens int32 [R, max_ngram] (RAW
+  token ids, column k = the token at position p-k, newest first, as `step.ngram_lookback` lays it
+  out and the rows prep / DSpark history kernels write it; entries with p-k < 0 are ignored),
+  positions int32 [R] and the compressed-vocabulary map int32 [vocab_size]
+  (`loader/engram_vocab.py`). Each history token goes through the map; the pad (p-k < 0) is the
+  RAW pad id `engram_pad_token_id` put in before the map, i.e. the compressed pad is
+  map[pad_id], as DeepSeek's `NgramHashMapping` sets `pad_id = lookup_table[pad_id]` and pads
+  the compressed ids with it. A token outside [0, vocab_size) is read as the pad too: never a
+  read off the map (the reference step refuses such ids before). Output: ids int64
+  [R, orders·heads], `engram_ref.hash_ids` of that compressed history exactly: int64 products that
+  wrap, XOR, a floored `mod` (a non-negative remainder, as NumPy's), plus the column's row offset.
+  The layer's multipliers, primes, offsets, pad id and vocabulary size are compile-time
+  constants, so each Engram layer has its own (tiny) kernel. `HASH_READS_MAP = False` builds the
+  round-4 kernel instead (raw ids hashed as they are, the map pointer unread; same ABI).
 - `engram_lookup`: ids of this rank's `cols` columns (starting at `first_col`) -> BF16
   [R, cols, head_dim] = FP8 E4M3 code x 2^(UE8M0 - 127), bitwise `engram_ref.lookup` rounded to
   BF16 for scale bytes <= 134 (values up to 448·2^7) and finite codes (the product is exact in
@@ -45,7 +51,9 @@ CODES_PER_THREAD = 16              # one 16-byte load of FP8 codes -> two 16-byt
 MAX_SCALE_BYTE = 134               # 2^(s-7) must be a normal bf16 (the exact conversion trick)
 GATE_SUMS = 3                      # Σx², Σk², Σ(x·q_w)(k·k_w) per stream
 SQRT_CLAMP = 1e-6
-HASH_PARAMS = (("tokens", "u64"), ("positions", "u64"), ("ids", "u64"), ("rows", "u32"))
+HASH_PARAMS = (("tokens", "u64"), ("positions", "u64"), ("vocab_map", "u64"), ("ids", "u64"),
+               ("rows", "u32"))
+HASH_READS_MAP = True              # False: the round-4 hash (raw ids; revert switch, same ABI)
 LOOKUP_PARAMS = (("ids", "u64"), ("codes", "u64"), ("scales", "u64"), ("out", "u64"),
                  ("rows", "u32"), ("first_col", "u32"), ("row_offset", "u32"),
                  ("table_rows", "u32"))
@@ -64,7 +72,9 @@ class EngramHashSpec:
     multipliers: tuple[int, ...]          # [max_ngram], odd int64
     primes: tuple[int, ...]               # [orders·heads], column (n-2)·heads + h
     offsets: tuple[int, ...]              # first table row of each column
-    pad_id: int
+    pad_id: int                           # raw token id (mapped like any other token)
+    vocab_size: int                       # map entries; tokens outside [0, vocab) read as pad
+    mapped: bool = True                   # False: raw ids hashed, the map pointer never read
     params: tuple[tuple[str, str], ...] = HASH_PARAMS
     block: tuple[int, int, int] = (HASH_THREADS, 1, 1)
     smem_bytes: int = 0
@@ -78,13 +88,16 @@ class EngramHashSpec:
         return (ceil_div(rows, HASH_THREADS), 1, 1)
 
     def bytes_moved(self, rows: int) -> int:
-        return rows * (4 * self.max_ngram + 4 + 8 * self.cols)
+        """Tokens, positions, one map entry per token (mapped), ids written."""
+        map_reads = 4 * self.max_ngram if self.mapped else 0
+        return rows * (4 * self.max_ngram + 4 + map_reads + 8 * self.cols)
 
     def to_dict(self) -> dict:
         return {"family": "engram", "name": self.name, "layer": self.layer,
                 "max_ngram": self.max_ngram, "heads": self.heads,
                 "multipliers": list(self.multipliers), "primes": list(self.primes),
                 "offsets": list(self.offsets), "pad_id": self.pad_id,
+                "vocab_size": self.vocab_size, "mapped": self.mapped,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes}
 
@@ -165,7 +178,7 @@ class EngramGateSpec:
 
 # ---- spec construction ---------------------------------------------------------------------------
 
-def make_hash_spec(cfg, layer: int) -> EngramHashSpec:
+def make_hash_spec(cfg, layer: int, mapped: bool = HASH_READS_MAP) -> EngramHashSpec:
     multipliers = tuple(int(m) for m in cfg.engram_hash_multipliers(layer))
     primes = tuple(int(p) for p in cfg.engram_primes_flat(layer))
     offsets = tuple(int(o) for o in cfg.engram_offsets(layer))
@@ -173,9 +186,16 @@ def make_hash_spec(cfg, layer: int) -> EngramHashSpec:
         raise ValueError(f"engram layer {layer}: {offsets[-1] + primes[-1]} table rows exceed "
                          "the lookup kernel's u32 row ids")
     return EngramHashSpec(f"engram_hash_l{layer}_n{cfg.engram_max_ngram_size}"
-                          f"_h{cfg.engram_n_heads}", layer, cfg.engram_max_ngram_size,
-                          cfg.engram_n_heads, multipliers, primes, offsets,
-                          int(cfg.engram_pad_token_id))
+                          f"_h{cfg.engram_n_heads}" + ("_map" if mapped else ""), layer,
+                          cfg.engram_max_ngram_size, cfg.engram_n_heads, multipliers, primes,
+                          offsets, int(cfg.engram_pad_token_id), int(cfg.vocab_size), mapped)
+
+
+def hash_spec_from_dict(name: str, sp: dict) -> EngramHashSpec:
+    """The EngramHashSpec a manifest record (`to_dict`) describes."""
+    return EngramHashSpec(name, sp["layer"], sp["max_ngram"], sp["heads"],
+                          tuple(sp["multipliers"]), tuple(sp["primes"]), tuple(sp["offsets"]),
+                          sp["pad_id"], sp["vocab_size"], sp["mapped"])
 
 
 def make_lookup_spec(head_dim: int, cols: int, total_cols: int) -> EngramLookupSpec:
@@ -222,14 +242,23 @@ def gate_bytes(rows: int, streams: int, width: int) -> int:
 
 # ---- references ----------------------------------------------------------------------------------
 
-def hash_ref(spec: EngramHashSpec, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """What the hash kernel writes: int64 [R, cols] (`engram_ref`, exactly)."""
+def hash_ref(spec: EngramHashSpec, tokens: np.ndarray, positions: np.ndarray,
+             vocab_map: np.ndarray) -> np.ndarray:
+    """What the hash kernel writes: int64 [R, cols] (`engram_ref`, exactly): raw tokens (pad at
+    p-k < 0 and for ids off the map) through `vocab_map` int32 [vocab_size], then hashed."""
     tokens, positions = np.asarray(tokens), np.asarray(positions)
-    if tokens.dtype != np.int32 or positions.dtype != np.int32:
-        raise TypeError(f"{spec.name}: tokens and positions must be int32, got {tokens.dtype}, "
-                        f"{positions.dtype}")
+    vocab_map = np.asarray(vocab_map)
+    if tokens.dtype != np.int32 or positions.dtype != np.int32 or vocab_map.dtype != np.int32:
+        raise TypeError(f"{spec.name}: tokens, positions and vocab_map must be int32, got "
+                        f"{tokens.dtype}, {positions.dtype}, {vocab_map.dtype}")
+    if vocab_map.shape != (spec.vocab_size,):
+        raise ValueError(f"{spec.name}: vocab_map must be [{spec.vocab_size}], got "
+                         f"{list(vocab_map.shape)}")
     history = engram_ref.ngram_history(tokens, positions.astype(np.int64), spec.max_ngram,
                                        spec.pad_id)
+    if spec.mapped:
+        off_map = (history < 0) | (history >= spec.vocab_size)
+        history = engram_ref.compress(np.where(off_map, spec.pad_id, history), vocab_map)
     primes = np.array(spec.primes, np.int64).reshape(spec.max_ngram - 1, spec.heads)
     return engram_ref.hash_ids(history, np.array(spec.multipliers, np.int64), primes)
 

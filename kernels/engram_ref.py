@@ -4,8 +4,12 @@ Model doc §2.1 step 3 and §2.2 E1-E3, following DeepSeek's Engram `NgramHashMa
 
 - Multipliers (odd int64, from `np.random.default_rng(10007·layer)`) and the prime bucket sizes come
   from `loader.config.ModelConfig.engram_hash_multipliers` / `engram_primes` (one global prime walk).
+- Token ids go through the compressed-vocabulary map first (`compress`, loader/engram_vocab.py).
+  Positions before 0 read the pad: the config's `engram_pad_token_id` is a RAW token id and the
+  compressed pad is map[pad_id] (DeepSeek's `NgramHashMapping`: `pad_id = lookup_table[pad_id]`),
+  so padding the raw history (`ngram_history`) and then mapping it is the same thing.
 - For order n = 2..max_ngram at a row of position p: mix = XOR_{k<n} (tok[p-k]·mult[k]) over the
-  compressed token ids; positions before 0 read the (compressed) pad id. Head h of order n takes
+  compressed token ids. Head h of order n takes
   row `mix mod prime[n, h] + offset[n, h]`, offsets being the running sum of the layer's primes in
   (n, h) order. Result: int64 [R, (max_ngram-1)·heads], column c = (n-2)·heads + h.
 - Lookup: each id selects one FP8 E4M3 table row of `head_dim` values with one UE8M0 scale per
@@ -35,6 +39,15 @@ def ngram_history(tokens: np.ndarray, positions: np.ndarray, max_ngram: int,
         raise ValueError(f"engram history must be [R, {max_ngram}], got {tokens.shape}")
     before_start = (positions[:, None] - np.arange(max_ngram)[None, :]) < 0
     return np.where(before_start, np.int64(pad_id), tokens)
+
+
+def compress(history: np.ndarray, vocab_map: np.ndarray) -> np.ndarray:
+    """Raw token ids (any shape) -> compressed ids int64 through `vocab_map` [vocab_size]."""
+    history = np.asarray(history, np.int64)
+    if history.size and (history.min() < 0 or history.max() >= vocab_map.shape[0]):
+        raise ValueError(f"engram history ids must be in [0, {vocab_map.shape[0]}) (the vocab "
+                         f"map's size), got {history.min()}..{history.max()}")
+    return np.asarray(vocab_map, np.int64)[history]
 
 
 def hash_ids(history: np.ndarray, multipliers: np.ndarray, primes: np.ndarray) -> np.ndarray:

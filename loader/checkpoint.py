@@ -9,6 +9,13 @@ values in float tensors small enough to scan (see `SCAN_MODES`; 700 GB of weight
 
 All problems are collected and raised together as one `CheckpointError` (the first
 `MAX_REPORTED` listed), and a failed open leaves no file mapped.
+
+Besides the safetensors, the directory may hold Engram's compressed-vocabulary map
+(`loader.engram_vocab.VOCAB_MAP_FILE`, int32 [vocab_size]): read and validated at open, then
+served by `spec`/`get` as the replicated tensor `engram.vocab_map` (so every fetch built on
+`sharding.shard` hands it to the stage that packs it). Absent, a config that needs it fails when
+a rank is packed or the reference hashes (`engram_vocab.fetch_vocab_map`), not here: inspection
+and tools open it without.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loader import engram_vocab
 from loader.config import ModelConfig
 from loader.progress import Progress
 from loader.safetensors import SafetensorsError, SafetensorsFile
@@ -52,9 +60,11 @@ class Checkpoint:
     """A validated checkpoint: `config`, `specs` (schema rows by name), zero-copy `get(name)`."""
 
     def __init__(self, path: Path, config: ModelConfig, specs: dict[str, TensorSpec],
-                 files: dict[str, SafetensorsFile], locations: dict[str, str]):
+                 files: dict[str, SafetensorsFile], locations: dict[str, str],
+                 vocab_map: np.ndarray | None = None):
         self.path, self.config, self.specs = path, config, specs
         self.files, self.locations = files, locations
+        self.vocab_map = vocab_map      # Engram's compressed-vocab map, None without its file
 
     @classmethod
     def open(cls, path: str | Path, scan: str = "small", progress: bool = True) -> Checkpoint:
@@ -76,21 +86,26 @@ class Checkpoint:
             checked = _check_schema(specs, files, locations, lost, problems)
             if scan != "none":
                 _scan_values(path, checked, files, locations, scan, progress, problems)
+            vocab_map = _read_vocab_map(path, config, problems)
         except BaseException:
             _close_all(files)
             raise
         if problems:
             _close_all(files)
             raise CheckpointError(path, problems)
-        return cls(path, config, specs, files, locations)
+        return cls(path, config, specs, files, locations, vocab_map)
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor `name` as a read-only view onto its shard's mapping."""
+        """The tensor `name` as a read-only view onto its shard's mapping (or the vocab map)."""
+        if name == engram_vocab.VOCAB_MAP_NAME and self.vocab_map is not None:
+            return self.vocab_map
         if name not in self.locations:
             raise KeyError(f"{self.path}: no tensor '{name}'")
         return self.files[self.locations[name]].get(name)
 
     def spec(self, name: str) -> TensorSpec:
+        if name == engram_vocab.VOCAB_MAP_NAME and self.vocab_map is not None:
+            return engram_vocab.vocab_map_spec(self.config)
         if name not in self.specs:
             raise KeyError(f"{self.path}: '{name}' is not a schema tensor")
         return self.specs[name]
@@ -114,6 +129,20 @@ def _close_all(files: dict[str, SafetensorsFile]) -> None:
     for f in files.values():
         f.close()
     files.clear()
+
+
+def _read_vocab_map(path: Path, config: ModelConfig, problems: list[str]) -> np.ndarray | None:
+    """The Engram vocab map file if present (validated; a read-only array), else None."""
+    file = path / engram_vocab.VOCAB_MAP_FILE
+    if not file.exists():
+        return None
+    try:
+        array = engram_vocab.load_vocab_map_file(config, file)
+    except engram_vocab.EngramVocabMapError as exc:
+        problems.append(str(exc))
+        return None
+    array.flags.writeable = False
+    return array
 
 
 def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str] | None:

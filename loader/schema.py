@@ -61,6 +61,7 @@ class Fmt(str, enum.Enum):
     MXFP4_SCALE = "mxfp4 scales (ue8m0 /32)"
     BF16 = "bf16"
     FP32 = "fp32"
+    INT32 = "int32 ids"  # the Engram vocab map (loader/engram_vocab.py), not a schema row
 
 
 # Byte classes of model doc §3, for `hopdec inspect`.

@@ -1,7 +1,9 @@
 """Deterministic synthetic V4.1 checkpoints: real names, dtypes and shapes; values that run finite.
 
 `hopdec synth --config {tiny,v41-flash} [--layers N] [--seed S] --out DIR` writes `config.json`,
-safetensors shards of at most `--shard-gb` and `model.safetensors.index.json`.
+safetensors shards of at most `--shard-gb` and `model.safetensors.index.json`; where the config's
+Engram needs a compressed-vocab map (v41), also `engram_vocab_map.npy` holding
+`engram_vocab.synthetic_vocab_map(cfg, seed)` (a non-identity map), which `synth_fetch` serves too.
 
 Determinism: every tensor draws from its own generator seeded by (seed, blake2b(name)); an FP8
 weight and its scale come from one generator seeded by their common base name (they are quantized
@@ -53,7 +55,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from loader import sharding
+from loader import engram_vocab, sharding
 from loader.config import ModelConfig
 from loader.config_checks import NO_CANDIDATE_SOURCE
 from loader.formats import E4M3_MAX, fp8_block_quantize, ue8m0_scale_for_amax
@@ -237,6 +239,8 @@ def synth_fetch(cfg: ModelConfig, seed: int, tp: int, rank: int):
     source = ValueSource(seed)
 
     def fetch(name: str) -> np.ndarray:
+        if name == engram_vocab.VOCAB_MAP_NAME and engram_vocab.needs_map(cfg):
+            return engram_vocab.synthetic_vocab_map(cfg, seed)      # as synth() writes it
         try:
             spec = specs[name]
         except KeyError:
@@ -294,7 +298,8 @@ def synth(cfg: ModelConfig, out: str | Path, seed: int = 0, layers: int | None =
     try:
         _write(out, cfg, specs, shards, names, seed, progress)
     except BaseException:
-        for name in [*names, INDEX_NAME, "config.json"]:  # leave nothing half-written
+        for name in [*names, INDEX_NAME, "config.json", engram_vocab.VOCAB_MAP_FILE]:
+            # leave nothing half-written
             (out / name).unlink(missing_ok=True)
         raise
     return out
@@ -319,6 +324,8 @@ def _write(out: Path, cfg: ModelConfig, specs: list[TensorSpec], shards: list[li
     weight_map = {t.name: f for f, shard in zip(names, shards) for t in shard}
     index = {"metadata": {"total_size": sum(t.nbytes for t in specs)}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+    if engram_vocab.needs_map(cfg):
+        np.save(out / engram_vocab.VOCAB_MAP_FILE, engram_vocab.synthetic_vocab_map(cfg, seed))
     cfg.to_json(out / "config.json")
 
 

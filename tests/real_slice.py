@@ -20,6 +20,8 @@ What the slice keeps and what it cuts (each cut changes no value the test's step
 - Synthetic weights (`loader.synth`'s values), each tensor drawn ONCE and cut for every rank
   (`SharedSynth`), routed expert e holding expert e % 4's values (tests/stage_ffn_few_experts.py;
   the reference reads the same values through an aliasing fetch).
+- Engram's compressed-vocab map: the caller's (`SharedSynth.set_vocab_map`; the GPU test draws a
+  random non-identity one each run), served to the packing and to the reference alike.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from executor.bench_step import bench_config
 from executor.reference.step import ReferenceModel
 from executor.reference.weights import RankWeights
 from executor.wiring import arena_contents
-from loader import sharding
+from loader import engram_vocab, sharding
 from loader.config import ModelConfig
 from loader.schema import Fmt, checkpoint_schema
 from loader.synth import ValueSource, slice_config
@@ -113,9 +115,18 @@ class SharedSynth:
                 self._full.update(drawn)
         return time.perf_counter() - t0
 
+    def set_vocab_map(self, vocab_map: np.ndarray) -> None:
+        """Engram's compressed-vocab map for every fetch (shipped with the drawn tensors)."""
+        self._full[engram_vocab.VOCAB_MAP_NAME] = engram_vocab.check_vocab_map(
+            self.cfg, vocab_map, "SharedSynth.set_vocab_map")
+
     def fetch(self, rank: int, alias_experts: int | None = None):
         """fetch(name) -> rank's slice; alias_experts=u: expert e reads expert e % u."""
         def fetch(name: str) -> np.ndarray:
+            if name == engram_vocab.VOCAB_MAP_NAME:     # replicated; KeyError when none is set
+                if name not in self._full:
+                    raise KeyError(f"synthetic slice: no Engram vocab map set ({name!r})")
+                return self._full[name]
             m = EXPERT.fullmatch(name) if alias_experts else None
             if m:
                 name = f"{m[1]}{int(m[2]) % alias_experts}{m[3]}"
@@ -204,17 +215,6 @@ def reference_model(cfg: ModelConfig, synth: SharedSynth) -> ReferenceModel:
 MAX_CONTEXT = 128
 
 
-def compressed_ids_stand_in(cfg, tokens) -> np.ndarray:
-    """Stand-in for the tokenizer's compressed-vocab map (executor.reference.step.compressed_ids
-    refuses v41's, which hopdec does not have): the identity, on ids below
-    engram_compressed_vocab_size only (callers draw every input token there)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and tokens.max() >= cfg.engram_compressed_vocab_size:
-        raise ValueError(f"token {tokens.max()} has no stand-in compressed id (below "
-                         f"{cfg.engram_compressed_vocab_size} only)")
-    return tokens
-
-
 def new_caches(cfg):
     """The sequence's reference caches (seeded page permutation: the same tables every call)."""
     from executor.reference.kvcache import KVCaches
@@ -231,15 +231,14 @@ def block_rows(caches, start: int, tokens, kind: str):
 def reference_run(job):
     """(cfg, seed, drawn tensors, prompt, blocks) -> (caches after the prompt, [StepOutput] of
     each block): the reference prefills `prompt`, then runs each (kind, tokens) block at the next
-    positions, every block accepted whole. Runs in a spawned process (reference_in_process), so
-    it patches the compressed-vocab stand-in into its own copy of executor.reference.step."""
+    positions, every block accepted whole. Runs in a spawned process (reference_in_process); the
+    Engram vocab map, when set, travels in the drawn tensors."""
     import copy
 
     import executor.reference.step as reference_step
     from executor.reference.prefill import prefill
 
     cfg, seed, drawn, prompt, blocks = job
-    reference_step.compressed_ids = compressed_ids_stand_in
     synth = SharedSynth(cfg, seed)
     synth._full.update(drawn)
     model = reference_model(cfg, synth)

@@ -93,12 +93,16 @@ def test_embed_partials_sum_to_the_reference_embedding(tp):
 
 # ---- hash ids ------------------------------------------------------------------------------------
 
-def _python_hash(spec: ek.EngramHashSpec, tokens, positions) -> np.ndarray:
-    """The model doc's formula with unbounded Python ints: no int64 anywhere."""
+def _python_hash(spec: ek.EngramHashSpec, tokens, positions, vocab_map) -> np.ndarray:
+    """The model doc's formula with unbounded Python ints: no int64 anywhere. The raw pad id
+    (p - k < 0, or a token off the map) goes in before the map, as DeepSeek's pad_id =
+    lookup_table[pad_id]."""
     orders = spec.max_ngram - 1
     out = np.empty((len(positions), spec.cols), np.int64)
     for r, p in enumerate(positions):
-        hist = [int(tokens[r][k]) if p - k >= 0 else spec.pad_id for k in range(spec.max_ngram)]
+        raw = [int(tokens[r][k]) if p - k >= 0 and 0 <= tokens[r][k] < spec.vocab_size
+               else spec.pad_id for k in range(spec.max_ngram)]
+        hist = [int(vocab_map[t]) for t in raw]
         for order in range(orders):
             mix = 0
             for k in range(order + 2):
@@ -109,37 +113,62 @@ def _python_hash(spec: ek.EngramHashSpec, tokens, positions) -> np.ndarray:
     return out
 
 
+def _random_map(cfg) -> np.ndarray:
+    """Surjective onto [0, compressed), not the identity."""
+    return (RNG.permutation(cfg.vocab_size) % cfg.engram_compressed_vocab_size).astype(np.int32)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_hash_ids_equal_a_python_int_loop(name):
     cfg = ModelConfig.preset(name)
     for layer in cfg.engram_layer_ids:
         spec = ek.make_hash_spec(cfg, layer)
+        assert spec.mapped and spec.vocab_size == cfg.vocab_size
         rows = 40
-        tokens = RNG.integers(0, cfg.engram_compressed_vocab_size,
-                              (rows, spec.max_ngram)).astype(np.int32)
-        tokens[0] = cfg.engram_compressed_vocab_size - 1          # the largest product
+        tokens = RNG.integers(0, cfg.vocab_size, (rows, spec.max_ngram)).astype(np.int32)
+        vocab_map = _random_map(cfg)
+        vocab_map[tokens[0]] = cfg.engram_compressed_vocab_size - 1    # the largest product
         positions = RNG.integers(0, 10_000, rows).astype(np.int32)
         positions[1:5] = [0, 1, 2, 3]                              # pad for k > p
-        got = ek.hash_ref(spec, tokens, positions)
-        assert np.array_equal(got, _python_hash(spec, tokens, positions))
+        tokens[6, :3] = (-1, cfg.vocab_size, np.iinfo(np.int32).min)   # off the map: pad
+        got = ek.hash_ref(spec, tokens, positions, vocab_map)
+        assert np.array_equal(got, _python_hash(spec, tokens, positions, vocab_map))
         assert got.min() >= 0 and got.max() < cfg.engram_num_embeddings_of(layer)
+        # the map matters: the same tokens through the identity hash differently
+        identity = np.arange(cfg.vocab_size, dtype=np.int32)
+        assert not np.array_equal(got, ek.hash_ref(spec, tokens, positions, identity))
 
 
-def test_hash_ids_follow_the_reference_steps_lookback_layout():
-    cfg = ModelConfig.preset("tiny")
+def test_hash_ids_follow_the_reference_steps_history():
+    """The kernel's reference (raw tokens + map) equals executor.reference.step's history:
+    ngram_lookback, raw pad before position 0, then the map."""
+    from executor.reference.rows import RowBatch, RowBlock
+    cfg = ModelConfig.preset("v41-flash")
     layer = cfg.engram_layer_ids[0]
     spec = ek.make_hash_spec(cfg, layer)
+    vocab_map = _random_map(cfg)
     seq = RNG.integers(0, cfg.vocab_size, 9)
-    positions = np.arange(9, dtype=np.int32)
-    tokens = np.zeros((9, spec.max_ngram), np.int32)
-    for p in range(9):
-        for k in range(min(spec.max_ngram, p + 1)):
-            tokens[p, k] = seq[p - k]
-    history = engram_ref.ngram_history(tokens.astype(np.int64), positions.astype(np.int64),
-                                       spec.max_ngram, cfg.engram_pad_token_id)
+    rows = RowBatch.from_blocks([RowBlock(0, 3, tuple(int(t) for t in seq[3:]), "verify")],
+                                np.zeros((1, 4), np.int32), 128)
+    model = SimpleNamespace(cfg=cfg, vocab_map=vocab_map)
+    history = step.engram_history(model, rows, [seq[:3]])
+    raw = step.ngram_lookback(rows, [seq[:3]], spec.max_ngram).astype(np.int32)
+    positions = rows.positions.astype(np.int32)
     primes = np.array(cfg.engram_primes_flat(layer)).reshape(spec.max_ngram - 1, -1)
     want = engram_ref.hash_ids(history, np.array(cfg.engram_hash_multipliers(layer)), primes)
-    assert np.array_equal(ek.hash_ref(spec, tokens, positions), want)
+    assert np.array_equal(ek.hash_ref(spec, raw, positions, vocab_map), want)
+
+
+def test_unmapped_hash_spec_reads_raw_ids():
+    """HASH_READS_MAP = False (the revert switch): raw ids hashed, whatever the map holds."""
+    cfg = ModelConfig.preset("tiny")
+    spec = ek.make_hash_spec(cfg, cfg.engram_layer_ids[0], mapped=False)
+    assert not spec.name.endswith("_map")
+    tokens = RNG.integers(0, cfg.vocab_size, (7, spec.max_ngram)).astype(np.int32)
+    positions = np.arange(7, dtype=np.int32)
+    identity = np.arange(cfg.vocab_size, dtype=np.int32)
+    got = ek.hash_ref(spec, tokens, positions, _random_map(cfg))
+    assert np.array_equal(got, _python_hash(spec, tokens, positions, identity))
 
 
 # ---- lookup --------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from executor.embed_engram_chain import random_table
+from executor.embed_engram_chain import random_table, random_vocab_map
 from executor.emulate import NoEmulator, emulate_launch, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle, OutOfBounds
 from executor.launch import LaunchSpec
@@ -113,12 +113,16 @@ def _engram_arena(setup, table_rows: int, extra=()):
 
 
 def _tokens(cfg, spec, rows: int):
-    tokens = RNG.integers(0, cfg.engram_compressed_vocab_size,
-                          (rows, spec.max_ngram)).astype(np.int32)
-    tokens[0] = cfg.engram_compressed_vocab_size - 1      # the largest products
+    """Raw tokens (some off the map: read as the pad), positions (0..3: the pad), and a random
+    non-identity map sending tokens[0] to the largest compressed id (the largest products)."""
+    tokens = RNG.integers(0, spec.vocab_size, (rows, spec.max_ngram)).astype(np.int32)
+    vocab_map = random_vocab_map(RNG, spec.vocab_size, cfg.engram_compressed_vocab_size * 3 // 4)
+    vocab_map[tokens[0]] = cfg.engram_compressed_vocab_size - 1
+    if rows > 5:
+        tokens[5, :2] = (-1, spec.vocab_size)              # off the map
     positions = RNG.integers(0, 100_000, rows).astype(np.int32)
     positions[:min(rows, 4)] = np.arange(min(rows, 4))    # the pad
-    return tokens, positions
+    return tokens, positions, vocab_map
 
 
 def test_hash_ids_exact(setup):
@@ -126,13 +130,14 @@ def test_hash_ids_exact(setup):
     for spec in hashes:
         for rows in ROWS:
             space, arena, ptrs = _engram_arena(setup, 1)
-            tokens, positions = _tokens(cfg, spec, rows)
+            tokens, positions, vocab_map = _tokens(cfg, spec, rows)
             arena.upload("tokens", tokens)
             arena.upload("positions", positions)
+            arena.upload("vocab_map", vocab_map)
             launch = engram_hash_launch(bundle, spec, ptrs, rows)
             _run_and_check_untouched(space, arena, [launch], {"ids": 8 * rows * spec.cols})
             got = arena.download("ids", np.int64, (rows, spec.cols))
-            want = ek.hash_ref(spec, tokens, positions)
+            want = ek.hash_ref(spec, tokens, positions, vocab_map)
             bad = np.argwhere(got != want)
             assert not len(bad), f"{spec.name} rows={rows}: {len(bad)} ids differ, first {bad[0]}"
 
@@ -234,10 +239,11 @@ def test_hash_lookup_gate_list_over_a_ranks_real_table(setup):
         arena.buffer[...] = 0xFF
         ptrs = {name: arena.ptr(name) for name, *_ in requests}
         codes, scales = random_table(RNG, stop - start, lookup.head_dim)
-        tokens, positions = _tokens(cfg, hspec, rows)
+        tokens, positions, vocab_map = _tokens(cfg, hspec, rows)
         x, kv, qw, kw = _gate_inputs(rows, n, d)
         for name, host in (("codes", codes), ("scales", scales), ("tokens", tokens),
-                           ("positions", positions), ("streams", x), ("keys_and_value", kv),
+                           ("positions", positions), ("vocab_map", vocab_map),
+                           ("streams", x), ("keys_and_value", kv),
                            ("q_weight", qw), ("k_weight", kw)):
             arena.upload(name, host)
         launches = [engram_hash_launch(bundle, hspec, ptrs, rows),
@@ -247,7 +253,7 @@ def test_hash_lookup_gate_list_over_a_ranks_real_table(setup):
         _run_and_check_untouched(space, arena, launches, {
             "ids": 8 * rows * hspec.cols, "heads": 2 * rows * lookup.cols * lookup.head_dim,
             "streams": 2 * rows * n * d})
-        ids = ek.hash_ref(hspec, tokens, positions)
+        ids = ek.hash_ref(hspec, tokens, positions, vocab_map)
         want = ek.lookup_ref(lookup, ids, codes, scales, rank * lookup.cols, start)
         assert not np.isnan(want.astype(np.float32)).any()   # every id is this rank's
         got = arena.download("heads", BF16, (rows, lookup.cols, lookup.head_dim))
@@ -273,7 +279,8 @@ def test_wiring_errors_are_named(setup):
         run([too_big], space)
     # A hash grid short of the rows (one thread per row, no grid-stride) is refused.
     rec = bundle.kernel(hashes[0].name)
-    short = LaunchSpec(rec, (1,), (ptrs["tokens"], ptrs["positions"], ptrs["ids"], MAX_ROWS))
+    short = LaunchSpec(rec, (1,), (ptrs["tokens"], ptrs["positions"], ptrs["vocab_map"],
+                                   ptrs["ids"], MAX_ROWS))
     with pytest.raises(ValueError, match="covers 64 rows of 192"):
         emulate_launch(short, space)
     unknown = replace(bundle.kernel(gate.name), name="engram_other_d256")

@@ -130,5 +130,9 @@ def test_reference_in_a_process_equals_the_reference_here(tiny):
         assert _same(a.logits, b.logits) and _same(a.tokens, b.tokens)
     assert caches_equal(here_caches, there_caches)
     assert here_caches.swa.keys() and any(np.any(a) for a in here_caches.swa.values())
-    with pytest.raises(ValueError, match="no stand-in compressed id"):
-        rs.compressed_ids_stand_in(rs.slice_config_v41(), np.array([[99092]]))
+    with pytest.raises(KeyError, match="no Engram vocab map set"):
+        rs.SharedSynth(tiny).fetch(0)("engram.vocab_map")
+    vocab_map = np.random.default_rng().permutation(tiny.vocab_size).astype(np.int32)
+    shared.set_vocab_map(vocab_map)
+    assert np.array_equal(shared.fetch(3)("engram.vocab_map"), vocab_map)
+    assert np.array_equal(rs.reference_model(tiny, shared).vocab_map, vocab_map)

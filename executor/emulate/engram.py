@@ -16,12 +16,12 @@ def _hash(record, grid, args, space) -> None:
     if covered < rows:
         raise ValueError(f"{record.name}: grid {grid} x {record.block[0]} threads covers "
                          f"{covered} rows of {rows}")
-    spec = ek.EngramHashSpec(record.name, sp["layer"], sp["max_ngram"], sp["heads"],
-                             tuple(sp["multipliers"]), tuple(sp["primes"]), tuple(sp["offsets"]),
-                             sp["pad_id"])
+    spec = ek.hash_spec_from_dict(record.name, sp)
     tokens = space.array(args["tokens"], np.int32, (rows, spec.max_ngram))
     positions = space.array(args["positions"], np.int32, (rows,))
-    ids = ek.hash_ref(spec, tokens.copy(), positions.copy())
+    vocab_map = (space.array(args["vocab_map"], np.int32, (spec.vocab_size,)) if spec.mapped
+                 else np.arange(spec.vocab_size, dtype=np.int32))   # unread by that kernel
+    ids = ek.hash_ref(spec, tokens.copy(), positions.copy(), vocab_map.copy())
     space.array(args["ids"], np.int64, (rows, spec.cols))[...] = ids
 
 

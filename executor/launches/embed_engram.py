@@ -8,7 +8,8 @@ needs scratch):
 
   embed_launch            reads  token_ids int32 [R], table bf16 [spec.table_rows, D]
                           writes out bf16 [R, D] (this rank's rows, zeros for other ids)
-  engram_hash_launch      reads  tokens int32 [R, max_ngram] (newest first), positions int32 [R]
+  engram_hash_launch      reads  tokens int32 [R, max_ngram] (raw ids, newest first), positions
+                                 int32 [R], vocab_map int32 [vocab_size] (compressed ids)
                           writes ids int64 [R, (max_ngram - 1)·heads]
   engram_lookup_launch    reads  ids int64 [R, total_cols] (columns first_col .. + cols),
                                  codes uint8 (E4M3) [table_rows, head_dim],
@@ -53,10 +54,9 @@ def embed_launch(bundle, spec: er.EmbedSpec, ptrs: Mapping[str, int], rows: int,
 
 def engram_hash_launch(bundle, spec: ek.EngramHashSpec, ptrs: Mapping[str, int],
                        rows: int) -> LaunchSpec:
-    """ptrs: tokens, positions, ids."""
-    tokens, positions, ids = _pointers(spec.name, ptrs, ("tokens", "positions", "ids"))
-    return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), (tokens, positions, ids, rows),
-                      pdl=True)
+    """ptrs: tokens, positions, vocab_map, ids."""
+    args = _pointers(spec.name, ptrs, ("tokens", "positions", "vocab_map", "ids"))
+    return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), (*args, rows), pdl=True)
 
 
 def engram_lookup_launch(bundle, spec: ek.EngramLookupSpec, ptrs: Mapping[str, int], rows: int,
@@ -105,6 +105,7 @@ def engram_requests(hash_spec: ek.EngramHashSpec, lookup_spec: ek.EngramLookupSp
                          f"{lookup_spec.name} reads {total}")
     return [("tokens", 4 * r * hash_spec.max_ngram, f"int32 [{r}, {hash_spec.max_ngram}]"),
             ("positions", 4 * r, f"int32 [{r}]"),
+            ("vocab_map", 4 * hash_spec.vocab_size, f"int32 [{hash_spec.vocab_size}]"),
             ("ids", 8 * r * total, f"int64 [{r}, {total}]"),
             ("codes", table_rows * hd, f"e4m3 [{table_rows}, {hd}]"),
             ("scales", table_rows * (hd // 32), f"ue8m0 [{table_rows}, {hd // 32}]"),
@@ -125,9 +126,7 @@ def specs_from_bundle(bundle) -> tuple[list, ek.EngramLookupSpec, ek.EngramGateS
     for name in sorted(bundle.names()):
         sp = kernels[name].spec
         if name.startswith("engram_hash_"):
-            hashes.append(ek.EngramHashSpec(name, sp["layer"], sp["max_ngram"], sp["heads"],
-                                            tuple(sp["multipliers"]), tuple(sp["primes"]),
-                                            tuple(sp["offsets"]), sp["pad_id"]))
+            hashes.append(ek.hash_spec_from_dict(name, sp))
         elif name.startswith("engram_lookup_"):
             lookup = ek.make_lookup_spec(sp["head_dim"], sp["cols"], sp["total_cols"])
         elif name.startswith("engram_gate_"):

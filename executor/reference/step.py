@@ -18,9 +18,16 @@ DSpark aux states are the mean over the 4 streams of each target layer's input (
 
 `exact=True` turns off FP8 activation quantization in the experts (the KV caches carry their own
 `exact` flag) and uses plain MXFP4 expert weights.
+
+Engram hashes compressed token ids (`engram_history`): the raw lookback, padded with the raw pad
+id before position 0, through the compressed-vocab map (`ReferenceModel.vocab_map`: the weights'
+map, loader/engram_vocab.py, unless the model is given one or IDENTITY). Decode, verify and
+prefill blocks all go through `decode_step`, so all hash the same way; the DSpark draft stages
+have no Engram.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +38,7 @@ from executor.reference.rows import RowBatch
 from executor.reference.weights import LayerWeights, RankWeights
 from kernels import engram_ref, head_ref, mhc_ref, moe_ref
 from kernels.norm_ref import rmsnorm_ref
-from loader import formats
+from loader import engram_vocab, formats
 from loader.config import ModelConfig
 
 
@@ -54,15 +61,26 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ReferenceModel:
-    """The model on `tp` ranks: one RankWeights per rank."""
+    """The model on `tp` ranks: one RankWeights per rank. `engram_vocab_map`: None = the map the
+    weights serve (loader.engram_vocab.fetch_vocab_map: a checkpoint's file, a synthetic map, the
+    identity where none is needed, else an error naming the ways to supply one), an int32
+    [vocab_size] array, or engram_vocab.IDENTITY (hash raw ids: the explicit opt-out)."""
 
     cfg: ModelConfig
     ranks: tuple[RankWeights, ...]
     exact: bool = False
+    engram_vocab_map: np.ndarray | str | None = None
 
     @property
     def tp(self) -> int:
         return len(self.ranks)
+
+    @functools.cached_property
+    def vocab_map(self) -> np.ndarray:
+        """The compressed-vocab map Engram hashes through, int32 [vocab_size] (validated)."""
+        if self.engram_vocab_map is None:
+            return engram_vocab.fetch_vocab_map(self.cfg, self.ranks[0].fetch)
+        return engram_vocab.resolve(self.cfg, self.engram_vocab_map, "ReferenceModel")
 
     def layer(self, index: int) -> list[LayerWeights]:
         return [r.layer(index) for r in self.ranks]
@@ -233,24 +251,31 @@ def ngram_lookback(rows: RowBatch, prior_tokens: Sequence[np.ndarray], max_ngram
     return out
 
 
-def compressed_ids(cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
-    """The tokenizer-derived compressed vocab map; only the identity (compressed >= vocab) is known."""
-    if cfg.engram_compressed_vocab_size < cfg.vocab_size:
-        raise NotImplementedError(
-            f"engram_compressed_vocab_size {cfg.engram_compressed_vocab_size} < vocab_size "
-            f"{cfg.vocab_size}: the tokenizer's compressed-vocab map is needed and not loaded")
-    return tokens
+def compressed_ids(cfg: ModelConfig, tokens: np.ndarray,
+                   vocab_map: np.ndarray | str | None = None) -> np.ndarray:
+    """Raw token ids -> Engram's compressed ids int64 through `vocab_map` (an int32 [vocab_size]
+    array, engram_vocab.IDENTITY, or None: the identity where compressed >= vocab, else
+    EngramVocabMapError saying how to supply the map)."""
+    table = engram_vocab.resolve(cfg, vocab_map, "compressed_ids")
+    return engram_ref.compress(tokens, table)
+
+
+def engram_history(model: ReferenceModel, rows: RowBatch,
+                   prior_tokens: Sequence[np.ndarray]) -> np.ndarray:
+    """[R, max_ngram] compressed history of each row: the raw lookback, the RAW pad id where
+    p-k < 0, then the map (the compressed pad is map[pad_id], as DeepSeek's NgramHashMapping)."""
+    cfg = model.cfg
+    raw = ngram_lookback(rows, prior_tokens, cfg.engram_max_ngram_size)
+    padded = engram_ref.ngram_history(raw, rows.positions, cfg.engram_max_ngram_size,
+                                      cfg.engram_pad_token_id)
+    return engram_ref.compress(padded, model.vocab_map)
 
 
 def decode_step(model: ReferenceModel, rows: RowBatch, caches,
                 prior_tokens: Sequence[np.ndarray]) -> StepOutput:
     """One target forward over all backbone layers for the rows of `rows` (model doc §2.1-§2.3)."""
     cfg = model.cfg
-    history = None
-    if cfg.engram_layer_ids:
-        raw = ngram_lookback(rows, prior_tokens, cfg.engram_max_ngram_size)
-        history = engram_ref.ngram_history(compressed_ids(cfg, raw), rows.positions,
-                                           cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
+    history = engram_history(model, rows, prior_tokens) if cfg.engram_layer_ids else None
     state = start_streams(embed(model, rows.token_ids), cfg.hc_mult)
     aux = []
     for layer in range(cfg.num_hidden_layers):

@@ -6,8 +6,11 @@ inputs, poisons every output with 0xFF bytes (NaN as bf16, -1 as int64) and chec
 
 Tolerances (kernels/embed_ref.py, kernels/engram_kernel_ref.py):
 - embedding: bitwise (a copy or zeros); ids on both sides of the rank's range.
-- hash ids: exact (integer arithmetic); positions 0..3 exercise the pad, the largest token id the
-  largest products.
+- hash ids: exact (integer arithmetic) against `hash_ref`: raw token ids over the whole
+  vocabulary through a fresh random non-identity compressed-vocab map (surjective onto a range
+  smaller than the vocabulary); positions 0..3 exercise the pad (the raw pad id, mapped), tokens
+  -1 / vocab_size / INT32_MIN the off-map guard (read as the pad), a token mapped to the largest
+  compressed id the largest products.
 - lookup: bitwise against `lookup_ref` (E4M3 x 2^(s-127) rounded once to BF16, the same single
   rounding in both), over every finite code and scale bytes 0..134; off-table ids give NaN heads;
   from device memory and from pinned host memory (UVA). Tiny: also hash -> lookup over a rank's
@@ -29,6 +32,7 @@ from executor.embed_engram_chain import (
     EmbedLookup,
     EngramLayer,
     random_table,
+    random_vocab_map,
     specs_from_bundle,
 )
 from executor.mhc_router_chain import download, poison, upload
@@ -104,25 +108,36 @@ def test_embed_rows_or_zeros(dev, stream, setup):
 
 # ---- hash ids ------------------------------------------------------------------------------------
 
+def _hash_inputs(cfg, spec, rows: int):
+    """Raw tokens over the vocabulary (row 5: off the map), positions (0..3: the pad), and a
+    fresh random non-identity map onto 3/4 of the compressed range, tokens[0] mapped to the
+    largest compressed id (the largest products)."""
+    tokens = RNG.integers(0, spec.vocab_size, (rows, spec.max_ngram)).astype(np.int32)
+    vocab_map = random_vocab_map(RNG, spec.vocab_size, cfg.engram_compressed_vocab_size * 3 // 4)
+    vocab_map[tokens[0]] = cfg.engram_compressed_vocab_size - 1
+    if rows > 5:
+        tokens[5, :3] = (-1, spec.vocab_size, np.iinfo(np.int32).min)
+    positions = RNG.integers(0, 100_000, rows).astype(np.int32)
+    positions[:min(rows, 4)] = np.arange(min(rows, 4))
+    return tokens, positions, vocab_map
+
+
 def test_hash_ids_exact(dev, stream, setup):
     cfg, bundle, (hashes, lookup, gate, _) = setup
     for spec in hashes:
         layer = EngramLayer(dev, bundle, spec, lookup, gate, table_rows=32)
         try:
             for rows in ROWS:
-                tokens = RNG.integers(0, cfg.engram_compressed_vocab_size,
-                                      (rows, spec.max_ngram)).astype(np.int32)
-                tokens[0] = cfg.engram_compressed_vocab_size - 1
-                positions = RNG.integers(0, 100_000, rows).astype(np.int32)
-                positions[:min(rows, 4)] = np.arange(min(rows, 4))
+                tokens, positions, vocab_map = _hash_inputs(cfg, spec, rows)
                 upload(layer.arena, "tokens", tokens)
                 upload(layer.arena, "positions", positions)
+                layer.upload_vocab_map(vocab_map)
                 poison(layer.arena, "ids")
                 cp.cuda.Device().synchronize()
                 layer.launch_hash(rows).launch(stream)
                 stream.synchronize()
                 got = download(layer.arena, "ids", np.int64, (rows, spec.cols))
-                want = ek.hash_ref(spec, tokens, positions)
+                want = ek.hash_ref(spec, tokens, positions, vocab_map)
                 bad = np.argwhere(got != want)
                 assert not len(bad), (f"{spec.name} rows={rows}: {len(bad)} ids differ, first "
                                       f"{tuple(bad[0])}: got {got[tuple(bad[0])]} want "
@@ -190,18 +205,18 @@ def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
             codes, scales = random_table(RNG, stop - start, spec.head_dim)
             layer.upload_table(codes, scales)
             rows = 48
-            tokens = RNG.integers(0, cfg.engram_compressed_vocab_size,
-                                  (rows, hspec.max_ngram)).astype(np.int32)
+            tokens, positions, vocab_map = _hash_inputs(cfg, hspec, rows)
             positions = RNG.integers(0, 50, rows).astype(np.int32)
             upload(layer.arena, "tokens", tokens)
             upload(layer.arena, "positions", positions)
+            layer.upload_vocab_map(vocab_map)
             poison(layer.arena, "heads")
             cp.cuda.Device().synchronize()
             layer.launch_hash(rows).launch(stream)
             layer.launch_lookup(rows, rank * spec.cols, start).launch(stream)
             stream.synchronize()
             got = download(layer.arena, "heads", BF16, (rows, spec.cols, spec.head_dim))
-            ids = ek.hash_ref(hspec, tokens, positions)
+            ids = ek.hash_ref(hspec, tokens, positions, vocab_map)
             want = ek.lookup_ref(spec, ids, codes, scales, rank * spec.cols, start)
             assert not np.isnan(want.astype(np.float32)).any()   # every id is this rank's
             _bits_equal(got, want, f"{hspec.name} -> {spec.name} rank={rank}")

@@ -11,17 +11,15 @@ in a spawned process while the ranks are packed and uploaded (real_slice.referen
 
 One sequence: the reference prefills a 14-token prompt; the ranks get its caches once, then run
 3 decode steps and one verify block of 6 rows (8-row buckets: 7 or 2 padding rows), their own
-caches carrying over. Every input token is drawn below engram_compressed_vocab_size (99092 of
-129280): the tokenizer's compressed-vocab map is not in hopdec, so the reference refuses v41's
-Engram (executor.reference.step.compressed_ids) and this test stands in the identity on those
-ids for it (real_slice.compressed_ids_stand_in); and the device's rows prep hashes the current token's raw id
-(history32[r, 0] = token_ids[r]), which is right only where the map is the identity (reported:
-with the real map the current token must be mapped too). So a step's input is not the previous
-step's greedy token (which may lie above 99092) but a drawn one; each step's outputs are still
-compared with the reference's on the same inputs and caches. Checks per step, as
-tests/test_emulate_step.py: logits within LOGIT_BOUND; tokens equal the reference's except at a
-genuine near-tie (the reference's top-2 margin inside twice the logit difference); every rank
-writes the same tokens and the same bytes into every replicated cache.
+caches carrying over. Engram's compressed-vocab map is a fresh random non-identity map each run
+(surjective onto v41's 99092 compressed ids, `SharedSynth.set_vocab_map`): the ranks pack it and
+their hash kernels read every history token (the current one included) through it; the
+reference maps its lookback through the same map. Input tokens are drawn over the whole
+129280-token vocabulary. A step's input is a drawn token, not the previous step's greedy one;
+each step's outputs are compared with the reference's on the same inputs and caches. Checks per
+step, as tests/test_emulate_step.py: logits within LOGIT_BOUND; tokens equal the reference's
+except at a genuine near-tie (the reference's top-2 margin inside twice the logit difference);
+every rank writes the same tokens and the same bytes into every replicated cache.
 
 LOGIT_BOUND = 0.25, tiny's bound (TP1 vs TP4 reference steps differ by up to 0.076 over 96 tiny
 steps): the kernels round where the reference rounds (BF16 activations, FP8/MXFP4 weights it
@@ -77,13 +75,20 @@ def bundle(dev):
 
 
 def _tokens(rng, cfg, n: int) -> list[int]:
-    return [int(t) for t in rng.integers(0, cfg.engram_compressed_vocab_size, n)]
+    return [int(t) for t in rng.integers(0, cfg.vocab_size, n)]
+
+
+def _random_vocab_map(rng, cfg) -> np.ndarray:
+    """Surjective onto [0, compressed), not the identity (a permutation mod the compressed size)."""
+    return (rng.permutation(cfg.vocab_size) % cfg.engram_compressed_vocab_size).astype(np.int32)
 
 
 def _history(cfg, rows, seq):
+    """The RAW lookback the caller binds as token_history (the device maps it; entries before
+    position 0 are never read)."""
     raw = ngram_lookback(rows, [np.asarray(seq, np.int64)], cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(rs.compressed_ids_stand_in(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
+    return engram_ref.ngram_history(raw, rows.positions, cfg.engram_max_ngram_size,
+                                    cfg.engram_pad_token_id)
 
 
 def _check(ranks, rows, n: int, out, step: int) -> float:
@@ -118,6 +123,7 @@ def test_real_dimension_slice_follows_the_reference(dev, stream, bundle):
               for kind in BLOCKS]
     t0 = time.perf_counter()
     synth = rs.SharedSynth(cfg)
+    synth.set_vocab_map(_random_vocab_map(rng, cfg))
     timings = [f"synthetic draws {synth.prefetch(stage_ffn_few_experts.UNIQUE_EXPERTS):.1f} s"]
     reference = rs.reference_in_process(cfg, synth, prompt, blocks)    # meanwhile: the ranks
     contents, pack_s = rs.pack_ranks(cfg, synth, 192)
