@@ -61,11 +61,12 @@ GATE_UP_ROWS = TILE_N // 2              # swiglu: gate rows, then as many up row
 ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows per pass (R > 8)
 # register-prefetch mma kernel; smem-streamed kernels (R <= 8): "stream" (measured in round 3),
 # "stream_xt" (x several units ahead, 2 accumulators, scales first, whole tiles per CTA: no tile
-# shared between CTAs, no workspace, no fence, no atomic). Round 4's "stream_x" (stream_xt with
-# units split across CTAs) lost everywhere and is gone (round 5).
-VARIANTS = ("mma", "stream", "stream_xt")
+# shared between CTAs, no workspace, no fence, no atomic), "stream_xts" (stream_xt with the scale
+# bytes cp.async'ed first, in their own commit group, instead of LDG + STS: round 5). Round 4's
+# "stream_x" (stream_xt with units split across CTAs) lost everywhere and is gone (round 5).
+VARIANTS = ("mma", "stream", "stream_xt", "stream_xts")
 STREAM_VARIANTS = VARIANTS[1:]
-VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt"}
+VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt", "stream_xts": "sxts"}
 STREAM_WARPS = 8                    # warps of the streamed kernel
 STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / stream_xt ...
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
@@ -113,8 +114,14 @@ class DenseSpec:
 
     @property
     def whole_tiles(self) -> bool:
-        """stream_xt: CTA c owns tiles [T*c/C, T*(c+1)/C) whole (units of one tile never split)."""
-        return self.variant == "stream_xt"
+        """stream_xt(s): CTA c owns tiles [T*c/C, T*(c+1)/C) whole (units of one tile never split)."""
+        return self.variant in ("stream_xt", "stream_xts")
+
+    @property
+    def async_scales(self) -> bool:
+        """stream_xts: the scale window arrives by 4-byte cp.async (K % 128 == 0) in the first
+        commit group, not by plain loads stored after the weights' copies are issued."""
+        return self.variant == "stream_xts"
 
     @property
     def x_slots(self) -> int:
@@ -324,11 +331,14 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
                                                       and swiglu_limit > 0):
             raise ValueError(f"{label}: the swiglu epilogue needs groups 1, N % 64 == 0 and a "
                              f"finite clamp > 0; got groups {groups}, N {n}, L {swiglu_limit}")
-        if variant in STREAM_VARIANTS and variant != "stream_xt":
+        if variant == "stream":
             raise ValueError(f"{label}: the swiglu epilogue needs whole tiles per CTA (variant "
-                             f"'stream_xt' or 'mma'), got {variant!r}")
+                             f"'stream_xt(s)' or 'mma'), got {variant!r}")
     elif swiglu_limit:
         raise ValueError(f"{label}: swiglu_limit {swiglu_limit} given to epilogue {epilogue!r}")
+    if variant == "stream_xts" and k % (4 * FP8_BLOCK):
+        raise ValueError(f"{label}: variant 'stream_xts' copies scale rows in 4-byte pieces; "
+                         f"K = {k} gives {k // FP8_BLOCK}-byte rows")
     if variant not in VARIANTS or (variant != "mma" and row_tiles != 1):
         raise ValueError(f"{label}: variant {variant!r} with row_tiles {row_tiles}; expected "
                          f"one of {VARIANTS}, streamed ones only with row_tiles 1")
@@ -347,7 +357,8 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if variant == "mma":
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split,
                          swiglu_limit=swiglu_limit)
-    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k, variant == "stream_xt")
+    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k,
+                                         variant in ("stream_xt", "stream_xts"))
     return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
                      swiglu_limit)
 
@@ -399,9 +410,10 @@ R8_VARIANT_ROUND4 = {"wqa_wkv": "stream_xt", "wq_b": "stream_xt", "wo_b": "strea
                      "shared_w13": "stream_xt", "shared_w2": "stream"}
 R8_VARIANT = R8_VARIANT_ROUND4          # revert to the round-3 kernels: = R8_VARIANT_ROUND3
 # R <= 8 candidates compiled beside the step's kernel (bf16 epilogue), so the family benchmark
-# measures them side by side. Round 5: none (the round-4 losers `_mma`, `_s`, `_sx` are gone
-# from the bundle; their code paths stay for R8_VARIANT_ROUND3).
-R8_CANDIDATES: dict[str, tuple[str, ...]] = {}
+# measures them side by side. Round 5: stream_xts beside every stream_xt layer (the round-4
+# losers `_mma`, `_s`, `_sx` are gone from the bundle; mma and stream stay for R8_VARIANT_ROUND3).
+R8_CANDIDATES: dict[str, tuple[str, ...]] = {
+    label: ("stream_xts",) for label, v in R8_VARIANT_ROUND4.items() if v == "stream_xt"}
 
 
 def default_variant(label: str, row_tiles: int) -> str:

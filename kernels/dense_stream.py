@@ -38,6 +38,7 @@ from kernels.dense import e4m3x4_to_bf16x2x2, ld_u8, prmt, round_bf16, scale_bf1
 from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N, WARP, DenseSpec
 from kernels.moe_ptx import swiglu
 from kernels.ptx import (
+    cp_async_4,
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
@@ -94,6 +95,7 @@ class DenseStreamSm90:
         self.swiglu = spec.epilogue == "swiglu"
         self.s_half, self.tps = spec.scale_half(), spec.tiles_per_scale_row
         self.up_scale_rows = spec.n // 2 // FP8_BLOCK
+        self.async_scales = spec.async_scales
         self.kg = spec.k // FP8_BLOCK
         self.tiles_per_group = spec.n // TILE_N
 
@@ -129,16 +131,24 @@ class DenseStreamSm90:
 
         # Weights (constants: no wait), the whole ring deep, one commit group per unit. The scale
         # bytes: loaded after them (round 3) or before them (their latency then hides beneath).
+        # stream_xts: the scale window by cp.async in the oldest commit group, so nothing between
+        # issuing the weights and griddepcontrol.wait waits on a load that queued behind them.
         sbytes = cute.make_rmem_tensor((-(-self.window // CONSUMERS),), Int32)
-        if cutlass.const_expr(not self.round3):
+        if cutlass.const_expr(self.async_scales):
+            self._scale_copies(scales, sc_a, u_begin, n_units, tidx)
+            cp_async_commit()
+        elif cutlass.const_expr(not self.round3):
             self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
         for s in cutlass.range_constexpr(self.stages):
             if s < n_units:
                 self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
             cp_async_commit()
-        if cutlass.const_expr(self.round3):
-            self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
-        self._scale_stores(sbytes, sc_a, u_begin, n_units, tidx)
+        if cutlass.const_expr(self.async_scales):
+            cp_async_wait(self.stages)            # the scale group (the oldest) has landed
+        else:
+            if cutlass.const_expr(self.round3):
+                self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
+            self._scale_stores(sbytes, sc_a, u_begin, n_units, tidx)
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
         cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
 
@@ -249,6 +259,23 @@ class DenseStreamSm90:
                 at = at - up * self.s_half + shift
                 end = win + shift
             sbytes[j] = ld_u8(s_src + Int64(cutlass.min(at, end - 1)))
+
+    @cute.jit
+    def _scale_copies(self, scales: cute.Pointer, sc_a: Int32, u_begin: Int32, n_units: Int32,
+                      tidx: Int32):
+        """stream_xts: the CTA's scale run(s) -> smem by 4-byte cp.async (rows of K/32 bytes,
+        a multiple of 4: make_spec), the same placement as _scale_loads + _scale_stores."""
+        srow0, win = self._scale_window(u_begin, n_units)
+        s_src = scales.toint() + Int64(srow0 * self.kg)
+        for j in cutlass.range_constexpr(-(-self.window // (4 * CONSUMERS))):
+            at = 4 * (tidx + CONSUMERS * j)
+            src, used = at, at < win
+            if cutlass.const_expr(self.swiglu):       # smem [s_half, ...) <- the up rows' run
+                up = Int32(at >= self.s_half)
+                src = at - up * self.s_half + up * (self.up_scale_rows * self.kg)
+                used = (at < win) | ((at >= self.s_half) & (at - self.s_half < win))
+            if used & (at < self.window):
+                cp_async_4(sc_a + at, s_src + Int64(src))
 
     @cute.jit
     def _scale_stores(self, sbytes, sc_a: Int32, u_begin: Int32, n_units: Int32, tidx: Int32):

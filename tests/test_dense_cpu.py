@@ -239,6 +239,11 @@ def test_split_k_fills_the_gpu_for_narrow_layers(v41):
         assert s.counters_bytes() == s.max_passes * s.tiles * 4
 
 
+def _variants_for(k: int) -> tuple[str, ...]:
+    """The streamed variants a K allows (stream_xts: scale rows of a multiple of 4 bytes)."""
+    return tuple(v for v in dr.STREAM_VARIANTS if v != "stream_xts" or k % 128 == 0)
+
+
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
 def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
     """The streamed kernel's integer work split (kernels/dense_stream.py computes the same):
@@ -248,7 +253,7 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
     cfg = ModelConfig.preset(config)
     every_layer = [dr.make_spec(label, n, k, variant=v)           # ring layouts included
                    for label, (n, k, _) in dr.dense_shapes(cfg, 4).items()
-                   for v in dr.STREAM_VARIANTS]
+                   for v in _variants_for(k)]
     defaults = [s for s in dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) if s.streamed]
     assert {s.variant for s in defaults} == set(dr.STREAM_VARIANTS), "a variant is not built"
     for s in every_layer + defaults:
@@ -288,7 +293,7 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
     accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged."""
     cfg = ModelConfig.preset(config)
     for label, (n, k, _) in dr.dense_shapes(cfg, 4).items():
-        for v in dr.STREAM_VARIANTS:
+        for v in _variants_for(k):
             s = dr.make_spec(label, n, k, variant=v)
             per_chunk = 8 * -(-s.chunks // dr.STREAM_WARPS)
             if v == "stream":
@@ -417,6 +422,8 @@ def test_swiglu_rows_pair_a_threads_accumulators_and_scales():
         dr.make_spec("bad", 128, 64, epilogue="swiglu", swiglu_limit=7.0, variant="stream")
     with pytest.raises(ValueError, match="swiglu"):
         dr.make_spec("bad", 128, 64, epilogue="swiglu")                       # no clamp
+    with pytest.raises(ValueError, match="stream_xts"):
+        dr.make_spec("bad", 128, 96, variant="stream_xts")                    # 3-byte rows
 
 
 def test_wo_a_ref_is_blockwise_per_group():
