@@ -161,8 +161,9 @@ class Executor:
 
     def capture(self, stream=None) -> None:
         """Capture one graph per bucket (largest first) on `stream` (default: a new stream of
-        the device). Refuses before capturing anything when unbound or when the plan has
-        missing stages (NotImplementedError naming them)."""
+        the device); with DSpark the verify graphs, then the draft graphs, per sequence-slot
+        bucket. Refuses before capturing anything when unbound or when a plan has missing
+        stages (NotImplementedError naming them)."""
         if self._closed:
             raise RuntimeError("Executor.capture: the executor is closed")
         if self._binding is None:
