@@ -105,6 +105,11 @@ class MoeChain:
         return [v for v in ml.variant_names(self.available, "w13w")
                 if ml.warp_routed_fits(self.available, self.shape, rows, v)]
 
+    def launches_bulk(self, rows: int) -> list[LaunchSpec]:
+        """prep -> w13w / w13sr "bulk" -> w2 "bulk" -> combine (launches/moe.py
+        `bulk_launches`)."""
+        return ml.bulk_launches(self.bundle, self.shape, self.ptrs, rows, self.available)
+
     def step_launches(self, rows: int) -> list[LaunchSpec]:
         """What the decode step launches at `rows` (executor/launches/moe.py `step_launches`)."""
         return ml.step_launches(self.bundle, self.shape, self.ptrs, rows)
@@ -173,11 +178,9 @@ def bench_moe_routed(ctx) -> None:
             for w13w in chain.warp_routed_variants(rows):
                 chains.append((" w13w" + (f" {w13w}" if w13w else ""),
                                chain.launches_warp_routed(rows, step_w2, w13w)))
-            # Round 5: both kernels fed by bulk copies (where w13w fits), else w2 "bulk" alone.
+            # Round 5: the step's chain with every weight byte by bulk copies.
             if ml.bulk_fits(chain.available, shape, rows):
-                chains.append((" bulk", chain.launches_warp_routed(rows, "bulk", "bulk")))
-            elif ("w2", "bulk") in chain.available:
-                chains.append((" w2 bulk", chain.launches(rows, step_w13 or "", "bulk")))
+                chains.append((" bulk", chain.launches_bulk(rows)))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):

@@ -26,6 +26,7 @@ own wait: w13w's routing reads them with ld.relaxed.gpu).
 from __future__ import annotations
 
 import cutlass
+from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe_kernel_ref as mk
@@ -56,6 +57,11 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     def __init__(self, spec: mk.MoeSpec):
         super().__init__(spec)
+        self.bulk_layout(spec)
+        self.bars_at = self.stage_bytes + self.threads * 16
+
+    def bulk_layout(self, spec: mk.MoeSpec):
+        """The sizes of the stage and its parts (shared with moe_w13sr "bulk")."""
         self.parts = mk.bulk_parts(spec.shape, self.warps)
         self.part_groups = self.groups_per_warp // self.parts
         self.part_code_bytes = 2 * self.part_groups * mk.COL_BYTES
@@ -63,7 +69,6 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
         self.slice_code_bytes = self.cols_per_warp * mk.COL_BYTES
         self.warp_bytes = mk.bulk_warp_bytes(spec.shape, self.warps)
         self.stage_bytes = self.warps * self.warp_bytes
-        self.bars_at = self.stage_bytes + self.threads * 16
 
     def bar(self, ring: Int32, warp: Int32, part: int) -> Int32:
         return ring + self.bars_at + (warp * self.parts + part) * 8
@@ -173,6 +178,81 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
             acc = [fmul_add(acc[0], group[0], sc0), fmul_add(acc[1], group[1], sc1),
                    fmul_add(acc[2], group[2], sc0), fmul_add(acc[3], group[3], sc1)]
         return acc
+
+
+class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
+    """moe_w13sr "bulk": moe_w13sr's shared-memory routing lists (any R) with moe_w13w "bulk"'s
+    stage, parts, barriers and part refill. Shared memory: [ring region: the routing scratch,
+    then the stage] [mbarriers, 16-aligned] [cross-warp reduction] [lists]."""
+
+    bar = MoeW13BulkSm90.bar
+    issue_part = MoeW13BulkSm90.issue_part
+    issue_item = MoeW13BulkSm90.issue_item
+    refill_part = MoeW13BulkSm90.refill_part
+    slice_math = MoeW13BulkSm90.slice_math
+
+    def __init__(self, spec: mk.MoeSpec):
+        super().__init__(spec)
+        MoeW13BulkSm90.bulk_layout(self, spec)
+        self.ring_region = mk.bulk_sr_ring_region(spec.shape, self.warps)
+        self.bars_at = self.ring_region
+        self.red_at = self.ring_region + mk.bulk_bars_bytes(spec.shape, self.warps)
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+                 codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+                 h: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.ctas_per_sm,
+            preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        red = ring + self.red_at
+        lists = red + self.threads * 16
+        if lane == 0:
+            for part in cutlass.range_constexpr(self.parts):
+                mbar_init(self.bar(ring, warp, part), 1)
+            mbar_init_fence()
+        # build ends with a CTA barrier: the scratch (in the ring region) is dead after it.
+        self.routing.build(_addr(topk_ids), rows, ring, lists, tidx)
+        total = self.routing.distinct(lists) * self.tiles
+        item = bidx
+        self.issue_item(ring, self.routing.expert_of_item(lists, item, self.tiles, total),
+                        _addr(codes), _addr(offsets), item, total, warp, lane)
+        cute.arch.griddepcontrol_wait()          # xq, xs come from the previous kernel
+        cute.arch.griddepcontrol_launch_dependents()
+        phase = Int32(0)
+        while item < total:
+            e, first, count = self.routing.entry(lists, item // self.tiles)
+            tile = item % self.tiles
+            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
+            nxt = item + gdim
+            nxt_e = self.routing.expert_of_item(lists, nxt, self.tiles, total)
+            pair_list = lists + self.routing.pairs_at + 4 * first
+            chunk = Int32(0)
+            while chunk < count:
+                ins = self.chunk_inputs_smem(pair_list, _addr(xq), _addr(xs), count - chunk,
+                                             chunk, warp, lane)
+                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
+                acc = self.slice_math(ring, ins, warp, lane, phase,
+                                      (nxt_e, nxt, total, _addr(codes), _addr(offsets)), last)
+                _, _, p0, p1, v0, v1 = ins
+                self.reduce_and_store(acc, _addr(h), tile, scale, red, warp, lane, tidx,
+                                      p0, p1, v0, v1)
+                chunk += mk.CHUNK_TOKENS
+            item = nxt
+            phase = phase ^ 1
 
 
 class MoeW2BulkSm90(MoeW2Sm90):
@@ -300,8 +380,8 @@ class MoeW2BulkSm90(MoeW2Sm90):
 
 
 def kernel_class(spec: mk.MoeSpec):
-    """The class compiling a "bulk" spec (w13w or w2)."""
-    classes = {"w13w": MoeW13BulkSm90, "w2": MoeW2BulkSm90}
+    """The class compiling a "bulk" spec (w13w, w13sr or w2)."""
+    classes = {"w13w": MoeW13BulkSm90, "w13sr": MoeW13SelfRoutedBulkSm90, "w2": MoeW2BulkSm90}
     if spec.variant != "bulk" or spec.kind not in classes:
-        raise ValueError(f"{spec.name}: bulk copies exist for w13w / w2 \"bulk\" only")
+        raise ValueError(f"{spec.name}: bulk copies exist for w13w / w13sr / w2 \"bulk\" only")
     return classes[spec.kind]

@@ -70,7 +70,7 @@ from kernels.moe_shape_ref import (
     META_HEADER,
     TILE_ROWS,  # noqa: F401 (re-exported)
     MoeShape,
-    round_up,  # noqa: F401 (re-exported)
+    round_up,
 )
 from loader.formats import quantize_act_fp8
 
@@ -306,6 +306,16 @@ def bulk_smem_bytes(shape: MoeShape, warps: int) -> int:
             + warps * bulk_parts(shape, warps) * 8)
 
 
+def bulk_bars_bytes(shape: MoeShape, warps: int) -> int:
+    """moe_w13sr "bulk": its mbarriers (one per warp and part), padded to 16 bytes."""
+    return round_up(warps * bulk_parts(shape, warps) * 8, 16)
+
+
+def bulk_sr_ring_region(shape: MoeShape, warps: int) -> int:
+    """moe_w13sr "bulk": the stage, which first holds the routing scratch."""
+    return round_up(max(warps * bulk_warp_bytes(shape, warps), routing_scratch_bytes(shape)), 16)
+
+
 def bulk_w2_stage_bytes(shape: MoeShape) -> int:
     """moe_w2 "bulk": the 8 warps' tiles (codes, then offsets: the packed layout) + a barrier
     per warp."""
@@ -330,7 +340,8 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # w13sr / w2sr CTA rebuilds the routing lists from the ids in shared memory before its
 # griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
-W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3))   # "early": the stage refilled mid-math
+# "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
+W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3))
 W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 
@@ -362,8 +373,9 @@ def selfrouted_specs(shape: MoeShape) -> list[MoeSpec]:
     for variant, warps, stages, ctas in W13SR_VARIANTS:
         split = min(warps, w13_split(shape))
         suffix = f"_{variant}" if variant else ""
-        smem = (ring_region_bytes(shape, "w13", stages) + split * LANES * 16
-                + routing_lists_bytes(shape))
+        ring = (bulk_sr_ring_region(shape, split) + bulk_bars_bytes(shape, split)
+                if variant == "bulk" else ring_region_bytes(shape, "w13", stages))
+        smem = ring + split * LANES * 16 + routing_lists_bytes(shape)
         out.append(MoeSpec(f"moe_w13sr_{tag}{suffix}", "w13sr", shape, (split * LANES, 1, 1),
                            smem_bytes=smem, ctas_per_sm=ctas, stages=stages, variant=variant))
     for variant, stages, ctas in W2SR_VARIANTS:

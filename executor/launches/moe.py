@@ -28,8 +28,8 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
   self-routed  xquant(x -> xq, xs) -> w13sr(ids, xq, xs, w13 -> h) -> w2sr(ids, h, w2 -> ye)
                -> combine (the default one)
   warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
-  bulk         warp-routed with w13w "bulk" and w2 "bulk" (kernels/moe_bulk.py): the step's
-               chain where it fits (STEP_BULK)
+  bulk         prep -> w13w "bulk" (rows * k <= 64) or w13sr "bulk" -> w2 "bulk" -> combine
+               (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK)
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -72,9 +72,9 @@ SELFROUTED_EARLY = "early"
 # STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": None}
 # (w13 "g" and the plain w13w were deleted in round 5: they measured the same as the defaults.)
 STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
-# Round 5 (moe-design.md): where rows * topk <= mk.WARP_ROUTED_MAX_PAIRS the step runs
-# prep -> w13w "bulk" -> w2 "bulk" -> combine (weights by cp.async.bulk on mbarriers, bitwise the
-# same y), ahead of the selections above. Revert to round 4: STEP_BULK = False
+# Round 5 (moe-design.md): the step runs `bulk_launches` at every R (weights by cp.async.bulk on
+# mbarriers, bitwise the same y), ahead of the selections above. Revert to round 4:
+# STEP_BULK = False
 STEP_BULK = True
 
 
@@ -179,8 +179,24 @@ def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "earl
 
 
 def bulk_fits(available, shape: mk.MoeShape, rows: int) -> bool:
-    """The bulk-copy chain (w13w "bulk", w2 "bulk") is in the bundle and routes `rows`."""
-    return ("w2", "bulk") in available and warp_routed_fits(available, shape, rows, "bulk")
+    """The bulk-copy chain's kernels for `rows` are in the bundle (`bulk_launches`)."""
+    return ("w2", "bulk") in available and (warp_routed_fits(available, shape, rows, "bulk")
+                                            or ("w13sr", "bulk") in available)
+
+
+def bulk_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                  available=None) -> list[LaunchSpec]:
+    """prep -> w13w "bulk" (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS) or w13sr "bulk" (its
+    routing lists in shared memory; prep's xq / xs) -> w2 "bulk" (prep's lists) -> combine."""
+    available = available_specs(bundle, shape) if available is None else available
+    if not bulk_fits(available, shape, rows):
+        raise KeyError(f"the bundle lacks the bulk-copy MoE kernels of {shape.tag()} for "
+                       f"rows={rows} (w2 'bulk' and w13w / w13sr 'bulk')")
+    w13 = (("w13w", "bulk") if warp_routed_fits(available, shape, rows, "bulk")
+           else ("w13sr", "bulk"))
+    prep, w2, combine = chain_launches(bundle, shape, ptrs, rows, "", "bulk",
+                                       ("prep", "w2", "combine"), available)
+    return [prep, _launch(bundle, available[w13], ptrs, rows), w2, combine]
 
 
 def step_variants(available, rows: int) -> tuple[str, str | None]:
@@ -194,14 +210,14 @@ def step_variants(available, rows: int) -> tuple[str, str | None]:
 
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int) -> list[LaunchSpec]:
-    """What the decode step runs for `rows`: with STEP_BULK the bulk-copy chain where it fits
-    (`bulk_fits`); else the self-routed chain with both early-refill variants from
+    """What the decode step runs for `rows`: with STEP_BULK the bulk-copy chain
+    (`bulk_launches`) when the bundle has it; else the self-routed chain with both early-refill variants from
     SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default chain with
     `step_variants` (its w13 moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
     only the default one writes meta / pairs."""
     available = available_specs(bundle, shape)
     if STEP_BULK and bulk_fits(available, shape, rows):
-        return warp_routed_launches(bundle, shape, ptrs, rows, "bulk", available, "bulk")
+        return bulk_launches(bundle, shape, ptrs, rows, available)
     early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and early <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,

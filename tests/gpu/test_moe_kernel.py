@@ -8,7 +8,8 @@ mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref 
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds, the pair the step launches and, where rows * k <= 64, the chain with
 each moe_w13w variant (kernels/moe_pipelined.py, kernels/moe_bulk.py) for w13, and the bulk-copy
-chain the step runs (w13w "bulk" + w2 "bulk"); all bitwise equal to each other), and
+chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk", combine); all bitwise equal to each
+other), and
 two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
 tolerance and bitwise the default chain's, its quantized x bitwise.
@@ -123,12 +124,16 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     # moe_w13w variants in place of w13 (("w13w", v): their own launch list)
     variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
     if ml.bulk_fits(chain.available, shape, rows):   # the step's bulk-copy chain (round 5)
-        variants.insert(0, (("w13w", "bulk"), "bulk"))
+        variants.insert(0, ("bulk", "bulk"))
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
-        launches = (chain.launches_warp_routed(rows, w2, w13[1]) if isinstance(w13, tuple)
-                    else chain.launches(rows, w13=w13, w2=w2))
+        if w13 == "bulk":
+            launches = chain.launches_bulk(rows)
+        elif isinstance(w13, tuple):
+            launches = chain.launches_warp_routed(rows, w2, w13[1])
+        else:
+            launches = chain.launches(rows, w13=w13, w2=w2)
         for spec in launches:
             spec.launch(stream)
         stream.synchronize()
