@@ -49,7 +49,7 @@ from kernels.mhc_lean import (
     rcp_approx,
     stg_v4,
 )
-from kernels.mhc_poll import MhcPollTail
+from kernels.mhc_poll import MIX_SPLIT, MhcPollTail
 from kernels.ptx import (
     asm,
     ld_f32,
@@ -148,15 +148,22 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
         # row's full-warp butterflies stay converged); rows past the end load a real row.
         warp_rows = (tidx // 32) * (32 // THREADS_PER_ROW)
         live = rows - block_row * ROWS_PER_CTA
-        for p in cutlass.range_constexpr(ROWS_PER_CTA // ROW_GROUPS):
-            row = block_row * ROWS_PER_CTA + p * ROW_GROUPS + tidx // THREADS_PER_ROW
-            if cutlass.const_expr(self.spec.lean):
-                if p * ROW_GROUPS + warp_rows < live:
-                    self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out,
-                                       workspace, sbase, rows, row, slice_idx, d0, dv)
-            else:
-                self._row_partials(streams, sub_out, coeff_prev, streams_out, x_out, workspace,
-                                   sbase, rows, row, slice_idx, d0, dv)
+        args = (streams, sub_out, coeff_prev, streams_out, x_out, workspace, sbase, rows)
+        if cutlass.const_expr(self.spec.mix_split):
+            # Passes of 4 rows (a warp's row slots) that every warp runs, warp w the mixes
+            # [6w, 6w + 6) (warp 0 also Σx² and the stores): 4 warps share a row's 768 fma
+            # instead of one; R <= 4 is one pass, R <= 8 two.
+            quad = 32 // THREADS_PER_ROW
+            for q in cutlass.range(0, cutlass.min(live, ROWS_PER_CTA) + quad - 1, quad,
+                                   unroll=1):
+                row = block_row * ROWS_PER_CTA + q + (tidx % 32) // THREADS_PER_ROW
+                self._row_partials(*args, row, slice_idx, d0, dv, tidx // 32, MIX_SPLIT)
+        elif cutlass.const_expr(self.spec.lean):
+            self._lean_passes(args, block_row, live, warp_rows, slice_idx, d0, dv, tidx)
+        else:
+            for p in cutlass.range_constexpr(ROWS_PER_CTA // ROW_GROUPS):
+                row = block_row * ROWS_PER_CTA + p * ROW_GROUPS + tidx // THREADS_PER_ROW
+                self._row_partials(*args, row, slice_idx, d0, dv, Int32(0), 1)
 
         if cutlass.const_expr(self.spec.polled):
             # x_out, the partials and x words of this CTA are stored: the next kernel may
@@ -211,13 +218,27 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
                 sts_v4(sbase + i * 16, ld_v4_u32(src, streaming=True))
 
     @cute.jit
+    def _lean_passes(self, args, block_row: Int32, live: Int32, warp_rows: Int32,
+                     slice_idx: Int32, d0: Int32, dv: Int32, tidx: Int32):
+        """lean: a warp runs a 16-row pass only if one of its 4 rows is real."""
+        for p in cutlass.range_constexpr(ROWS_PER_CTA // ROW_GROUPS):
+            row = block_row * ROWS_PER_CTA + p * ROW_GROUPS + tidx // THREADS_PER_ROW
+            if p * ROW_GROUPS + warp_rows < live:
+                self._row_partials(*args, row, slice_idx, d0, dv, Int32(0), 1)
+
+    @cute.jit
     def _row_partials(self, streams: cute.Pointer, sub_out: cute.Pointer,
                       coeff_prev: cute.Pointer, streams_out: cute.Pointer, x_out: cute.Pointer,
                       workspace: cute.Pointer, sbase: Int32, rows: Int32, row: Int32,
-                      slice_idx: Int32, d0: Int32, dv: Int32):
-        """X' (and its store), the collapse, and the row's 25 partials over this thread's 8 d."""
+                      slice_idx: Int32, d0: Int32, dv: Int32, group: Int32,
+                      groups: cutlass.Constexpr):
+        """X' (and its store), the collapse, and the row's partials over this thread's 8 d:
+        all 25 (groups = 1), or with the mixes split over `groups` warps this warp's share
+        (`group`; warp 0 also Σx² and the stores)."""
         r = cutlass.min(row, rows - 1)                 # out-of-range rows load a real row
         valid = row < rows
+        if cutlass.const_expr(groups > 1):
+            valid = valid & (group == 0)
         xs = cute.make_rmem_tensor((self.S, VEC), Float32)
         for j in cutlass.range_constexpr(self.S):
             w = ld_v4_u32(streams.toint() + Int64(((r * self.S + j) * self.D + d0) * 2))
@@ -226,10 +247,12 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
                 xs[j, 2 * q] = lo
                 xs[j, 2 * q + 1] = hi
         crow = coeff_prev.toint() + Int64(r * MIX_DIM * 4)
-        if cutlass.const_expr(self.post):
-            self._apply_post(xs, sub_out, crow, streams_out, r, d0, valid)
-        # Collapse with the previous sublayer's pre (the delayed mHC), rounded to BF16.
+        # The previous sublayer's pre, loaded with X (the post's stores below are ordered asm:
+        # a load after them would be a second round trip before the collapse).
         pre = [ld_f32(crow + Int64(4 * i)) for i in range(self.S)]
+        if cutlass.const_expr(self.post):
+            self._apply_post(xs, sub_out, crow, streams_out, r, d0, valid, groups > 1)
+        # Collapse with the previous sublayer's pre (the delayed mHC), rounded to BF16.
         packed = []
         for q in cutlass.range_constexpr(4):
             pair = []
@@ -245,33 +268,37 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
                 self._poll_store_x(packed, workspace, r, d0)
 
         if cutlass.const_expr(self.mixes_on):
-            self._partials(xs, workspace, sbase, rows, r, valid, slice_idx, dv)
+            self._partials(xs, workspace, sbase, rows, r, row < rows, slice_idx, dv, group,
+                           groups)
 
     @cute.jit
     def _partials(self, xs, workspace: cute.Pointer, sbase: Int32, rows: Int32, r: Int32,
-                  valid, slice_idx: Int32, dv: Int32):
-        """The row's 24 dot products and Σx² over this thread's 8 d; the 8 threads of the row
-        meet in a butterfly and one writes them to the workspace."""
-        part = cute.make_rmem_tensor((PARTIALS,), Float32)
+                  valid, slice_idx: Int32, dv: Int32, group: Int32, groups: cutlass.Constexpr):
+        """The row's dot products (mixes [group·n, group·n + n), n = 24 / groups) and Σx² over
+        this thread's 8 d, each summed in the same order whatever groups is; the 8 threads of
+        the row meet in a butterfly and write them to the workspace."""
+        n_m = MIX_DIM // groups
+        part = cute.make_rmem_tensor((n_m + 1,), Float32)
         part.fill(0.0)
         for j in cutlass.range_constexpr(self.S):
             for e in cutlass.range_constexpr(VEC):
-                part[MIX_DIM] = part[MIX_DIM] + xs[j, e] * xs[j, e]
-        for m in cutlass.range_constexpr(MIX_DIM):
+                part[n_m] = part[n_m] + xs[j, e] * xs[j, e]
+        for m in cutlass.range_constexpr(n_m):
+            mix = m if cutlass.const_expr(groups == 1) else group * n_m + m
             for j in cutlass.range_constexpr(self.S):
                 for h in cutlass.range_constexpr(2):
-                    f = lds_v4_f32(sbase + (((m * self.S + j) * SLICE_WIDTH + dv * VEC
+                    f = lds_v4_f32(sbase + (((mix * self.S + j) * SLICE_WIDTH + dv * VEC
                                              + 4 * h) * 4))
                     for e in cutlass.range_constexpr(4):
                         part[m] = part[m] + xs[j, 4 * h + e] * f[e]
-        for v in cutlass.range_constexpr(PARTIALS):
+        for v in cutlass.range_constexpr(n_m + 1):
             total = part[v]
             for sh in cutlass.range_constexpr(3):
                 total = total + shfl_xor_f32(total, THREADS_PER_ROW >> (sh + 1))
             part[v] = total
         if cutlass.const_expr(self.spec.polled):
             if valid:
-                self._poll_store_partials(part, workspace, r, slice_idx, dv)
+                self._poll_store_partials(part, workspace, r, slice_idx, dv, group, groups)
         elif valid & (dv == 0):
             ws = workspace.toint() + Int64((slice_idx * rows + r) * PARTIAL_STRIDE * 4)
             for v in cutlass.range_constexpr(PARTIALS):
@@ -279,8 +306,10 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
 
     @cute.jit
     def _apply_post(self, xs, sub_out: cute.Pointer, crow: Int64, streams_out: cute.Pointer,
-                    r: Int32, d0: Int32, valid):
-        """X'_k = bf16(post_k·f + Σ_j comb[j, k]·X_j) in place in xs, and stored."""
+                    r: Int32, d0: Int32, valid, barrier: cutlass.Constexpr):
+        """X'_k = bf16(post_k·f + Σ_j comb[j, k]·X_j) in place in xs, and stored. `barrier`
+        (every warp of the CTA reads the same X, one stores X', maybe in place): the stores
+        wait until every warp holds its X'."""
         n = HC_MULT
         post = [ld_f32(crow + Int64(4 * (n + k))) for k in range(n)]
         comb = [ld_f32(crow + Int64(4 * (2 * n + i))) for i in range(n * n)]
@@ -297,6 +326,8 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
                 for j in cutlass.range_constexpr(n):
                     acc = acc + comb[j * n + k] * xs[j, e]
                 new[k, e] = acc
+        if cutlass.const_expr(barrier):
+            cute.arch.sync_threads()
         for k in cutlass.range_constexpr(n):
             words = []
             for q in cutlass.range_constexpr(4):

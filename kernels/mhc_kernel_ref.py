@@ -70,6 +70,7 @@ class MhcPreSpec:
     lean: bool = False              # live rows only, spread reduce, a thread per row (Round 4)
     norm_weight: str = ""           # lean + the RMSNorm of x (weight dtype; "" = a 2nd launch)
     polled: bool = False            # lean with tagged-word handoff, a consumer CTA a row (Round 5)
+    mix_split: bool = False         # polled, R <= 4 a block: 4 warps share a row's mixes ("_ms")
     params: tuple[tuple[str, str], ...] = PARAMS
     block: tuple[int, int, int] = (CTA_THREADS, 1, 1)
 
@@ -133,13 +134,15 @@ class MhcPreSpec:
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "slices": self.slices,
                 "rows_per_cta": ROWS_PER_CTA, "slice_width": SLICE_WIDTH,
-                **({"polled": True} if self.polled else {})}
+                **({"polled": True} if self.polled else {}),
+                **({"mix_split": True} if self.mix_split else {})}
 
 
 def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
               live_rows: bool = False,
               approx_rcp: bool = False, lean: bool = False,
-              norm_weight: str = "", polled: bool = False) -> MhcPreSpec:
+              norm_weight: str = "", polled: bool = False,
+              mix_split: bool = False) -> MhcPreSpec:
     if mode not in MODES:
         raise ValueError(f"mHC mode {mode!r}; expected one of {MODES}")
     if width <= 0 or width % SLICE_WIDTH:
@@ -160,6 +163,8 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
         raise ValueError(f"mHC polled is a handoff of the lean tail with the norm fused (needs "
                          f"lean and norm_weight) over 16-byte pairs of words (needs an even "
                          f"slice count, got {slices})")
+    if mix_split and not polled:
+        raise ValueError("mHC mix_split is a body of the polled variant: it needs polled")
     if lean and slices % min(REDUCE_CHUNK, slices):
         raise ValueError(f"mHC lean: {slices} slices do not split into chunks of {REDUCE_CHUNK}")
     if norm_weight and (not lean or norm_weight not in NORM_WEIGHT_DTYPES):
@@ -167,10 +172,11 @@ def make_spec(width: int, streams: int, mode: str, sinkhorn_iters: int,
                          f"{NORM_WEIGHT_DTYPES}, with lean")
     suffix = (("_lr" if live_rows else "")
               + ("_rcp" if approx_rcp else "") + ("_lean" if lean else "")
-              + ("_poll" if polled else "") + (f"_norm{norm_weight}" if norm_weight else ""))
+              + ("_poll" if polled else "") + ("_ms" if mix_split else "")
+              + (f"_norm{norm_weight}" if norm_weight else ""))
     return MhcPreSpec(f"mhc_pre_d{width}_s{streams}_{mode}{suffix}", width, streams, mode,
                       sinkhorn_iters, live_rows, approx_rcp, lean, norm_weight,
-                      polled)
+                      polled, mix_split)
 
 
 def spec_from_dict(d: dict) -> MhcPreSpec:
@@ -178,7 +184,8 @@ def spec_from_dict(d: dict) -> MhcPreSpec:
     return make_spec(d["width"], d["streams"], d["mode"], d["sinkhorn_iters"],
                      d.get("live_rows", False),
                      d.get("approx_rcp", False), d.get("lean", False),
-                     d.get("norm_weight", ""), d.get("polled", False))
+                     d.get("norm_weight", ""), d.get("polled", False),
+                     d.get("mix_split", False))
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
@@ -195,8 +202,8 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
             make_spec(d, HC_MULT, "plain", it, lean=True),
             *[make_spec(d, HC_MULT, "post", it, lean=True, norm_weight=w)
               for w in NORM_WEIGHT_DTYPES],
-            *[make_spec(d, HC_MULT, "post", it, lean=True, polled=True, norm_weight=w)
-              for w in NORM_WEIGHT_DTYPES]]
+            *[make_spec(d, HC_MULT, "post", it, lean=True, polled=True, norm_weight=w,
+                        mix_split=ms) for ms in (False, True) for w in NORM_WEIGHT_DTYPES]]
 
 
 def workspace_bytes(spec: MhcPreSpec, max_rows: int = MAX_ROWS) -> int:

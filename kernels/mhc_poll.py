@@ -32,6 +32,7 @@ from cutlass.cutlass_dsl import T
 
 from kernels.mhc_kernel_ref import (
     CTA_THREADS,
+    MIX_DIM,
     PARTIALS,
     REDUCE_CHUNK,
     ROWS_PER_CTA,
@@ -39,6 +40,7 @@ from kernels.mhc_kernel_ref import (
 from kernels.mhc_lean import norm_geometry
 from kernels.ptx import asm, lds_f32, sts_f32, void
 
+MIX_SPLIT = 4                        # `_ms`: warps sharing a row's mixes when the block fits a warp
 POLL_TAG = 1                         # high half of a written exchange word; 0 = not yet written
 POLL_TIMEOUT_NS = 2_000_000          # a consumer gives up (flag set, wrong outputs, no hang)
 
@@ -78,6 +80,10 @@ def st_flag(addr: Int64):
     void([Int64(addr)], "st.relaxed.gpu.global.u32 [$0], 1;", "l")
 
 
+def f32_bits(value: Float32) -> Int32:
+    return Int32(asm(1, [Float32(value)], "mov.b32 $0, $1;", "=r,f", side_effects=False))
+
+
 def bits_f32(word: Int32) -> Float32:
     return Float32(asm(1, [Int32(word)], "mov.b32 $0, $1;", "=f,r", kind=T.f32(),
                        side_effects=False))
@@ -91,15 +97,27 @@ class MhcPollTail:
 
     @cute.jit
     def _poll_store_partials(self, part, exchange: cute.Pointer, row: Int32, slice_idx: Int32,
-                             dv: Int32):
-        """Lane dv of the row's 8 (each holds every butterflied total) stores partials v ≡ dv
-        (mod 8) as tagged words at [row][v][slice]."""
+                             dv: Int32, group: Int32, groups: cutlass.Constexpr):
+        """The row's butterflied totals (every lane of its 8 holds all of them) as tagged words
+        at [row][v][slice]. All 25 (groups = 1): lane dv stores v ≡ dv (mod 8). Split (part[i]
+        = mix group·n + i, n = 24 / groups < 8; part[n] = Σx²): lane dv < n stores part[dv],
+        lane 7 of group 0 the Σx² (one store a lane)."""
         base = exchange.toint() + Int64(row) * self.spec.exchange_row_bytes
-        for v in cutlass.range_constexpr(PARTIALS):
-            if dv == v % 8:
-                word = Int32(asm(1, [Float32(part[v])], "mov.b32 $0, $1;", "=r,f",
-                                 side_effects=False))
-                st_tagged(base + Int64((v * self.spec.slices + slice_idx) * 8), word)
+        if cutlass.const_expr(groups == 1):
+            for v in cutlass.range_constexpr(PARTIALS):
+                if dv == v % 8:
+                    st_tagged(base + Int64((v * self.spec.slices + slice_idx) * 8),
+                              f32_bits(part[v]))
+        else:
+            n_m = MIX_DIM // groups
+            value = part[n_m]
+            v = Int32(PARTIALS - 1)
+            for i in cutlass.range_constexpr(n_m):
+                if dv == i:
+                    value = part[i]
+                    v = group * n_m + i
+            if (dv < n_m) | ((dv == 7) & (group == 0)):
+                st_tagged(base + Int64((v * self.spec.slices + slice_idx) * 8), f32_bits(value))
 
     @cute.jit
     def _poll_store_x(self, packed, exchange: cute.Pointer, row: Int32, d0: Int32):

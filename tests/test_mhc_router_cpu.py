@@ -34,10 +34,14 @@ def test_mhc_specs_and_bytes(config):
                                        f"mhc_pre_d{d}_s4_post_lean_normbf16",
                                        f"mhc_pre_d{d}_s4_post_lean_normf32",
                                        f"mhc_pre_d{d}_s4_post_lean_poll_normbf16",
-                                       f"mhc_pre_d{d}_s4_post_lean_poll_normf32"]
+                                       f"mhc_pre_d{d}_s4_post_lean_poll_normf32",
+                                       f"mhc_pre_d{d}_s4_post_lean_poll_ms_normbf16",
+                                       f"mhc_pre_d{d}_s4_post_lean_poll_ms_normf32"]
     post, lean, fused, polled = specs[0], specs[3], specs[6], specs[8]
     assert fused.bytes_moved(1) == post.bytes_moved(1) + (2 + 4) * d
-    assert fused.smem_bytes == lean.smem_bytes == polled.smem_bytes
+    assert fused.smem_bytes == lean.smem_bytes == polled.smem_bytes == specs[10].smem_bytes
+    assert specs[10].mix_split and mk.workspace_bytes(specs[10], 8) == mk.workspace_bytes(
+        polled, 8)
     for spec in specs:
         assert mk.spec_from_dict(spec.to_dict()) == spec
     # The exchange: [25, slices] partial words, then D/2 words of bf16 pairs, 16-byte aligned.
@@ -91,6 +95,8 @@ def test_mhc_spec_validation():
                           ({"lean": True, "norm_weight": "f32", "width": 64 * 3}, 3)):
         with pytest.raises(ValueError, match=f"polled.*got {slices}"):
             mk.make_spec(flags.pop("width", 256), 4, "post", 20, polled=True, **flags)
+    with pytest.raises(ValueError, match="mix_split"):
+        mk.make_spec(256, 4, "post", 20, lean=True, norm_weight="f32", mix_split=True)
 
 
 @pytest.mark.parametrize("width, chunks", [(256, 1), (5120, 5), (64 * 32, 2)])

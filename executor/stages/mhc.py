@@ -70,6 +70,8 @@ MHC_POLL_ROWS = 8                   # post mhc_pre up to here: `_lean_poll_norm*
                                     # handoff, a consumer CTA a row and a norm, so the RMSNorm is
                                     # inside at every such R; bitwise `_lean`'s outputs); 0 reverts
                                     # to round 4 (`_lean`, fused norm at R <= FUSED_NORM_ROWS)
+MHC_POLL_SPLIT = True               # the polled post takes `_lean_poll_ms_norm*` (4 warps share a
+                                    # row's mixes GEMV, passes of 4 rows); False: `_lean_poll_norm*`
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -106,11 +108,11 @@ def _broadcasts(cfg, layer) -> bool:
 # ---- mHC ------------------------------------------------------------------------------------------
 
 def _mhc_spec(ctx, streams: int, mode: str, live_rows=False, approx_rcp=False,
-              lean=False, norm_weight="", polled=False) -> mk.MhcPreSpec:
+              lean=False, norm_weight="", polled=False, mix_split=False) -> mk.MhcPreSpec:
     cfg = ctx.cfg
     spec = mk.make_spec(cfg.hidden_size, streams, mode, cfg.hc_sinkhorn_iters,
                         live_rows=live_rows, approx_rcp=approx_rcp, lean=lean,
-                        norm_weight=norm_weight, polled=polled)
+                        norm_weight=norm_weight, polled=polled, mix_split=mix_split)
     ctx.kernel(spec.name)           # in the bundle, or a clear error at wiring time
     return spec
 
@@ -159,7 +161,7 @@ def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, c
     polled = None
     if MHC_POLL_ROWS:
         polled = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, polled=True,
-                           norm_weight=_norm_dtype())
+                           norm_weight=_norm_dtype(), mix_split=MHC_POLL_SPLIT)
         polled_ptrs = {**fused_ptrs, "workspace": ctx.ptr(POLL_EXCHANGE),
                        "counters": ctx.ptr(POLL_STATUS)}
 

@@ -210,12 +210,14 @@ def _mode_spec(cfg, mode: str) -> mk.MhcPreSpec:
     kind = "plain" if mode == "broadcast" else mode.split("_")[0]
     return mk.make_spec(cfg.hidden_size, streams, kind, cfg.hc_sinkhorn_iters,
                         live_rows="_lr" in mode, approx_rcp="_rcp" in mode, lean="_lean" in mode,
-                        norm_weight=mode.partition("_norm")[2], polled="_poll" in mode)
+                        norm_weight=mode.partition("_norm")[2], polled="_poll" in mode,
+                        mix_split="_ms" in mode)
 
 
 @pytest.mark.parametrize("mode", ["post_lr_rcp", "post_lean", "post_lean_normbf16",
                                   "post_lean_normf32", "post_lean_poll_normbf16",
-                                  "post_lean_poll_normf32", "plain_lean", "broadcast",
+                                  "post_lean_poll_normf32", "post_lean_poll_ms_normbf16",
+                                  "post_lean_poll_ms_normf32", "plain_lean", "broadcast",
                                   "postonly"])
 def test_mhc_pre_matches_reference(dev, stream, setup, mode):
     cfg, bundle = setup
@@ -226,15 +228,17 @@ def test_mhc_pre_matches_reference(dev, stream, setup, mode):
         _check_mhc(spec, cfg, rows, *out)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("norm", ["bf16", "f32"])
-def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, setup, norm):
-    """`_lean_poll` is `_lean` with another handoff: the same products and sums in the same
-    orders, so on the same inputs every output (X', x, mixes, coefficients, x_normed) is bitwise
+def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, setup, norm, split):
+    """`_lean_poll` is `_lean` with another handoff (`_ms`: and the row's mixes split over 4
+    warps, each mix summed in the same order): the same products and sums in the same orders,
+    so on the same inputs every output (X', x, mixes, coefficients, x_normed) is bitwise
     `_lean`'s, at the step's rows and across row blocks; its exchange is left empty and its
     timeout flag clear."""
     cfg, bundle = setup
     specs = [mk.make_spec(cfg.hidden_size, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters,
-                          lean=True, norm_weight=norm, polled=polled)
+                          lean=True, norm_weight=norm, polled=polled, mix_split=split and polled)
              for polled in (False, True)]
     steps = [MhcStep(dev, bundle, spec, max_rows=max(POLL_ROWS)) for spec in specs]
     try:
@@ -259,14 +263,15 @@ def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, setup, norm):
             step.close()
 
 
-@pytest.mark.parametrize("variant", ["lr_rcp", "lean", "lean_poll"])
+@pytest.mark.parametrize("variant", ["lr_rcp", "lean", "lean_poll", "lean_poll_ms"])
 def test_mhc_pre_relaunch_reuses_counters(dev, stream, setup, variant):
     """Two launches on the same counters (the second after the first resets them) both reduce,
     to bitwise equal mixes and coefficients (the reduce order does not depend on timing).
     `_lean_poll`: the same exchange twice (the first launch must leave it empty)."""
     cfg, bundle = setup
     spec = _mode_spec(cfg, {"lr_rcp": "post_lr_rcp", "lean": "post_lean",
-                            "lean_poll": "post_lean_poll_normf32"}[variant])
+                            "lean_poll": "post_lean_poll_normf32",
+                            "lean_poll_ms": "post_lean_poll_ms_normf32"}[variant])
     step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))
     try:
         rows, s, d = 48, spec.streams, spec.width
