@@ -26,8 +26,10 @@ draft token is 0 = `tokens`: every round accepts all k drafts and writes k + 1 c
 (the most work the acceptance can ask for); the rows advance k + 1 positions a round, which the
 cache geometry leaves room for (ROUND_MARGIN).
 
-Timed per (sequences, context): one graph per plan, captured at the case's rows; after an eager
-pass (distinct experts per router, read on the host) and one verify replay, ROUND_REPS rounds of
+Timed per (sequences, context): one graph per plan, captured at the case's rows. First the plain
+decode step (`decode_plan(cfg)`, same arena and modules) at the verify rows, alone: the verify's
+baseline (verify - step = what the DSpark stages add). Then, after an eager pass (distinct
+experts per router, read on the host) and one verify replay, ROUND_REPS rounds of
 draft then verify replayed back to back, with CUDA events before, between and after: medians of
 the round and of each half inside it. (Replaying one half alone would feed it its own advanced
 rows, not the other half's.) No L2 flush: a round reads 8-30 GB.
@@ -174,13 +176,15 @@ def local_plan(plan: Plan) -> Plan:
     return Plan([replace(s, build=keep(s.build)) if s.build else s for s in plan.stages])
 
 
-def wire_round(cfg, ctx, modules=ROUND_MODULES) -> tuple[Plan, Plan]:
-    """(verify, draft) plans wired on `ctx` (its `collectives` set to the stand-in), complete."""
+def wire_round(cfg, ctx, modules=ROUND_MODULES) -> dict[str, Plan]:
+    """{"verify", "draft", "step"} plans wired on `ctx` (its `collectives` set to the stand-in),
+    complete; "step" is the plain decode step (no DSpark stage), the verify's baseline."""
     ctx.collectives = standin_collectives(ctx)
     table = round_builders(modules)
-    plans = (wire_with(decode_plan(cfg, dspark=True, sync_free=True), ctx, table),
-             wire_with(draft_plan(cfg, sync_free=True), ctx, table))
-    for plan in plans:
+    plans = {"verify": decode_plan(cfg, dspark=True, sync_free=True),
+             "draft": draft_plan(cfg, sync_free=True), "step": decode_plan(cfg)}
+    plans = {name: wire_with(plan, ctx, table) for name, plan in plans.items()}
+    for plan in plans.values():
         plan.require_complete()
     return plans
 
@@ -304,8 +308,7 @@ class DeviceRound(bs.DeviceStep):
         super().__init__(ctx, cfg, bundle, ROUND_MODULES, geometry, dspark=True)
 
     def wire_plans(self, step) -> None:
-        wired = wire_round(self.cfg, step)
-        self.wired = dict(zip(("verify", "draft"), wired))
+        self.wired = wire_round(self.cfg, step)
         self.plans = {name: local_plan(plan) for name, plan in self.wired.items()}
 
     def distinct_experts(self, built, rows: int) -> list[int]:
@@ -385,79 +388,96 @@ def bench_round(ctx) -> None:
     _print_tables(cfg, lines, speeds, "this run" if ar_table else "docs/perf.md run 16")
 
 
-def _step_metric(ctx, rows: int, label: str) -> float | None:
-    """The step benchmark's graph replay of this run at `rows` and context, when it ran."""
-    want = f"step R={rows} ctx={label}: graph replay"
-    return next((r.value for r in ctx.metric_rows if r.metric == want), None)
+@dataclass(frozen=True)
+class PlanCase:
+    """What a case knows of its plans before timing: rows, launches, calls and weights."""
+
+    rows: dict
+    launches: dict
+    calls: dict
+    weights: dict
 
 
 def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> list[str]:
-    rows = {"verify": case.verify.rows, "draft": case.draft_rows}
+    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows}
     built = {name: dev.plans[name].launches(rows[name]) for name in rows}
     specs = {name: [s for _, group in built[name] for s in group] for name in rows}
-    calls = {name: count_collectives(dev.wired[name], rows[name]) for name in rows}
-    weights = {name: plan_weights(cfg, dev.upload_bytes, touched_slices(specs[name], dev.arena))
-               for name in rows}
+    halves = ("verify", "draft")
+    known = PlanCase(rows, {n: len(specs[n]) for n in rows},
+                     {n: count_collectives(dev.wired[n], rows[n]) for n in halves},
+                     {n: plan_weights(cfg, dev.upload_bytes, touched_slices(specs[n], dev.arena))
+                      for n in halves})
     graphs = {name: bs._capture(dev.stream, specs[name]) for name in rows}
     lines = []
     try:
         for context in contexts:
             dev.load(case.verify, context)
-            distinct = {name: dev.distinct_experts(built[name], rows[name]) for name in rows}
+            # the plain step first: it reads the verify rows and leaves them as they are
+            step_us = ctx.timer.median_us(lambda: graphs["step"].launch(dev.stream),
+                                          reps=bs.GRAPH_REPS)
+            distinct = {name: dev.distinct_experts(built[name], rows[name]) for name in halves}
             graphs["verify"].launch(dev.stream)          # the rows are the draft's now
             times = _time_round(dev.stream, graphs, ROUND_REPS, WARMUP_ROUNDS)
-            label = bs._context_label(context)
-            tag = f"round {case.label} ctx={label}"
-            v_bytes, d_bytes = round_bytes(cfg, weights["verify"], weights["draft"], case,
-                                           context, distinct["verify"], distinct["draft"])
-            latency = {name: calls[name].latency_us(rows[name], ar_table) for name in rows}
-            with_ar = {name: times[name] + latency[name] for name in rows}
-            with_ar["round"] = times["round"] + sum(latency.values())
-            row = ctx.bandwidth("DSpark round (rank 0 of TP4)", f"{case.label} {label}",
-                                rows["verify"], times["round"], v_bytes + d_bytes)
-            for name in ("round", "verify", "draft"):
-                ctx.metric(f"{tag}: {name} graph", times[name], "us")
-                ctx.metric(f"{tag}: {name} + AR", with_ar[name], "us")
-            for name in rows:
-                c = calls[name]
-                for what, count in (("launches", len(specs[name])), ("all-reduces", c.allreduces),
-                                    ("all-gathers", c.gathers), ("picks", c.picks)):
-                    ctx.metric(f"{tag}: {name} {what}", count, "")
-                ctx.metric(f"{tag}: {name} distinct experts per layer (mean)",
-                           statistics.mean(distinct[name]), "")
-            floor = (v_bytes + d_bytes) / bs.HBM_BYTES_PER_S * 1e6
-            ctx.metric(f"{tag}: HBM floor of its bytes at 4.8 TB/s", floor, "us")
-            for name, al in ACCEPTANCE:
-                ctx.metric(f"{tag}: tokens/s per sequence at {al} tokens a round ({name})",
-                           tokens_per_s(al, with_ar["round"]), "tok/s")
-            ctx.metric(f"{tag}: non-finite base logits U", dev.nonfinite(
-                "dspark.base", np.float32, (case.draft_rows, cfg.vocab_size // bs.TP)), "")
-            doc = DOC_ROUND_FLOOR_MS.get(case.seqs)
-            step = _step_metric(ctx, rows["verify"], label)
-            pr = UPSTREAM_ITL_MS.get((case.seqs, label))
-            lines.append(
-                f"{case.label:>3s} {label:>4s} {times['round']:>9.1f} {with_ar['round']:>9.1f} "
-                f"{times['verify']:>9.1f} {with_ar['verify']:>9.1f} "
-                f"{f'{step:.1f}' if step else '-':>9s} {times['draft']:>8.1f} "
-                f"{with_ar['draft']:>8.1f} {v_bytes / 1e9:>6.2f} {d_bytes / 1e9:>6.2f} "
-                f"{row.pct_hbm:>5.1f} {floor:>8.1f} {f'{doc * 1e3:.0f}' if doc else '-':>5s} "
-                f"{statistics.mean(distinct['verify']):>6.1f} "
-                f"{statistics.mean(distinct['draft']):>5.1f} {f'{pr * 1e3:.0f}' if pr else '-':>6s}")
-            speeds.append((f"{case.label} {label}", with_ar["round"], pr))
+            times["step"] = step_us
+            lines.append(_report(ctx, dev, cfg, case, context, known, times, distinct,
+                                 ar_table, speeds))
     finally:
         for graph in graphs.values():
             graph.close()
     return lines
 
 
+def _report(ctx, dev, cfg, case: RoundCase, context: int, known: PlanCase, times: dict,
+            distinct: dict, ar_table, speeds) -> str:
+    """Metrics of one (case, context) and its table line; appends to `speeds`."""
+    label = bs._context_label(context)
+    tag, rows = f"round {case.label} ctx={label}", known.rows
+    v_bytes, d_bytes = round_bytes(cfg, known.weights["verify"], known.weights["draft"], case,
+                                   context, distinct["verify"], distinct["draft"])
+    latency = {name: known.calls[name].latency_us(rows[name], ar_table) for name in distinct}
+    with_ar = {name: times[name] + latency[name] for name in distinct}
+    with_ar["round"] = times["round"] + sum(latency.values())
+    row = ctx.bandwidth("DSpark round (rank 0 of TP4)", f"{case.label} {label}", rows["verify"],
+                        times["round"], v_bytes + d_bytes)
+    for name in ("round", "verify", "draft"):
+        ctx.metric(f"{tag}: {name} graph", times[name], "us")
+        ctx.metric(f"{tag}: {name} + AR", with_ar[name], "us")
+    ctx.metric(f"{tag}: plain step graph at the verify rows", times["step"], "us")
+    ctx.metric(f"{tag}: verify - plain step (the DSpark stages)", times["verify"] - times["step"],
+               "us")
+    for name, experts in distinct.items():
+        c = known.calls[name]
+        for what, count in (("launches", known.launches[name]), ("all-reduces", c.allreduces),
+                            ("all-gathers", c.gathers), ("picks", c.picks)):
+            ctx.metric(f"{tag}: {name} {what}", count, "")
+        ctx.metric(f"{tag}: {name} distinct experts per layer (mean)", statistics.mean(experts),
+                   "")
+    floor = (v_bytes + d_bytes) / bs.HBM_BYTES_PER_S * 1e6
+    ctx.metric(f"{tag}: HBM floor of its bytes at 4.8 TB/s", floor, "us")
+    for name, al in ACCEPTANCE:
+        ctx.metric(f"{tag}: tokens/s per sequence at {al} tokens a round ({name})",
+                   tokens_per_s(al, with_ar["round"]), "tok/s")
+    ctx.metric(f"{tag}: non-finite base logits U", dev.nonfinite(
+        "dspark.base", np.float32, (case.draft_rows, cfg.vocab_size // bs.TP)), "")
+    doc, pr = DOC_ROUND_FLOOR_MS.get(case.seqs), UPSTREAM_ITL_MS.get((case.seqs, label))
+    speeds.append((f"{case.label} {label}", with_ar["round"], pr))
+    return (f"{case.label:>3s} {label:>4s} {times['round']:>9.1f} {with_ar['round']:>9.1f} "
+            f"{times['verify']:>9.1f} {with_ar['verify']:>9.1f} {times['step']:>9.1f} "
+            f"{times['draft']:>8.1f} {with_ar['draft']:>8.1f} {v_bytes / 1e9:>6.2f} "
+            f"{d_bytes / 1e9:>6.2f} {row.pct_hbm:>5.1f} {floor:>8.1f} "
+            f"{f'{doc * 1e3:.0f}' if doc else '-':>5s} "
+            f"{statistics.mean(distinct['verify']):>6.1f} "
+            f"{statistics.mean(distinct['draft']):>5.1f} {f'{pr * 1e3:.0f}' if pr else '-':>6s}")
+
+
 def _print_tables(cfg, lines: list[str], speeds, ar_source: str) -> None:
     k = cfg.dspark_block_size
     title = (f"DSpark round benchmark (rank 0 of TP4, 1 GPU, k = {k}: draft then verify graph; "
-             f"+ AR: one-shot all-reduces, gathers and picks from {ar_source}; step R: the step "
-             f"benchmark's graph at the verify rows, this run; doc: model doc §4 round floor; "
+             f"+ AR: one-shot all-reduces, gathers and picks from {ar_source}; step: the plain "
+             f"decode step's graph at the verify rows; doc: model doc §4 round floor; "
              f"PR: the upstream PR's median ITL, executor on)")
     header = (f"{'c':>3s} {'ctx':>4s} {'round us':>9s} {'+AR us':>9s} {'verify':>9s} "
-              f"{'+AR':>9s} {'step R':>9s} {'draft':>8s} {'+AR':>8s} {'GB v':>6s} {'GB d':>6s} "
+              f"{'+AR':>9s} {'step':>9s} {'draft':>8s} {'+AR':>8s} {'GB v':>6s} {'GB d':>6s} "
               f"{'%4.8':>5s} {'floor us':>8s} {'doc':>5s} {'exp v':>6s} {'exp d':>5s} "
               f"{'PR us':>6s}")
     speed_header = (f"{'case':>9s} " + " ".join(f"{f'a={a}':>7s}" for a in range(k + 1))

@@ -122,7 +122,7 @@ class TinyRound:
         bound = bind_host(self.space, self.tensors)
         self.ctx = StepContext(cfg, bs.TP, bs.RANK, ManifestBundle(bundle_dir), self.arena,
                                bound, bs.MAX_ROWS, geometry=self.geometry)
-        self.wired = dict(zip(("verify", "draft"), br.wire_round(cfg, self.ctx)))
+        self.wired = br.wire_round(cfg, self.ctx)
         self.plans = {name: br.local_plan(plan) for name, plan in self.wired.items()}
 
     def load(self, context):
@@ -141,9 +141,10 @@ def tiny_round(tiny, tiny_bundle_dir):
 def test_round_plans_count_their_cross_rank_calls(tiny_round):
     cfg, case = tiny_round.cfg, tiny_round.case
     layers, stages = cfg.num_hidden_layers, sum(s.is_dspark for s in cfg.layers)
-    rows = {"verify": case.verify.rows, "draft": case.draft_rows}
+    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows}
     calls = {n: br.count_collectives(tiny_round.wired[n], rows[n]) for n in rows}
     assert calls["verify"] == br.Collectives(1 + 2 * layers, len(cfg.engram_layer_ids), 1)
+    assert calls["step"] == calls["verify"]
     assert calls["draft"] == br.Collectives(1 + 2 * stages, 0, case.k)
     for name, plan in tiny_round.plans.items():
         wired = [s for _, g in tiny_round.wired[name].launches(rows[name]) for s in g]
@@ -224,7 +225,11 @@ def test_two_local_rounds_accept_every_draft_and_advance(tiny_round):
     assert (_view(tr, "bonus", np.int64, seqs) == 0).all()
 
 
-def test_local_plan_keeps_stages_and_order(tiny_round):
-    plan = tiny_round.plans["verify"]
-    assert isinstance(plan, Plan)
-    assert [s.name for s in plan.stages] == [s.name for s in tiny_round.wired["verify"].stages]
+def test_local_plans_keep_stages_and_order(tiny_round):
+    for name, plan in tiny_round.plans.items():
+        assert isinstance(plan, Plan)
+        assert [s.name for s in plan.stages] == [s.name for s in tiny_round.wired[name].stages]
+    # the verify's baseline: the plain step, the verify's stages without the DSpark ones
+    step = [s.name for s in tiny_round.plans["step"].stages]
+    assert step == [s.name for s in tiny_round.plans["verify"].stages
+                    if not s.range_name.startswith("dspark.")]
