@@ -233,3 +233,38 @@ def test_local_plans_keep_stages_and_order(tiny_round):
     step = [s.name for s in tiny_round.plans["step"].stages]
     assert step == [s.name for s in tiny_round.plans["verify"].stages
                     if not s.range_name.startswith("dspark.")]
+
+
+def test_report_metrics_and_tables(tiny_round, capsys):
+    """One (case, context)'s metrics and table line from given times (the GPU path's tail)."""
+    from executor.benchmarks import BenchContext
+
+    cfg, case = tiny_round.cfg, tiny_round.case
+    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows}
+    halves = ("verify", "draft")
+    specs = {n: [s for _, g in tiny_round.plans[n].launches(rows[n]) for s in g] for n in rows}
+    known = br.PlanCase(rows, {n: len(specs[n]) for n in rows},
+                        {n: br.count_collectives(tiny_round.wired[n], rows[n]) for n in halves},
+                        {n: br.plan_weights(cfg, tiny_round.upload_bytes,
+                                            br.touched_slices(specs[n], tiny_round.arena))
+                         for n in halves})
+    ctx = BenchContext(device=None, stream=None, bundles={})
+    dev = type("Dev", (), {"nonfinite": lambda self, name, dtype, shape: 0})()
+    times = {"draft": 500.0, "verify": 8400.0, "round": 8900.0, "step": 8250.0}
+    distinct = {"verify": [5] * cfg.num_hidden_layers, "draft": [3, 4, 5]}
+    speeds = []
+    line = br._report(ctx, dev, cfg, case, 4096, known, times, distinct, None, speeds)
+    metrics = {r.metric: r.value for r in ctx.metric_rows}
+    tag = f"round {case.label} ctx=4k"
+    latency = sum(known.calls[n].latency_us(rows[n]) for n in halves)
+    assert metrics[f"{tag}: round + AR"] == pytest.approx(8900.0 + latency)
+    assert metrics[f"{tag}: verify - plain step (the DSpark stages)"] == pytest.approx(150.0)
+    assert metrics[f"{tag}: draft picks"] == case.k
+    v, d = br.round_bytes(cfg, known.weights["verify"], known.weights["draft"], case, 4096,
+                          distinct["verify"], distinct["draft"])
+    assert ctx.bandwidth_rows[0].bytes == v + d
+    assert speeds == [(f"{case.label} 4k", pytest.approx(8900.0 + latency), None)]
+    assert line.split()[:3] == [case.label, "4k", "8900.0"]
+    br._print_tables(cfg, [line], speeds, "docs/perf.md run 16")
+    out = capsys.readouterr().out
+    assert line in out and f"{case.label} 4k" in out
