@@ -26,7 +26,6 @@ own wait: w13w's routing reads them with ld.relaxed.gpu).
 from __future__ import annotations
 
 import cutlass
-from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
 
 from kernels import moe_kernel_ref as mk
@@ -74,6 +73,16 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
         return ring + self.bars_at + (warp * self.parts + part) * 8
 
     @cute.jit
+    def init_bars(self, ring: Int32, warp: Int32, lane: Int32):
+        """Lane 0: this warp's barriers (one arrival: its own expect_tx), made visible to the
+        bulk-copy engine; the warp then synchronises."""
+        if lane == 0:
+            for part in cutlass.range_constexpr(self.parts):
+                mbar_init(self.bar(ring, warp, part), 1)
+            mbar_init_fence()
+        syncwarp()
+
+    @cute.jit
     def issue_part(self, ring: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
                    total: Int32, warp: Int32, lane: Int32, part: int):
         """Lane 0: one part of this warp's K slice of item (expert e), codes then offsets, on the
@@ -119,11 +128,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         red = ring + self.stage_bytes
-        if lane == 0:
-            for part in cutlass.range_constexpr(self.parts):
-                mbar_init(self.bar(ring, warp, part), 1)
-            mbar_init_fence()
-        syncwarp()
+        self.init_bars(ring, warp, lane)
         state = self.routing.build(_addr(topk_ids), rows, lane)
         total = state[5] * self.tiles
         item = bidx
@@ -131,25 +136,49 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                         _addr(offsets), item, total, warp, lane)
         cute.arch.griddepcontrol_wait()          # xq, xs come from moe_prep
         cute.arch.griddepcontrol_launch_dependents()
+        self.stream_items(ring, red, state, item, gdim, total,
+                          (_addr(xq), _addr(xs), _addr(codes), _addr(offsets), _addr(scales),
+                           _addr(h)), warp, lane, tidx)
+
+    # The routing source (registers here, shared-memory lists in moe_w13sr "bulk"): an item's
+    # expert, its pair count and the handle its chunks read their pairs through.
+    @cute.jit
+    def item_entry(self, state, item: Int32):
+        e = self.routing.expert(state, item // self.tiles)
+        masks = self.routing.pairs(state, e)
+        return e, masks[2], masks
+
+    @cute.jit
+    def next_expert(self, state, item: Int32, total: Int32):
+        return self.expert_of_item(state, item, total)
+
+    @cute.jit
+    def chunk_pairs(self, pairs, xq: Int64, xs: Int64, left: Int32, chunk: Int32, warp: Int32,
+                    lane: Int32):
+        return self.chunk_inputs_warp(pairs, xq, xs, left, chunk, warp, lane)
+
+    @cute.jit
+    def stream_items(self, ring: Int32, red: Int32, state, item: Int32, gdim: Int32,
+                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32):
+        """The CTA's items from `item` on (the first already issued): each token chunk's slice
+        math, then the cross-warp sum and SwiGLU; the next item refilled part by part in the
+        last chunk. Item n of the CTA completes phase n of every barrier."""
+        xq, xs, codes, offsets, scales, h = ptrs
         phase = Int32(0)
         while item < total:
-            e = self.routing.expert(state, item // self.tiles)
+            e, count, pairs = self.item_entry(state, item)
             tile = item % self.tiles
-            masks = self.routing.pairs(state, e)
-            count = masks[2]
-            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
             nxt = item + gdim
-            nxt_e = self.expert_of_item(state, nxt, total)
+            refill = (self.next_expert(state, nxt, total), nxt, total, codes, offsets)
             chunk = Int32(0)
             while chunk < count:
-                ins = self.chunk_inputs_warp(masks, _addr(xq), _addr(xs), count - chunk, chunk,
-                                             warp, lane)
+                ins = self.chunk_pairs(pairs, xq, xs, count - chunk, chunk, warp, lane)
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                acc = self.slice_math(ring, ins, warp, lane, phase,
-                                      (nxt_e, nxt, total, _addr(codes), _addr(offsets)), last)
+                acc = self.slice_math(ring, ins, warp, lane, phase, refill, last)
                 _, _, p0, p1, v0, v1 = ins
-                self.reduce_and_store(acc, _addr(h), tile, scale, red, warp, lane, tidx,
-                                      p0, p1, v0, v1)
+                self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0,
+                                      v1)
                 chunk += mk.CHUNK_TOKENS
             item = nxt
             phase = phase ^ 1
@@ -185,11 +214,14 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
     stage, parts, barriers and part refill. Shared memory: [ring region: the routing scratch,
     then the stage] [mbarriers, 16-aligned] [cross-warp reduction] [lists]."""
 
+    __call__ = MoeW13BulkSm90.__call__      # the w13w launch: ctas_per_sm as a launch bound
     bar = MoeW13BulkSm90.bar
+    init_bars = MoeW13BulkSm90.init_bars
     issue_part = MoeW13BulkSm90.issue_part
     issue_item = MoeW13BulkSm90.issue_item
     refill_part = MoeW13BulkSm90.refill_part
     slice_math = MoeW13BulkSm90.slice_math
+    stream_items = MoeW13BulkSm90.stream_items
 
     def __init__(self, spec: mk.MoeSpec):
         super().__init__(spec)
@@ -197,15 +229,6 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
         self.ring_region = mk.bulk_sr_ring_region(spec.shape, self.warps)
         self.bars_at = self.ring_region
         self.red_at = self.ring_region + mk.bulk_bars_bytes(spec.shape, self.warps)
-
-    @cute.jit
-    def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
-                 codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
-                 h: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.ctas_per_sm,
-            preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
@@ -220,10 +243,7 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         red = ring + self.red_at
         lists = red + self.threads * 16
-        if lane == 0:
-            for part in cutlass.range_constexpr(self.parts):
-                mbar_init(self.bar(ring, warp, part), 1)
-            mbar_init_fence()
+        self.init_bars(ring, warp, lane)
         # build ends with a CTA barrier: the scratch (in the ring region) is dead after it.
         self.routing.build(_addr(topk_ids), rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.tiles
@@ -232,27 +252,23 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
                         _addr(codes), _addr(offsets), item, total, warp, lane)
         cute.arch.griddepcontrol_wait()          # xq, xs come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()
-        phase = Int32(0)
-        while item < total:
-            e, first, count = self.routing.entry(lists, item // self.tiles)
-            tile = item % self.tiles
-            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
-            nxt = item + gdim
-            nxt_e = self.routing.expert_of_item(lists, nxt, self.tiles, total)
-            pair_list = lists + self.routing.pairs_at + 4 * first
-            chunk = Int32(0)
-            while chunk < count:
-                ins = self.chunk_inputs_smem(pair_list, _addr(xq), _addr(xs), count - chunk,
-                                             chunk, warp, lane)
-                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                acc = self.slice_math(ring, ins, warp, lane, phase,
-                                      (nxt_e, nxt, total, _addr(codes), _addr(offsets)), last)
-                _, _, p0, p1, v0, v1 = ins
-                self.reduce_and_store(acc, _addr(h), tile, scale, red, warp, lane, tidx,
-                                      p0, p1, v0, v1)
-                chunk += mk.CHUNK_TOKENS
-            item = nxt
-            phase = phase ^ 1
+        self.stream_items(ring, red, lists, item, gdim, total,
+                          (_addr(xq), _addr(xs), _addr(codes), _addr(offsets), _addr(scales),
+                           _addr(h)), warp, lane, tidx)
+
+    @cute.jit
+    def item_entry(self, lists: Int32, item: Int32):
+        e, first, count = self.routing.entry(lists, item // self.tiles)
+        return e, count, lists + self.routing.pairs_at + 4 * first
+
+    @cute.jit
+    def next_expert(self, lists: Int32, item: Int32, total: Int32):
+        return self.routing.expert_of_item(lists, item, self.tiles, total)
+
+    @cute.jit
+    def chunk_pairs(self, pair_list: Int32, xq: Int64, xs: Int64, left: Int32, chunk: Int32,
+                    warp: Int32, lane: Int32):
+        return self.chunk_inputs_smem(pair_list, xq, xs, left, chunk, warp, lane)
 
 
 class MoeW2BulkSm90(MoeW2Sm90):
