@@ -189,9 +189,9 @@ def spec_from_dict(d: dict) -> MhcPreSpec:
 
 
 def mhc_specs(cfg) -> list[MhcPreSpec]:
-    """What the step launches (executor/stages/mhc.py): post at R <= 8 `_lean_poll_norm*`, above
-    `_lr_rcp`; Engram layers `plain_lean`; layer 0 the 1-stream plain; `postonly` (Engram's
-    pending post, the tail). `_lean` and `_lean_norm*`: the revert (MHC_POLL_ROWS = 0) and the
+    """What the step launches (executor/stages/mhc.py): post at R <= 8 `_lean_poll_ms_norm*`,
+    above `_lr_rcp`; Engram layers `plain_lean`; layer 0 the 1-stream `plain_lean` (`plain`: its
+    revert); `postonly` (Engram's pending post, the tail). `_lean` and `_lean_norm*`: the revert (MHC_POLL_ROWS = 0) and the
     bitwise reference of `_lean_poll` in the GPU tests."""
     if cfg.hc_mult != HC_MULT or cfg.hc_mix_dim != MIX_DIM:
         raise ValueError(f"mHC kernels are built for hc_mult {HC_MULT}, config has {cfg.hc_mult}")
@@ -199,7 +199,7 @@ def mhc_specs(cfg) -> list[MhcPreSpec]:
     return [make_spec(d, HC_MULT, "post", it, live_rows=True, approx_rcp=True),
             make_spec(d, 1, "plain", it), make_spec(d, HC_MULT, "postonly", it),
             make_spec(d, HC_MULT, "post", it, lean=True),
-            make_spec(d, HC_MULT, "plain", it, lean=True),
+            make_spec(d, HC_MULT, "plain", it, lean=True), make_spec(d, 1, "plain", it, lean=True),
             *[make_spec(d, HC_MULT, "post", it, lean=True, norm_weight=w)
               for w in NORM_WEIGHT_DTYPES],
             *[make_spec(d, HC_MULT, "post", it, lean=True, polled=True, norm_weight=w,

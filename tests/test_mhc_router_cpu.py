@@ -31,16 +31,17 @@ def test_mhc_specs_and_bytes(config):
     assert [s.name for s in specs] == [f"mhc_pre_d{d}_s4_post_lr_rcp", f"mhc_pre_d{d}_s1_plain",
                                        f"mhc_pre_d{d}_s4_postonly", f"mhc_pre_d{d}_s4_post_lean",
                                        f"mhc_pre_d{d}_s4_plain_lean",
+                                       f"mhc_pre_d{d}_s1_plain_lean",
                                        f"mhc_pre_d{d}_s4_post_lean_normbf16",
                                        f"mhc_pre_d{d}_s4_post_lean_normf32",
                                        f"mhc_pre_d{d}_s4_post_lean_poll_normbf16",
                                        f"mhc_pre_d{d}_s4_post_lean_poll_normf32",
                                        f"mhc_pre_d{d}_s4_post_lean_poll_ms_normbf16",
                                        f"mhc_pre_d{d}_s4_post_lean_poll_ms_normf32"]
-    post, lean, fused, polled = specs[0], specs[3], specs[6], specs[8]
+    post, lean, fused, polled = specs[0], specs[3], specs[7], specs[9]
     assert fused.bytes_moved(1) == post.bytes_moved(1) + (2 + 4) * d
-    assert fused.smem_bytes == lean.smem_bytes == polled.smem_bytes == specs[10].smem_bytes
-    assert specs[10].mix_split and mk.workspace_bytes(specs[10], 8) == mk.workspace_bytes(
+    assert fused.smem_bytes == lean.smem_bytes == polled.smem_bytes == specs[11].smem_bytes
+    assert specs[11].mix_split and mk.workspace_bytes(specs[11], 8) == mk.workspace_bytes(
         polled, 8)
     for spec in specs:
         assert mk.spec_from_dict(spec.to_dict()) == spec

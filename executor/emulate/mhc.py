@@ -1,8 +1,8 @@
 """kernels.mhc on the host: one `mhc_pre` launch (post, mixes, Sinkhorn, collapse) by its reference.
 
-Every variant of the manifest (post, post_et, post_lr, post_lr_rcp, post_lean, post_lean_poll,
-plain at S = 4 and 1, plain_lean, postonly) computes the same values within the GPU test's tolerances (`_et`
-moves only the PDL trigger, `_lr` only which padded lanes run, `_rcp` Sinkhorn's divisions:
+Every variant of the manifest (post_lr_rcp, post_lean, post_lean_norm*,
+post_lean_poll[_ms]_norm*, plain at S = 1, plain_lean at S = 4 and 1, postonly) computes the same
+values within the GPU test's tolerances (`_lr` only which padded lanes run, `_rcp` Sinkhorn's divisions:
 rcp.approx, measured within 7.5e-7 of div.rn against the 1e-5 tolerance, docs/perf.md run 20;
 `_lean` the reduce order and a thread per row's Sinkhorn with rcp.approx), so all run
 `mk.mhc_pre_ref` (postonly: its post and collapse halves). Written, as the kernel writes them:

@@ -70,6 +70,9 @@ MHC_POLL_ROWS = 8                   # post mhc_pre up to here: `_lean_poll_norm*
                                     # handoff, a consumer CTA a row and a norm, so the RMSNorm is
                                     # inside at every such R; bitwise `_lean`'s outputs); 0 reverts
                                     # to round 4 (`_lean`, fused norm at R <= FUSED_NORM_ROWS)
+BROADCAST_LEAN = True               # layer 0's 1-stream plain mhc_pre: `_lean` (the default tail ran
+                                    # 35 us cold in the round-5 ncu probe: 4 Sinkhorn rounds of
+                                    # garbage rows, 3 fences); False: the default `plain`
 MHC_POLL_SPLIT = True               # the polled post takes `_lean_poll_ms_norm*` (4 warps share a
                                     # row's mixes GEMV, passes of 4 rows); False: `_lean_poll_norm*`
 
@@ -204,7 +207,7 @@ def _attn_mhc_pre(ctx, layer):
         raise ValueError(f"{ONE_HOT} holds {mk.MAX_ROWS} rows, the step has {ctx.max_rows}")
     carried = ONE_HOT if first else "coeff.ffn"
     summed = _broadcasts(cfg, layer)
-    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain", lean=not summed)
+    spec = _mhc_spec(ctx, 1 if summed else mk.HC_MULT, "plain", lean=BROADCAST_LEAN or not summed)
     ptrs = {"streams": ctx.ptr("embed.out" if summed else "streams"),
             "coeff_prev": ctx.ptr(carried), "x_out": ctx.ptr("x"),
             "coeff_out": ctx.ptr("coeff.attn"),

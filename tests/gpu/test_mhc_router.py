@@ -206,8 +206,8 @@ def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, cou
 
 
 def _mode_spec(cfg, mode: str) -> mk.MhcPreSpec:
-    streams = 1 if mode == "broadcast" else mk.HC_MULT
-    kind = "plain" if mode == "broadcast" else mode.split("_")[0]
+    streams = 1 if mode.startswith("broadcast") else mk.HC_MULT
+    kind = "plain" if mode.startswith("broadcast") else mode.split("_")[0]
     return mk.make_spec(cfg.hidden_size, streams, kind, cfg.hc_sinkhorn_iters,
                         live_rows="_lr" in mode, approx_rcp="_rcp" in mode, lean="_lean" in mode,
                         norm_weight=mode.partition("_norm")[2], polled="_poll" in mode,
@@ -218,7 +218,7 @@ def _mode_spec(cfg, mode: str) -> mk.MhcPreSpec:
                                   "post_lean_normf32", "post_lean_poll_normbf16",
                                   "post_lean_poll_normf32", "post_lean_poll_ms_normbf16",
                                   "post_lean_poll_ms_normf32", "plain_lean", "broadcast",
-                                  "postonly"])
+                                  "broadcast_lean", "postonly"])
 def test_mhc_pre_matches_reference(dev, stream, setup, mode):
     cfg, bundle = setup
     spec = _mode_spec(cfg, mode)
