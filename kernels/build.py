@@ -1,6 +1,8 @@
 """Ahead-of-time kernel build: compile every family's specs for sm_90a into a bundle of cubins.
 
     python -m kernels.build --config {tiny,v41-flash,PATH.json} --tp N [--out DIR] [--jobs J]
+    python -m kernels.build --config v41-flash --tp 2 --only allreduce --only elementwise \
+        --out build/bundle-v41-flash-tp2-collectives    # some families only
 
 For each family in `kernels.manifest.FAMILIES` the build asks `specs(cfg, tp)`, compiles each spec
 with `compile_spec(spec, options)` (no GPU needed: `CUTE_DSL_ARCH=sm_90a`, `--gpu-arch sm_90a`,
@@ -345,17 +347,36 @@ def _write_bundle(out: Path, config: str, tp: int, dsl: str, entries: dict, blob
             (out / f"{stale}.cubin").unlink()
 
 
+def only_families(names: list[str], out: Path) -> tuple[str, ...]:
+    """The families `--only` names, in build order. A partial build rewrites the manifest with
+    those kernels alone, so it refuses an out dir that holds a bundle (the default dir included)."""
+    wanted = [n if n.startswith("kernels.") else f"kernels.{n}" for n in names]
+    unknown = sorted(set(wanted) - set(FAMILIES))
+    if unknown:
+        raise BuildError(f"--only {unknown}: no such kernel family; expected names from "
+                         f"{[f.removeprefix('kernels.') for f in FAMILIES]}")
+    others = sorted({e.get("family") for e in _read_old_manifest(out).values()} - set(wanted))
+    if others:
+        raise BuildError(f"--only would drop the kernels of {others} from the bundle in {out}; "
+                         f"give a partial build an --out dir of its own")
+    return tuple(f for f in FAMILIES if f in wanted)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.build", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="preset name (tiny, v41-flash) or a .json")
     parser.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     parser.add_argument("--out", type=Path, help="bundle dir (default build/bundle-CONFIG-tpN)")
     parser.add_argument("--jobs", type=int, default=1, help="parallel compile processes")
+    parser.add_argument("--only", action="append", default=None, metavar="FAMILY",
+                        help="build only this family (repeatable; 'allreduce' or "
+                             "'kernels.allreduce'), into an --out dir of its own")
     args = parser.parse_args(argv)
     out = args.out or default_out_dir(Path(args.config).stem, args.tp)
     start = time.perf_counter()
     try:
-        status = build_bundle(args.config, args.tp, out, max(1, args.jobs))
+        families = FAMILIES if args.only is None else only_families(args.only, out)
+        status = build_bundle(args.config, args.tp, out, max(1, args.jobs), families)
     except BuildError as exc:
         print(f"kernel build failed: {exc}", file=sys.stderr)
         return 1
