@@ -11,7 +11,8 @@ lockstep on every rank. Checked, every element, on every rank:
   (kernel and reference each within one such bound of the exact product: fp32 summation order,
   one bf16 rounding);
 - attn.qr bitwise the reference's `_norm(q half, q_norm)` of the emulated qkv (the split kernel
-  replays rmsnorm_ref's order), attn.kv bitwise the kv half;
+  replays rmsnorm_ref's order); attn.kv bitwise the kv half, or, with attn_proj.FUSED_ATTN_PREP
+  (attn_prep reads the kv half of attn.qkv), untouched, and the SWA checks use the kv half;
 - attn.q against the reference's q = bf16(RoPE(_linear(qr, wq_b))) on the emulated qr, within
   `_q_bound`: the two wq_b outputs are 2 x dense_tolerance apart, the rotation adds a pair's two
   gaps (|cos|, |sin| <= 1), each side's bf16 rounding adds 2^-8 of its value;
@@ -153,7 +154,8 @@ def _run(s: Setup, rng, case: str, layer: int):
     s.ranks.write("attn.o", o)
     s.ranks.write("positions32", rows.positions.astype(np.int32))
     launched = s.ranks.run(bucket, roles=ROLES, layers={layer})
-    per_rank = 7 + (2 if cfg.layer(layer).owns_compressor else 0)
+    per_rank = (6 if attn_proj.FUSED_ATTN_PREP else 7) + (
+        2 if cfg.layer(layer).owns_compressor else 0)
     assert launched == TP * per_rank
     return rows, caches, x.astype(np.float32), o
 
@@ -172,9 +174,12 @@ def _check_projections(s: Setup, rows: RowBatch, x, layer: int) -> dict:
                        cfg.rms_norm_eps)
     np.testing.assert_array_equal(_bits(qr), _bits(want_qr), err_msg="qr: not _norm(q half)")
     kv = s.read(0, "attn.kv", BF16, (bucket, hd))
+    if attn_proj.FUSED_ATTN_PREP:                   # attn_prep reads the kv half in place
+        assert (_bits(kv) == 0xFFFF).all(), "attn.kv written by the fused chain"
+        kv = qkv[:, q_lora:]
     np.testing.assert_array_equal(_bits(kv), _bits(qkv[:, q_lora:]), err_msg="kv half")
     for r in range(1, TP):                          # replicated: the same bits on every rank
-        for name, ref in (("attn.qkv", qkv), ("attn.qr", qr), ("attn.kv", kv)):
+        for name, ref in (("attn.qkv", qkv), ("attn.qr", qr)):
             np.testing.assert_array_equal(_bits(s.read(r, name, BF16, ref.shape)), _bits(ref),
                                           err_msg=f"rank {r}: {name} differs from rank 0")
     table = ra.rope_for(cfg, cfg.layer(layer).ratio)
@@ -292,11 +297,13 @@ def test_launch_lists_follow_the_bucket(setup):
     for rows, tile in ((1, "r8"), (6, "r8"), (16, "r32")):
         assert names("attn.wq_a_wkv", 0, rows)[0].endswith(f"_{tile}_bf16")
         assert names("attn.wo_a", 0, rows)[0].startswith("wo_a_fp8_grouped_")
-    assert names("attn.q_kv_norm", 2, 6) == [f"split_rmsnorm_d{s.cfg.q_lora_rank}_t512_wf32"]
+    fused = attn_proj.FUSED_ATTN_PREP
+    assert names("attn.q_kv_norm", 2, 6) == [f"attn_prep_q{s.cfg.q_lora_rank}_d512" if fused
+                                             else f"split_rmsnorm_d{s.cfg.q_lora_rank}_t512_wf32"]
     assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256", "compressor_publish_r2_d512"]
     assert names("attn.compressor", 6, 6) == ["compressor_proj_r1_k256", "compressor_publish_r1_d512"]
     assert names("attn.rope_swa_insert", 0, 6) == [
-        f"rope_fwd_inplace_h{s.shapes.heads}_d512", "kv_swa_insert_d512"]
+        f"rope_fwd_inplace_h{s.shapes.heads}_d512"] + ([] if fused else ["kv_swa_insert_d512"])
     wired = {st.range_name for st in plan.stages if st.build is not None}
     assert wired == ROLES
 

@@ -5,23 +5,24 @@ boundary buffer `xn` (bf16 [R, D], the normed attention input) to `attn.partial`
 this rank's wo_b output, which the attention all-reduce sums):
 
   attn.wq_a_wkv        dense wqa_wkv    xn -> attn.qkv bf16 [R, q_lora + 512]  (replicated)
-  attn.q_kv_norm       split RMSNorm    attn.qkv -> attn.qr = bf16(q_norm(q half)) [R, q_lora]
-                                        and attn.kv = the kv half [R, 512], copied
+  attn.q_kv_norm       attn_prep        attn.qkv -> attn.qr = bf16(q_norm(q half)) [R, q_lora],
+                       (kv_publish)     and the kv half -> kv_norm, RoPE, 584-byte record at
+                                        slot_mapping[r] of swa_{l} (slot -1: padding, no write)
   attn.compressor      compressor       (kv sources) xn -> ring, compressed_{l}, index_keys_{l}
                        proj + publish   (ratio 2 pools pairs through compressor_ring_{l})
   attn.wq_b            dense wq_b       attn.qr -> attn.q bf16 [R, H_l, 512]
   attn.rope_swa_insert RoPE in place    attn.q's rope dims at positions32 (the layer's table)
-                       SWA insert       attn.kv -> kv_norm, RoPE, 584-byte record at
-                                        slot_mapping[r] of swa_{l} (slot -1: padding, no write)
+
+With FUSED_ATTN_PREP = False (round 4's chain) attn.q_kv_norm is the split RMSNorm (attn.qr, and
+attn.kv = the kv half, copied) and attn.rope_swa_insert adds the SWA insert from attn.kv.
   attn.wo_a            grouped wo_a     attn.o (group B, inverse-RoPE'd) -> attn.z [R, G_l lora]
   attn.wo_b            dense wo_b       attn.z -> attn.partial (bf16 epilogue: the reference's
                                         AR-1 rounds each rank's fp32 partial to bf16 first)
 
 `attn.qr` and `attn.q` are group B's inputs (indexer query, sparse MQA query); `attn.o` its
-output, declared by B. Kernel choices: the fused linear's two halves go through one
-`kernels.split_norm` launch (the RMSNorm kernel reads rows of its own width only, and the SWA
-insert reads kv rows of 512: neither takes the fused row stride); the SWA insert applies kv_norm
-itself, so kv leaves the split unnormed. Dense launches pick their kernel by rows (8 rows per pass
+output, declared by B. Kernel choices: the fused linear's two halves go through one launch
+(one warp a row per half); the SWA record is written before wq_b, since only this layer's sparse
+MQA reads swa_{l}. Dense launches pick their kernel by rows (8 rows per pass
 up to 8 rows, 32 above) and share one split-K workspace and counters: each launch touches them
 only after griddepcontrol.wait, when its predecessor has finished. `attn.dense_counters` must be
 ZERO before the first launch (HostArena is zeroed at creation; the GPU Executor must zero it).
@@ -56,7 +57,12 @@ import numpy as np
 
 from executor.launches import dense as dl
 from executor.launches.compressor import CompressorShape, compressor_launches
-from executor.launches.small import kernel_for, rope_launches, swa_insert_launches
+from executor.launches.small import (
+    attn_prep_launches,
+    kernel_for,
+    rope_launches,
+    swa_insert_launches,
+)
 from executor.launches.split_norm import split_norm_launch
 from executor.wiring import Buffer, packed_layers, weight_prefix
 from kernels import compressor_kernel_ref as ck
@@ -66,6 +72,11 @@ from kernels.common_ref import BF16
 from kernels.wo_a_ref import wo_a_shape, wo_a_specs
 
 DENSE_LABELS = ("wqa_wkv", "wq_b", "wo_b")
+# attn.q_kv_norm runs kv_publish's attn_prep (q_norm -> attn.qr, and kv_norm + RoPE + the SWA
+# record), and attn.rope_swa_insert only q's RoPE: 2 launches a layer instead of 3
+# (docs/notes/attn-fusion.md). False: split_rmsnorm, then RoPE + kv_swa_insert, as measured in
+# round 4.
+FUSED_ATTN_PREP = True
 ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
 
 
@@ -240,6 +251,8 @@ def _wq_a_wkv(ctx, layer):
 
 
 def _q_kv_norm(ctx, layer):
+    if FUSED_ATTN_PREP:
+        return _attn_prep(ctx, layer)
     cfg = ctx.cfg
     spec = split_norm_ref.make_spec(cfg.q_lora_rank, cfg.head_dim)
     kernel_for(ctx.bundle, spec)
@@ -247,6 +260,21 @@ def _q_kv_norm(ctx, layer):
             "weight": ctx.ptr(_prefix(cfg, layer) + "q_norm.weight.f32"),
             "out": ctx.ptr("attn.qr"), "tail": ctx.ptr("attn.kv")}
     return lambda rows: [split_norm_launch(ctx.bundle, spec, ptrs, rows, cfg.rms_norm_eps)]
+
+
+def _attn_prep(ctx, layer):
+    """attn.q_kv_norm when fused: qr and the layer's SWA record in one launch (kv_publish)."""
+    cfg, i = ctx.cfg, layer.index
+    spec = kv_publish_ref.make_attn_prep_spec(cfg.q_lora_rank, cfg.head_dim)
+    kernel_for(ctx.bundle, spec)
+    base = _prefix(cfg, layer)
+    ptrs = {"qkv": ctx.ptr("attn.qkv"), "q_weight": ctx.ptr(base + "q_norm.weight.f32"),
+            "kv_weight": ctx.ptr(base + "kv_norm.weight.f32"),
+            "table": ctx.ptr(rope_name(layer.ratio)), "positions": ctx.ptr("positions32"),
+            "slots": ctx.ptr("slot_mapping"), "qr": ctx.ptr("attn.qr"),
+            "cache": ctx.ptr(f"swa_{i}")}
+    num_positions, eps = cfg.max_position_embeddings, cfg.rms_norm_eps
+    return lambda rows: attn_prep_launches(ctx.bundle, spec, ptrs, rows, num_positions, eps)
 
 
 def _compressor(ctx, layer):
@@ -294,6 +322,8 @@ def _rope_swa_insert(ctx, layer):
     num_positions, eps = cfg.max_position_embeddings, cfg.rms_norm_eps
 
     def build(rows):
+        if FUSED_ATTN_PREP:                 # attn.q_kv_norm wrote the SWA record already
+            return rope_launches(ctx.bundle, rope, p_rope, rows, num_positions)
         return [*rope_launches(ctx.bundle, rope, p_rope, rows, num_positions),
                 *swa_insert_launches(ctx.bundle, insert, p_insert, rows, num_positions, eps)]
     return build
