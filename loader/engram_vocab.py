@@ -110,13 +110,14 @@ def fetch_vocab_map(cfg, fetch: Callable[[str], np.ndarray]) -> np.ndarray:
         served = fetch(VOCAB_MAP_NAME)
     except KeyError:
         served = None
-    if isinstance(served, _Identity):
+    if served is not None and np.asarray(served).dtype == _IDENTITY_MARK.dtype:
         return identity_map(cfg)
     return resolve(cfg, served, f"weights of {cfg.model_type}")
 
 
-class _Identity(np.ndarray):
-    """Marks the opt-out through a fetch (an array so a fetch's type stays ndarray)."""
+# The opt-out as a fetch serves it: an empty array of a dtype no map has (it survives the
+# asarray / view / read-only wrappers fetches go through, e.g. bench_step_pack.SharedFetch).
+_IDENTITY_MARK = np.zeros(0, dtype=[("engram_vocab_identity", "u1")])
 
 
 def with_vocab_map(fetch: Callable[[str], np.ndarray], vocab_map) -> Callable[[str], np.ndarray]:
@@ -126,7 +127,7 @@ def with_vocab_map(fetch: Callable[[str], np.ndarray], vocab_map) -> Callable[[s
         if vocab_map != IDENTITY:
             raise EngramVocabMapError(f"with_vocab_map: {vocab_map!r}; expected an array or "
                                       f"{IDENTITY!r}")
-        served = np.zeros(0, np.int32).view(_Identity)
+        served = _IDENTITY_MARK
     else:
         served = np.asarray(vocab_map)
 

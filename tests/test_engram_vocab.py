@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from executor.bench_step_pack import SharedFetch
 from executor.reference import step
 from executor.stages import mhc as mhc_stage
 from loader import engram_vocab as ev
@@ -56,6 +57,8 @@ def test_fetch_vocab_map_identity_map_or_a_clear_error():
         ev.fetch_vocab_map(V41, _no_map_fetch)
     opted = ev.fetch_vocab_map(V41, ev.with_vocab_map(_no_map_fetch, ev.IDENTITY))
     assert np.array_equal(opted, np.arange(V41.vocab_size))
+    shared = SharedFetch(ev.with_vocab_map(_no_map_fetch, ev.IDENTITY))   # asarray, read-only
+    assert np.array_equal(ev.fetch_vocab_map(V41, shared), np.arange(V41.vocab_size))
     given = ev.synthetic_vocab_map(V41, 5)
     assert np.array_equal(ev.fetch_vocab_map(V41, ev.with_vocab_map(_no_map_fetch, given)), given)
     with pytest.raises(ev.EngramVocabMapError, match="maps to"):
