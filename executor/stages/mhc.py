@@ -390,7 +390,7 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
            Buffer("mhc.counters", np.int32, (mk.counter_count(r),), "mhc_pre, zeroed once")]
     if MHC_POLL_ROWS:
         polled = mk.make_spec(d, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters, lean=True,
-                              polled=True)
+                              polled=True, norm_weight=_norm_dtype())
         out += [Buffer(POLL_EXCHANGE, np.uint64,
                        (mk.workspace_bytes(polled, min(r, MHC_POLL_ROWS)) // 8,),
                        "mhc_pre _lean_poll tagged words, zeroed once, left zero"),
