@@ -7,12 +7,19 @@ with div.rn / sqrt.rn, y = bf16((x * rstd) * w). Lanes 24..31 own the 64 rope di
 rotated in float64 (exact products, one rounding) and rounded to fp32 then bf16, as the reference.
 The 7 nope groups of 64 dims are 8 lanes each: amax by a 3-step butterfly, the ceil power-of-two
 scale, RNE E4M3 casts; the record is written with 8-byte stores (records are 8-byte aligned).
-Rows whose slot is negative (padding) write nothing.
+Rows whose slot is negative (padding) write nothing. Loads: the position, kv and weight are
+issued together, the table (which waits only for the position) before the reduction, so a row
+costs about two memory round trips, not four.
+
+`AttnPrepSm90` (attn_prep, kernels/kv_publish_ref.py) runs this insert and split_norm's q head in
+one launch over the fused wq_a|wkv rows: per row one warp of each, the kv one reading its half at
+the fused row stride; kv_norm's weight is loaded before `griddepcontrol.wait`, and the slot,
+position and kv loads go out together after it.
 
 The PTX helpers come from `kernels.indexer_ptx` (the build hashes it into this family's
 cache key).
 PTX ABI: (u64 kv, u64 weight, u64 table, u64 positions, u64 slots, u64 cache, u32 rows,
-u32 num_positions, f32 eps).
+u32 num_positions, f32 eps); attn_prep: kernels/kv_publish_ref.py.
 """
 from __future__ import annotations
 
@@ -133,38 +140,58 @@ class KvSwaInsertSm90:
     @cute.jit
     def insert(self, kv: Int64, weight: Int64, table: Int64, positions: Int64, rec: Int64,
                row: Int32, num_positions: Int32, eps: Float32, lane: Int32):
+        """The whole insert of one row: every independent load issued first, then encode."""
+        pos = ld_s32(positions + Int64(row) * 4)
+        x = self.load_kv(kv, row, lane)
+        w = self.load_weight(weight, lane)
+        self.encode_store(x, w, table, pos, rec, num_positions, eps, lane)
+
+    def load_kv(self, kv: Int64, row: Int32, lane: Int32) -> list:
+        """Lane l's 16 kv values (dims 8l.. and 256 + 8l..) as fp32: two 16-byte loads."""
         x = []
-        for half in cutlass.range_constexpr(2):
+        for half in range(2):
             words = ld_v4_u32(kv + Int64(row * self.kv_row_stride + 256 * half + 8 * lane) * 2)
-            for w in cutlass.range_constexpr(4):
+            for w in range(4):
                 lo, hi = bf16_pair(words[w])
                 x += [lo, hi]
+        return x
+
+    def load_weight(self, weight: Int64, lane: Int32) -> list:
+        """kv_norm's fp32 weight at lane l's 16 dims (a model constant: loadable before the wait)."""
+        w = []
+        for half in range(2):
+            for q in range(4):
+                w0, w1 = ld_v2_f32(weight + Int64(256 * half + 8 * lane + 2 * q) * 4)
+                w += [w0, w1]
+        return w
+
+    @cute.jit
+    def encode_store(self, x, w, table: Int64, pos: Int32, rec: Int64, num_positions: Int32,
+                     eps: Float32, lane: Int32):
+        """RMSNorm, RoPE, record encode and store of one row from its loaded kv, weight, position.
+        The table loads (they wait only for the position) go out before the reduction."""
+        # Every lane rotates (uniform code); only lanes 24..31 keep it: their second vector is
+        # the rope dims. A position outside the table reads row 0 and yields NaN.
+        valid = Int32(0)
+        if pos >= 0 and pos < num_positions:
+            valid = Int32(1)
+        pair0 = 4 * (lane % (LANES - ROPE_LANE0))
+        cs = []
+        for q in cutlass.range_constexpr(4):
+            c, s = ld_v2_f32(table + Int64(valid * pos * 64 + 2 * (pair0 + q)) * 4)
+            cs += [select_f32(valid, c, Float32(float("nan"))), s]
         acc = Float32(0.0)
         for i in cutlass.range_constexpr(16):
             acc = sq_acc(acc, x[i])
         for k in cutlass.range_constexpr(5):
             acc = acc + shfl_xor_f32(acc, 16 >> k)
         rstd = rstd_of(acc, eps, kp.HEAD_DIM)
-        y = []
-        for half in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(4):
-                w0, w1 = ld_v2_f32(weight + Int64(256 * half + 8 * lane + 2 * q) * 4)
-                y += [norm_bf16(x[8 * half + 2 * q], rstd, w0),
-                      norm_bf16(x[8 * half + 2 * q + 1], rstd, w1)]
-        # Every lane rotates (uniform code); only lanes 24..31 keep it: their second vector is
-        # the rope dims. A position outside the table reads row 0 and yields NaN.
-        pos = ld_s32(positions + Int64(row) * 4)
-        valid = Int32(0)
-        if pos >= 0 and pos < num_positions:
-            valid = Int32(1)
+        y = [norm_bf16(x[i], rstd, w[i]) for i in range(16)]
         rope_lane = Int32(0)
         if lane >= ROPE_LANE0:
             rope_lane = Int32(1)
-        pair0 = 4 * (lane % (LANES - ROPE_LANE0))
         for q in cutlass.range_constexpr(4):
-            c, s = ld_v2_f32(table + Int64(valid * pos * 64 + 2 * (pair0 + q)) * 4)
-            c = select_f32(valid, c, Float32(float("nan")))
-            r0, r1 = rope_pair_f64(y[8 + 2 * q], y[9 + 2 * q], c, s)
+            r0, r1 = rope_pair_f64(y[8 + 2 * q], y[9 + 2 * q], cs[2 * q], cs[2 * q + 1])
             y[8 + 2 * q] = select_f32(rope_lane, r0, y[8 + 2 * q])
             y[9 + 2 * q] = select_f32(rope_lane, r1, y[9 + 2 * q])
         for half in cutlass.range_constexpr(2):
@@ -188,7 +215,6 @@ class KvSwaInsertSm90:
                     st_v2_b32(rope + Int64(8), b[2], b[3])
         if lane == LANES - 1:
             st_u8(rec + Int64(kp.kvrecord_ref.KV_RECORD_BYTES - 1), Int32(0))
-
 
     @cute.jit
     def store_nope(self, rec: Int64, v, e: Int32, half: cutlass.Constexpr, lane: Int32):
@@ -231,7 +257,11 @@ class AttnPrepSm90(SplitNormSm90):
 
         smem = cutlass.memory.SmemAllocator()
         w_smem = smem.allocate_tensor(Float32, cute.make_layout((self.width,)), byte_alignment=16)
-        self._stage_weight(q_weight, w_smem, tidx)   # a model constant: before the wait
+        # Model constants, before the wait: q_norm's weight into shared memory (the q warps read
+        # it as vectors), kv_norm's into registers (every warp loads it: 64 bytes a lane, so the
+        # roles need not split before the wait).
+        self._stage_weight(q_weight, w_smem, tidx)
+        kv_w = self.kv_insert.load_weight(_addr(kv_weight), lane)
 
         cute.arch.griddepcontrol_wait()    # qkv, positions and slots come from earlier kernels
         if row < rows:
@@ -241,12 +271,15 @@ class AttnPrepSm90(SplitNormSm90):
                 rstd = self._row_rstd(x_regs, None, tidx, Int32(0), eps)
                 self._normalise_store(x_regs, rstd, w_smem, qr, row, lane)
             else:
+                # slot, position and kv in flight together; the table waits only for pos
                 slot = ld_s64(_addr(slots) + Int64(row) * 8)
+                pos = ld_s32(_addr(positions) + Int64(row) * 4)
+                x = self.kv_insert.load_kv(_addr(qkv) + Int64(2 * self.width), row, lane)
                 if slot >= Int64(0):
-                    self.kv_insert.insert(
-                        _addr(qkv) + Int64(2 * self.width), _addr(kv_weight), _addr(table),
-                        _addr(positions), _addr(cache) + slot * kp.kvrecord_ref.KV_RECORD_BYTES,
-                        row, num_positions, eps, lane)
+                    self.kv_insert.encode_store(
+                        x, kv_w, _addr(table), pos,
+                        _addr(cache) + slot * kp.kvrecord_ref.KV_RECORD_BYTES, num_positions,
+                        eps, lane)
         cute.arch.griddepcontrol_launch_dependents()
 
 
