@@ -105,10 +105,10 @@ class MoeChain:
         return [v for v in ml.variant_names(self.available, "w13w")
                 if ml.warp_routed_fits(self.available, self.shape, rows, v)]
 
-    def launches_bulk(self, rows: int) -> list[LaunchSpec]:
-        """prep -> w13w / w13sr "bulk" -> w2 "bulk" -> combine (launches/moe.py
+    def launches_bulk(self, rows: int, w2: str = "bulk") -> list[LaunchSpec]:
+        """prep -> w13w / w13sr "bulk" -> w2 `w2` -> combine (launches/moe.py
         `bulk_launches`)."""
-        return ml.bulk_launches(self.bundle, self.shape, self.ptrs, rows, self.available)
+        return ml.bulk_launches(self.bundle, self.shape, self.ptrs, rows, self.available, w2)
 
     def step_launches(self, rows: int) -> list[LaunchSpec]:
         """What the decode step launches at `rows` (executor/launches/moe.py `step_launches`)."""
@@ -181,6 +181,8 @@ def bench_moe_routed(ctx) -> None:
             # Round 5: the step's chain with every weight byte by bulk copies.
             if ml.bulk_fits(chain.available, shape, rows):
                 chains.append((" bulk", chain.launches_bulk(rows)))
+                if ("w2", "bulkp") in chain.available:
+                    chains.append((" bulkp", chain.launches_bulk(rows, "bulkp")))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):

@@ -447,7 +447,7 @@ def _kernel_class(spec: mk.MoeSpec):
     """The default chain's classes here; the per-group-commit w13 / w2 in kernels/moe_pipelined.py
     and the self-routed chain's in kernels/moe_selfroute.py (imported late: both build on this
     module)."""
-    if spec.variant == "bulk":               # moe_w13w / moe_w2 fed by bulk copies
+    if spec.variant.startswith("bulk"):      # w13w / w13sr / w2 fed by bulk copies
         from kernels import moe_bulk
         return moe_bulk.kernel_class(spec)
     if spec.group_commits:                   # the "g" w13 / w2 and moe_w13w

@@ -324,16 +324,19 @@ def bulk_w2_stage_bytes(shape: MoeShape) -> int:
 
 
 W2_BULK_STAGES, W2_BULK_CTAS = 2, 2     # the next item in flight behind the math, 2 CTAs/SM
+W2_BULK_VARIANTS = ("bulk", "bulkp")
 
 
 def variant_specs(shape: MoeShape) -> list[MoeSpec]:
     """Candidate w13 / w2 kernels (other ring depths and occupancies, bulk copies), built beside
     the default."""
-    bulk = MoeSpec(f"moe_w2_{shape.tag()}_bulk", "w2", shape, (W2_WARPS * LANES, 1, 1),
-                   smem_bytes=W2_BULK_STAGES * bulk_w2_stage_bytes(shape) + w2_smem_bytes(shape),
-                   ctas_per_sm=W2_BULK_CTAS, stages=W2_BULK_STAGES, variant="bulk")
+    # "bulkp": the same with the per-item scalars read one item ahead (kernels/moe_bulk.py)
+    bulk = [MoeSpec(f"moe_w2_{shape.tag()}_{v}", "w2", shape, (W2_WARPS * LANES, 1, 1),
+                    smem_bytes=W2_BULK_STAGES * bulk_w2_stage_bytes(shape) + w2_smem_bytes(shape),
+                    ctas_per_sm=W2_BULK_CTAS, stages=W2_BULK_STAGES, variant=v)
+            for v in W2_BULK_VARIANTS]
     return ([_w13_spec(shape, *v) for v in W13_VARIANTS[1:]]
-            + [_w2_spec(shape, *v) for v in W2_VARIANTS[1:]] + [bulk])
+            + [_w2_spec(shape, *v) for v in W2_VARIANTS[1:]] + bulk)
 
 
 # The self-routed chain: moe_xquant -> moe_w13sr -> moe_w2sr -> moe_combine (no moe_prep). Each

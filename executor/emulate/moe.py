@@ -28,7 +28,7 @@ from kernels.common_ref import BF16, check_rows
 
 KNOWN_VARIANTS = {
     "prep": ("",), "combine": ("",), "xquant": ("",),
-    "w13": tuple(v[0] for v in mk.W13_VARIANTS), "w2": (*(v[0] for v in mk.W2_VARIANTS), "bulk"),
+    "w13": tuple(v[0] for v in mk.W13_VARIANTS), "w2": (*(v[0] for v in mk.W2_VARIANTS), *mk.W2_BULK_VARIANTS),
     "w13sr": tuple(v[0] for v in mk.W13SR_VARIANTS), "w13w": mk.W13W_VARIANTS,
     "w2sr": tuple(v[0] for v in mk.W2SR_VARIANTS),
 }

@@ -185,18 +185,19 @@ def bulk_fits(available, shape: mk.MoeShape, rows: int) -> bool:
 
 
 def bulk_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                  available=None) -> list[LaunchSpec]:
+                  available=None, w2: str = "bulk") -> list[LaunchSpec]:
     """prep -> w13w "bulk" (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS) or w13sr "bulk" (its
-    routing lists in shared memory; prep's xq / xs) -> w2 "bulk" (prep's lists) -> combine."""
+    routing lists in shared memory; prep's xq / xs) -> w2 `w2` ("bulk" or "bulkp": prep's
+    lists) -> combine."""
     available = available_specs(bundle, shape) if available is None else available
     if not bulk_fits(available, shape, rows):
         raise KeyError(f"the bundle lacks the bulk-copy MoE kernels of {shape.tag()} for "
                        f"rows={rows} (w2 'bulk' and w13w / w13sr 'bulk')")
     w13 = (("w13w", "bulk") if warp_routed_fits(available, shape, rows, "bulk")
            else ("w13sr", "bulk"))
-    prep, w2, combine = chain_launches(bundle, shape, ptrs, rows, "", "bulk",
-                                       ("prep", "w2", "combine"), available)
-    return [prep, _launch(bundle, available[w13], ptrs, rows), w2, combine]
+    prep, w2_spec, combine = chain_launches(bundle, shape, ptrs, rows, "", w2,
+                                            ("prep", "w2", "combine"), available)
+    return [prep, _launch(bundle, available[w13], ptrs, rows), w2_spec, combine]
 
 
 def step_variants(available, rows: int) -> tuple[str, str | None]:

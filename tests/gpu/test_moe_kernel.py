@@ -124,12 +124,12 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     # moe_w13w variants in place of w13 (("w13w", v): their own launch list)
     variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
     if ml.bulk_fits(chain.available, shape, rows):   # the step's bulk-copy chain (round 5)
-        variants.insert(0, ("bulk", "bulk"))
+        variants[:0] = [("bulk", w2) for w2 in ("bulk", "bulkp") if ("w2", w2) in chain.available]
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
         if w13 == "bulk":
-            launches = chain.launches_bulk(rows)
+            launches = chain.launches_bulk(rows, w2)
         elif isinstance(w13, tuple):
             launches = chain.launches_warp_routed(rows, w2, w13[1])
         else:
