@@ -62,11 +62,17 @@ ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows 
 # register-prefetch mma kernel; smem-streamed kernels (R <= 8): "stream" (measured in round 3),
 # "stream_xt" (x several units ahead, 2 accumulators, scales first, whole tiles per CTA: no tile
 # shared between CTAs, no workspace, no fence, no atomic), "stream_xts" (stream_xt with the scale
-# bytes cp.async'ed first, in their own commit group, instead of LDG + STS: round 5). Round 4's
-# "stream_x" (stream_xt with units split across CTAs) lost everywhere and is gone (round 5).
-VARIANTS = ("mma", "stream", "stream_xt", "stream_xts")
+# bytes cp.async'ed first, in their own commit group, instead of LDG + STS: round 5),
+# "stream_xtb" (stream_xts whose weights arrive by a few multi-KB cp.async.bulk copies per tile
+# on one mbarrier per tile, in the checkpoint layout: round 5). Round 4's "stream_x" (stream_xt
+# with units split across CTAs) lost everywhere and is gone (round 5).
+VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb")
 STREAM_VARIANTS = VARIANTS[1:]
-VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt", "stream_xts": "sxts"}
+VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt", "stream_xts": "sxts",
+                "stream_xtb": "sxtb"}
+WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb")
+BULK_PIECE_MAX = 8192               # stream_xtb: bytes per cp.async.bulk (whole weight rows)
+BULK_MBARRIERS = 8                  # stream_xtb: mbarrier slots (one per tile of the CTA)
 STREAM_WARPS = 8                    # warps of the streamed kernel
 STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / stream_xt ...
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
@@ -115,13 +121,27 @@ class DenseSpec:
     @property
     def whole_tiles(self) -> bool:
         """stream_xt(s): CTA c owns tiles [T*c/C, T*(c+1)/C) whole (units of one tile never split)."""
-        return self.variant in ("stream_xt", "stream_xts")
+        return self.variant in WHOLE_TILE_VARIANTS
 
     @property
     def async_scales(self) -> bool:
-        """stream_xts: the scale window arrives by 4-byte cp.async (K % 128 == 0) in the first
-        commit group, not by plain loads stored after the weights' copies are issued."""
-        return self.variant == "stream_xts"
+        """stream_xts / xtb: the scale window arrives by 4-byte cp.async (K % 128 == 0) in the
+        first commit group, not by plain loads stored after the weights' copies are issued."""
+        return self.variant in ("stream_xts", "stream_xtb")
+
+    @property
+    def bulk(self) -> bool:
+        """stream_xtb: tile slot i of the ring holds the CTA's i-th tile as stored (16 rows x K),
+        fetched by `bulk_pieces` copies of `bulk_rows` rows counted on mbarrier i."""
+        return self.variant == "stream_xtb"
+
+    @property
+    def bulk_rows(self) -> int:
+        """Weight rows per bulk copy: the largest power of two with rows * K <= BULK_PIECE_MAX."""
+        rows = 1
+        while rows * 2 <= TILE_N and rows * 2 * self.k <= BULK_PIECE_MAX:
+            rows *= 2
+        return rows
 
     @property
     def x_slots(self) -> int:
@@ -141,6 +161,10 @@ class DenseSpec:
         if self.variant == "stream" or ceil_div(self.chunks, STREAM_WARPS) > 1:
             return 1
         return 2
+
+    @property
+    def tiles_per_cta(self) -> int:
+        return self.units_per_cta // self.ksteps
 
     @property
     def units_per_cta(self) -> int:
@@ -212,7 +236,8 @@ class DenseSpec:
         if self.streamed:
             # ring + scale window + warp partials + flag + alignment slack
             return (self.stages * self.stage_bytes + ceil_div(self.scale_window(), 16) * 16
-                    + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 + 256)
+                    + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 + 256
+                    + (8 * BULK_MBARRIERS if self.bulk else 0))
         # fp32 partial per warp x row tile x 128 accumulators, plus the last-arrival flag.
         return CTA_WARPS * self.row_tiles * TILE_N * ROW_TILE * 4 + 16
 
@@ -336,8 +361,8 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
                              f"'stream_xt(s)' or 'mma'), got {variant!r}")
     elif swiglu_limit:
         raise ValueError(f"{label}: swiglu_limit {swiglu_limit} given to epilogue {epilogue!r}")
-    if variant == "stream_xts" and k % (4 * FP8_BLOCK):
-        raise ValueError(f"{label}: variant 'stream_xts' copies scale rows in 4-byte pieces; "
+    if variant in ("stream_xts", "stream_xtb") and k % (4 * FP8_BLOCK):
+        raise ValueError(f"{label}: variant {variant!r} copies scale rows in 4-byte pieces; "
                          f"K = {k} gives {k // FP8_BLOCK}-byte rows")
     if variant not in VARIANTS or (variant != "mma" and row_tiles != 1):
         raise ValueError(f"{label}: variant {variant!r} with row_tiles {row_tiles}; expected "
@@ -357,10 +382,15 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if variant == "mma":
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split,
                          swiglu_limit=swiglu_limit)
-    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k,
-                                         variant in ("stream_xt", "stream_xts"))
-    return DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
+    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k, variant in WHOLE_TILE_VARIANTS)
+    spec = DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
                      swiglu_limit)
+    if spec.bulk and (stages < spec.units_per_cta or spec.tiles_per_cta > BULK_MBARRIERS
+                      or unit_k % CHUNK_K):
+        raise ValueError(f"{label}: variant 'stream_xtb' needs the CTA's whole slice in smem "
+                         f"({stages} stages for {spec.units_per_cta} units), at most "
+                         f"{BULK_MBARRIERS} tiles a CTA and 64-byte chunks (unit_k {unit_k})")
+    return spec
 
 
 def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
@@ -410,10 +440,11 @@ R8_VARIANT_ROUND4 = {"wqa_wkv": "stream_xt", "wq_b": "stream_xt", "wo_b": "strea
                      "shared_w13": "stream_xt", "shared_w2": "stream"}
 R8_VARIANT = R8_VARIANT_ROUND4          # revert to the round-3 kernels: = R8_VARIANT_ROUND3
 # R <= 8 candidates compiled beside the step's kernel (bf16 epilogue), so the family benchmark
-# measures them side by side. Round 5: stream_xts beside every stream_xt layer (the round-4
+# measures them side by side. Round 5: stream_xts and _xtb beside every stream_xt layer (the round-4
 # losers `_mma`, `_s`, `_sx` are gone from the bundle; mma and stream stay for R8_VARIANT_ROUND3).
 R8_CANDIDATES: dict[str, tuple[str, ...]] = {
-    label: ("stream_xts",) for label, v in R8_VARIANT_ROUND4.items() if v == "stream_xt"}
+    label: ("stream_xts", "stream_xtb") for label, v in R8_VARIANT_ROUND4.items()
+    if v == "stream_xt"}
 
 
 def default_variant(label: str, row_tiles: int) -> str:

@@ -23,6 +23,12 @@ alternates two accumulator sets where a warp owns one chunk per unit (half the d
 chain), loads the scale bytes before the weights, and gives each CTA whole tiles: no tile is
 shared, so no workspace, fence, atomic or last-arrival pass (balance: tiles over <= 132 CTAs
 instead of units).
+"stream_xts" loads the scale window by 4-byte cp.async in the oldest commit group (ptxas had
+scheduled stream_xt's scale LDG behind the whole slice's LDGSTS, so the STS waited for it).
+"stream_xtb" is stream_xts with the weights as stored: a CTA's tiles are contiguous (16 rows x K
+each), so one thread fetches each with 16 / bulk_rows `cp.async.bulk` copies of whole rows
+(<= 8 KB) counted on the tile's mbarrier, and a thread reads rows g and g+8 at its 16 bytes
+(K % 128 == 0: a 16-byte read is 2-way bank conflicted, 8 wavefronts a warp instead of 4).
 Epilogues: those of kernels/dense.py; "swiglu" (stream_xt only) reads a tile's rows g / g+8 as a
 gate / up pair with their own scale bytes (two runs of the smem scale window) and stores
 bf16(SwiGLU(bf16(gate), bf16(up))); "add_f32" adds the f32 routed sum to bf16(y).
@@ -35,8 +41,24 @@ import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
 
 from kernels.dense import e4m3x4_to_bf16x2x2, ld_u8, prmt, round_bf16, scale_bf16x2
-from kernels.dense_ref import CHUNK_K, FP8_BLOCK, ROW_TILE, STREAM_WARPS, TILE_N, WARP, DenseSpec
-from kernels.moe_ptx import swiglu
+from kernels.dense_ref import (
+    BULK_MBARRIERS,
+    CHUNK_K,
+    FP8_BLOCK,
+    ROW_TILE,
+    STREAM_WARPS,
+    TILE_N,
+    WARP,
+    DenseSpec,
+)
+from kernels.moe_ptx import (
+    bulk_copy_g2s,
+    mbar_arrive_expect_tx,
+    mbar_init,
+    mbar_init_fence,
+    mbar_wait,
+    swiglu,
+)
 from kernels.ptx import (
     cp_async_4,
     cp_async_16,
@@ -96,6 +118,11 @@ class DenseStreamSm90:
         self.s_half, self.tps = spec.scale_half(), spec.tiles_per_scale_row
         self.up_scale_rows = spec.n // 2 // FP8_BLOCK
         self.async_scales = spec.async_scales
+        # stream_xtb: tile slot i = the CTA's i-th tile as stored (16 rows x K bytes), filled by
+        # bulk copies of bulk_rows rows on mbarrier i (after the ring)
+        self.bulk, self.bulk_rows = spec.bulk, spec.bulk_rows
+        self.tile_bytes = TILE_N * spec.k
+        self.ring_bytes = spec.stages * spec.stage_bytes
         self.kg = spec.k // FP8_BLOCK
         self.tiles_per_group = spec.n // TILE_N
 
@@ -120,8 +147,8 @@ class DenseStreamSm90:
         cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(Uint8, cute.make_layout(self.stages * self.stage_bytes),
-                                    byte_alignment=128)
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(
+            self.ring_bytes + (8 * BULK_MBARRIERS if self.bulk else 0)), byte_alignment=128)
         sc = smem.allocate_tensor(Uint8, cute.make_layout(self.window), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((WARP, 4, STREAM_WARPS)),
                                    byte_alignment=16)
@@ -139,11 +166,16 @@ class DenseStreamSm90:
             cp_async_commit()
         elif cutlass.const_expr(not self.round3):
             self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
-        for s in cutlass.range_constexpr(self.stages):
-            if s < n_units:
-                self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
-            cp_async_commit()
-        if cutlass.const_expr(self.async_scales):
+        if cutlass.const_expr(self.bulk):
+            if tidx == 0:
+                self._bulk_issue(ring_a, weight, u_begin, n_units)
+            cp_async_wait(0)                      # the scale group has landed
+        else:
+            for s in cutlass.range_constexpr(self.stages):
+                if s < n_units:
+                    self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
+                cp_async_commit()
+        if cutlass.const_expr(self.async_scales and not self.bulk):
             cp_async_wait(self.stages)            # the scale group (the oldest) has landed
         else:
             if cutlass.const_expr(self.round3):
@@ -151,6 +183,10 @@ class DenseStreamSm90:
             self._scale_stores(sbytes, sc_a, u_begin, n_units, tidx)
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
         cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
+        if cutlass.const_expr(self.bulk):         # every tile of the slice has landed
+            for i in cutlass.range_constexpr(self.spec.tiles_per_cta):
+                if i < n_units // self.ksteps:
+                    mbar_wait(ring_a + self.ring_bytes + 8 * i, Int32(0))
 
         acc = cute.make_rmem_tensor((4, self.accs), Float32)
         acc.fill(0.0)
@@ -261,6 +297,24 @@ class DenseStreamSm90:
             sbytes[j] = ld_u8(s_src + Int64(cutlass.min(at, end - 1)))
 
     @cute.jit
+    def _bulk_issue(self, ring_a: Int32, weight: cute.Pointer, u_begin: Int32, n_units: Int32):
+        """stream_xtb, one thread: per tile of the CTA, its mbarrier expects the tile's bytes,
+        then 16 / bulk_rows cp.async.bulk copies of whole rows (the tile is contiguous)."""
+        mbars = ring_a + self.ring_bytes
+        for i in cutlass.range_constexpr(BULK_MBARRIERS):
+            mbar_init(mbars + 8 * i, 1)
+        mbar_init_fence()
+        tile0, n_tiles = u_begin // self.ksteps, n_units // self.ksteps
+        piece = self.bulk_rows * self.k
+        for i in cutlass.range_constexpr(self.spec.tiles_per_cta):
+            if i < n_tiles:
+                mbar_arrive_expect_tx(mbars + 8 * i, self.tile_bytes)
+                src = weight.toint() + Int64(tile0 + i) * self.tile_bytes
+                for p in cutlass.range_constexpr(TILE_N // self.bulk_rows):
+                    bulk_copy_g2s(ring_a + i * self.tile_bytes + p * piece,
+                                  src + Int64(p * piece), piece, mbars + 8 * i)
+
+    @cute.jit
     def _scale_copies(self, scales: cute.Pointer, sc_a: Int32, u_begin: Int32, n_units: Int32,
                       tidx: Int32):
         """stream_xts: the CTA's scale run(s) -> smem by 4-byte cp.async (rows of K/32 bytes,
@@ -320,15 +374,24 @@ class DenseStreamSm90:
         u = u_begin + j
         tile, kstep = u // self.ksteps, u % self.ksteps
         i = j % self.stages
-        cp_async_wait(self.stages - 1)           # this thread's pieces of unit j have landed
         stage = ring_a + i * self.stage_bytes + lane * PIECE
+        if cutlass.const_expr(self.bulk):         # tile slot j // ksteps, rows as stored
+            stage = (ring_a + (j // self.ksteps) * self.tile_bytes + (lane // 4) * self.k
+                     + kstep * self.unit_k)
+        else:
+            cp_async_wait(self.stages - 1)       # this thread's pieces of unit j have landed
         s_row = sc_a + (tile // self.tps - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             ch = warp + STREAM_WARPS * cj
             off, valid = self._chunk_k(warp, t, cj)
             if ch < self.chunks:
-                lo = lds_v4_u32(stage + ch * CHUNK_SMEM)
-                hi = lds_v4_u32(stage + ch * CHUNK_SMEM + WARP * PIECE)
+                a_lo = stage + ch * CHUNK_SMEM       # [chunk][row half][lane] x 16 B
+                a_hi = a_lo + WARP * PIECE
+                if cutlass.const_expr(self.bulk):  # rows g and g+8 as stored, at its 16 bytes
+                    a_lo = stage + off
+                    a_hi = stage + 8 * self.k + off
+                lo = lds_v4_u32(a_lo)
+                hi = lds_v4_u32(a_hi)
                 scale2 = scale_bf16x2(lds_u8(s_row + off // FP8_BLOCK), valid)
                 scale_hi = scale2                      # rows g and g+8 share a scale block ...
                 if cutlass.const_expr(self.swiglu):    # ... but for a gate / up pair
@@ -344,9 +407,10 @@ class DenseStreamSm90:
                                                [acc[q, a] for q in range(4)])
                     for q in cutlass.range_constexpr(4):
                         acc[q, a] = d[q]
-        if j + self.stages < n_units:             # the slot is free: this thread read it all
-            self._issue(ring_a, w_row, u + self.stages, i, warp, lane, t)
-        cp_async_commit()
+        if cutlass.const_expr(not self.bulk):
+            if j + self.stages < n_units:         # the slot is free: this thread read it all
+                self._issue(ring_a, w_row, u + self.stages, i, warp, lane, t)
+            cp_async_commit()
         if (kstep == self.ksteps - 1) | (j == n_units - 1):
             self._finish_tile(acc, tile, out, residual, workspace, counters, rows, flag, red,
                               cta, tidx, warp, lane)

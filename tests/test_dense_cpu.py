@@ -239,9 +239,12 @@ def test_split_k_fills_the_gpu_for_narrow_layers(v41):
         assert s.counters_bytes() == s.max_passes * s.tiles * 4
 
 
-def _variants_for(k: int) -> tuple[str, ...]:
-    """The streamed variants a K allows (stream_xts: scale rows of a multiple of 4 bytes)."""
-    return tuple(v for v in dr.STREAM_VARIANTS if v != "stream_xts" or k % 128 == 0)
+def _variants_for(n: int, k: int) -> tuple[str, ...]:
+    """The streamed variants a shape allows (stream_xts / xtb: scale rows of a multiple of 4
+    bytes; stream_xtb: the CTA's slice resident, i.e. not Engram wkv / main_proj)."""
+    return tuple(v for v in dr.STREAM_VARIANTS
+                 if (v not in ("stream_xts", "stream_xtb") or k % 128 == 0)
+                 and (v != "stream_xtb" or n * k <= 12 * 2**20))
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
@@ -253,7 +256,7 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
     cfg = ModelConfig.preset(config)
     every_layer = [dr.make_spec(label, n, k, variant=v)           # ring layouts included
                    for label, (n, k, _) in dr.dense_shapes(cfg, 4).items()
-                   for v in _variants_for(k)]
+                   for v in _variants_for(n, k)]
     defaults = [s for s in dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) if s.streamed]
     assert {s.variant for s in defaults} == set(dr.STREAM_VARIANTS), "a variant is not built"
     for s in every_layer + defaults:
@@ -284,6 +287,10 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
             assert s.stages >= per_cta, f"{s.name}: slice not resident ({s.stages} < {per_cta})"
         else:
             assert s.stages >= 2
+        if s.bulk:           # tile slot i = tile as stored, whole-row copies, one mbarrier each
+            assert s.ksteps * s.stage_bytes == 16 * s.k and s.stages == per_cta
+            assert 16 % s.bulk_rows == 0 and s.bulk_rows * s.k <= dr.BULK_PIECE_MAX
+            assert s.bulk_rows * s.k % 16 == 0 and s.tiles_per_cta <= dr.BULK_MBARRIERS
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
@@ -293,7 +300,7 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
     accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged."""
     cfg = ModelConfig.preset(config)
     for label, (n, k, _) in dr.dense_shapes(cfg, 4).items():
-        for v in _variants_for(k):
+        for v in _variants_for(n, k):
             s = dr.make_spec(label, n, k, variant=v)
             per_chunk = 8 * -(-s.chunks // dr.STREAM_WARPS)
             if v == "stream":
