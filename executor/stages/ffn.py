@@ -8,8 +8,8 @@ rank's partial, which the FFN all-reduce sums over ranks in fp32):
                                      (replicated: every rank computes the same bits)
   ffn.moe_routed     moe chain       xn, ids, weights -> ffn.moe.y f32 (the routed sum, slot
                                      order; executor/launches/moe.py `step_launches` picks the
-                                     default chain with moe_w13w and the group-commit w2 below
-                                     SELFROUTED_FROM_ROWS = 3 rows, the self-routed one from 3)
+                                     bulk-copy chain: prep, w13w / w13sr "bulk", w2 "bulk",
+                                     combine; STEP_BULK = False: round 4's selection)
   ffn.shared_expert  dense w1|w3 +   xn -> ffn.shared_h bf16 [R, I]      (bf16(SwiGLU(bf16(x·W13ᵀ))))
                      swiglu epilogue
                      dense w2 +      ffn.shared_h, ffn.moe.y -> ffn.partial
