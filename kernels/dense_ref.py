@@ -562,7 +562,7 @@ def epilogue_expectation(spec: DenseSpec, exact: np.ndarray, acc_bound: np.ndarr
     fp32 summation bound `acc_bound` (dense_tolerance's first term).
 
     A bf16 rounding of y adds 2^-8 |y| (half an ulp of an 8-bit significand); "add_f32" rounds
-    y to bf16, adds the f32 residual and rounds again; "swiglu" rounds gate and up (each then
+    y to bf16, adds the f32 residual (2^-24 relative) and rounds again; "swiglu" rounds gate and up (each then
     within dy of exact), applies silu(min(g, L)) * clip(u, -L, L) (|silu'| <= 1.1, clamps are
     1-Lipschitz: |dh| <= 1.1 dg (|u| + du) + |silu(g)| du; ex2.approx + div add < 2^-20
     relative) and rounds h to bf16 (2^-8 relative).
@@ -575,8 +575,8 @@ def epilogue_expectation(spec: DenseSpec, exact: np.ndarray, acc_bound: np.ndarr
         want = exact + (residual.astype(np.float64) if spec.epilogue == "residual" else 0.0)
         return want, acc_bound + 2.0**-8 * np.abs(want) + tiny
     if spec.epilogue == "add_f32":
-        want = exact + residual.astype(np.float64)
-        return want, dy + 2.0**-8 * (np.abs(want) + dy) + tiny
+        want = exact + residual.astype(np.float64)          # + the f32 add's own rounding
+        return want, dy + (2.0**-8 + 2.0**-24) * (np.abs(want) + dy) + tiny
     half, lim = spec.n // 2, spec.swiglu_limit
     gate, up = np.minimum(exact[:, :half], lim), np.clip(exact[:, half:], -lim, lim)
     dg, du = dy[:, :half], dy[:, half:]
