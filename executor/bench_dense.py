@@ -223,7 +223,11 @@ def bench_dense(ctx: BenchContext) -> None:
                     if rows == 1 and spec.streamed:
                         no_pdl = [dense_launch(bundle, spec, launch_ptrs(c), rows, pdl=False)
                                   for c in range(copies)]
-                        _diagnose_chain(ctx, bundle, spec, launches, no_pdl, rows)
+                        try:                     # diagnostics must not cost the family table
+                            _diagnose_chain(ctx, bundle, spec, launches, no_pdl, rows)
+                        except Exception as exc:  # noqa: BLE001 - reported as a metric
+                            ctx.metric(f"{spec.name}: chain diagnostics failed: {exc!r}"[:200],
+                                       0.0, "", "runs", False)
 
 
 def bench_lm_head(ctx: BenchContext) -> None:
