@@ -175,8 +175,9 @@ class DenseStreamSm90:
                 if s < n_units:
                     self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
                 cp_async_commit()
-        if cutlass.const_expr(self.async_scales and not self.bulk):
-            cp_async_wait(self.stages)            # the scale group (the oldest) has landed
+        if cutlass.const_expr(self.async_scales):
+            if cutlass.const_expr(not self.bulk):
+                cp_async_wait(self.stages)        # the scale group (the oldest) has landed
         else:
             if cutlass.const_expr(self.round3):
                 self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
