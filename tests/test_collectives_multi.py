@@ -1,6 +1,6 @@
 """CPU tests of the multi-GPU check's pure parts (collectives/multi.py) and `kernels.build --only`:
 device lists, the skip path, the NCCL error bound, aggregation, crossover and path table, the
-report text, the topology parser. The GPU side is tests/gpu/test_collectives_multi.py."""
+report text, the topology parser. The GPU side is tests/gpu/test_collectives_multi_gpu.py."""
 from __future__ import annotations
 
 import json
