@@ -19,10 +19,15 @@ lookup stay in bounds, the Engram rows are just not the model's).
 
 Synthetic checkpoints (`loader.synth`) carry `synthetic_vocab_map(cfg, seed)`, a seeded surjective
 non-identity map, so packing and benchmarks of v41 shapes run the mapped path.
-`build_map(tokenizer_json)` rebuilds DeepSeek's map with `tokenizers` when that is installed.
+`build_map(tokenizer_json)` rebuilds DeepSeek's map with `tokenizers` when that is installed;
+`python -m loader.engram_vocab TOKENIZER_JSON CHECKPOINT_DIR` writes the checkpoint's file with it
+(checked against the config's compressed size; ids the tokenizer lacks, the embedding's padding
+rows, map to map[pad_id]).
 """
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -169,3 +174,41 @@ def build_map(tokenizer_json_path: str | Path) -> tuple[np.ndarray, int]:
         key = tok.id_to_token(tid) if "\ufffd" in text else (norm.normalize_str(text) or text)
         out[tid] = keys.setdefault(key, len(keys))
     return out, len(keys)
+
+
+def fit_to_vocab(cfg, vocab_map: np.ndarray, compressed: int) -> np.ndarray:
+    """`build_map`'s result for `cfg`: the compressed size must be the config's; a tokenizer
+    shorter than vocab_size (padded embedding rows) sends the missing ids to map[pad_id]."""
+    if compressed != cfg.engram_compressed_vocab_size:
+        raise EngramVocabMapError(f"the tokenizer gives {compressed} compressed ids, the config "
+                                  f"says engram_compressed_vocab_size = "
+                                  f"{cfg.engram_compressed_vocab_size}")
+    if vocab_map.shape[0] > cfg.vocab_size:
+        raise EngramVocabMapError(f"the tokenizer has {vocab_map.shape[0]} ids, more than "
+                                  f"vocab_size {cfg.vocab_size}")
+    tail = np.full(cfg.vocab_size - vocab_map.shape[0], vocab_map[cfg.engram_pad_token_id])
+    return check_vocab_map(cfg, np.concatenate([vocab_map, tail]), "build_map")
+
+
+def main(argv=None) -> int:
+    from loader.config import ModelConfig
+    parser = argparse.ArgumentParser(prog="python -m loader.engram_vocab",
+                                     description=f"write a checkpoint's {VOCAB_MAP_FILE} from "
+                                                 "its tokenizer.json (needs `tokenizers`)")
+    parser.add_argument("tokenizer_json", type=Path)
+    parser.add_argument("checkpoint_dir", type=Path, help="holds config.json; gets the map")
+    args = parser.parse_args(argv)
+    cfg = ModelConfig.from_json(args.checkpoint_dir / "config.json")
+    try:
+        vocab_map = fit_to_vocab(cfg, *build_map(args.tokenizer_json))
+    except (EngramVocabMapError, ImportError) as exc:
+        print(f"{args.tokenizer_json}: {exc}", file=sys.stderr)
+        return 1
+    np.save(args.checkpoint_dir / VOCAB_MAP_FILE, vocab_map)
+    print(f"{args.checkpoint_dir / VOCAB_MAP_FILE}: {cfg.vocab_size} ids -> "
+          f"{cfg.engram_compressed_vocab_size} compressed ids")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

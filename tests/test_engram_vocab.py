@@ -153,3 +153,12 @@ def test_build_map_from_a_tokenizer_json(tmp_path):
     got, size = ev.build_map(path)
     # 'Apple', ' apple', 'APPLE' -> 'apple'; 'Café', 'cafe' -> 'cafe'; a lone space stays ' '
     assert got.tolist() == [0, 1, 1, 1, 2, 2, 3, 4] and size == 5
+
+
+def test_fit_to_vocab_pads_the_missing_ids_with_the_pad():
+    got = ev.fit_to_vocab(SMALL, np.arange(1000) % 700, 700)
+    assert got.shape == (1024,) and (got[1000:] == got[SMALL.engram_pad_token_id]).all()
+    with pytest.raises(ev.EngramVocabMapError, match="gives 699 compressed ids"):
+        ev.fit_to_vocab(SMALL, np.arange(1000) % 699, 699)
+    with pytest.raises(ev.EngramVocabMapError, match="more than vocab_size"):
+        ev.fit_to_vocab(SMALL, np.arange(1100) % 700, 700)
