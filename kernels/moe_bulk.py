@@ -73,14 +73,23 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
         return ring + self.bars_at + (warp * self.parts + part) * 8
 
     @cute.jit
-    def init_bars(self, ring: Int32, warp: Int32, lane: Int32):
-        """Lane 0: this warp's barriers (one arrival: its own expect_tx), made visible to the
-        bulk-copy engine; the warp then synchronises."""
+    def enter(self):
+        """(tidx, bidx, gdim, warp, lane, ring): the shared memory allocated, each warp's
+        barriers (one per part, one arrival: the warp's own expect_tx) initialised by lane 0 and
+        made visible to the bulk-copy engine, the warp synchronised."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         if lane == 0:
             for part in cutlass.range_constexpr(self.parts):
                 mbar_init(self.bar(ring, warp, part), 1)
             mbar_init_fence()
         syncwarp()
+        return tidx, bidx, gdim, warp, lane, ring
 
     @cute.jit
     def issue_part(self, ring: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
@@ -120,15 +129,8 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                h: cute.Pointer, rows: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = tidx // mk.LANES
-        lane = tidx % mk.LANES
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        tidx, bidx, gdim, warp, lane, ring = self.enter()
         red = ring + self.stage_bytes
-        self.init_bars(ring, warp, lane)
         state = self.routing.build(_addr(topk_ids), rows, lane)
         total = state[5] * self.tiles
         item = bidx
@@ -216,7 +218,7 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
 
     __call__ = MoeW13BulkSm90.__call__      # the w13w launch: ctas_per_sm as a launch bound
     bar = MoeW13BulkSm90.bar
-    init_bars = MoeW13BulkSm90.init_bars
+    enter = MoeW13BulkSm90.enter
     issue_part = MoeW13BulkSm90.issue_part
     issue_item = MoeW13BulkSm90.issue_item
     refill_part = MoeW13BulkSm90.refill_part
@@ -234,16 +236,9 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                h: cute.Pointer, rows: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = tidx // mk.LANES
-        lane = tidx % mk.LANES
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        tidx, bidx, gdim, warp, lane, ring = self.enter()
         red = ring + self.red_at
         lists = red + self.threads * 16
-        self.init_bars(ring, warp, lane)
         # build ends with a CTA barrier: the scratch (in the ring region) is dead after it.
         self.routing.build(_addr(topk_ids), rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.tiles
@@ -286,6 +281,25 @@ class MoeW2BulkSm90(MoeW2Sm90):
         self.stage_bytes = mk.bulk_w2_stage_bytes(spec.shape)
 
     @cute.jit
+    def enter(self):
+        """(tidx, bidx, gdim, warp, lane, ring): the ring allocated, each warp's barriers (one per
+        stage, one arrival: the warp's own expect_tx) initialised and made visible to the bulk
+        copies."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // mk.LANES
+        lane = tidx % mk.LANES
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        if lane == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                mbar_init(ring + s * self.stage_bytes + self.bars_at + warp * 8, 1)
+            mbar_init_fence()
+        syncwarp()
+        return tidx, bidx, gdim, warp, lane, ring
+
+    @cute.jit
     def issue(self, stage: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
               total: Int32, warp: Int32, lane: Int32, tidx: Int32):
         """Lane 0: this warp's tile of item (expert e) into the stage, on the stage's barrier
@@ -304,19 +318,8 @@ class MoeW2BulkSm90(MoeW2Sm90):
     def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                ye: cute.Pointer, rows: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = tidx // mk.LANES
-        lane = tidx % mk.LANES
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        tidx, bidx, gdim, warp, lane, ring = self.enter()
         sq = ring + self.stages * self.stage_bytes
-        if lane == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                mbar_init(ring + s * self.stage_bytes + self.bars_at + warp * 8, 1)
-            mbar_init_fence()
-        syncwarp()
         m = _addr(meta)
         e_count = self.shape.num_experts
         # Before the wait, as moe_w2: prep's lists are final (two kernels back).
@@ -432,19 +435,8 @@ class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
     def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                ye: cute.Pointer, rows: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = tidx // mk.LANES
-        lane = tidx % mk.LANES
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        tidx, bidx, gdim, warp, lane, ring = self.enter()
         sq = ring + self.stages * self.stage_bytes
-        if lane == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                mbar_init(ring + s * self.stage_bytes + self.bars_at + warp * 8, 1)
-            mbar_init_fence()
-        syncwarp()
         m = _addr(meta)
         total = ld_relaxed_u32(m, Int32(1)) * self.blocks
         item = bidx
