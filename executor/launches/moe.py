@@ -74,8 +74,9 @@ SELFROUTED_EARLY = "early"
 STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 # Round 5 (moe-design.md): the step runs `bulk_launches` at every R (weights by cp.async.bulk on
 # mbarriers, bitwise the same y), ahead of the selections above. Revert to round 4:
-# STEP_BULK = False
+# STEP_BULK = False. STEP_BULK_W2: its w2 ("bulkp" = list scalars one item ahead).
 STEP_BULK = True
+STEP_BULK_W2 = "bulk"
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -217,8 +218,8 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
     `step_variants` (its w13 moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
     only the default one writes meta / pairs."""
     available = available_specs(bundle, shape)
-    if STEP_BULK and bulk_fits(available, shape, rows):
-        return bulk_launches(bundle, shape, ptrs, rows, available)
+    if STEP_BULK and bulk_fits(available, shape, rows) and ("w2", STEP_BULK_W2) in available:
+        return bulk_launches(bundle, shape, ptrs, rows, available, STEP_BULK_W2)
     early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and early <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,
