@@ -61,7 +61,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     def bulk_layout(self, spec: mk.MoeSpec):
         """The sizes of the stage and its parts (shared with moe_w13sr "bulk")."""
-        self.parts = mk.bulk_parts(spec.shape, self.warps)
+        self.parts = mk.bulk_parts(spec.shape, self.warps, spec.variant)
         self.part_groups = self.groups_per_warp // self.parts
         self.part_code_bytes = 2 * self.part_groups * mk.COL_BYTES
         self.part_offset_bytes = self.part_groups * mk.GROUP_OFFSET_BYTES
@@ -463,8 +463,10 @@ class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
 
 
 def kernel_class(spec: mk.MoeSpec):
-    """The class compiling a bulk-copy spec (w13w / w13sr "bulk", w2 "bulk" / "bulkp")."""
-    classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
+    """The class compiling a bulk-copy spec (w13w "bulk" / "bulk1", w13sr "bulk", w2 "bulk" /
+    "bulkp")."""
+    classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
+               ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
                ("w2", "bulk"): MoeW2BulkSm90, ("w2", "bulkp"): MoeW2BulkPrefetchSm90}
     if (spec.kind, spec.variant) not in classes:
         raise ValueError(f"{spec.name}: no bulk-copy kernel for {spec.kind} {spec.variant!r} "

@@ -123,8 +123,9 @@ PARAMS = {
 PARAMS["w13w"] = PARAMS["w13sr"]
 WARP_ROUTED_MAX_PAIRS = 64
 # "early": the next item's weights refilled mid-math; "bulk": per-warp bulk copies on mbarriers
-# (kernels/moe_bulk.py). Round 4's plain w13w ("") brought nothing measurable: deleted in round 5.
-W13W_VARIANTS = ("early", "bulk")
+# (kernels/moe_bulk.py), "bulk1" the same with one copy pair per warp slice (no part split).
+# Round 4's plain w13w ("") brought nothing measurable: deleted in round 5.
+W13W_VARIANTS = ("early", "bulk", "bulk1")
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -284,14 +285,16 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
     return [MoeSpec(f"moe_w13w_{shape.tag()}" + (f"_{v}" if v else ""), "w13w", shape,
                     base.block, ctas_per_sm=base.ctas_per_sm, stages=1, variant=v,
                     group_commits=True,
-                    smem_bytes=bulk_smem_bytes(shape, warps) if v == "bulk" else base.smem_bytes)
+                    smem_bytes=(bulk_smem_bytes(shape, warps, v) if v.startswith("bulk")
+                                else base.smem_bytes))
             for v in W13W_VARIANTS]
 
 
-def bulk_parts(shape: MoeShape, warps: int) -> int:
+def bulk_parts(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
     """Bulk-copy pairs (codes + offsets, one mbarrier each) per warp slice of a w13 item: two
-    halves where the slice has an even number of 128-groups (v41: 2 x 5 KB), else one."""
-    return 2 if (shape.k13 // COL_K // warps // 2) % 2 == 0 else 1
+    halves where the slice has an even number of 128-groups (v41: 2 x 5 KB), else one; one
+    for "bulk1"."""
+    return 2 if variant == "bulk" and (shape.k13 // COL_K // warps // 2) % 2 == 0 else 1
 
 
 def bulk_warp_bytes(shape: MoeShape, warps: int) -> int:
@@ -300,10 +303,10 @@ def bulk_warp_bytes(shape: MoeShape, warps: int) -> int:
     return cols * COL_BYTES + (cols // 2) * GROUP_OFFSET_BYTES
 
 
-def bulk_smem_bytes(shape: MoeShape, warps: int) -> int:
+def bulk_smem_bytes(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
     """The one-item stage, the cross-warp reduction (16 B a thread), an mbarrier per part."""
     return (warps * bulk_warp_bytes(shape, warps) + warps * LANES * 16
-            + warps * bulk_parts(shape, warps) * 8)
+            + warps * bulk_parts(shape, warps, variant) * 8)
 
 
 def bulk_bars_bytes(shape: MoeShape, warps: int) -> int:

@@ -341,8 +341,8 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
     top = mk.WARP_ROUTED_MAX_PAIRS // shape.topk
     for spec in specs:
         assert spec.params == mk.PARAMS["w13sr"]
-        smem = (mk.bulk_smem_bytes(shape, g.block[0] // mk.LANES) if spec.variant == "bulk"
-                else g.smem_bytes)
+        smem = (mk.bulk_smem_bytes(shape, g.block[0] // mk.LANES, spec.variant)
+                if spec.variant.startswith("bulk") else g.smem_bytes)
         assert (spec.block, spec.smem_bytes, spec.ctas_per_sm, spec.stages) == (
             g.block, smem, g.ctas_per_sm, g.stages)
         assert spec.grid(top) == g.grid(top)
@@ -351,16 +351,19 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
-def test_bulk_w13_slices_are_contiguous_and_fit(config):
-    """moe_w13w "bulk" copies a warp's K slice of an item as `parts` (codes, offsets) ranges:
-    they must tile the warp's slice of the packed tile exactly, be 16-byte multiples at 16-byte
-    aligned addresses (cp.async.bulk), and the stage + reduction + barriers fit 3 CTAs per SM."""
+@pytest.mark.parametrize("variant", ["bulk", "bulk1"])
+def test_bulk_w13_slices_are_contiguous_and_fit(config, variant):
+    """moe_w13w "bulk" / "bulk1" copy a warp's K slice of an item as `parts` (codes, offsets)
+    ranges: they must tile the warp's slice of the packed tile exactly, be 16-byte multiples at
+    16-byte aligned addresses (cp.async.bulk), and the stage + reduction + barriers fit 3 CTAs
+    per SM."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
-    spec = next(s for s in mk.warp_routed_specs(shape) if s.variant == "bulk")
+    spec = next(s for s in mk.warp_routed_specs(shape) if s.variant == variant)
     warps = spec.block[0] // mk.LANES
     cols = shape.k13 // mk.COL_K
     per_warp_cols = cols // warps
-    parts = mk.bulk_parts(shape, warps)
+    parts = mk.bulk_parts(shape, warps, variant)
+    assert parts == (2 if variant == "bulk" and config == "v41-flash" else 1)
     part_groups = per_warp_cols // 2 // parts
     assert part_groups * parts * 2 == per_warp_cols
     code_ranges, offset_ranges = [], []
