@@ -41,17 +41,13 @@ from kernels.mhc_kernel_ref import (
     MhcPreSpec,
     mhc_specs,
 )
-from kernels.mhc_lean import (
-    MhcLeanTail,
+from kernels.mhc_lean import MhcLeanTail, rcp_approx, stg_v4
+from kernels.mhc_poll import MIX_SPLIT, MhcPollTail
+from kernels.ptx import (  # shfl_xor_i32: kernels.dspark still imports it from here
+    asm,
     atomic_add_acq_rel,
     bf16x2_to_f32,
     fence_gpu,
-    rcp_approx,
-    stg_v4,
-)
-from kernels.mhc_poll import MIX_SPLIT, MhcPollTail
-from kernels.ptx import (
-    asm,
     ld_f32,
     ld_f32_gpu,
     ld_v4_u32,
@@ -59,6 +55,7 @@ from kernels.ptx import (
     lds_s32,
     pack_bf16x2,
     shfl_xor_f32,
+    shfl_xor_i32,  # noqa: F401
     st_f32,
     st_s32,
     sts_f32,
@@ -69,7 +66,7 @@ from kernels.ptx import (
 VEC = 8                              # bf16 per 16-byte vector
 
 
-# ---- inline PTX (exact instructions; shared with kernels.router) -------------------------------
+# ---- inline PTX of this family's body (shared ones: kernels.ptx) -------------------------------
 
 # Side effects by default (this family's asm is mostly loads and stores); pure math opts out.
 _asm = partial(asm, side_effects=True)
@@ -84,12 +81,6 @@ def lds_v4_f32(saddr: Int32):
 def sts_v4(saddr: Int32, w):
     void([Int32(saddr)] + [Int32(x) for x in w], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
          "r,r,r,r,r")
-
-
-def shfl_xor_i32(x: Int32, offset: int) -> Int32:
-    """Butterfly exchange of an integer over the full warp (every lane must execute it)."""
-    return Int32(_asm(1, [Int32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
-                      "=r,r"))
 
 
 # ---- kernel --------------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ from kernels.mhc_kernel_ref import (
 )
 from kernels.ptx import (
     asm,
+    atomic_add_acq_rel,
+    bf16x2_to_f32,
+    fence_gpu,
     ld_f32,
     ld_f32_gpu,
     ld_v4_f32,
@@ -56,22 +59,13 @@ from kernels.ptx import (
     void,
 )
 
-# ---- inline PTX of the split-K election and Sinkhorn (kernels.mhc re-exports them) -------------
-
-
-def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
-    return Int32(asm(1, [Int64(addr), Int32(v)], "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
-                     "=r,l,r", side_effects=True))
+# ---- inline PTX of the lean tail (the election's atomic and fence: kernels.ptx) ----------------
 
 
 def rcp_approx(x: Float32) -> Float32:
     """1/x by one MUFU.RCP (rcp.approx.ftz: <= 1 ulp), no div.rn fast-path check or branch."""
     return Float32(asm(1, [Float32(x)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", kind=T.f32(),
                        side_effects=False))
-
-
-def fence_gpu():
-    void([], "fence.acq_rel.gpu;", "")
 
 
 def stg_v4(addr: Int64, w):
@@ -88,15 +82,6 @@ def ld_v4_u32_l2(addr: Int64):
 
 def prefetch_l2(addr: Int64):
     void([Int64(addr)], "prefetch.global.L2 [$0];", "l")
-
-
-def bf16x2_to_f32(word: Int32):
-    """A packed bf16 pair -> (low, high) as fp32 (exact: bit placement)."""
-    lo = Float32(asm(1, [Int32(word)], "shl.b32 $0, $1, 16;", "=f,r", kind=T.f32(),
-                     side_effects=False))
-    hi = Float32(asm(1, [Int32(word)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r", kind=T.f32(),
-                     side_effects=False))
-    return lo, hi
 
 
 BUTTERFLY_STEPS = {1: 0, 2: 1, 4: 2, 8: 3, 16: 4, 32: 5}

@@ -362,3 +362,31 @@ def ue8m0_to_f32(byte: Int32) -> Float32:
     """2^(byte - 127) as fp32 bits byte << 23 (0 -> 0.0: zero-filled records stay zero)."""
     return Float32(asm(1, [Int32(byte)], "{ .reg .b32 b; shl.b32 b, $1, 23; mov.b32 $0, b; }",
                        "=f,r", kind=T.f32(), side_effects=False))
+
+
+# ---- split-K election, integer shuffle, bf16 pair (mhc, router, dspark; were in kernels/mhc*) ---
+
+def atomic_add_acq_rel(addr: Int64, v: Int32) -> Int32:
+    return Int32(asm(1, [Int64(addr), Int32(v)], "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
+                     "=r,l,r", side_effects=True))
+
+
+def fence_gpu():
+    void([], "fence.acq_rel.gpu;", "")
+
+
+def bf16x2_to_f32(word: Int32):
+    """A packed bf16 pair -> (low, high) as fp32 (exact: bit placement). Two pure asm where
+    `bf16_pair` is one group: the same instructions, kept apart so both families' cubins stay
+    as they were measured."""
+    lo = Float32(asm(1, [Int32(word)], "shl.b32 $0, $1, 16;", "=f,r", kind=T.f32(),
+                     side_effects=False))
+    hi = Float32(asm(1, [Int32(word)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r", kind=T.f32(),
+                     side_effects=False))
+    return lo, hi
+
+
+def shfl_xor_i32(x: Int32, offset: int) -> Int32:
+    """Butterfly exchange of an integer over the full warp (every lane must execute it)."""
+    return Int32(asm(1, [Int32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+                     "=r,r", side_effects=True))

@@ -19,19 +19,17 @@ import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Int64, cute
 
-from kernels.mhc import (
+from kernels.ptx import (
     atomic_add_acq_rel,
     bf16x2_to_f32,
     fence_gpu,
-    shfl_xor_i32,
-)
-from kernels.ptx import (
     ld_f32,
     ld_f32_gpu,
     ld_v4_u32,
     lds_f32,
     lds_s32,
     shfl_xor_f32,
+    shfl_xor_i32,
     st_f32,
     st_s32,
     sts_f32,

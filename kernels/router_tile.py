@@ -36,9 +36,11 @@ from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
-from kernels.mhc import atomic_add_acq_rel, bf16x2_to_f32, fence_gpu
 from kernels.ptx import (
     asm,
+    atomic_add_acq_rel,
+    bf16x2_to_f32,
+    fence_gpu,
     ld_f32,
     ld_f32_gpu,
     ld_v4_u32,
