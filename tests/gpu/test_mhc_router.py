@@ -34,7 +34,13 @@ Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.
   relative (a few ulps of score, a 6-term sum and a division).
 - counters: every row block's counter is back to 0 after the launch (the next launch relies on it).
 - RMSNorm: bitwise `norm_ref.rmsnorm_ref` of the kernel's own x, whether the separate kernel
-  or the fused-norm variants (`_lean_norm*`, launched alone: x_normed must come from them).
+  or the fused-norm variants (`_lean_norm*`, `_lean_poll[_ms]_norm*`, launched alone: x_normed
+  must come from them).
+- `_lean_poll[_ms]_norm*` (kernels/mhc_poll.py): the bounds above at R in POLL_ROWS, and no
+  tolerance at all against `_lean` on the same inputs (the same sums in the same orders: every
+  output bitwise equal); its exchange must be empty and its timeout flag (counters[0]) clear after
+  every launch (a late or lost word would also show as a NaN or wrong value: the poll gives up
+  after 2 ms instead of hanging).
 - `_tile8` / `_tile8p` (one pass, kernels/router_tile.py) are held to the same bounds: their fp32
   sum has fewer roundings (2 vectors a thread, 10 warps: 30 vs the bound's 49 at D = 5120), their
   selection the same scores and tie rule. `_tile8p`'s exchange words must be zero again after
