@@ -73,8 +73,10 @@ MHC_POLL_ROWS = 8                   # post mhc_pre up to here: `_lean_poll_norm*
 BROADCAST_LEAN = True               # layer 0's 1-stream plain mhc_pre: `_lean` (the default tail ran
                                     # 35 us cold in the round-5 ncu probe: 4 Sinkhorn rounds of
                                     # garbage rows, 3 fences); False: the default `plain`
-MHC_POLL_SPLIT = True               # the polled post takes `_lean_poll_ms_norm*` (4 warps share a
-                                    # row's mixes GEMV, passes of 4 rows); False: `_lean_poll_norm*`
+MHC_POLL_SPLIT_ROWS = 4             # the polled post up to here takes `_lean_poll_ms_norm*` (4 warps
+                                    # share a row's mixes GEMV in passes of 4 rows: one pass), above
+                                    # `_lean_poll_norm*` (R = 5..8: one pass of two warps, not two
+                                    # split passes and X round trips); 0: never split
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -161,14 +163,19 @@ def _post_step(ctx, prefix: str, sublayer: str, sub_out: str, coeff_prev: str, c
         fused = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, norm_weight=_norm_dtype())
     fused_ptrs = {**ptrs, "norm_weight": ctx.ptr(f"{prefix}{sublayer}_norm.weight"),
                   "x_normed": ctx.ptr("xn")}
-    polled = None
+    polled = split = None
     if MHC_POLL_ROWS:
         polled = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, polled=True,
-                           norm_weight=_norm_dtype(), mix_split=MHC_POLL_SPLIT)
+                           norm_weight=_norm_dtype())
+        if MHC_POLL_SPLIT_ROWS:
+            split = _mhc_spec(ctx, mk.HC_MULT, "post", lean=True, polled=True,
+                              norm_weight=_norm_dtype(), mix_split=True)
         polled_ptrs = {**fused_ptrs, "workspace": ctx.ptr(POLL_EXCHANGE),
                        "counters": ctx.ptr(POLL_STATUS)}
 
     def build(rows):
+        if split is not None and rows <= min(MHC_POLL_SPLIT_ROWS, MHC_POLL_ROWS):
+            return [mhc_pre_launch(ctx.bundle, split, polled_ptrs, rows, *eps)]
         if polled is not None and rows <= MHC_POLL_ROWS:
             return [mhc_pre_launch(ctx.bundle, polled, polled_ptrs, rows, *eps)]
         if fused is not None and rows <= FUSED_NORM_ROWS:
