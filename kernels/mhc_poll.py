@@ -40,7 +40,7 @@ from kernels.mhc_kernel_ref import (
 from kernels.mhc_lean import norm_geometry
 from kernels.ptx import asm, lds_f32, sts_f32, void
 
-MIX_SPLIT = 4                        # `_ms`: warps sharing a row's mixes when the block fits a warp
+MIX_SPLIT = 4                        # `_ms`: warps sharing a row's mixes (passes of 4 rows)
 POLL_TAG = 1                         # high half of a written exchange word; 0 = not yet written
 POLL_TIMEOUT_NS = 2_000_000          # a consumer gives up (flag set, wrong outputs, no hang)
 
