@@ -132,20 +132,14 @@ def kernel_function(spec: RopeSpec):
 
 
 def specs(cfg, tp: int) -> list[RopeSpec]:
-    """The RoPE kernels of one decode step at tensor parallelism tp (model doc §2.2).
-
-    q [R, H/tp, 512]: forward (A5) and inverse on the attention output (A14), in place and out of
-    place; kv latent [R, 1, 512] forward (and out of place, for the unrotated copy A9 needs);
-    indexer q [R, index_heads, 128] (A10, all index heads on every rank) and index key [R, 1, 128].
-    """
+    """The RoPE kernels the decode step launches at tensor parallelism tp (model doc §2.2): q
+    [R, H/tp, 512] forward in place (A5, after wq_b) and the indexer q [R, index_heads, 128] (A10,
+    all index heads on every rank). The others run inside other kernels: kv's in the SWA insert
+    (kernels/kv_publish.py), the compressed entries' and index keys' in the compressor's publish,
+    A14's inverse in sparse MQA; the inverse and out-of-place forms stay buildable (make_spec)."""
     heads = cfg.rank_shapes(tp).heads
-    d, di = cfg.head_dim, cfg.index_head_dim
-    out = []
-    for in_place in (True, False):
-        out += [make_spec(heads, d, False, in_place), make_spec(heads, d, True, in_place),
-                make_spec(1, d, False, in_place)]
-    out += [make_spec(cfg.index_n_heads, di, False, True), make_spec(1, di, False, True)]
-    return out
+    return [make_spec(heads, cfg.head_dim, False, True),
+            make_spec(cfg.index_n_heads, cfg.index_head_dim, False, True)]
 
 
 def compile_spec(spec: RopeSpec, options: str = "--gpu-arch sm_90a"):

@@ -101,8 +101,7 @@ def test_rope(bundle, kind):
     cfg = ModelConfig.preset("tiny")
     table = rr.RopeTable.for_ratio(cfg, 1 if kind == "yarn" else 0, NUM_POSITIONS)
     specs = list(_rope_specs(bundle))
-    assert {(s.inverse, s.in_place) for s in specs} == {(False, True), (True, True),
-                                                        (False, False), (True, False)}
+    assert {(s.inverse, s.in_place) for s in specs} == {(False, True)}   # what the step runs
     for spec in specs:
         for rows in ROWS:
             space, arena, ptrs = _arena(small.rope_requests(spec, BUCKET, NUM_POSITIONS))

@@ -152,12 +152,8 @@ def test_residual_add_matches_reference_bitwise(dev, stream, setup, a_dtype):
 # ---- RoPE ------------------------------------------------------------------------------------------
 
 def _rope_specs(cfg):
-    heads = cfg.rank_shapes(4).heads
-    for in_place in (True, False):
-        yield rr.make_spec(heads, cfg.head_dim, False, in_place)
-        yield rr.make_spec(heads, cfg.head_dim, True, in_place)
-        yield rr.make_spec(1, cfg.head_dim, False, in_place)
-    yield rr.make_spec(cfg.index_n_heads, cfg.index_head_dim, False, True)
+    from kernels import rope
+    return rope.specs(cfg, 4)
 
 
 @pytest.mark.parametrize("kind", ("plain", "yarn"))
