@@ -32,7 +32,8 @@ baseline (verify - step = what the DSpark stages add). Then, after an eager pass
 experts per router, read on the host) and one verify replay, ROUND_REPS rounds of
 draft then verify replayed back to back, with CUDA events before, between and after: medians of
 the round and of each half inside it. (Replaying one half alone would feed it its own advanced
-rows, not the other half's.) No L2 flush: a round reads 8-30 GB.
+rows, not the other half's.) At the first context, the draft's roles each alone in a graph (the
+step benchmark's breakdown, less the row writers). No L2 flush: a round reads 8-45 GB.
 
 Reported: the round time, with the all-reduces and picks of both plans added; bytes that must be
 read (each plan's weights: the arena slices its launches point into, the distinct experts its
@@ -66,6 +67,7 @@ CASES_ENV = "HOPDEC_ROUND_CASES"
 ROUND_REPS, WARMUP_ROUNDS = 40, 3
 ROUND_MARGIN = 1024              # tokens past the longest context: > (reps + warmup + 3) x 6
 CROSS_RANK_FAMILY = "kernels.allreduce"
+ROW_WRITERS = ("dspark.advance", "dspark.history")    # roles that rewrite the bound rows
 DOC_ROUND_FLOOR_MS = {1: 2.14}   # model doc §4: verify R = 6 + draft, 10.3 GB at 4.8 TB/s
 # tokens per round counting the bonus (accepted + 1): anchors.md §1 (vllm#56797, V4.1-Flash
 # DSpark k = 5, GSM8K on H20; read as vLLM's mean acceptance length, which counts the bonus)
@@ -421,10 +423,30 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
             times["step"] = step_us
             lines.append(_report(ctx, dev, cfg, case, context, known, times, distinct,
                                  ar_table, speeds))
+            if context == contexts[0]:                   # the draft barely sees the context
+                _draft_roles(ctx, dev, built["draft"], f"round {case.label} draft",
+                             times["draft"])
     finally:
         for graph in graphs.values():
             graph.close()
     return lines
+
+
+def _draft_roles(ctx, dev, built, tag: str, graph_us: float) -> None:
+    """The draft's roles, each alone in a graph (bench_step's breakdown), but those that
+    rewrite the bound rows (ROW_WRITERS: replayed alone they would walk the rows away); their
+    time is in the graph minus the sum. Run after a round: the rows are the draft's."""
+    groups = {role: group for role, group in bs.role_groups(built).items()
+              if group and not role.startswith(ROW_WRITERS)}
+    graphs = {}
+    try:
+        for role, group in groups.items():
+            graphs[role] = bs._capture(dev.stream, group)
+        bs._role_breakdown(ctx, dev, graphs, {r: len(g) for r, g in groups.items()}, tag,
+                           graph_us)
+    finally:
+        for graph in graphs.values():
+            graph.close()
 
 
 def _report(ctx, dev, cfg, case: RoundCase, context: int, known: PlanCase, times: dict,

@@ -268,3 +268,11 @@ def test_report_metrics_and_tables(tiny_round, capsys):
     br._print_tables(cfg, [line], speeds, "docs/perf.md run 16")
     out = capsys.readouterr().out
     assert line in out and f"{case.label} 4k" in out
+
+
+def test_draft_roles_left_out_of_the_breakdown_are_the_row_writers(tiny_round):
+    built = tiny_round.plans["draft"].launches(tiny_round.case.draft_rows)
+    roles = set(bs.role_groups(built))
+    left_out = {r for r in roles if r.startswith(br.ROW_WRITERS)}
+    assert left_out == {"dspark.history_verify", "dspark.advance_verify"}
+    assert {"draft.ffn.moe_routed", "draft.lm_head_logits", "dspark.markov0"} <= roles - left_out
