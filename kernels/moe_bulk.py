@@ -45,7 +45,7 @@ from kernels.moe_ptx import (
     mbar_wait,
     syncwarp,
 )
-from kernels.moe_selfroute import MoeW13EarlyRefillSm90
+from kernels.moe_selfroute import MoeW2SelfRoutedSm90, MoeW13EarlyRefillSm90
 from kernels.ptx import ld_f32_if, lds_f32, lds_u32, lds_v4_u32, st_bf16
 
 
@@ -348,19 +348,30 @@ class MoeW2BulkSm90(MoeW2Sm90):
             item += gdim
             it += 1
 
+    quantize_pair = MoeW2SelfRoutedSm90.quantize_pair
+
     @cute.jit
     def item_chunks(self, ring: Int32, it: Int32, item: Int32, first: Int32, count: Int32,
-                    scale: Float32, ptrs, sq: Int32, warp: Int32, lane: Int32, tidx: Int32):
+                    scale: Float32, ptrs, sq: Int32, warp: Int32, lane: Int32, tidx: Int32,
+                    first_pair=None):
         """The CTA's it-th item (pairs first.., count of them): per token chunk, h re-quantized
-        into sq, the warp's tile awaited on its barrier, the mma, ye."""
+        into sq (all five groups of a token loaded before the first is quantized: one L2 round
+        trip, as moe_w2sr), the warp's tile awaited on its barrier, the mma, ye. first_pair:
+        the first chunk's pair id of this warp, already loaded (else read here)."""
         pairs, h, ye = ptrs
         tile = (item % self.blocks) * mk.W2_WARPS + warp
         stage = ring + (it % self.stages) * self.stage_bytes
         phase = (it // self.stages) % 2
         chunk = Int32(0)
         while chunk < count:
-            self.quantize_chunk(pairs + Int64(first) * 4, h, count - chunk, chunk, sq, warp,
-                                lane)
+            valid = Int32(1) if warp < count - chunk else Int32(0)
+            at = pairs + Int64(first + chunk + warp) * 4
+            if cutlass.const_expr(first_pair is None):
+                pair = ld_u32(at, valid)
+            else:
+                later = ld_u32(at, valid if chunk > 0 else Int32(0))
+                pair = first_pair if chunk == 0 else later
+            self.quantize_pair(pair, valid, h, sq, warp, lane)
             mbar_wait(stage + self.bars_at + warp * 8, phase)
             cute.arch.sync_threads()
             self.chunk_mma(stage + warp * self.warp_bytes, ye, tile, scale, sq, lane, tidx)
@@ -407,13 +418,13 @@ class MoeW2BulkSm90(MoeW2Sm90):
 
 
 class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
-    """moe_w2 "bulkp": moe_w2 "bulk" (2 stages) whose per-item scalars never wait on an L2 round
-    trip after griddepcontrol.wait. moe_prep's lists are final before this kernel starts (it is
-    two kernels back), so the next item's first pair, pair count and weight scale, and the expert
-    of the item after it, are read with ld.relaxed.gpu one iteration ahead (the first item's and
-    the second's expert before the wait): the loop's top issues the next item's weights from an
-    expert already in registers (ncu r5: 18% of moe_w2's stalls sat on the list read after the
-    wait)."""
+    """moe_w2 "bulkp": moe_w2 "bulk" (2 stages) whose per-item list reads never wait on an L2
+    round trip after griddepcontrol.wait. moe_prep's lists are final before this kernel starts
+    (it is two kernels back), so they are read with ld.relaxed.gpu ahead of use: the next item's
+    first pair, pair count and weight scale and this warp's pair id in its first chunk one item
+    ahead, experts two items ahead (the first items' before the wait). The loop's top issues the
+    next item's weights from an expert already in registers, and an item's first h load needs
+    no list read (ncu r5: 18% of moe_w2's stalls sat on the list read after the wait)."""
 
     def __init__(self, spec: mk.MoeSpec):
         super().__init__(spec)
@@ -442,8 +453,13 @@ class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
         item = bidx
         e = self.expert_of(m, item, total)
         self.issue(ring, e, _addr(codes), _addr(offsets), item, total, warp, lane, tidx)
+        # Two items ahead: this item's scalars and pair, the next's scalars, the expert after.
         first, count, scale = self.item_scalars(m, _addr(scales), item, e, total)
+        pair = self.warp_pair(_addr(pairs), first, count, warp)
         e_next = self.expert_of(m, item + gdim, total)
+        nxt_first, nxt_count, nxt_scale = self.item_scalars(m, _addr(scales), item + gdim,
+                                                            e_next, total)
+        e_after = self.expert_of(m, item + 2 * gdim, total)
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13
         cute.arch.griddepcontrol_launch_dependents()
         it = Int32(0)
@@ -452,14 +468,23 @@ class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
             # The other stage was last read in the previous iteration, before its final barrier.
             self.issue(ring + ((it + 1) % 2) * self.stage_bytes, e_next, _addr(codes),
                        _addr(offsets), nxt, total, warp, lane, tidx)
-            nxt_first, nxt_count, nxt_scale = self.item_scalars(m, _addr(scales), nxt, e_next,
-                                                                total)
-            e_after = self.expert_of(m, nxt + gdim, total)
+            nxt_pair = self.warp_pair(_addr(pairs), nxt_first, nxt_count, warp)
+            far_first, far_count, far_scale = self.item_scalars(m, _addr(scales), nxt + gdim,
+                                                                e_after, total)
+            e_far = self.expert_of(m, nxt + 2 * gdim, total)
             self.item_chunks(ring, it, item, first, count, scale, (_addr(pairs), _addr(h),
-                             _addr(ye)), sq, warp, lane, tidx)
+                             _addr(ye)), sq, warp, lane, tidx, pair)
             item = nxt
             it += 1
-            first, count, scale, e_next = nxt_first, nxt_count, nxt_scale, e_after
+            first, count, scale, pair = nxt_first, nxt_count, nxt_scale, nxt_pair
+            nxt_first, nxt_count, nxt_scale = far_first, far_count, far_scale
+            e_next, e_after = e_after, e_far
+
+    @cute.jit
+    def warp_pair(self, pairs: Int64, first: Int32, count: Int32, warp: Int32):
+        """This warp's pair id in an item's first chunk (token `warp`), 0 where there is none."""
+        return ld_relaxed_u32(pairs + Int64(first + warp) * 4,
+                              Int32(1) if warp < count else Int32(0))
 
 
 def kernel_class(spec: mk.MoeSpec):

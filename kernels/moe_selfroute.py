@@ -362,9 +362,16 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
         """`quantize_chunk` with the pair id read from the shared-memory list and every group's
         h loaded before the first is quantized: one L2 round trip per chunk, not one per group
         (the loads and shuffles are volatile asm, so the compiler keeps them in source order)."""
-        inter, k_pad = self.shape.inter, self.shape.k2
         valid = Int32(1) if warp < left else Int32(0)
         pair = lds_u32_if(pair_list + 4 * (chunk + warp), valid)
+        self.quantize_pair(pair, valid, h, sq, warp, lane)
+
+    @cute.jit
+    def quantize_pair(self, pair: Int32, valid: Int32, h: Int64, sq: Int32, warp: Int32,
+                      lane: Int32):
+        """Token `warp` of the chunk (pair, or none where valid == 0): its five h groups loaded,
+        then quantized into sq (moe_w2's layout), its pair id stored (-1: no token)."""
+        inter, k_pad = self.shape.inter, self.shape.k2
         loaded = []
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
