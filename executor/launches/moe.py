@@ -74,9 +74,11 @@ SELFROUTED_EARLY = "early"
 STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 # Round 5 (moe-design.md): the step runs `bulk_launches` at every R (weights by cp.async.bulk on
 # mbarriers, bitwise the same y), ahead of the selections above. Revert to round 4:
-# STEP_BULK = False. STEP_BULK_W2: its w2 ("bulkp" = list scalars one item ahead).
+# STEP_BULK = False. STEP_BULK_W2: its w2 ("bulkp" = list reads ahead); BULK_W13W: its w13w
+# ("bulk1" = one copy pair per warp slice).
 STEP_BULK = True
 STEP_BULK_W2 = "bulk"
+BULK_W13W = "bulk"
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -181,20 +183,20 @@ def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "earl
 
 def bulk_fits(available, shape: mk.MoeShape, rows: int) -> bool:
     """The bulk-copy chain's kernels for `rows` are in the bundle (`bulk_launches`)."""
-    return ("w2", "bulk") in available and (warp_routed_fits(available, shape, rows, "bulk")
+    return ("w2", "bulk") in available and (warp_routed_fits(available, shape, rows, BULK_W13W)
                                             or ("w13sr", "bulk") in available)
 
 
 def bulk_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
                   available=None, w2: str = "bulk") -> list[LaunchSpec]:
-    """prep -> w13w "bulk" (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS) or w13sr "bulk" (its
+    """prep -> w13w BULK_W13W (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS) or w13sr "bulk" (its
     routing lists in shared memory; prep's xq / xs) -> w2 `w2` ("bulk" or "bulkp": prep's
     lists) -> combine."""
     available = available_specs(bundle, shape) if available is None else available
     if not bulk_fits(available, shape, rows):
         raise KeyError(f"the bundle lacks the bulk-copy MoE kernels of {shape.tag()} for "
                        f"rows={rows} (w2 'bulk' and w13w / w13sr 'bulk')")
-    w13 = (("w13w", "bulk") if warp_routed_fits(available, shape, rows, "bulk")
+    w13 = (("w13w", BULK_W13W) if warp_routed_fits(available, shape, rows, BULK_W13W)
            else ("w13sr", "bulk"))
     prep, w2_spec, combine = chain_launches(bundle, shape, ptrs, rows, "", w2,
                                             ("prep", "w2", "combine"), available)
