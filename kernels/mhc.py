@@ -145,8 +145,7 @@ class MhcPreSm90(MhcLeanTail, MhcPollTail):
             # [6w, 6w + 6) (warp 0 also Σx² and the stores): 4 warps share a row's 768 fma
             # instead of one; R <= 4 is one pass, R <= 8 two.
             quad = 32 // THREADS_PER_ROW
-            for q in cutlass.range(0, cutlass.min(live, ROWS_PER_CTA) + quad - 1, quad,
-                                   unroll=1):
+            for q in cutlass.range(0, cutlass.min(live, ROWS_PER_CTA), quad, unroll=1):
                 row = block_row * ROWS_PER_CTA + q + (tidx % 32) // THREADS_PER_ROW
                 self._row_partials(*args, row, slice_idx, d0, dv, tidx // 32, MIX_SPLIT)
         elif cutlass.const_expr(self.spec.lean):
