@@ -62,6 +62,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
     def bulk_layout(self, spec: mk.MoeSpec):
         """The sizes of the stage and its parts (shared with moe_w13sr "bulk")."""
         self.parts = mk.bulk_parts(spec.shape, self.warps, spec.variant)
+        self.window = mk.bulk_window(spec.shape, self.warps, spec.variant)
         self.part_groups = self.groups_per_warp // self.parts
         self.part_code_bytes = 2 * self.part_groups * mk.COL_BYTES
         self.part_offset_bytes = self.part_groups * mk.GROUP_OFFSET_BYTES
@@ -113,17 +114,27 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
     @cute.jit
     def issue_item(self, ring: Int32, e: Int32, codes: Int64, offsets: Int64, item: Int32,
                    total: Int32, warp: Int32, lane: Int32):
-        for part in cutlass.range_constexpr(self.parts):
+        """The first `window` parts of the CTA's first item."""
+        for part in cutlass.range_constexpr(self.window):
             self.issue_part(ring, e, codes, offsets, item, total, warp, lane, part)
 
     @cute.jit
-    def refill_part(self, ring: Int32, refill, warp: Int32, lane: Int32, part: int,
-                    do_refill: Int32):
-        """The next item's `part` into the slot this warp has just finished reading."""
-        nxt_e, nxt, total, codes, offsets = refill
-        if do_refill != 0:
-            syncwarp()             # every lane's reads of the part are done (warp-uniform)
-            self.issue_part(ring, nxt_e, codes, offsets, nxt, total, warp, lane, part)
+    def refill_part(self, ring: Int32, refill, warp: Int32, lane: Int32, done: int,
+                    first_chunk: Int32, last_chunk: Int32):
+        """After the math on part `done`: the part `window` later in (item, part) order. Within
+        the item it is issued in the item's first chunk (later chunks find it there); past the
+        item's end it is the next item's, into a slot this warp has just finished reading for
+        the last time, so only in the item's last chunk."""
+        e, item, nxt_e, nxt, total, codes, offsets = refill
+        ahead = done + self.window
+        if cutlass.const_expr(ahead < self.parts):
+            if first_chunk != 0:
+                self.issue_part(ring, e, codes, offsets, item, total, warp, lane, ahead)
+        else:
+            if last_chunk != 0:
+                syncwarp()         # every lane's reads of the slot are done (warp-uniform)
+                self.issue_part(ring, nxt_e, codes, offsets, nxt, total, warp, lane,
+                                ahead - self.parts)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
@@ -172,12 +183,13 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
             tile = item % self.tiles
             scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
             nxt = item + gdim
-            refill = (self.next_expert(state, nxt, total), nxt, total, codes, offsets)
+            refill = (e, item, self.next_expert(state, nxt, total), nxt, total, codes, offsets)
             chunk = Int32(0)
             while chunk < count:
                 ins = self.chunk_pairs(pairs, xq, xs, count - chunk, chunk, warp, lane)
+                first = Int32(1) if chunk == 0 else Int32(0)
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                acc = self.slice_math(ring, ins, warp, lane, phase, refill, last)
+                acc = self.slice_math(ring, ins, warp, lane, phase, refill, first, last)
                 _, _, p0, p1, v0, v1 = ins
                 self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0,
                                       v1)
@@ -187,10 +199,10 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     @cute.jit
     def slice_math(self, ring: Int32, ins, warp: Int32, lane: Int32, phase: Int32, refill,
-                   do_refill: Int32):
+                   first_chunk: Int32, last_chunk: Int32):
         """This warp's K slice against one token chunk: each part awaited on its barrier before
-        its first group; with do_refill, the next item's part issued right after the mma of the
-        part's last group. Returns the 4 fp32 accumulators (chunk_math's order exactly)."""
+        its first group; right after the mma of a part's last group, the part `window` ahead
+        issued (`refill_part`). Returns the 4 fp32 accumulators (chunk_math's order exactly)."""
         b_regs, sc, _, _, _, _ = ins
         base = ring + warp * self.warp_bytes
         acc = [Float32(0.0)] * 4
@@ -204,7 +216,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                           + (lane // 4) * 8)
             group = group_mma(words, offs, 4, b_regs[gi])
             if gi % self.part_groups == self.part_groups - 1:
-                self.refill_part(ring, refill, warp, lane, part, do_refill)
+                self.refill_part(ring, refill, warp, lane, part, first_chunk, last_chunk)
             sc0, sc1 = sc[gi]
             acc = [fmul_add(acc[0], group[0], sc0), fmul_add(acc[1], group[1], sc1),
                    fmul_add(acc[2], group[2], sc0), fmul_add(acc[3], group[3], sc1)]
@@ -491,6 +503,7 @@ def kernel_class(spec: mk.MoeSpec):
     """The class compiling a bulk-copy spec (w13w "bulk" / "bulk1", w13sr "bulk", w2 "bulk" /
     "bulkp")."""
     classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
+               ("w13w", "bulkw"): MoeW13BulkSm90,
                ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
                ("w2", "bulk"): MoeW2BulkSm90, ("w2", "bulkp"): MoeW2BulkPrefetchSm90}
     if (spec.kind, spec.variant) not in classes:

@@ -123,9 +123,10 @@ PARAMS = {
 PARAMS["w13w"] = PARAMS["w13sr"]
 WARP_ROUTED_MAX_PAIRS = 64
 # "early": the next item's weights refilled mid-math; "bulk": per-warp bulk copies on mbarriers
-# (kernels/moe_bulk.py), "bulk1" the same with one copy pair per warp slice (no part split).
+# (kernels/moe_bulk.py), "bulk1" the same with one copy pair per warp slice (no part split),
+# "bulkw" with 2-group parts kept BULK_WINDOW parts ahead of the math (not all at once).
 # Round 4's plain w13w ("") brought nothing measurable: deleted in round 5.
-W13W_VARIANTS = ("early", "bulk", "bulk1")
+W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw")
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -293,8 +294,20 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
 def bulk_parts(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
     """Bulk-copy pairs (codes + offsets, one mbarrier each) per warp slice of a w13 item: two
     halves where the slice has an even number of 128-groups (v41: 2 x 5 KB), else one; one
-    for "bulk1"."""
-    return 2 if variant == "bulk" and (shape.k13 // COL_K // warps // 2) % 2 == 0 else 1
+    for "bulk1"; parts of two groups for "bulkw" (v41: 5 x 2 KB)."""
+    groups = shape.k13 // COL_K // warps // 2
+    if variant == "bulkw":
+        return groups // 2 if groups % 2 == 0 else groups
+    return 2 if variant == "bulk" and groups % 2 == 0 else 1
+
+
+BULK_WINDOW = 2       # "bulkw": parts of a warp in flight ahead of the one its math is on
+
+
+def bulk_window(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
+    """Parts issued ahead of the math: all of an item (bulk, bulk1), or BULK_WINDOW (bulkw)."""
+    parts = bulk_parts(shape, warps, variant)
+    return min(BULK_WINDOW, parts) if variant == "bulkw" else parts
 
 
 def bulk_warp_bytes(shape: MoeShape, warps: int) -> int:

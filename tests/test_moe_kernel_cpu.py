@@ -325,9 +325,11 @@ def test_step_variants_pick_the_group_commit_pair_when_present():
     assert not ml.warp_routed_fits(every | {("w13w", "early")}, shape, 11)
     assert not ml.warp_routed_fits(every | {("w13w", "early")}, shape, 1, "bulk")
     assert not ml.warp_routed_fits(every, shape, 1)
-    assert ml.bulk_fits(every | {("w13w", "bulk"), ("w2", "bulk")}, shape, 10)
-    assert not ml.bulk_fits(every | {("w13w", "bulk"), ("w2", "bulk")}, shape, 11)
-    assert not ml.bulk_fits(every | {("w13w", "bulk")}, shape, 1)
+    bulk = {("w13w", ml.BULK_W13W), ("w2", "bulk")}
+    assert ml.bulk_fits(every | bulk, shape, 10)
+    assert not ml.bulk_fits(every | bulk, shape, 11)
+    assert ml.bulk_fits(every | bulk | {("w13sr", "bulk")}, shape, 11)
+    assert not ml.bulk_fits(every | {("w13w", ml.BULK_W13W)}, shape, 1)
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
@@ -351,7 +353,7 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
-@pytest.mark.parametrize("variant", ["bulk", "bulk1"])
+@pytest.mark.parametrize("variant", ["bulk", "bulk1", "bulkw"])
 def test_bulk_w13_slices_are_contiguous_and_fit(config, variant):
     """moe_w13w "bulk" / "bulk1" copy a warp's K slice of an item as `parts` (codes, offsets)
     ranges: they must tile the warp's slice of the packed tile exactly, be 16-byte multiples at
@@ -363,7 +365,10 @@ def test_bulk_w13_slices_are_contiguous_and_fit(config, variant):
     cols = shape.k13 // mk.COL_K
     per_warp_cols = cols // warps
     parts = mk.bulk_parts(shape, warps, variant)
-    assert parts == (2 if variant == "bulk" and config == "v41-flash" else 1)
+    want = {"bulk": 2, "bulk1": 1, "bulkw": 5} if config == "v41-flash" else {}
+    assert parts == want.get(variant, 1)
+    window = mk.bulk_window(shape, warps, variant)
+    assert 1 <= window <= parts and (window == parts) == (variant != "bulkw" or parts == 1)
     part_groups = per_warp_cols // 2 // parts
     assert part_groups * parts * 2 == per_warp_cols
     code_ranges, offset_ranges = [], []

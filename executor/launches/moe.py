@@ -75,10 +75,12 @@ STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 # Round 5 (moe-design.md): the step runs `bulk_launches` at every R (weights by cp.async.bulk on
 # mbarriers, bitwise the same y), ahead of the selections above. Revert to round 4:
 # STEP_BULK = False. STEP_BULK_W2: its w2 ("bulkp" = list reads ahead); BULK_W13W: its w13w
-# ("bulk1" = one copy pair per warp slice).
+# ("bulk": all parts of an item at once, measured no faster than round 4 (run r5a: R = 1 25.9 us);
+# "bulkw": 2 KB parts kept 2 ahead of the math, so the math overlaps the stream). If bulkw
+# fails its GPU tests: BULK_W13W = "bulk".
 STEP_BULK = True
 STEP_BULK_W2 = "bulk"
-BULK_W13W = "bulk"
+BULK_W13W = "bulkw"
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
