@@ -27,7 +27,7 @@ from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Uint32, cute
 
 from kernels.common_ref import BF16_PER_VECTOR
-from kernels.norm_ref import WARP, RmsNormSpec, make_spec
+from kernels.norm_ref import WARP, WEIGHT_DTYPES, RmsNormSpec, built_widths, make_spec
 
 VEC = BF16_PER_VECTOR
 WORDS = VEC // 2                    # a 16-byte vector as 4 packed bf16 pairs
@@ -180,12 +180,9 @@ def kernel_function(spec: RmsNormSpec):
 
 
 def specs(cfg, tp: int) -> list[RmsNormSpec]:
-    """Both weight dtypes (the checkpoint's is unsettled) at the width the step launches: hidden
-    (attn/ffn norm where not fused into mHC, the final norm, DSpark's). q_norm runs in attn_prep
-    or split_norm, kv_norm in the SWA insert, compressor.norm and k_norm in the compressor's
-    publish; their widths (norm_ref.norm_widths) stay buildable with make_spec."""
+    """The bundle's RMSNorm kernels: both weight dtypes at norm_ref.built_widths."""
     del tp
-    return [make_spec(cfg.hidden_size, dtype) for dtype in ("bf16", "f32")]
+    return [make_spec(width, dtype) for width in built_widths(cfg) for dtype in WEIGHT_DTYPES]
 
 
 def compile_spec(spec: RmsNormSpec, options: str = "--gpu-arch sm_90a"):

@@ -152,6 +152,14 @@ def norm_widths(cfg) -> tuple[int, ...]:
     return tuple(sorted({cfg.hidden_size, cfg.q_lora_rank, cfg.head_dim, cfg.index_head_dim}))
 
 
+def built_widths(cfg) -> tuple[int, ...]:
+    """The widths the bundle builds (both weight dtypes, the checkpoint's being unsettled): hidden
+    only, the one the step launches (attn/ffn norm where not fused into mHC, the final norm,
+    DSpark's). q_norm runs in attn_prep or split_norm, kv_norm in the SWA insert, compressor.norm
+    and k_norm in the compressor's publish; the other norm_widths stay buildable (make_spec)."""
+    return (cfg.hidden_size,)
+
+
 def rmsnorm_bytes(rows: int, width: int, weight_dtype: str = "bf16") -> int:
     """Bytes the kernel must move: read x, write y, read the weight once."""
     return 2 * rows * width * 2 + width * DTYPE_BYTES[weight_dtype]

@@ -18,7 +18,7 @@ from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, cute
 
 from kernels.common_ref import BF16_PER_VECTOR
-from kernels.rope_ref import CTA_THREADS, PAIRS, ROPE_DIM, RopeSpec, make_spec
+from kernels.rope_ref import CTA_THREADS, PAIRS, ROPE_DIM, RopeSpec, step_specs
 
 VEC = BF16_PER_VECTOR
 
@@ -132,14 +132,8 @@ def kernel_function(spec: RopeSpec):
 
 
 def specs(cfg, tp: int) -> list[RopeSpec]:
-    """The RoPE kernels the decode step launches at tensor parallelism tp (model doc §2.2): q
-    [R, H/tp, 512] forward in place (A5, after wq_b) and the indexer q [R, index_heads, 128] (A10,
-    all index heads on every rank). The others run inside other kernels: kv's in the SWA insert
-    (kernels/kv_publish.py), the compressed entries' and index keys' in the compressor's publish,
-    A14's inverse in sparse MQA; the inverse and out-of-place forms stay buildable (make_spec)."""
-    heads = cfg.rank_shapes(tp).heads
-    return [make_spec(heads, cfg.head_dim, False, True),
-            make_spec(cfg.index_n_heads, cfg.index_head_dim, False, True)]
+    """The bundle's RoPE kernels: rope_ref.step_specs (GPU tests read that list DSL-free)."""
+    return step_specs(cfg, tp)
 
 
 def compile_spec(spec: RopeSpec, options: str = "--gpu-arch sm_90a"):

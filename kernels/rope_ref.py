@@ -189,6 +189,18 @@ def make_spec(heads: int, head_dim: int, inverse: bool, in_place: bool) -> RopeS
     return RopeSpec(name, heads, head_dim, inverse, in_place, params)
 
 
+def step_specs(cfg, tp: int) -> list[RopeSpec]:
+    """The RoPE kernels the decode step launches at tensor parallelism tp, i.e. the bundle's
+    (model doc §2.2): q [R, H/tp, 512] forward in place (A5, after wq_b) and the indexer q
+    [R, index_heads, 128] (A10, all index heads on every rank). The others run inside other
+    kernels: kv's in the SWA insert (kernels/kv_publish.py), the compressed entries' and index
+    keys' in the compressor's publish, A14's inverse in sparse MQA; the inverse and out-of-place
+    forms stay buildable (make_spec)."""
+    heads = cfg.rank_shapes(tp).heads
+    return [make_spec(heads, cfg.head_dim, False, True),
+            make_spec(cfg.index_n_heads, cfg.index_head_dim, False, True)]
+
+
 def rope_bytes(rows: int, heads: int, head_dim: int = 512, in_place: bool = True) -> int:
     """Bytes the kernel must move: x read and written (rope dims only in place), positions, table rows."""
     width = ROPE_DIM if in_place else head_dim

@@ -85,11 +85,6 @@ def _rows(width: int):
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
-def _norm_widths(cfg):
-    """The widths the bundle builds (kernels.norm.specs; imported here: it loads the DSL)."""
-    from kernels import norm
-    return sorted({spec.width for spec in norm.specs(cfg, 4)})
-
 
 def _pipelined_rows(spec) -> int:
     """Rows that make every thread group of the persistent grid take 2 steps, some a third."""
@@ -99,7 +94,7 @@ def _pipelined_rows(spec) -> int:
 @pytest.mark.parametrize("wdtype", nr.WEIGHT_DTYPES)
 def test_rmsnorm_matches_reference_bitwise(dev, stream, setup, wdtype):
     cfg, bundle = setup
-    for width in _norm_widths(cfg):
+    for width in nr.built_widths(cfg):
         spec = nr.make_spec(width, wdtype)
         for rows in _rows(width) + (_pipelined_rows(spec),):
             x = cr.to_bf16(RNG.standard_normal((rows, width)) * RNG.uniform(0.01, 50))
@@ -120,7 +115,7 @@ def test_rmsnorm_in_place(dev, stream, setup):
     """out == x: a group prefetches its own next row while storing the current one, and never
     reads a row another group writes; checked at one step and at 2-3 steps per group."""
     cfg, bundle = setup
-    for width in _norm_widths(cfg):
+    for width in nr.built_widths(cfg):
         spec = nr.make_spec(width, "bf16")
         for rows in (17, _pipelined_rows(spec)):
             x = cr.to_bf16(RNG.standard_normal((rows, spec.width)))
@@ -158,8 +153,7 @@ def test_residual_add_matches_reference_bitwise(dev, stream, setup, a_dtype):
 # ---- RoPE ------------------------------------------------------------------------------------------
 
 def _rope_specs(cfg):
-    from kernels import rope
-    return rope.specs(cfg, 4)
+    return rr.step_specs(cfg, 4)
 
 
 @pytest.mark.parametrize("kind", ("plain", "yarn"))
