@@ -200,10 +200,8 @@ def test_ffn_partial_matches_the_reference(setup, which, real, bucket):
 
 
 @pytest.mark.parametrize(("rows", "dense", "moe_first"), [(1, "r8", "moe_prep_"),
-                                                          (6, "r8", "moe_prep_" if ffn.ml.STEP_BULK
-                                                           else "moe_xquant_"),
-                                                          (48, "r32", "moe_prep_" if ffn.ml.STEP_BULK
-                                                           else "moe_xquant_")])
+                                                          (6, "r8", "moe_xquant_"),
+                                                          (48, "r32", "moe_xquant_")])
 def test_launch_lists_follow_the_bucket(setup, rows, dense, moe_first):
     s = setup
     plan = s.ranks.plans[0]

@@ -64,6 +64,11 @@ POINTER_KEYS = {
 # w13w early 38.05 / self-routed early 38.50, R=4 59.42 / 56.46: self-routed early from R = 3.
 SELFROUTED_FROM_ROWS = 3
 SELFROUTED_EARLY = "early"
+# Round 5, run r5a: from SELFROUTED_FROM_ROWS on the step's self-routed chain takes w13sr "bulk"
+# (bulk copies) with w2sr "early": R = 4 / 6 / 8 / 16 / 64 / 192 57.1 / 74.1 / 98.0 / 174.2 /
+# 442.2 / 664.5 us vs w13sr early's 58.0 / 76.6 / 101.8 / 182.2 / 467.8 / 686.3. Revert:
+# STEP_SELFROUTED_W13 = SELFROUTED_EARLY
+STEP_SELFROUTED_W13 = "bulk"
 # The default chain's w13 / w2 the step launches below SELFROUTED_FROM_ROWS ("w2_one_row" at
 # R = 1). Round 4: the per-group-commit kernels (kernels/moe_pipelined.py, bitwise the same y).
 # "w13w": the moe_w13w variant ("" or "early") that replaces w13 where rows * topk <=
@@ -72,9 +77,9 @@ SELFROUTED_EARLY = "early"
 # STEP_VARIANTS = {"w13": "", "w2": "", "w2_one_row": mk.W2_SINGLE_ROW_VARIANT, "w13w": None}
 # (w13 "g" and the plain w13w were deleted in round 5: they measured the same as the defaults.)
 STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
-# Round 5 (moe-design.md): the step runs `bulk_launches` at every R (weights by cp.async.bulk on
-# mbarriers, bitwise the same y), ahead of the selections above. Revert to round 4:
-# STEP_BULK = False. STEP_BULK_W2: its w2 ("bulkp" = list reads ahead); BULK_W13W: its w13w
+# Round 5 (moe-design.md): below SELFROUTED_FROM_ROWS the step runs `bulk_launches` (weights by
+# cp.async.bulk on mbarriers, bitwise the same y), ahead of the selections above. Revert to
+# round 4: STEP_BULK = False. STEP_BULK_W2: its w2 ("bulkp" = list reads ahead); BULK_W13W: its w13w
 # ("bulk": all parts of an item at once, measured no faster than round 4 (run r5a: R = 1 25.9 us);
 # "bulkw": 2 KB parts kept 2 ahead of the math, so the math overlaps the stream). If bulkw
 # fails its GPU tests: BULK_W13W = "bulk".
@@ -216,18 +221,18 @@ def step_variants(available, rows: int) -> tuple[str, str | None]:
 
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int) -> list[LaunchSpec]:
-    """What the decode step runs for `rows`: with STEP_BULK the bulk-copy chain
-    (`bulk_launches`) when the bundle has it; else the self-routed chain with both early-refill variants from
-    SELFROUTED_FROM_ROWS rows on (when the bundle has them), else the default chain with
-    `step_variants` (its w13 moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
-    only the default one writes meta / pairs."""
+    """What the decode step runs for `rows`: from SELFROUTED_FROM_ROWS rows on the self-routed
+    chain (w13sr STEP_SELFROUTED_W13, w2sr early) when the bundle has it; below, with STEP_BULK,
+    the bulk-copy chain (`bulk_launches`); else the default chain with `step_variants` (its w13
+    moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
+    only the default and bulk ones write meta / pairs."""
     available = available_specs(bundle, shape)
+    chosen = {("w13sr", STEP_SELFROUTED_W13), ("w2sr", SELFROUTED_EARLY)}
+    if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and chosen <= set(available):
+        return selfrouted_launches(bundle, shape, ptrs, rows, STEP_SELFROUTED_W13,
+                                   SELFROUTED_EARLY, available)
     if STEP_BULK and bulk_fits(available, shape, rows) and ("w2", STEP_BULK_W2) in available:
         return bulk_launches(bundle, shape, ptrs, rows, available, STEP_BULK_W2)
-    early = {("w13sr", SELFROUTED_EARLY), ("w2sr", SELFROUTED_EARLY)}
-    if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and early <= set(available):
-        return selfrouted_launches(bundle, shape, ptrs, rows, SELFROUTED_EARLY, SELFROUTED_EARLY,
-                                   available)
     w13, w2 = step_variants(available, rows)
     w13w = STEP_VARIANTS["w13w"]
     if w13w is not None and warp_routed_fits(available, shape, rows, w13w):
