@@ -186,7 +186,7 @@ def bench_moe_routed(ctx) -> None:
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
-                    w2 = "early" if w13 in ("early", "bulk") and w2_early else None
+                    w2 = "early" if w13 in ("early", "bulk", "bulkw") and w2_early else None
                     chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
                                    chain.launches_selfrouted(rows, w13=w13, w2=w2)))
             for label, specs in chains:

@@ -242,7 +242,7 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
         MoeW13BulkSm90.bulk_layout(self, spec)
         self.ring_region = mk.bulk_sr_ring_region(spec.shape, self.warps)
         self.bars_at = self.ring_region
-        self.red_at = self.ring_region + mk.bulk_bars_bytes(spec.shape, self.warps)
+        self.red_at = self.ring_region + mk.bulk_bars_bytes(spec.shape, self.warps, spec.variant)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
@@ -505,6 +505,7 @@ def kernel_class(spec: mk.MoeSpec):
     classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
                ("w13w", "bulkw"): MoeW13BulkSm90,
                ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
+               ("w13sr", "bulkw"): MoeW13SelfRoutedBulkSm90,
                ("w2", "bulk"): MoeW2BulkSm90, ("w2", "bulkp"): MoeW2BulkPrefetchSm90}
     if (spec.kind, spec.variant) not in classes:
         raise ValueError(f"{spec.name}: no bulk-copy kernel for {spec.kind} {spec.variant!r} "

@@ -322,9 +322,9 @@ def bulk_smem_bytes(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
             + warps * bulk_parts(shape, warps, variant) * 8)
 
 
-def bulk_bars_bytes(shape: MoeShape, warps: int) -> int:
+def bulk_bars_bytes(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
     """moe_w13sr "bulk": its mbarriers (one per warp and part), padded to 16 bytes."""
-    return round_up(warps * bulk_parts(shape, warps) * 8, 16)
+    return round_up(warps * bulk_parts(shape, warps, variant) * 8, 16)
 
 
 def bulk_sr_ring_region(shape: MoeShape, warps: int) -> int:
@@ -360,7 +360,7 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
-W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3))
+W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3))
 W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 
@@ -392,8 +392,8 @@ def selfrouted_specs(shape: MoeShape) -> list[MoeSpec]:
     for variant, warps, stages, ctas in W13SR_VARIANTS:
         split = min(warps, w13_split(shape))
         suffix = f"_{variant}" if variant else ""
-        ring = (bulk_sr_ring_region(shape, split) + bulk_bars_bytes(shape, split)
-                if variant == "bulk" else ring_region_bytes(shape, "w13", stages))
+        ring = (bulk_sr_ring_region(shape, split) + bulk_bars_bytes(shape, split, variant)
+                if variant.startswith("bulk") else ring_region_bytes(shape, "w13", stages))
         smem = ring + split * LANES * 16 + routing_lists_bytes(shape)
         out.append(MoeSpec(f"moe_w13sr_{tag}{suffix}", "w13sr", shape, (split * LANES, 1, 1),
                            smem_bytes=smem, ctas_per_sm=ctas, stages=stages, variant=variant))

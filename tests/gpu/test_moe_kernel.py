@@ -172,9 +172,9 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
     assert chain.has_selfrouted(), "the bundle lacks the self-routed MoE kernels"
     pairs = ([(w13, "") for w13 in chain.selfrouted_variants("w13sr")]
              + [("", w2) for w2 in chain.selfrouted_variants("w2sr") if w2])
-    if "bulk" in chain.selfrouted_variants("w13sr") and "early" in chain.selfrouted_variants(
-            "w2sr"):
-        pairs.append(("bulk", "early"))          # the benchmark's "selfrouted bulk" chain
+    if "early" in chain.selfrouted_variants("w2sr"):   # the step's / benchmark's pairs
+        pairs += [(w13, "early") for w13 in ("bulk", "bulkw")
+                  if w13 in chain.selfrouted_variants("w13sr")]
     for w13, w2 in pairs:
         chain.poison_outputs()
         for spec in chain.launches_selfrouted(rows, w13=w13, w2=w2):
