@@ -66,10 +66,13 @@ SMALL_ROWS = 8                      # post mhc_pre: `_lean` up to here, `_lr_rcp
 FUSED_NORM_ROWS = 2                 # post mhc_pre with its RMSNorm inside (`_lean_norm*`, no norm
                                     # launch) up to here; 0 = never (run 16:25, R = 1: 13.2 us vs
                                     # `_lean` + rmsnorm 14.4; R = 6: 19.0 vs 16.2)
-MHC_POLL_ROWS = 8                   # post mhc_pre up to here: `_lean_poll_norm*` (tagged-word
+MHC_POLL_ROWS = mk.MAX_ROWS         # post mhc_pre up to here: `_lean_poll_norm*` (tagged-word
                                     # handoff, a consumer CTA a row and a norm, so the RMSNorm is
-                                    # inside at every such R; bitwise `_lean`'s outputs); 0 reverts
-                                    # to round 4 (`_lean`, fused norm at R <= FUSED_NORM_ROWS)
+                                    # inside at every such R; bitwise `_lean`'s outputs). Run r5a,
+                                    # alone, us: 11.9 / 12.5 / 24.0 / 49.1 at R = 1 / 6 / 48 / 192
+                                    # vs `_lr_rcp` + rmsnorm 20.7 / 21.9 / 44.6 / 62.6. 8 keeps
+                                    # `_lr_rcp` above 8 rows; 0 reverts to round 4 (`_lean`, fused
+                                    # norm at R <= FUSED_NORM_ROWS)
 BROADCAST_LEAN = True               # layer 0's 1-stream plain mhc_pre: `_lean` (the default tail ran
                                     # 35 us cold in the round-5 ncu probe: 4 Sinkhorn rounds of
                                     # garbage rows, 3 fences); False: the default `plain`
