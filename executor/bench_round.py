@@ -10,30 +10,32 @@ HOPDEC_PACK_WORKERS as the step benchmark.
 
 What runs (model doc §4; issue 10): on the step benchmark's rank (executor/bench_step.py:
 `bench_config`, synthetic weights, 40 layers sharing 8 representatives' bytes, tiled experts,
-`stages.local_collectives`), two plans on one arena:
-- verify: `decode_plan(cfg, dspark=True, sync_free=True)`, k + 1 = 6 rows per sequence: the
-  step, the aux states, acceptance, ring rollback, main_proj and the 3 stages' context KV, the
-  row advance to the draft rows;
-- draft: `draft_plan(cfg, sync_free=True)`, k = 5 rows per sequence: the 3 DSpark stages (their
-  own weights and 128-expert FFNs, `stages.ffn_tiled_dspark`), the shared head's logits, the 5
-  Markov steps, the row advance back to the verify rows.
+`stages.local_collectives`), the round's plans on one arena:
+- verify: `decode_plan(cfg, dspark=True)`, k + 1 = 6 rows per sequence: the step, the aux
+  states, acceptance, ring rollback, main_proj and the 3 stages' context KV;
+- draft: `draft_plan(cfg)`, k = 5 rows per sequence: the 3 DSpark stages (their own weights and
+  128-expert FFNs, `stages.ffn_tiled_dspark`), the shared head's logits, the 5 Markov steps;
+- verify_sf / draft_sf: the same with sync_free=True (+ the commit, the Engram lookback and the
+  row advance to the other half's rows), and "step": the plain decode step, the baseline.
 The draft roles are the backbone builders of the benchmark's modules (as stages/draft.py maps
 the executor's). Each Markov step's cross-rank pick is wired on a stand-in state and dropped
 (no peer would ever answer); its latency is added with the all-reduces' in the "+ AR" column
-(one-shot latency at one row per pick: 8 bytes a row, latency-bound). With the local stand-ins
-the target's picks never write `tokens` and the Markov picks never write `dspark.prev`, so every
-draft token is 0 = `tokens`: every round accepts all k drafts and writes k + 1 context KV rows
-(the most work the acceptance can ask for); the rows advance k + 1 positions a round, which the
-cache geometry leaves room for (ROUND_MARGIN).
+(one-shot latency at one row per pick: 8 bytes a row, latency-bound).
 
-Timed per (sequences, context): one graph per plan, captured at the case's rows. First the plain
-decode step (`decode_plan(cfg)`, same arena and modules) at the verify rows, alone: the verify's
-baseline (verify - step = what the DSpark stages add). Then, after an eager pass (distinct
-experts per router, read on the host) and one verify replay, ROUND_REPS rounds of
-draft then verify replayed back to back, with CUDA events before, between and after: medians of
-the round and of each half inside it. (Replaying one half alone would feed it its own advanced
-rows, not the other half's.) At the first context, the draft's roles each alone in a graph (the
-step benchmark's breakdown, less the row writers). No L2 flush: a round reads 8-45 GB.
+Timed per (sequences, context), one graph per plan captured at the case's rows, CUDA-event
+medians:
+- the round = verify + draft, each replayed alone on rows the host loaded with random tokens
+  (rank 0's vocabulary shard, as the step benchmark: ~uniform routing), which neither rewrites:
+  the plain step and the verify at the verify rows, the draft at draft rows [anchor, noise x 4];
+  each after an eager pass counting its routers' distinct experts (host reads, not timed);
+- b2b: ROUND_REPS rounds of draft_sf then verify_sf back to back, the real round's graph
+  sequence. With the local stand-ins no pick writes `tokens` or `dspark.prev`, so from the second
+  round every verify row is token 0 (all k drafts accepted, k + 1 context KV rows, the rows
+  advance k + 1 a round: ROUND_MARGIN), and the 6 rows route alike: b2b reads far fewer experts
+  than a real round (run r5a: its verify 5.8 ms, the plain step on random rows 8.0), a lower
+  bound only.
+At the first context, the draft's roles each alone in a graph (the step benchmark's breakdown).
+No L2 flush: a round reads 10-45 GB.
 
 Reported: the round time, with the all-reduces and picks of both plans added; bytes that must be
 read (each plan's weights: the arena slices its launches point into, the distinct experts its
@@ -124,6 +126,23 @@ def selected_rounds(k: int, spec: str | None = None):
     return [(case, tuple(contexts)) for case, contexts in chosen.items()]
 
 
+def draft_batch(cfg, geometry, case: RoundCase, context: int, rng):
+    """(RowBatch, Engram history, anchors): the draft rows of `case`, [anchor, noise x (k - 1)]
+    per sequence (the anchor from rank 0's vocabulary shard, as bs.row_batch draws), ending at
+    context - 1; anchors int64 [seqs] is what the caller's `bonus` holds for them."""
+    from executor.reference.rows import RowBatch, RowBlock
+
+    anchors = rng.integers(0, cfg.vocab_size // bs.TP, case.seqs)
+    noise = (cfg.dspark_noise_token_id,) * (case.k - 1)
+    blocks = [RowBlock(s, context - case.k, (int(anchors[s]), *noise), "draft")
+              for s in range(case.seqs)]
+    tables = np.arange(geometry.num_pages, dtype=np.int32).reshape(geometry.max_seqs, -1)
+    rows = RowBatch.from_blocks(blocks, tables, geometry.ring_slots)
+    vocab = min(cfg.vocab_size, cfg.engram_compressed_vocab_size)
+    history = rng.integers(0, vocab, (case.draft_rows, max(cfg.engram_max_ngram_size, 1)))
+    return rows, history, anchors.astype(np.int64)
+
+
 # ---- wiring: the two plans on the benchmark's stage modules -----------------------------------
 
 def round_builders(modules=ROUND_MODULES) -> dict:
@@ -179,12 +198,15 @@ def local_plan(plan: Plan) -> Plan:
 
 
 def wire_round(cfg, ctx, modules=ROUND_MODULES) -> dict[str, Plan]:
-    """{"verify", "draft", "step"} plans wired on `ctx` (its `collectives` set to the stand-in),
-    complete; "step" is the plain decode step (no DSpark stage), the verify's baseline."""
+    """The plans wired on `ctx` (its `collectives` set to the stand-in), complete: "verify" and
+    "draft" (no row advance: replayed alone they keep the host's rows), "verify_sf" and
+    "draft_sf" (sync_free: back to back they walk the rows themselves), "step" (the plain
+    decode step, the verify's baseline)."""
     ctx.collectives = standin_collectives(ctx)
     table = round_builders(modules)
-    plans = {"verify": decode_plan(cfg, dspark=True, sync_free=True),
-             "draft": draft_plan(cfg, sync_free=True), "step": decode_plan(cfg)}
+    plans = {"verify": decode_plan(cfg, dspark=True), "draft": draft_plan(cfg),
+             "verify_sf": decode_plan(cfg, dspark=True, sync_free=True),
+             "draft_sf": draft_plan(cfg, sync_free=True), "step": decode_plan(cfg)}
     plans = {name: wire_with(plan, ctx, table) for name, plan in plans.items()}
     for plan in plans.values():
         plan.require_complete()
@@ -334,6 +356,22 @@ class DeviceRound(bs.DeviceStep):
         self.stream.synchronize()
         return out
 
+    def load_draft(self, case: RoundCase, context: int, seed: int = bs.SEED) -> None:
+        """The draft rows of `case` (draft_batch) into the bound row tensors, `bonus` = anchors."""
+        from executor.emulate.ranks import fill_caller_tensors
+
+        rows, history, anchors = draft_batch(self.cfg, self.geometry, case, context,
+                                             np.random.default_rng(seed + 1))
+        host = {n: np.zeros(self.tensors[n].shape, self.tensors[n].dtype)
+                for n in bs.metadata_names(self.cfg, self.geometry, dspark=True)}
+        fill_caller_tensors(host, rows, history=history)
+        bonus = np.full(self.tensors["bonus"].shape, -1, np.int64)
+        bonus[:case.seqs] = anchors
+        host["bonus"] = bonus
+        for name, array in host.items():
+            self.tensors[name].set(array)
+        self.cp.cuda.Device().synchronize()
+
     def nonfinite(self, name: str, dtype, shape) -> int:
         values = self.arena.download(name, dtype, shape).astype(np.float32)
         return int(np.count_nonzero(~np.isfinite(values)))
@@ -401,7 +439,8 @@ class PlanCase:
 
 
 def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> list[str]:
-    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows}
+    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows,
+            "verify_sf": case.verify.rows, "draft_sf": case.draft_rows}
     built = {name: dev.plans[name].launches(rows[name]) for name in rows}
     specs = {name: [s for _, group in built[name] for s in group] for name in rows}
     halves = ("verify", "draft")
@@ -413,23 +452,42 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
     lines = []
     try:
         for context in contexts:
+            times, distinct = _time_halves(ctx, dev, case, context, graphs, built)
+            # back to back, sync-free: the rows walk themselves, but with the local picks every
+            # token is 0 from the second round on (all rows route alike: fewer experts)
             dev.load(case.verify, context)
-            # the plain step first: it reads the verify rows and leaves them as they are
-            step_us = ctx.timer.median_us(lambda: graphs["step"].launch(dev.stream),
-                                          reps=bs.GRAPH_REPS)
-            distinct = {name: dev.distinct_experts(built[name], rows[name]) for name in halves}
-            graphs["verify"].launch(dev.stream)          # the rows are the draft's now
-            times = _time_round(dev.stream, graphs, ROUND_REPS, WARMUP_ROUNDS)
-            times["step"] = step_us
+            graphs["verify_sf"].launch(dev.stream)        # the rows are the draft's now
+            b2b = _time_round(dev.stream, {"draft": graphs["draft_sf"],
+                                           "verify": graphs["verify_sf"]},
+                              ROUND_REPS, WARMUP_ROUNDS)
+            times["b2b"] = b2b["round"]
             lines.append(_report(ctx, dev, cfg, case, context, known, times, distinct,
                                  ar_table, speeds))
             if context == contexts[0]:                   # the draft barely sees the context
+                dev.load_draft(case, context)
                 _draft_roles(ctx, dev, built["draft"], f"round {case.label} draft",
                              times["draft"])
     finally:
         for graph in graphs.values():
             graph.close()
     return lines
+
+
+def _time_halves(ctx, dev, case: RoundCase, context: int, graphs, built):
+    """Each half alone on host-loaded rows with random tokens (as the step benchmark's), which
+    neither half rewrites: the plain step and the verify at the verify rows, the draft at draft
+    rows [anchor, noise x 4]; each after an eager pass that counts its distinct experts."""
+    def median(graph):
+        return ctx.timer.median_us(lambda: graph.launch(dev.stream), reps=bs.GRAPH_REPS)
+
+    dev.load(case.verify, context)
+    distinct = {"verify": dev.distinct_experts(built["verify"], case.verify.rows)}
+    times = {"step": median(graphs["step"]), "verify": median(graphs["verify"])}
+    dev.load_draft(case, context)
+    distinct["draft"] = dev.distinct_experts(built["draft"], case.draft_rows)
+    times["draft"] = median(graphs["draft"])
+    times["round"] = times["verify"] + times["draft"]
+    return times, distinct
 
 
 def _draft_roles(ctx, dev, built, tag: str, graph_us: float) -> None:
@@ -464,6 +522,8 @@ def _report(ctx, dev, cfg, case: RoundCase, context: int, known: PlanCase, times
     for name in ("round", "verify", "draft"):
         ctx.metric(f"{tag}: {name} graph", times[name], "us")
         ctx.metric(f"{tag}: {name} + AR", with_ar[name], "us")
+    ctx.metric(f"{tag}: back-to-back sync-free round (zero tokens: rows route alike)",
+               times["b2b"], "us")
     ctx.metric(f"{tag}: plain step graph at the verify rows", times["step"], "us")
     ctx.metric(f"{tag}: verify - plain step (the DSpark stages)", times["verify"] - times["step"],
                "us")
@@ -484,7 +544,7 @@ def _report(ctx, dev, cfg, case: RoundCase, context: int, known: PlanCase, times
     doc, pr = DOC_ROUND_FLOOR_MS.get(case.seqs), UPSTREAM_ITL_MS.get((case.seqs, label))
     speeds.append((f"{case.label} {label}", with_ar["round"], pr))
     return (f"{case.label:>3s} {label:>4s} {times['round']:>9.1f} {with_ar['round']:>9.1f} "
-            f"{times['verify']:>9.1f} {with_ar['verify']:>9.1f} {times['step']:>9.1f} "
+            f"{times['b2b']:>8.1f} {times['verify']:>9.1f} {with_ar['verify']:>9.1f} {times['step']:>9.1f} "
             f"{times['draft']:>8.1f} {with_ar['draft']:>8.1f} {v_bytes / 1e9:>6.2f} "
             f"{d_bytes / 1e9:>6.2f} {row.pct_hbm:>5.1f} {floor:>8.1f} "
             f"{f'{doc * 1e3:.0f}' if doc else '-':>5s} "
@@ -494,11 +554,13 @@ def _report(ctx, dev, cfg, case: RoundCase, context: int, known: PlanCase, times
 
 def _print_tables(cfg, lines: list[str], speeds, ar_source: str) -> None:
     k = cfg.dspark_block_size
-    title = (f"DSpark round benchmark (rank 0 of TP4, 1 GPU, k = {k}: draft then verify graph; "
+    title = (f"DSpark round benchmark (rank 0 of TP4, 1 GPU, k = {k}: round = verify + draft "
+             f"graphs, each alone on random-token rows; b2b: the sync-free graphs back to back, "
+             f"zero tokens; "
              f"+ AR: one-shot all-reduces, gathers and picks from {ar_source}; step: the plain "
              f"decode step's graph at the verify rows; doc: model doc §4 round floor; "
              f"PR: the upstream PR's median ITL, executor on)")
-    header = (f"{'c':>3s} {'ctx':>4s} {'round us':>9s} {'+AR us':>9s} {'verify':>9s} "
+    header = (f"{'c':>3s} {'ctx':>4s} {'round us':>9s} {'+AR us':>9s} {'b2b':>8s} {'verify':>9s} "
               f"{'+AR':>9s} {'step':>9s} {'draft':>8s} {'+AR':>8s} {'GB v':>6s} {'GB d':>6s} "
               f"{'%4.8':>5s} {'floor us':>8s} {'doc':>5s} {'exp v':>6s} {'exp d':>5s} "
               f"{'PR us':>6s}")

@@ -141,8 +141,10 @@ def tiny_round(tiny, tiny_bundle_dir):
 def test_round_plans_count_their_cross_rank_calls(tiny_round):
     cfg, case = tiny_round.cfg, tiny_round.case
     layers, stages = cfg.num_hidden_layers, sum(s.is_dspark for s in cfg.layers)
-    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows}
+    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows,
+            "verify_sf": case.verify.rows, "draft_sf": case.draft_rows}
     calls = {n: br.count_collectives(tiny_round.wired[n], rows[n]) for n in rows}
+    assert calls["verify_sf"] == calls["verify"] and calls["draft_sf"] == calls["draft"]
     assert calls["verify"] == br.Collectives(1 + 2 * layers, len(cfg.engram_layer_ids), 1)
     assert calls["step"] == calls["verify"]
     assert calls["draft"] == br.Collectives(1 + 2 * stages, 0, case.k)
@@ -150,7 +152,7 @@ def test_round_plans_count_their_cross_rank_calls(tiny_round):
         wired = [s for _, g in tiny_round.wired[name].launches(rows[name]) for s in g]
         local = [s for _, g in plan.launches(rows[name]) for s in g]
         assert not any(br.is_cross_rank(s) for s in local)
-        assert len(wired) - len(local) == (case.k if name == "draft" else 0)
+        assert len(wired) - len(local) == (case.k if name.startswith("draft") else 0)
     roles = [s.range_name for s in tiny_round.wired["draft"].stages]
     assert roles.count("draft.ffn.moe_routed") == stages
     # latency: all-reduces at the bucket's rows, picks at one row (docs/perf.md run 16 table)
@@ -211,16 +213,16 @@ def test_two_local_rounds_accept_every_draft_and_advance(tiny_round):
     base = tr.space.array(tr.ctx.ptr("dspark.base"), np.float32,
                           (rows_d, tr.cfg.vocab_size // bs.TP))
     base[...] = np.nan
-    run_lockstep([tr.plans["verify"]], rows_v, tr.space)
+    run_lockstep([tr.plans["verify_sf"]], rows_v, tr.space)
     first = _view(tr, "accepted", np.int32, seqs).copy()
-    run_lockstep([tr.plans["draft"]], rows_d, tr.space)
+    run_lockstep([tr.plans["draft_sf"]], rows_d, tr.space)
     assert np.isfinite(base).all()
     ids = _view(tr, "token_ids", np.int64, rows_v).reshape(seqs, k + 1)
     assert (ids[:, 1:] == 0).all()              # the Markov steps' prev: the unwritten zeros
     pos = _view(tr, "positions", np.int64, rows_v).reshape(seqs, k + 1)
     want = start.reshape(seqs, k + 1) + first[:, None].astype(np.int64) + 1
     assert np.array_equal(pos, want)
-    run_lockstep([tr.plans["verify"]], rows_v, tr.space)
+    run_lockstep([tr.plans["verify_sf"]], rows_v, tr.space)
     assert (_view(tr, "accepted", np.int32, seqs) == k).all()
     assert (_view(tr, "bonus", np.int64, seqs) == 0).all()
 
@@ -250,7 +252,7 @@ def test_report_metrics_and_tables(tiny_round, capsys):
                          for n in halves})
     ctx = BenchContext(device=None, stream=None, bundles={})
     dev = type("Dev", (), {"nonfinite": lambda self, name, dtype, shape: 0})()
-    times = {"draft": 500.0, "verify": 8400.0, "round": 8900.0, "step": 8250.0}
+    times = {"draft": 500.0, "verify": 8400.0, "round": 8900.0, "step": 8250.0, "b2b": 7000.0}
     distinct = {"verify": [5] * cfg.num_hidden_layers, "draft": [3, 4, 5]}
     speeds = []
     line = br._report(ctx, dev, cfg, case, 4096, known, times, distinct, None, speeds)
@@ -271,8 +273,34 @@ def test_report_metrics_and_tables(tiny_round, capsys):
 
 
 def test_draft_roles_left_out_of_the_breakdown_are_the_row_writers(tiny_round):
-    built = tiny_round.plans["draft"].launches(tiny_round.case.draft_rows)
+    built = tiny_round.plans["draft_sf"].launches(tiny_round.case.draft_rows)
     roles = set(bs.role_groups(built))
     left_out = {r for r in roles if r.startswith(br.ROW_WRITERS)}
     assert left_out == {"dspark.history_verify", "dspark.advance_verify"}
     assert {"draft.ffn.moe_routed", "draft.lm_head_logits", "dspark.markov0"} <= roles - left_out
+
+
+def test_halves_timed_alone_never_rewrite_their_rows(tiny_round):
+    """"verify" and "draft" (no sync_free) have no stage that rewrites the bound rows, so each
+    replays on the host's rows; the sync-free plans end with the row writers."""
+    writers = (*br.ROW_WRITERS, "dspark.commit")
+    for name in ("verify", "draft", "step"):
+        assert not [s.name for s in tiny_round.plans[name].stages
+                    if s.range_name.startswith(writers)]
+    for name in ("verify_sf", "draft_sf"):
+        assert tiny_round.plans[name].stages[-1].range_name.startswith("dspark.advance")
+
+
+def test_draft_batch_rows(tiny):
+    case = br.RoundCase(3, tiny.dspark_block_size)
+    geometry = bs.cache_geometry(tiny, [case.verify], (CONTEXT,))
+    rows, history, anchors = br.draft_batch(tiny, geometry, case, CONTEXT,
+                                            np.random.default_rng(0))
+    k = case.k
+    assert rows.num_rows == case.draft_rows and rows.num_seqs == case.seqs
+    ids = np.asarray(rows.token_ids).reshape(case.seqs, k)
+    assert np.array_equal(ids[:, 0], anchors) and (ids[:, 1:] == tiny.dspark_noise_token_id).all()
+    assert (anchors >= 0).all() and (anchors < tiny.vocab_size // bs.TP).all()
+    pos = np.asarray(rows.positions).reshape(case.seqs, k)
+    assert (pos == np.arange(CONTEXT - k, CONTEXT)).all()
+    assert history.shape[0] == case.draft_rows
