@@ -349,6 +349,8 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     """Validated spec; the name carries every compile-time choice. The step's kernel
     (`default_variant`) has the plain name, another variant the suffix `_<VARIANT_TAGS>`."""
     default = default_variant(label, row_tiles)
+    if default in ("stream_xts", "stream_xtb") and k % (4 * FP8_BLOCK):
+        default = "stream_xt"               # 4-byte scale copies need K % 128 == 0
     variant = variant or default
     if epilogue == "swiglu":
         swiglu_limit = float(np.float32(swiglu_limit))
@@ -438,12 +440,21 @@ R8_VARIANT_ROUND3 = {"shared_w13": "stream", "shared_w2": "stream", "wo_b": "str
 R8_VARIANT_ROUND4 = {"wqa_wkv": "stream_xt", "wq_b": "stream_xt", "wo_b": "stream_xt",
                      "grouped": "stream_xt", "indexer_wq_b": "stream_xt",
                      "shared_w13": "stream_xt", "shared_w2": "stream"}
-R8_VARIANT = R8_VARIANT_ROUND4          # revert to the round-3 kernels: = R8_VARIANT_ROUND3
+# Round 5, measured (run r5a 18:50, PDL chain of 16, us at R = 1 / 6 / 8, bf16): stream_xtb
+# (bulk copies) wins on the 8-10.5 MB layers whose CTAs own 1-3 tiles of K >= 2048 - wq_a|wkv
+# 6.93/7.35/7.52 (xt 7.11/7.61/7.73), wo_b 5.53/6.02/6.12 (5.65/6.16/6.32), wo_a 5.03/5.54/5.68
+# (5.25/5.64/5.80); stream_xts on the K = 1280 layers - wq_b 6.62/6.86/6.95 (6.63/6.94/7.03),
+# indexer wq_b 3.97/4.17/4.31 (4.07/4.29/4.41). Shared w1|w3 keeps stream_xt (its step kernel
+# has the swiglu epilogue; xts was 0.07 faster with bf16, xtb 1 us slower at R = 6-8).
+R8_VARIANT_ROUND5 = {**R8_VARIANT_ROUND4, "wqa_wkv": "stream_xtb", "wo_b": "stream_xtb",
+                     "grouped": "stream_xtb", "wq_b": "stream_xts", "indexer_wq_b": "stream_xts"}
+R8_VARIANT = R8_VARIANT_ROUND5          # revert: = R8_VARIANT_ROUND4 (round 3: _ROUND3)
 # R <= 8 candidates compiled beside the step's kernel (bf16 epilogue), so the family benchmark
-# measures them side by side. Round 5: stream_xts and _xtb beside every stream_xt layer (the round-4
+# measures them side by side. Round 5: stream_xt / _xts / _xtb beside each other on the layers
+# round 4 gave stream_xt (the round-4
 # losers `_mma`, `_s`, `_sx` are gone from the bundle; mma and stream stay for R8_VARIANT_ROUND3).
 R8_CANDIDATES: dict[str, tuple[str, ...]] = {
-    label: ("stream_xts", "stream_xtb") for label, v in R8_VARIANT_ROUND4.items()
+    label: ("stream_xt", "stream_xts", "stream_xtb") for label, v in R8_VARIANT_ROUND4.items()
     if v == "stream_xt"}
 
 
