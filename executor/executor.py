@@ -65,6 +65,11 @@ __all__ = ["BindError", "CacheGeometry", "Executor", "StepFeature", "StepResult"
 _PREFILL = int(StepFeature.PREFILL)
 _UNSUPPORTED = ~int(SUPPORTED_FEATURES)
 
+# Kernels that poll words other CTAs of their grid write give up after a bounded time (2 ms) and
+# then write outputs they could not finish; each sets a sticky flag, its scratch's first i32.
+POLL_FLAGS = (("mhc.poll_status", "mHC pre (_lean_poll): a consumer CTA's poll"),
+              ("ffn.router_counters", "router (_tile8p): a selection poll"))
+
 
 class Executor:
     """One rank's decode executor. Not thread-safe: one caller thread, one step in flight per
@@ -330,6 +335,28 @@ class Executor:
     def _external_stream(handle: int):
         from executor.runtime import Stream
         return Stream.external(handle)
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def poll_timeouts(self) -> list[str]:
+        """The in-kernel poll timeouts that fired since capture (sticky flags), described; []
+        when none. A host read that waits for the device (cuCtxSynchronize): call it between
+        steps when you want to know, never inside a hot loop. Non-empty means some step wrote
+        outputs from a poll that gave up: treat those steps' results as invalid. The one-shot
+        all-reduce reports its own timeouts in pinned host memory (collectives/oneshot.py)."""
+        if self.arena is None:
+            return []
+        import numpy as np
+        self.arena.synchronize()
+        found = []
+        for name, what in POLL_FLAGS:
+            try:
+                self.arena.nbytes(name)
+            except KeyError:                    # a plan without that kernel
+                continue
+            if int(self.arena.download(name, np.int32, (1,))[0]):
+                found.append(f"{what} timed out ({name}[0] is set)")
+        return found
 
     # ---- close -----------------------------------------------------------------------------
 

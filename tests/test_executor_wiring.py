@@ -89,3 +89,26 @@ def test_a_failed_capture_after_wiring_frees_the_arena_and_unwires(ckpt, tiny_bu
         ex.capture("capture-stream")
     assert len(arenas.made) == 1 and arenas.closed == arenas.made
     assert ex.arena is None and ex.plan is before and not ex.captured
+
+
+
+def test_poll_timeouts_reads_each_kernels_sticky_flag(ckpt, tiny_bundle_dir):
+    """poll_timeouts() is empty without an arena and on a zeroed one, skips a flag the plan's
+    arena lacks, and names each polling kernel whose flag (its scratch's first i32) is set."""
+    from executor.executor import POLL_FLAGS
+
+    space = AddressSpace()
+    ex = _executor(ckpt, tiny_bundle_dir, space, Arenas(space), modules=None)
+    assert ex.poll_timeouts() == []
+    ex.arena = HostArena(space, [(name, 64) for name, _ in POLL_FLAGS] + [("other", 64)])
+    assert ex.poll_timeouts() == []
+    ex.arena.view("other", np.int32, (1,))[0] = 1
+    assert ex.poll_timeouts() == []
+    for i, (name, what) in enumerate(POLL_FLAGS):
+        ex.arena.view(name, np.int32, (1,))[0] = 1
+        found = ex.poll_timeouts()
+        assert len(found) == i + 1 and what in found[-1] and name in found[-1]
+    ex.arena = HostArena(space, [(POLL_FLAGS[0][0], 64)])        # a plan without the router
+    ex.arena.view(POLL_FLAGS[0][0], np.int32, (1,))[0] = 1
+    assert len(ex.poll_timeouts()) == 1
+    ex.arena = None
