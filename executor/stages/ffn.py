@@ -68,7 +68,7 @@ from kernels import router_ref as rk
 from kernels.common_ref import BF16
 from loader import formats
 
-# The router's default 16-row block: measured no slower than `_rb32` at every bucket
+# The router's 16-row block; a 32-row variant (`_rb32`, deleted) lost at every bucket
 # (docs/devicecheck run 17: R = 48 41.2 vs 93.1 us, R = 192 78.7 vs 108.3 us).
 ROUTER_ROWS_PER_CTA = rk.ROWS_PER_CTA
 # Buckets of at most this many rows take the one-pass router (kernels/router_tile.py), its polled
