@@ -5,10 +5,10 @@ one-shot kernel would leave both waiting forever. The choice therefore depends o
 count, which every TP rank sees identically (same scheduler batch, same padded bucket), and on a
 table that `PathTable.agree` checks is identical on every rank at set-up.
 
-Default crossover, an ESTIMATE until measured on 4 GPUs (TP4 issue): one-shot up to 32 rows of
-5120 bf16 (320 KiB; SGLang's H200-tuned TP4 graph crossover is 384 KiB), NCCL above (graph NCCL
-~17-19 us up to 1 MiB on H100 TP4 vs ~5-10 us one-shot <= 0.5 MiB; docs/runtime-and-collectives
-section 1.4). No two-shot kernel yet: NCCL covers 40..192 rows.
+Measured crossover (issue 11, run 35, 4 x H200 NV18, graph-captured, slowest rank): the one-shot
+kernel beats NCCL (NVLS off) at every R of 1..192 rows of 5120 bf16: 3.9 vs 11.1 us at R = 1,
+9.0 vs 13.9 at R = 48, 23.6 vs 24.7 at R = 192 (docs/perf.md, "TP4 on four H200s"). So the
+default table is one-shot throughout; NCCL stays selectable for another topology or world.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kernels.allreduce_ref import MAX_ROWS
 
 PATHS = ("oneshot", "nccl")
-DEFAULT_TABLE = ((32, "oneshot"), (MAX_ROWS, "nccl"))
+DEFAULT_TABLE = ((MAX_ROWS, "oneshot"),)
 
 
 @dataclass(frozen=True)

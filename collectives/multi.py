@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -61,7 +62,7 @@ RUN_TIMEOUT_S = 420
 # world -> the smallest R (of ROWS) at which graph-captured NCCL beat the plain one-shot kernel
 # on that many H200s (None: one-shot won at every R). Filled from device runs; absent = not
 # measured. The step's all-reduce stage can read it through measured_path_table(world).
-MEASURED_CROSSOVER: dict[int, int | None] = {}
+MEASURED_CROSSOVER: dict[int, int | None] = {4: None}    # run 35: 4 x H200, NV18, NVLS off
 
 
 # ---- pure parts (CPU-tested) -------------------------------------------------------------------
@@ -240,6 +241,7 @@ def measured_path_table(world: int) -> PathTable | None:
 
 def parse_topo_links(text: str) -> dict[tuple[int, int], str]:
     """`nvidia-smi topo -m` -> {(i, j): "NV18" | "SYS" | ...} for the GPU x GPU block."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)       # nvidia-smi underlines the header row
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return {}

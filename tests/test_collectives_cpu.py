@@ -100,8 +100,9 @@ def test_family_specs_follow_tp_and_width():
 # ---- path table ---------------------------------------------------------------------------------
 
 def test_path_table_is_a_lookup_over_every_row_count():
-    t = PathTable()
-    assert t.entries == DEFAULT_TABLE
+    assert PathTable().entries == DEFAULT_TABLE
+    assert {PathTable().path(r) for r in range(1, 193)} == {"oneshot"}     # measured, run 35
+    t = PathTable(((32, "oneshot"), (192, "nccl")))
     assert [t.path(r) for r in (1, 32)] == ["oneshot", "oneshot"]
     assert [t.path(r) for r in (33, 192)] == ["nccl", "nccl"]
     for bad in (0, 193, True, 2.0):

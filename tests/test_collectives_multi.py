@@ -207,6 +207,10 @@ def test_parse_topo_links():
     links = multi.parse_topo_links(TOPO_4xH200)
     assert len(links) == 12 and set(links.values()) == {"NV18"}
     assert (0, 0) not in links and links[(3, 1)] == "NV18"
+    # as nvidia-smi prints it on a terminal-less run: the header row underlined (run 35)
+    underlined = TOPO_4xH200.replace("\tGPU0", "\t\x1b[4mGPU0", 1).replace(
+        "GPU NUMA ID", "GPU NUMA ID\x1b[0m", 1)
+    assert multi.parse_topo_links(underlined) == links
     assert multi.parse_topo_links("") == {}
     assert multi.parse_topo_links("nvidia-smi not found on PATH") == {}
 
