@@ -198,11 +198,12 @@ def local_plan(plan: Plan) -> Plan:
 
 
 def wire_round(cfg, ctx, modules=ROUND_MODULES) -> dict[str, Plan]:
-    """The plans wired on `ctx` (its `collectives` set to the stand-in), complete: "verify" and
+    """The plans wired on `ctx` (its `collectives`, else the stand-in), complete: "verify" and
     "draft" (no row advance: replayed alone they keep the host's rows), "verify_sf" and
     "draft_sf" (sync_free: back to back they walk the rows themselves), "step" (the plain
     decode step, the verify's baseline)."""
-    ctx.collectives = standin_collectives(ctx)
+    if ctx.collectives is None:
+        ctx.collectives = standin_collectives(ctx)
     table = round_builders(modules)
     plans = {"verify": decode_plan(cfg, dspark=True), "draft": draft_plan(cfg),
              "verify_sf": decode_plan(cfg, dspark=True, sync_free=True),
@@ -325,15 +326,22 @@ def acceptance_table(k: int, round_us: float) -> list[tuple[int, float]]:
 class DeviceRound(bs.DeviceStep):
     """The step benchmark's rank with the DSpark weights, tensors and both round plans."""
 
-    def __init__(self, ctx, cfg, bundle, rounds):
+    def __init__(self, ctx, cfg, bundle, rounds, modules=ROUND_MODULES, rank: int = bs.RANK,
+                 collectives=None):
+        """On one GPU (no `collectives`): the local stand-ins, cross-rank picks left out. With
+        a rank's one-shot `collectives` and cross-rank stage `modules` (executor/bench_tp.py):
+        the real round, every pick and all-reduce across the ranks."""
         cases = [bs.Case(c.verify.rows, c.seqs, "verify") for c, _ in rounds]
         contexts = [t for _, ts in rounds for t in ts]
         geometry = bs.cache_geometry(cfg, cases, contexts, extra_tokens=ROUND_MARGIN)
-        super().__init__(ctx, cfg, bundle, ROUND_MODULES, geometry, dspark=True)
+        self.local = collectives is None
+        super().__init__(ctx, cfg, bundle, modules, geometry, dspark=True, rank=rank,
+                         collectives=collectives)
 
     def wire_plans(self, step) -> None:
-        self.wired = wire_round(self.cfg, step)
-        self.plans = {name: local_plan(plan) for name, plan in self.wired.items()}
+        self.wired = wire_round(self.cfg, step, self.modules)
+        self.plans = ({name: local_plan(plan) for name, plan in self.wired.items()}
+                      if self.local else dict(self.wired))
 
     def distinct_experts(self, built, rows: int) -> list[int]:
         """Run `built` eagerly; after each router (backbone or draft stage), the distinct

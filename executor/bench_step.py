@@ -233,20 +233,21 @@ def allreduce_us(rows: int, measured: dict[int, float] | None = None) -> float:
 
 # ---- the rank's memory ----------------------------------------------------------------------------
 
-def host_contents(cfg, seed: int = SEED, workers: int | None = None, modules=BENCH_MODULES):
-    """(requests, uploads, seconds): the rank's arena contents of the stage `modules` from
+def host_contents(cfg, seed: int = SEED, workers: int | None = None, modules=BENCH_MODULES,
+                  rank: int = RANK):
+    """(requests, uploads, seconds): rank `rank`'s arena contents of the stage `modules` from
     synthetic weights, packed on `workers` threads (default: PACK_WORKERS_ENV, else every core;
     1: arena_contents itself; see executor.bench_step_pack)."""
     from loader.synth import synth_fetch
 
     t0 = time.perf_counter()
-    fetch = synth_fetch(cfg, seed, TP, RANK)
+    fetch = synth_fetch(cfg, seed, TP, rank)
     workers = workers or pack_workers()
     if workers == 1:
-        requests, uploads = arena_contents(cfg, TP, RANK, fetch, MAX_ROWS, modules,
+        requests, uploads = arena_contents(cfg, TP, rank, fetch, MAX_ROWS, modules,
                                            representatives(cfg))
     else:
-        requests, uploads = pack_parallel(cfg, TP, RANK, fetch, MAX_ROWS, modules,
+        requests, uploads = pack_parallel(cfg, TP, rank, fetch, MAX_ROWS, modules,
                                           representatives(cfg), workers)
     return requests, uploads, time.perf_counter() - t0
 
@@ -302,22 +303,26 @@ def find_bundle(ctx, cfg):
 
 
 class DeviceStep:
-    """Rank 0's arena, bound caller tensors and wired plan on the device.
+    """One rank's arena, bound caller tensors and wired plan on the device: rank 0 on one GPU
+    (the local stand-in collectives), or rank `rank` of a TP world in its own process with its
+    one-shot `collectives` state and `executor.stages.collectives` (executor/bench_tp.py).
 
     The round benchmark (executor/bench_round.py) reuses it with its own stage `modules`, cache
-    `geometry` and the DSpark tensors (`dspark`), and wires its own plans (`wire_plans`)."""
+    `geometry` and the DSpark tensors (`dspark`), and wires its own plans (`wire_plans`).
+    `ctx` needs `stream` and `device` (a devicecheck context, or bench_tp's per rank)."""
 
     def __init__(self, ctx, cfg, bundle, modules=BENCH_MODULES, geometry=None,
-                 dspark: bool = False):
+                 dspark: bool = False, rank: int = RANK, collectives=None):
         import cupy as cp
 
         from executor.arena import plan_slices
         from executor.runtime import Arena
 
         self.cp, self.cfg, self.stream, self.dspark = cp, cfg, ctx.stream, dspark
+        self.modules, self.rank = tuple(modules), rank
         self.pack_workers = pack_workers()
         requests, uploads, self.pack_s = host_contents(cfg, workers=self.pack_workers,
-                                                       modules=modules)
+                                                       modules=modules, rank=rank)
         self.upload_bytes = {name: array.nbytes for name, array in uploads}
         self.weights = weight_bytes(cfg, uploads)
         self.geometry = geometry or cache_geometry(cfg)
@@ -345,16 +350,16 @@ class DeviceStep:
             cp.cuda.Device().synchronize()
             self.upload_s = time.perf_counter() - t0
             bound = {n: int(t.data.ptr) for n, t in self.tensors.items()}
-            step = StepContext(cfg, TP, RANK, bundle, self.arena, bound, MAX_ROWS,
-                               geometry=self.geometry)
+            step = StepContext(cfg, TP, rank, bundle, self.arena, bound, MAX_ROWS,
+                               collectives=collectives, geometry=self.geometry)
             self.wire_plans(step)
         except BaseException:
             self.close()
             raise
 
     def wire_plans(self, step) -> None:
-        """The decode step on the stage modules of the benchmark (BENCH_MODULES)."""
-        self.plan = wire(decode_plan(self.cfg), step, BENCH_MODULES)
+        """The decode step on the benchmark's stage modules (BENCH_MODULES unless given)."""
+        self.plan = wire(decode_plan(self.cfg), step, self.modules)
         self.plan.require_complete()
 
     def load(self, case: Case, context: int, seed: int = SEED) -> None:

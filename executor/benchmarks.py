@@ -430,6 +430,7 @@ FAMILY_BENCHMARKS = (
     ("mhc_router", "executor.mhc_router_chain:bench_mhc_router"),
     ("step", "executor.bench_step:bench_step"),      # late: it holds ~85 GB of the GPU
     ("round", "executor.bench_round:bench_round"),   # after step: it reads the step's times
+    ("step_tp", "executor.bench_tp:bench_step_tp"),  # 4 GPUs, run alone: 4 ranks of ~85 GB
 )
 
 

@@ -1,0 +1,105 @@
+"""The cross-GPU step and round benchmark's host side, without a GPU (executor/bench_tp.py).
+
+The real cross-rank stage modules replace the local stand-ins; the step and round plans wire
+complete on them at tiny scale (a HostArena, a collective state by address) with every
+all-reduce, all-gather and pick a launch of the one-shot family; the ranks' results aggregate
+to the slowest rank and flag ranks that hold different tokens; the tables print.
+"""
+from __future__ import annotations
+
+import pytest
+
+from collectives.oneshot import CollectiveState
+from executor import bench_round as br
+from executor import bench_step as bs
+from executor import bench_tp as bt
+from executor.emulate import bind_host
+from executor.emulate.ranks import caller_tensors
+from executor.hostmem import AddressSpace, HostArena, ManifestBundle
+from executor.plan import decode_plan
+from executor.wiring import StepContext, arena_contents, representatives, wire
+from loader.config import ModelConfig
+from loader.synth import synth_fetch
+
+
+def test_cross_rank_modules_replace_the_stand_ins():
+    assert "executor.stages.collectives" in bt.STEP_MODULES
+    assert "executor.stages.local_collectives" not in bt.STEP_MODULES + bt.ROUND_MODULES
+    assert len(bt.STEP_MODULES) == len(bs.BENCH_MODULES)
+    with pytest.raises(ValueError, match="local_collectives"):
+        bt.cross_rank_modules(("executor.stages.mhc",))
+    assert bt.skip_reason((0, 1, 2, 3)) is None
+    assert "4 distinct GPUs" in bt.skip_reason((0,))
+    assert "4 distinct GPUs" in bt.skip_reason((0, 0, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_rank(tiny_bundle_dir):
+    """Rank 1 of tiny on a HostArena with the round modules (a superset of the step's)."""
+    cfg = ModelConfig.preset("tiny")
+    case = br.RoundCase(2, cfg.dspark_block_size)
+    geometry = bs.cache_geometry(cfg, [case.verify], (300,), extra_tokens=64)
+    requests, uploads = arena_contents(cfg, bs.TP, 1, synth_fetch(cfg, 0, bs.TP, 1),
+                                       bs.MAX_ROWS, bt.ROUND_MODULES, representatives(cfg))
+    space = AddressSpace()
+    arena = HostArena(space, requests)
+    for name, array in uploads:
+        arena.upload(name, array)
+    tensors = {n: a for n, a in caller_tensors(cfg, bs.TP, geometry, bs.MAX_ROWS,
+                                               dspark=True).items()
+               if n in bs.bound_rules(cfg, geometry, dspark=True)}
+    state = CollectiveState(1, bs.TP, {"peers": 4096, "control": 8192, "status": 12288})
+
+    def context():
+        return StepContext(cfg, bs.TP, 1, ManifestBundle(tiny_bundle_dir), arena,
+                           bind_host(space, tensors), bs.MAX_ROWS, collectives=state,
+                           geometry=geometry)
+    return cfg, case, context
+
+
+def test_step_and_round_wire_on_the_one_shot_collectives(tiny_rank):
+    cfg, case, context = tiny_rank
+    layers = cfg.num_hidden_layers
+    step = wire(decode_plan(cfg), context(), bt.STEP_MODULES)
+    step.require_complete()
+    cross = [s for _, group in step.launches(6) for s in group if br.is_cross_rank(s)]
+    # embedding + 2 per layer all-reduces, one all-gather per Engram layer, one pick
+    assert len(cross) == 1 + 2 * layers + len(cfg.engram_layer_ids) + 1
+    plans = br.wire_round(cfg, context(), bt.ROUND_MODULES)
+    stages = sum(s.is_dspark for s in cfg.layers)
+    draft = [s for _, g in plans["draft"].launches(case.draft_rows) for s in g
+             if br.is_cross_rank(s)]
+    assert len(draft) == 1 + 2 * stages + case.k          # the Markov steps' picks stay in
+    for name in ("verify", "verify_sf"):
+        got = [s for _, g in plans[name].launches(case.verify.rows) for s in g
+               if br.is_cross_rank(s)]
+        assert len(got) == len(cross)
+
+
+def _rank_value(scale: float, tokens=(5, 7)) -> dict:
+    step = [{"rows": 1, "context": 4096, "us": {"pdl": 1000 * scale, "plain": 1200 * scale},
+             "distinct": 6.0, "bytes": 4_000_000_000, "nonfinite": 0, "tokens": list(tokens)},
+            {"wall_s": 10.0, "pack_s": 5.0}]
+    rnd = [{"seqs": 1, "context": 4096, "us": {"round": 3000 * scale, "verify": 2500 * scale,
+                                               "draft": 500 * scale},
+            "b2b": {"round": 2900 * scale, "draft": 450, "verify": 2450}, "accepted": [0],
+            "distinct": {"verify": 30.0, "draft": 5.0}, "tokens": list(tokens)}]
+    return {"step": step, "round": rnd}
+
+
+def test_aggregate_takes_the_slowest_rank_and_checks_the_tokens():
+    values = [_rank_value(1.0), _rank_value(1.1), _rank_value(0.9), _rank_value(1.0)]
+    steps = bt.aggregate(values, "step")
+    assert len(steps) == 1 and steps[0]["us"]["pdl"] == pytest.approx(1100)
+    assert steps[0]["ranks_agree"]
+    rounds = bt.aggregate(values, "round")
+    assert rounds[0]["b2b"]["round"] == pytest.approx(2900 * 1.1)
+    values[3] = _rank_value(1.0, tokens=(5, 8))
+    assert not bt.aggregate(values, "step")[0]["ranks_agree"]
+    text = bt.step_table(bt.aggregate(values, "step"))
+    assert "DIFFER" in text and "1100.0" in text
+    text = bt.round_table(bt.aggregate(values, "round"))
+    assert "c1" in text and "5340" in text                # the upstream PR's c1 4k ITL
+    values[2]["step"] = values[2]["step"][1:]
+    with pytest.raises(ValueError, match="different case counts"):
+        bt.aggregate(values, "step")
