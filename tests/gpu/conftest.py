@@ -1,7 +1,26 @@
-"""Fixtures every GPU test module shares: one Device (primary context) and one stream per module.
+"""Fixtures every GPU test module shares: one Device (primary context) and one stream per module,
+and the kernel bundles the tests launch from.
 
-Imports stay inside the fixtures so collecting these modules needs no GPU library."""
+Bundles: HOPDEC_BUNDLE (tiny, default build/bundle-tiny) and HOPDEC_BUNDLE_V41 (v41-flash widths,
+default build/bundle-v41-flash-tp4). Imports stay inside the fixtures so collecting these modules
+needs no GPU library."""
+import os
+from pathlib import Path
+
 import pytest
+
+PRESET_BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
+                  "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
+
+
+def _bundle_path(preset: str) -> Path:
+    env, default = PRESET_BUNDLES[preset]
+    return Path(os.environ.get(env, default))
+
+
+def _load_bundle(dev, path: Path):
+    from executor.runtime import Bundle
+    return Bundle.load(dev, path)
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +34,46 @@ def dev():
 @pytest.fixture(scope="module")
 def stream(dev):
     return dev.stream()
+
+
+@pytest.fixture(scope="module", params=sorted(PRESET_BUNDLES))
+def preset(request) -> str:
+    """Each model preset with a bundle: the tests that use it run at tiny and at v41-flash
+    widths (case ids `[tiny]`, `[v41-flash]`)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def preset_bundle(dev, preset):
+    """(ModelConfig, Bundle) of `preset`; a missing bundle skips that preset's cases with the
+    reason."""
+    from loader.config import ModelConfig
+    path = _bundle_path(preset)
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no {preset} kernel bundle at {path} (set {PRESET_BUNDLES[preset][0]})")
+    bundle = _load_bundle(dev, path)
+    yield ModelConfig.preset(preset), bundle
+    bundle.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(dev):
+    """The tiny bundle alone (runtime and executor probes); missing, the tests skip."""
+    path = _bundle_path("tiny")
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no kernel bundle at {path} (set HOPDEC_BUNDLE or run make bundle)")
+    bundle = _load_bundle(dev, path)
+    yield bundle
+    bundle.close()
+
+
+@pytest.fixture(scope="module")
+def v41_bundle(dev):
+    """The v41-flash bundle alone, for kernels built only at v41-flash widths; missing, the tests
+    fail (a run that should have built it did not)."""
+    path = _bundle_path("v41-flash")
+    if not (path / "manifest.json").is_file():
+        pytest.fail(f"no bundle at {path} (python -m kernels.build --config v41-flash --tp 4)")
+    bundle = _load_bundle(dev, path)
+    yield bundle
+    bundle.close()

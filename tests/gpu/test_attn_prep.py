@@ -20,41 +20,24 @@ Checks, all bitwise (tolerance 0, as the arithmetic allows):
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.launch import LaunchSpec
 from executor.launches.small import attn_prep_launches
 from executor.launches.split_norm import split_norm_launch
-from executor.runtime import Arena, Bundle
+from executor.runtime import Arena
 from kernels import common_ref as cr
 from kernels import kv_publish_ref as kp
 from kernels import rope_ref
 from kernels import split_norm_ref as sr
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 NUM_POSITIONS = 8192
 PADDING = 2
-
-
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
 
 
 def _inputs(cfg, rows: int):
@@ -123,8 +106,8 @@ def _first_diff(got, want) -> str:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 12, 48, 192])
-def test_attn_prep_matches_reference_and_round4_chain(dev, stream, setup, rows):
-    cfg, bundle = setup
+def test_attn_prep_matches_reference_and_round4_chain(dev, stream, preset_bundle, rows):
+    cfg, bundle = preset_bundle
     x = _inputs(cfg, rows)
     table = rope_ref.RopeTable.for_ratio(cfg, int(RNG.integers(0, 2)), NUM_POSITIONS)
     want_cache = np.full((x["num_slots"], 584), 0xFF, np.uint8)

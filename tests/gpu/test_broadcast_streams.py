@@ -7,39 +7,22 @@ no GPU was available: not yet run on one.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from executor.runtime import Arena, Bundle, LaunchSpec
+from executor.runtime import Arena, LaunchSpec
 from kernels import common_ref as cr
 from kernels import elementwise_ref as er
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 ROWS = (1, 5, 6, 8, 17, 48, 192, 4099)       # 4099: more chunks than one wave of CTAs at D=5120
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 
 
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
-
-
-def test_broadcast_streams_copies_every_row_into_every_stream(dev, stream, setup):
-    cfg, bundle = setup
+def test_broadcast_streams_copies_every_row_into_every_stream(dev, stream, preset_bundle):
+    cfg, bundle = preset_bundle
     spec = er.make_broadcast_spec(cfg.hidden_size, cfg.hc_mult)
     max_rows = max(ROWS)
     out_rows = max_rows + 1                           # one row past the largest launch

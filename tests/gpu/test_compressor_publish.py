@@ -18,14 +18,10 @@ permuted state lines and pages, padding rows, an entry on an unallocated page.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.compressor_chain import CompressorChain, CompressorShape
-from executor.runtime import Bundle
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref, rope_ref
 from loader import formats
@@ -34,7 +30,6 @@ from loader.config import ModelConfig
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4"))
 HIDDEN = 5120
 PAGE = 64
 PAGES = 40                     # per sequence: 2560 entries (position 2005 at r = 1)
@@ -52,15 +47,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.fail(f"no bundle at {BUNDLE} (python -m kernels.build --config v41-flash --tp 4)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
-
-
 def random_weights(rng, ratio: int):
     cols = ck.HEAD_DIM * ratio
     w = (rng.standard_normal((cols, HIDDEN)) * 0.02).astype(np.float32)
@@ -73,10 +59,10 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("ratio", [2, 1])
 @pytest.mark.parametrize("rows", [1, 5, 6, 12, 48])
-def test_projection(dev, bundle, ratio, rows):
+def test_projection(dev, v41_bundle, ratio, rows):
     rng = np.random.default_rng()
     shape = CompressorShape(ratio, HIDDEN, rows + 8, 1, 1, PAGE, 1, 16)
-    chain = CompressorChain(dev, bundle, shape)
+    chain = CompressorChain(dev, v41_bundle, shape)
     try:
         x = formats.bf16_round(rng.standard_normal((rows, HIDDEN)).astype(np.float32))
         w = random_weights(rng, ratio)
@@ -111,7 +97,7 @@ def make_case(rng, blocks, max_seqs: int, padding: int = 2):
 
 @pytest.mark.parametrize("ratio", [2, 1])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_publish(dev, bundle, ratio, case):
+def test_publish(dev, v41_bundle, ratio, case):
     rng = np.random.default_rng()
     cfg = ModelConfig.preset("v41-flash")
     blocks = CASES[case]
@@ -138,7 +124,7 @@ def test_publish(dev, bundle, ratio, case):
     w = random_weights(rng, ratio)
     eps = float(cfg.rms_norm_eps)
 
-    chain = CompressorChain(dev, bundle, shape)
+    chain = CompressorChain(dev, v41_bundle, shape)
     try:
         for name, arr in (("x", bf16_bits(x)), ("w", w if ratio == 2 else bf16_bits(w)),
                           ("ring", ring), ("positions", positions), ("seq_index", seq_index),

@@ -10,36 +10,19 @@ kernels.manifest.FAMILIES. Written while no GPU was available: not yet run on on
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.launches.dspark import accept_launch, aux_launch, markov_launch, rollback_launch
-from executor.runtime import Arena, Bundle
+from executor.runtime import Arena
 from kernels import dspark_ref as ref
 from kernels.common_ref import BF16
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 CAP = 192
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-
-
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
 
 
 def _run(dev, stream, arrays: dict, launch):
@@ -56,8 +39,8 @@ def _run(dev, stream, arrays: dict, launch):
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13, 192])
-def test_aux_is_the_bitwise_stream_mean(dev, stream, setup, rows):
-    cfg, bundle = setup
+def test_aux_is_the_bitwise_stream_mean(dev, stream, preset_bundle, rows):
+    cfg, bundle = preset_bundle
     spec = ref.specs_for(cfg)[0]
     d, t = cfg.hidden_size, spec.targets
     streams = (RNG.standard_normal((CAP, cfg.hc_mult, d)) * 8).astype(BF16)
@@ -72,8 +55,8 @@ def test_aux_is_the_bitwise_stream_mean(dev, stream, setup, rows):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 32])
-def test_accept_is_the_reference_rule(dev, stream, setup, num_seqs):
-    cfg, bundle = setup
+def test_accept_is_the_reference_rule(dev, stream, preset_bundle, num_seqs):
+    cfg, bundle = preset_bundle
     spec = ref.specs_for(cfg)[1]
     lengths = RNG.integers(1, spec.max_block + 1, num_seqs)
     n = int(lengths.sum())
@@ -100,8 +83,8 @@ def test_accept_is_the_reference_rule(dev, stream, setup, num_seqs):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_rollback_poisons_exactly_the_rejected_ring_rows(dev, stream, setup, num_seqs):
-    cfg, bundle = setup
+def test_rollback_poisons_exactly_the_rejected_ring_rows(dev, stream, preset_bundle, num_seqs):
+    cfg, bundle = preset_bundle
     spec = ref.specs_for(cfg)[2]
     lines = 4
     ring = RNG.standard_normal((lines, spec.ring_rows, ref.RING_WIDTH)).astype(np.float32)
@@ -126,10 +109,10 @@ def test_rollback_poisons_exactly_the_rejected_ring_rows(dev, stream, setup, num
 
 
 @pytest.mark.parametrize("step", [0, 4, 5])
-def test_markov_step_is_the_ref_bitwise(dev, stream, setup, step):
+def test_markov_step_is_the_ref_bitwise(dev, stream, preset_bundle, step):
     """Pairs bitwise markov_ref (exact bf16 products summed in order in fp32, first maximum),
     ids rows exactly prev, the counter left zero, padding sequences (prev -1) without a pair."""
-    cfg, bundle = setup
+    cfg, bundle = preset_bundle
     tp = 4
     spec = ref.markov_specs_for(cfg, tp)[0]
     seqs = int(RNG.integers(1, 33))

@@ -13,33 +13,16 @@ multi-slot cases here, so a missing barrier would show as a mismatch. Bundles: H
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.launches.dspark import history_launch
-from executor.runtime import Arena, Bundle
+from executor.runtime import Arena
 from kernels import dspark_ref as ref
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-
-
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
 
 
 def _run(dev, stream, arrays: dict, launch) -> dict:
@@ -57,8 +40,8 @@ def _run(dev, stream, arrays: dict, launch) -> dict:
 
 @pytest.mark.parametrize("to_verify", [False, True])
 @pytest.mark.parametrize("seqs", [1, 3, 32, 256])
-def test_history_kernel_is_the_ref(dev, stream, setup, to_verify, seqs):
-    cfg, bundle = setup
+def test_history_kernel_is_the_ref(dev, stream, preset_bundle, to_verify, seqs):
+    cfg, bundle = preset_bundle
     rng = np.random.default_rng()
     k, cols = cfg.dspark_block_size, ref.history_cols(cfg)
     spec = ref.make_history_spec(k, to_verify, cols, cfg.dspark_noise_token_id)

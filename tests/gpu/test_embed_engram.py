@@ -22,9 +22,6 @@ Tolerances (kernels/embed_ref.py, kernels/engram_kernel_ref.py):
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -36,31 +33,23 @@ from executor.embed_engram_chain import (
     specs_from_bundle,
 )
 from executor.mhc_router_chain import download, poison, upload
-from executor.runtime import Bundle
 from kernels import engram_kernel_ref as ek
 from kernels.common_ref import BF16, to_bf16
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 ROWS = (1, 5, 6, 12, 48, 192)
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 LOOKUP_TABLE_ROWS = 4099
 SPECIAL_ROWS = ek.MAX_SCALE_BYTE + 1   # the table rows holding every finite code / scale byte
 
 
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle, specs_from_bundle(bundle)
-    bundle.close()
+@pytest.fixture(scope="module")
+def setup(preset_bundle):
+    """(config, bundle, the chain's specs) for each preset whose bundle is built."""
+    cfg, bundle = preset_bundle
+    return cfg, bundle, specs_from_bundle(bundle)
 
 
 def _bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -193,7 +182,7 @@ def test_lookup_bitwise(dev, stream, setup, host_table):
 
 
 # Tiny only: a v41-flash rank's real table is ~96M rows (25 GB); test_lookup_bitwise covers real widths.
-@pytest.mark.parametrize("setup", ["tiny"], indirect=True)
+@pytest.mark.parametrize("preset", ["tiny"], indirect=True)
 def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
     cfg, bundle, (hashes, spec, gate, _) = setup
     tp = spec.total_cols // spec.cols

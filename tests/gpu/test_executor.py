@@ -8,9 +8,7 @@ Needs an SM90 GPU, CuPy and a bundle with the probes (HOPDEC_BUNDLE, default bui
 """
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,28 +19,18 @@ from executor.executor import Executor
 from executor.graphs import BUCKETS
 from executor.plan import decode_plan
 from executor.reasons import StepFeature, StepResult
-from executor.runtime import Arena, Bundle, LaunchSpec
+from executor.runtime import Arena, LaunchSpec
 from kernels import probes_ref as pr
 from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"))
 CFG = ModelConfig.preset("tiny")
 GEOMETRY = CacheGeometry(max_seqs=2, ring_slots=32, ring_rows=8, page_size=64, num_pages=8,
                          pages_per_seq=4)
 CP_DTYPES = {"int8": cp.int8, "int32": cp.int32, "int64": cp.int64, "uint8": cp.uint8,
              "float32": cp.float32}
-
-
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.skip(f"no kernel bundle at {BUNDLE} (set HOPDEC_BUNDLE or run make bundle)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
 
 
 def _probe_executor(dev, bundle) -> Executor:
@@ -65,8 +53,8 @@ def _cupy_tensors(ex: Executor) -> dict:
     return {r.name: cp.zeros(r.shape, CP_DTYPES[r.dtype]) for r in ex.rules.values()}
 
 
-def test_bind_records_cupy_pointers_and_rejects_a_strided_view(dev, bundle):
-    ex = _probe_executor(dev, bundle)
+def test_bind_records_cupy_pointers_and_rejects_a_strided_view(dev, tiny_bundle):
+    ex = _probe_executor(dev, tiny_bundle)
     try:
         tensors = _cupy_tensors(ex)
         ex.bind(**tensors)
@@ -79,8 +67,8 @@ def test_bind_records_cupy_pointers_and_rejects_a_strided_view(dev, bundle):
         ex.close()
 
 
-def test_step_replays_the_bucket_into_bound_memory_and_declines_write_nothing(dev, bundle):
-    ex = _probe_executor(dev, bundle)
+def test_step_replays_the_bucket_into_bound_memory_and_declines_write_nothing(dev, tiny_bundle):
+    ex = _probe_executor(dev, tiny_bundle)
     caller = dev.stream()
     try:
         tensors = _cupy_tensors(ex)
@@ -106,11 +94,11 @@ def test_step_replays_the_bucket_into_bound_memory_and_declines_write_nothing(de
         ex.close()
 
 
-def test_step_is_sync_free_behind_a_long_kernel(dev, bundle):
+def test_step_is_sync_free_behind_a_long_kernel(dev, tiny_bundle):
     """step() returns while a 50 ms spin queued before it on the caller's stream still runs."""
     spin_ns = 50_000_000
     cu = driver()
-    ex = _probe_executor(dev, bundle)
+    ex = _probe_executor(dev, tiny_bundle)
     caller = dev.stream()
     done = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT))
     try:
@@ -119,7 +107,7 @@ def test_step_is_sync_free_behind_a_long_kernel(dev, bundle):
         ex.step(6, caller.handle)                 # first use of this stream handle: warm
         caller.synchronize()
         with Arena(dev, [("out", 8)]) as arena:
-            spin = LaunchSpec(bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
+            spin = LaunchSpec(tiny_bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
             t0 = time.perf_counter()
             spin.launch(caller)
             codes = [ex.step(rows, caller.handle) for rows in (1, 6, 48, 192)]

@@ -17,14 +17,10 @@ bitwise identical.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.indexer_chain import IndexerChain, IndexerShape, random_key_records
-from executor.runtime import Bundle
 from kernels import indexer_kernel_ref as ik
 from kernels import indexer_ref, kvrecord_ref
 from loader import formats
@@ -32,20 +28,10 @@ from loader import formats
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4"))
 PAGE = 64
 WEIGHT_SCALE = 128 ** -0.5 * 32 ** -0.5
 CASES = [(10, 1), (10, 6), (1000, 1), (1000, 5), (1000, 12), (1000, 48), (4096, 48),
          (32768, 1), (32768, 6), (32768, 12), (131072, 1), (131072, 6)]
-
-
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.fail(f"no bundle at {BUNDLE} (python -m kernels.build --config v41-flash --tp 4)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
 
 
 def make_rows(rng, context: int, rows: int, padding: int):
@@ -136,7 +122,7 @@ def new_chain(dev, bundle, mode, context, rows, candidate_source):
 
 
 @pytest.mark.parametrize(("context", "rows"), CASES)
-def test_layer20_then_reindex(dev, bundle, context, rows):
+def test_layer20_then_reindex(dev, v41_bundle, context, rows):
     rng = np.random.default_rng()
     stream = dev.stream()
     positions, seq_index, seqs = make_rows(rng, context, rows, padding=2)
@@ -146,7 +132,7 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
     q_bits = (q.view(np.uint32) >> 16).astype(np.uint16)
     w_bits = (w_raw.view(np.uint32) >> 16).astype(np.uint16)
 
-    dense = new_chain(dev, bundle, "dense", context, rows, True)
+    dense = new_chain(dev, v41_bundle, "dense", context, rows, True)
     try:
         decoded = setup_keys(rng, dense, seqs, positions, seq_index, 1)
         for name, arr in (("q", q_bits), ("w_raw", w_bits), ("positions", positions),
@@ -183,7 +169,7 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
     finally:
         dense.close()
 
-    reindex = new_chain(dev, bundle, "candidates", context, rows, False)
+    reindex = new_chain(dev, v41_bundle, "candidates", context, rows, False)
     try:
         reindex.upload("keys", keys_bytes)
         reindex.upload("block_tables", tables)
@@ -210,7 +196,7 @@ def test_layer20_then_reindex(dev, bundle, context, rows):
 # ---- SWA insert: bytes equal to the reference records ----------------------------------------
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 12, 48, 192])
-def test_swa_insert_writes_reference_bytes(dev, bundle, rows):
+def test_swa_insert_writes_reference_bytes(dev, v41_bundle, rows):
     """Every byte of the cache equals the reference after the launch: the records of real rows,
     0xFF (poison) everywhere else, so a padding row that wrote, a wrong slot or a stray byte shows.
     kv is drawn with group scales spread over 2^-20..2^6 so the scale bytes vary."""
@@ -248,7 +234,7 @@ def test_swa_insert_writes_reference_bytes(dev, bundle, rows):
         arena.view("cache", np.uint8)[...] = 0xFF
         cp.cuda.Device().synchronize()
         stream = dev.stream()
-        LaunchSpec(bundle.kernel(spec.name), spec.grid(r),
+        LaunchSpec(v41_bundle.kernel(spec.name), spec.grid(r),
                    (arena.ptr("kv"), arena.ptr("weight"), arena.ptr("table"),
                     arena.ptr("positions"), arena.ptr("slots"), arena.ptr("cache"), r, 8192,
                     eps)).launch(stream)

@@ -17,36 +17,22 @@ memory) and 8200 (past the 8192 slots held: the global fallback).
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.indexer_chain import IndexerChain, IndexerShape
 from executor.launch import LaunchSpec
-from executor.runtime import Bundle
 from kernels import indexer_kernel_ref as ik
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4"))
 POISON = np.float32(np.finfo(np.float32).max)
 # Visible entries of the rows of one case (one launch); 131072 = the in-shared-memory capacity.
 LENGTHS = [(1, 7, 300), (511, 512, 513), (4095, 4096, 4097), (2047 * 8 + 1, 16384, 16385),
            (65536, 70001, 1000), (131072, 131064, 12345), (140000, 131073, 3),
            (262145, 5, 200000)]
 DISTS = ["ties", "equal", "normal"]
-
-
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.fail(f"no bundle at {BUNDLE} (python -m kernels.build --config v41-flash --tp 4)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
 
 
 def draw_scores(rng, dist: str, rows: int, ld: int) -> np.ndarray:
@@ -61,14 +47,14 @@ def draw_scores(rng, dist: str, rows: int, ld: int) -> np.ndarray:
 
 @pytest.mark.parametrize("dist", DISTS)
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda v: "-".join(map(str, v)))
-def test_cluster_topk_equals_reference(dev, bundle, lengths, dist):
+def test_cluster_topk_equals_reference(dev, v41_bundle, lengths, dist):
     rng = np.random.default_rng()
     n = np.array(lengths, np.int64)
     rows = n.size + 1                                      # + one padding row
     positions = np.append(n - 1, 0).astype(np.int32)       # ratio 1: visible = position + 1
     seq_index = np.append(np.arange(n.size), -1).astype(np.int32)
     ld = int(n.max()) + 64
-    chain = IndexerChain(dev, bundle, IndexerShape(32, 1, "dense", 512, 2048, 8, 64, rows, rows,
+    chain = IndexerChain(dev, v41_bundle, IndexerShape(32, 1, "dense", 512, 2048, 8, 64, rows, rows,
                                                    ld, candidate_source=True))
     try:
         scores = draw_scores(rng, dist, rows, ld)
@@ -109,14 +95,14 @@ CAND_LENGTHS = [(1, 100, 5000), (4097, 70000, 131072), (16, 65536, 262145)]
 @pytest.mark.parametrize("num_cands", [2048, 8200])
 @pytest.mark.parametrize("dist", DISTS)
 @pytest.mark.parametrize("lengths", CAND_LENGTHS, ids=lambda v: "-".join(map(str, v)))
-def test_cluster_topk_candidates_equals_reference(dev, bundle, lengths, dist, num_cands):
+def test_cluster_topk_candidates_equals_reference(dev, v41_bundle, lengths, dist, num_cands):
     rng = np.random.default_rng()
     n = np.array(lengths, np.int64)
     rows = n.size + 1
     positions = np.append(n - 1, 0).astype(np.int32)
     seq_index = np.append(np.arange(n.size), -1).astype(np.int32)
     ld = int(n.max()) + 64
-    chain = IndexerChain(dev, bundle, IndexerShape(32, 1, "candidates", 512, num_cands, 8, 64,
+    chain = IndexerChain(dev, v41_bundle, IndexerShape(32, 1, "candidates", 512, num_cands, 8, 64,
                                                    rows, rows, ld))
     try:
         cands = np.full((rows, num_cands), -1, np.int32)

@@ -7,36 +7,19 @@ missing bundle skips with the reason. Written while no GPU was available: not ye
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.launches.linear_bf16 import linear_bf16_launch
-from executor.runtime import Arena, Bundle
+from executor.runtime import Arena
 from kernels import linear_bf16_ref as lr
 from kernels.common_ref import BF16, to_bf16
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 ROWS = (1, 5, 6, 8, 9, 17, 48, 192)
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-
-
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
 
 
 def _put(arena, name, array):
@@ -44,8 +27,8 @@ def _put(arena, name, array):
     arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
 
 
-def test_indexer_weights_linear_matches_the_reference(dev, stream, setup):
-    cfg, bundle = setup
+def test_indexer_weights_linear_matches_the_reference(dev, stream, preset_bundle):
+    cfg, bundle = preset_bundle
     spec = lr.indexer_weights_spec(cfg)
     n, k, max_rows = spec.n, spec.k, max(ROWS)
     with Arena(dev, [("x", 2 * max_rows * k), ("w", 2 * n * k),

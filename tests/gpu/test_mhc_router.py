@@ -49,20 +49,15 @@ Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.mhc_router_chain import MhcStep, Router, download, poison, upload
-from executor.runtime import Bundle
 from kernels import mhc_kernel_ref as mk
 from kernels import mhc_ref
 from kernels import norm_ref as nr
 from kernels import router_ref as rk
 from kernels.common_ref import BF16, to_bf16
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -70,22 +65,9 @@ cp = pytest.importorskip("cupy")
 ROWS = (1, 5, 6, 12, 48, 192)
 POLL_ROWS = (1, 2, 5, 6, 8, 17, 48, 192)       # `_lean_poll`: 1-8 the step's, then 1 and 6 blocks
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 PP_ATOL = 1e-5
 COMB_ATOL = 1e-5
 ROUTE_REL = 2.0**-17
-
-
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
 
 
 def _within(got, want, bound, what: str) -> None:
@@ -228,8 +210,8 @@ def _mode_spec(cfg, mode: str) -> mk.MhcPreSpec:
                                   "post_lean_poll_normf32", "post_lean_poll_ms_normbf16",
                                   "post_lean_poll_ms_normf32", "plain_lean", "broadcast",
                                   "broadcast_lean", "postonly"])
-def test_mhc_pre_matches_reference(dev, stream, setup, mode):
-    cfg, bundle = setup
+def test_mhc_pre_matches_reference(dev, stream, preset_bundle, mode):
+    cfg, bundle = preset_bundle
     spec = _mode_spec(cfg, mode)
     for rows in POLL_ROWS if spec.polled else ROWS:
         in_place = spec.mode != "plain" and rows % 2 == 0
@@ -239,13 +221,13 @@ def test_mhc_pre_matches_reference(dev, stream, setup, mode):
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("norm", ["bf16", "f32"])
-def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, setup, norm, split):
+def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, preset_bundle, norm, split):
     """`_lean_poll` is `_lean` with another handoff (`_ms`: and the row's mixes split over 4
     warps, each mix summed in the same order): the same products and sums in the same orders,
     so on the same inputs every output (X', x, mixes, coefficients, x_normed) is bitwise
     `_lean`'s, at the step's rows and across row blocks; its exchange is left empty and its
     timeout flag clear."""
-    cfg, bundle = setup
+    cfg, bundle = preset_bundle
     specs = [mk.make_spec(cfg.hidden_size, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters,
                           lean=True, norm_weight=norm, polled=polled, mix_split=split and polled)
              for polled in (False, True)]
@@ -273,11 +255,11 @@ def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, setup, norm, split):
 
 
 @pytest.mark.parametrize("variant", ["lr_rcp", "lean", "lean_poll", "lean_poll_ms"])
-def test_mhc_pre_relaunch_reuses_counters(dev, stream, setup, variant):
+def test_mhc_pre_relaunch_reuses_counters(dev, stream, preset_bundle, variant):
     """Two launches on the same counters (the second after the first resets them) both reduce,
     to bitwise equal mixes and coefficients (the reduce order does not depend on timing).
     `_lean_poll`: the same exchange twice (the first launch must leave it empty)."""
-    cfg, bundle = setup
+    cfg, bundle = preset_bundle
     spec = _mode_spec(cfg, {"lr_rcp": "post_lr_rcp", "lean": "post_lean",
                             "lean_poll": "post_lean_poll_normf32",
                             "lean_poll_ms": "post_lean_poll_ms_normf32"}[variant])
@@ -378,10 +360,10 @@ def _check_router(spec, rows, x, weight, bias, group, logits, ids, weights, coun
 
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("variant", ["rb16", "tile8", "tile8p"])
-def test_router_matches_reference(dev, stream, setup, ties, variant):
+def test_router_matches_reference(dev, stream, preset_bundle, ties, variant):
     """Every router kernel; the one-pass ones also at 8 and 9 rows (a full tile, one row into
     the next)."""
-    cfg, bundle = setup
+    cfg, bundle = preset_bundle
     default, tile8, tile8p = rk.router_specs(cfg)
     spec = {"rb16": default, "tile8": tile8, "tile8p": tile8p}[variant]
     for rows in ROWS + ((8, 9) if spec.one_pass else ()):
@@ -389,11 +371,11 @@ def test_router_matches_reference(dev, stream, setup, ties, variant):
 
 
 @pytest.mark.parametrize("variant", [1, 2])
-def test_router_relaunch_reuses_scratch(dev, stream, setup, variant):
+def test_router_relaunch_reuses_scratch(dev, stream, preset_bundle, variant):
     """`_tile8` / `_tile8p` launched 3 times on one arena (the step's 40 layers share one scratch),
     fresh x each time and R = 8, 3, 6 (fewer rows than before: a stale exchange word or counter
     of an earlier launch would be taken as this launch's): every launch matches its reference."""
-    cfg, bundle = setup
+    cfg, bundle = preset_bundle
     spec = rk.router_specs(cfg)[variant]
     e, d = spec.experts, spec.hidden
     router = Router(dev, bundle, spec, max_rows=max(ROWS))

@@ -16,18 +16,14 @@ compares every element. Tolerances:
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from executor.runtime import Arena, Bundle, LaunchSpec
+from executor.runtime import Arena, LaunchSpec
 from kernels import common_ref as cr
 from kernels import elementwise_ref as er
 from kernels import norm_ref as nr
 from kernels import rope_ref as rr
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -35,20 +31,6 @@ cp = pytest.importorskip("cupy")
 ROWS = (1, 5, 6, 8, 17, 48, 192)
 LARGE_ROWS = 6553            # 64 MiB of bf16 input at D = 5120
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-
-
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    """(config, bundle) for each bundle present."""
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
 
 
 def _run(dev, stream, bundle, name, grid, buffers: dict, scalars: tuple, outputs: tuple,
@@ -92,8 +74,8 @@ def _pipelined_rows(spec) -> int:
 
 
 @pytest.mark.parametrize("wdtype", nr.WEIGHT_DTYPES)
-def test_rmsnorm_matches_reference_bitwise(dev, stream, setup, wdtype):
-    cfg, bundle = setup
+def test_rmsnorm_matches_reference_bitwise(dev, stream, preset_bundle, wdtype):
+    cfg, bundle = preset_bundle
     for width in nr.built_widths(cfg):
         spec = nr.make_spec(width, wdtype)
         for rows in _rows(width) + (_pipelined_rows(spec),):
@@ -111,10 +93,10 @@ def test_rmsnorm_matches_reference_bitwise(dev, stream, setup, wdtype):
                 f"{spec.name} rows={rows} eps={eps}: {_first_mismatch(y, want)}")
 
 
-def test_rmsnorm_in_place(dev, stream, setup):
+def test_rmsnorm_in_place(dev, stream, preset_bundle):
     """out == x: a group prefetches its own next row while storing the current one, and never
     reads a row another group writes; checked at one step and at 2-3 steps per group."""
-    cfg, bundle = setup
+    cfg, bundle = preset_bundle
     for width in nr.built_widths(cfg):
         spec = nr.make_spec(width, "bf16")
         for rows in (17, _pipelined_rows(spec)):
@@ -136,8 +118,8 @@ def test_rmsnorm_in_place(dev, stream, setup):
 # ---- residual add --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("a_dtype", er.A_DTYPES)
-def test_residual_add_matches_reference_bitwise(dev, stream, setup, a_dtype):
-    cfg, bundle = setup
+def test_residual_add_matches_reference_bitwise(dev, stream, preset_bundle, a_dtype):
+    cfg, bundle = preset_bundle
     spec = er.make_spec(cfg.hidden_size, a_dtype)
     for rows in _rows(spec.width):
         a = (RNG.standard_normal((rows, spec.width)) * 3).astype(np.float32)
@@ -157,8 +139,8 @@ def _rope_specs(cfg):
 
 
 @pytest.mark.parametrize("kind", ("plain", "yarn"))
-def test_rope_matches_reference(dev, stream, setup, kind):
-    cfg, bundle = setup
+def test_rope_matches_reference(dev, stream, preset_bundle, kind):
+    cfg, bundle = preset_bundle
     num_positions = min(cfg.max_position_embeddings, 1 << 17)   # keeps the table at 32 MiB
     table = rr.RopeTable.for_ratio(cfg, 1 if kind == "yarn" else 0, num_positions)
     for spec in _rope_specs(cfg):

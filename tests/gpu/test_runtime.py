@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,16 +29,6 @@ from kernels import probes_ref as pr
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")   # uploads/downloads; devicecheck counts a skip as a failure
 
-BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"))
-
-
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.skip(f"no kernel bundle at {BUNDLE} (set HOPDEC_BUNDLE or run make bundle)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
 
 
 def _cupy_done() -> None:
@@ -80,7 +68,7 @@ def test_arena_slices_aligned_disjoint_and_writable(dev, stream):
             assert (whole[off:off + nb] == i + 1).all(), n
 
 
-def test_stream_read_probe_writes_exact_partials(dev, bundle, stream):
+def test_stream_read_probe_writes_exact_partials(dev, tiny_bundle, stream):
     grid_x = dev.sm_count * pr.STREAM_CTAS_PER_SM
     nbytes = (8 << 20) + 16 * random.randint(1, 4096)      # ragged: the tail loop runs too
     nparts = pr.stream_read_partials_count(grid_x)
@@ -89,7 +77,7 @@ def test_stream_read_probe_writes_exact_partials(dev, bundle, stream):
         _u32_view(arena, "src")[:] = src
         _u32_view(arena, "parts")[:] = 0xDEADBEEF          # poison
         _cupy_done()
-        spec = LaunchSpec(bundle.kernel(pr.STREAM_READ.name), (grid_x,),
+        spec = LaunchSpec(tiny_bundle.kernel(pr.STREAM_READ.name), (grid_x,),
                           (arena.ptr("src"), arena.ptr("parts"), nbytes // 16))
         spec.launch(stream)
         stream.synchronize()
@@ -98,10 +86,10 @@ def test_stream_read_probe_writes_exact_partials(dev, bundle, stream):
     np.testing.assert_array_equal(got, expected)            # every partial, bit for bit
 
 
-def test_spin_probe_spins_at_least_the_requested_time(dev, bundle, stream):
+def test_spin_probe_spins_at_least_the_requested_time(dev, tiny_bundle, stream):
     spin_ns = 200_000
     with Arena(dev, [("out", 8)]) as arena, _timer(stream) as timer:
-        spec = LaunchSpec(bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
+        spec = LaunchSpec(tiny_bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
         us = timer.median_us(lambda: spec.launch(stream), reps=5, warmup=1)
         elapsed = int(arena.view("out", np.int64).get()[0])
     assert spin_ns <= elapsed < spin_ns + 50_000
@@ -127,14 +115,14 @@ def _stream_and_chain_specs(dev, bundle, arena, steps, pdl):
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_graph_replay_equals_eager_bitwise(dev, bundle, stream, pdl):
+def test_graph_replay_equals_eager_bitwise(dev, tiny_bundle, stream, pdl):
     steps, nbytes = 16, 4 << 20
     grid_x = dev.sm_count * pr.STREAM_CTAS_PER_SM
     reqs = [("src", nbytes), ("parts", 4 * pr.stream_read_partials_count(grid_x)), ("counter", 4)]
     with Arena(dev, reqs) as arena:
         _u32_view(arena, "src")[:] = cp.random.randint(0, 2**32, size=nbytes // 4,
                                                        dtype=cp.int64).astype(cp.uint32)
-        specs = _stream_and_chain_specs(dev, bundle, arena, steps, pdl)
+        specs = _stream_and_chain_specs(dev, tiny_bundle, arena, steps, pdl)
 
         def run_eager_or_record():
             for s in specs:
@@ -170,9 +158,9 @@ def test_graph_replay_equals_eager_bitwise(dev, bundle, stream, pdl):
 
 
 @pytest.mark.parametrize("pdl, edge", [(True, "programmatic"), (False, "default")])
-def test_captured_edges_are_programmatic_only_with_pdl(dev, bundle, stream, pdl, edge):
+def test_captured_edges_are_programmatic_only_with_pdl(dev, tiny_bundle, stream, pdl, edge):
     with Arena(dev, [("counter", 4)]) as arena:
-        specs = [_chain(bundle, arena.ptr("counter"), pdl) for _ in range(12)]
+        specs = [_chain(tiny_bundle, arena.ptr("counter"), pdl) for _ in range(12)]
         with Graph.capture(stream) as g:
             for s in specs:
                 s.launch(stream)
@@ -184,7 +172,7 @@ def test_captured_edges_are_programmatic_only_with_pdl(dev, bundle, stream, pdl,
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_pdl_overlap_is_observed_only_with_the_attribute(dev, bundle, stream, pdl):
+def test_pdl_overlap_is_observed_only_with_the_attribute(dev, tiny_bundle, stream, pdl):
     """The consumer reads the producer's flag before griddepcontrol.wait: with PDL it runs while
     the producer spins (flag not yet set); without the attribute it starts after (flag set)."""
     with Arena(dev, [("flag", 4), ("out", 8)]) as arena:
@@ -193,9 +181,9 @@ def test_pdl_overlap_is_observed_only_with_the_attribute(dev, bundle, stream, pd
             _u32_view(arena, "flag")[:] = 0
             _u32_view(arena, "out")[:] = 0xDEADBEEF
             _cupy_done()
-            producer = LaunchSpec(bundle.kernel(pr.PDL_PRODUCER.name), (1,),
+            producer = LaunchSpec(tiny_bundle.kernel(pr.PDL_PRODUCER.name), (1,),
                                   (arena.ptr("flag"), 100_000, token), pdl=pdl)
-            consumer = LaunchSpec(bundle.kernel(pr.PDL_CONSUMER.name), (1,),
+            consumer = LaunchSpec(tiny_bundle.kernel(pr.PDL_CONSUMER.name), (1,),
                                   (arena.ptr("flag"), arena.ptr("out"), token), pdl=pdl)
             producer.launch(stream)
             consumer.launch(stream)
@@ -205,13 +193,13 @@ def test_pdl_overlap_is_observed_only_with_the_attribute(dev, bundle, stream, pd
             assert seen_before_wait == (0 if pdl else 1)
 
 
-def test_graph_launch_returns_before_a_long_kernel_finishes(dev, bundle, stream):
+def test_graph_launch_returns_before_a_long_kernel_finishes(dev, tiny_bundle, stream):
     """Sync-freedom: launching a step graph behind a 50 ms spin returns to the host at once."""
     spin_ns = 50_000_000
     cu = driver()
     with Arena(dev, [("out", 8), ("counter", 4)]) as arena:
-        spin = LaunchSpec(bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
-        chain = [_chain(bundle, arena.ptr("counter"), True) for _ in range(50)]
+        spin = LaunchSpec(tiny_bundle.kernel(pr.SPIN.name), (1,), (arena.ptr("out"), spin_ns))
+        chain = [_chain(tiny_bundle, arena.ptr("counter"), True) for _ in range(50)]
         with Graph.capture(stream) as g:
             for s in chain:
                 s.launch(stream)
@@ -236,9 +224,9 @@ def test_graph_launch_returns_before_a_long_kernel_finishes(dev, bundle, stream)
     assert host_s < 0.1 * spin_ns / 1e9 and wall_s >= spin_ns / 1e9
 
 
-def test_graphset_replays_the_bucket_of_the_rows(dev, bundle, stream):
+def test_graphset_replays_the_bucket_of_the_rows(dev, tiny_bundle, stream):
     with Arena(dev, [("counter", 4)]) as arena:
-        specs = [_chain(bundle, arena.ptr("counter"), True) for _ in range(8)]
+        specs = [_chain(tiny_bundle, arena.ptr("counter"), True) for _ in range(8)]
         gs = GraphSet.capture(stream, lambda rows: [s.launch(stream) for s in specs[:rows]],
                               buckets=(1, 2, 4, 8))
         try:
@@ -255,14 +243,14 @@ def test_graphset_replays_the_bucket_of_the_rows(dev, bundle, stream):
             gs.close()
 
 
-def test_every_resource_is_released(bundle):
+def test_every_resource_is_released(tiny_bundle):
     """Device memory returns to its starting free amount once everything is closed."""
     dev = Device(0)
     cp.get_default_memory_pool().free_all_blocks()
     dev.synchronize()
     free0 = dev.mem_free_bytes()
     arena = Arena(dev, [("big", 256 << 20), ("counter", 4)])
-    b = Bundle.load(dev, BUNDLE)
+    b = Bundle.load(dev, tiny_bundle.manifest.path.parent)   # a second load
     s = dev.stream()
     specs = [_chain(b, arena.ptr("counter"), True) for _ in range(20)]
     with Graph.capture(s) as g:
@@ -281,9 +269,9 @@ def test_every_resource_is_released(bundle):
     assert abs(leaked) <= 2 << 20, f"{leaked} bytes not returned"
 
 
-def test_bad_cubin_and_bad_entry_raise_naming_the_kernel(dev, bundle, tmp_path):
-    src = bundle.manifest.path.parent
-    doc = json.loads(bundle.manifest.path.read_text())
+def test_bad_cubin_and_bad_entry_raise_naming_the_kernel(dev, tiny_bundle, tmp_path):
+    src = tiny_bundle.manifest.path.parent
+    doc = json.loads(tiny_bundle.manifest.path.read_text())
     name = pr.CHAIN_STEP.name
     rec = doc["kernels"][name]
     shutil.copy(src / rec["cubin"], tmp_path / rec["cubin"])
@@ -301,15 +289,15 @@ def test_bad_cubin_and_bad_entry_raise_naming_the_kernel(dev, bundle, tmp_path):
         Bundle.load(dev, tmp_path)
 
 
-def test_launchspec_arg_errors_on_a_real_kernel(bundle):
-    k = bundle.kernel(pr.PDL_CONSUMER.name)
+def test_launchspec_arg_errors_on_a_real_kernel(tiny_bundle):
+    k = tiny_bundle.kernel(pr.PDL_CONSUMER.name)
     with pytest.raises(TypeError, match="takes 3 args"):
         LaunchSpec(k, (1,), (1 << 20, 1 << 20))
     with pytest.raises(TypeError, match="param 'token'"):
         LaunchSpec(k, (1,), (1 << 20, 1 << 20, 1.0))
 
 
-def test_launch_on_an_external_callers_stream(dev, bundle):
+def test_launch_on_an_external_callers_stream(dev, tiny_bundle):
     """A caller-owned stream (here CuPy's) is wrapped, launched on, and left open by close()."""
     from executor.runtime import Stream
     theirs = cp.cuda.Stream(non_blocking=True)
@@ -317,7 +305,7 @@ def test_launch_on_an_external_callers_stream(dev, bundle):
         _u32_view(arena, "counter")[:] = 0
         _cupy_done()
         s = Stream.external(theirs.ptr)
-        for spec in [_chain(bundle, arena.ptr("counter"), True) for _ in range(3)]:
+        for spec in [_chain(tiny_bundle, arena.ptr("counter"), True) for _ in range(3)]:
             spec.launch(s)
         s.close()
         theirs.synchronize()                              # still valid: we did not destroy it

@@ -19,37 +19,27 @@ without the cluster attribute writes NaN everywhere rather than wrong numbers.
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from executor.runtime import Bundle, LaunchSpec
+from executor.runtime import LaunchSpec
 from executor.sparse_mqa_chain import SparseMqaBuffers, make_case
 from kernels import sparse_mqa_ref as ref
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 # R = 1, 5 (draft), 6 (verify), 12 (two verifies), 48 (eight verifies), with and without padding.
 BLOCKS = {1: ["decode"], 6: ["verify"], 12: ["verify", "verify"], 48: ["verify"] * 8}
 CONTEXTS = {"tiny": (9, 100, 1024, 32768), "v41-flash": (100, 1024, 32768, 131072)}
 
 
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield request.param, ModelConfig.preset(request.param), bundle
-    bundle.close()
+@pytest.fixture(scope="module")
+def setup(preset, preset_bundle):
+    """(preset name, config, bundle) for each preset whose bundle is built."""
+    return (preset, *preset_bundle)
 
 
 def _run(dev, stream, bundle, case, twice: bool = False):

@@ -14,40 +14,23 @@ stored).
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from executor.launches.split_norm import split_norm_launch
-from executor.runtime import Arena, Bundle
+from executor.runtime import Arena
 from kernels import common_ref as cr
 from kernels import norm_ref as nr
 from kernels import split_norm_ref as sr
-from loader.config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 RNG = np.random.default_rng()
-BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
-           "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
 
 
-@pytest.fixture(scope="module", params=sorted(BUNDLES))
-def setup(request, dev):
-    env, default = BUNDLES[request.param]
-    path = Path(os.environ.get(env, default))
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {request.param} kernel bundle at {path} (set {env})")
-    bundle = Bundle.load(dev, path)
-    yield ModelConfig.preset(request.param), bundle
-    bundle.close()
-
-
-def test_split_norm_matches_reference_bitwise(dev, stream, setup):
-    cfg, bundle = setup
+def test_split_norm_matches_reference_bitwise(dev, stream, preset_bundle):
+    cfg, bundle = preset_bundle
     (spec,) = sr.specs_for(cfg)
     w_, t_ = spec.width, spec.tail
     for rows in (1, 6, 13, 48, 192, 2 * spec.max_ctas * spec.rows_per_cta + 3):
