@@ -4,6 +4,7 @@ and the kernel bundles the tests launch from.
 Bundles: HOPDEC_BUNDLE (tiny, default build/bundle-tiny) and HOPDEC_BUNDLE_V41 (v41-flash widths,
 default build/bundle-v41-flash-tp4). Imports stay inside the fixtures so collecting these modules
 needs no GPU library."""
+import contextlib
 import os
 from pathlib import Path
 
@@ -18,9 +19,18 @@ def _bundle_path(preset: str) -> Path:
     return Path(os.environ.get(env, default))
 
 
-def _load_bundle(dev, path: Path):
+@contextlib.contextmanager
+def _opened_bundle(dev, path: Path, missing, reason: str):
+    """The bundle at `path`, closed on exit; without a manifest there, `missing(reason)`
+    (pytest.skip or pytest.fail) instead."""
+    if not (path / "manifest.json").is_file():
+        missing(reason)
     from executor.runtime import Bundle
-    return Bundle.load(dev, path)
+    bundle = Bundle.load(dev, path)
+    try:
+        yield bundle
+    finally:
+        bundle.close()
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +59,18 @@ def preset_bundle(dev, preset):
     reason."""
     from loader.config import ModelConfig
     path = _bundle_path(preset)
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no {preset} kernel bundle at {path} (set {PRESET_BUNDLES[preset][0]})")
-    bundle = _load_bundle(dev, path)
-    yield ModelConfig.preset(preset), bundle
-    bundle.close()
+    reason = f"no {preset} kernel bundle at {path} (set {PRESET_BUNDLES[preset][0]})"
+    with _opened_bundle(dev, path, pytest.skip, reason) as bundle:
+        yield ModelConfig.preset(preset), bundle
 
 
 @pytest.fixture(scope="module")
 def tiny_bundle(dev):
     """The tiny bundle alone (runtime and executor probes); missing, the tests skip."""
     path = _bundle_path("tiny")
-    if not (path / "manifest.json").is_file():
-        pytest.skip(f"no kernel bundle at {path} (set HOPDEC_BUNDLE or run make bundle)")
-    bundle = _load_bundle(dev, path)
-    yield bundle
-    bundle.close()
+    reason = f"no kernel bundle at {path} (set HOPDEC_BUNDLE or run make bundle)"
+    with _opened_bundle(dev, path, pytest.skip, reason) as bundle:
+        yield bundle
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +78,6 @@ def v41_bundle(dev):
     """The v41-flash bundle alone, for kernels built only at v41-flash widths; missing, the tests
     fail (a run that should have built it did not)."""
     path = _bundle_path("v41-flash")
-    if not (path / "manifest.json").is_file():
-        pytest.fail(f"no bundle at {path} (python -m kernels.build --config v41-flash --tp 4)")
-    bundle = _load_bundle(dev, path)
-    yield bundle
-    bundle.close()
+    reason = f"no bundle at {path} (python -m kernels.build --config v41-flash --tp 4)"
+    with _opened_bundle(dev, path, pytest.fail, reason) as bundle:
+        yield bundle

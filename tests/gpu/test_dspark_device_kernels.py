@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from arena_io import launch_on_arrays
 
 from executor.launches.dspark import accept_launch, aux_launch, markov_launch, rollback_launch
-from executor.runtime import Arena
 from kernels import dspark_ref as ref
 from kernels.common_ref import BF16
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+pytest.importorskip("cupy")                 # arena_io moves the arrays with CuPy
 
 CAP = 192
 RNG = np.random.default_rng()
-
-
-def _run(dev, stream, arrays: dict, launch):
-    """Upload `arrays` into one arena, run `launch(ptrs)`, return every slice back as numpy."""
-    with Arena(dev, [(n, max(a.nbytes, 16)) for n, a in arrays.items()]) as arena:
-        for name, a in arrays.items():
-            raw = np.ascontiguousarray(a).view(np.uint8).ravel()
-            arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
-        cp.cuda.Device().synchronize()
-        launch({n: arena.ptr(n) for n in arrays}).launch(stream)
-        stream.synchronize()
-        return {n: cp.asnumpy(arena.view(n, np.uint8, (a.nbytes,))).view(a.dtype).reshape(a.shape)
-                for n, a in arrays.items()}
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13, 192])
@@ -46,8 +33,8 @@ def test_aux_is_the_bitwise_stream_mean(dev, stream, preset_bundle, rows):
     streams = (RNG.standard_normal((CAP, cfg.hc_mult, d)) * 8).astype(BF16)
     aux = np.full((CAP, t, d), 0xFFFF, np.uint16)
     target = int(RNG.integers(0, t))
-    got = _run(dev, stream, {"streams": streams, "aux": aux},
-               lambda p: aux_launch(bundle, spec, p, rows, target))["aux"]
+    got = launch_on_arrays(dev, stream, {"streams": streams, "aux": aux},
+                           lambda p: aux_launch(bundle, spec, p, rows, target))["aux"]
     assert np.array_equal(got[:rows, target], ref.aux_ref(streams[:rows]).view(np.uint16))
     poisoned = np.ones((CAP, t), bool)
     poisoned[:rows, target] = False
@@ -73,7 +60,7 @@ def test_accept_is_the_reference_rule(dev, stream, preset_bundle, num_seqs):
     arrays = {"token_ids": ids, "tokens": tokens, "seq_index": seq, "slot_mapping": slots,
               "accepted": np.full(CAP, -7, np.int32), "bonus": np.full(CAP, -7, np.int64),
               "context_slots": np.full(CAP, -7, np.int64)}
-    got = _run(dev, stream, arrays, lambda p: accept_launch(bundle, spec, p, n))
+    got = launch_on_arrays(dev, stream, arrays, lambda p: accept_launch(bundle, spec, p, n))
     accepted, bonus, context = ref.accept_ref(ids[:n], tokens[:n], seq[:n], slots[:n], num_seqs)
     assert np.array_equal(got["accepted"][:num_seqs], accepted)
     assert np.array_equal(got["bonus"][:num_seqs], bonus)
@@ -102,7 +89,8 @@ def test_rollback_poisons_exactly_the_rejected_ring_rows(dev, stream, preset_bun
         accepted[s] = RNG.integers(0, rows.size)
     arrays = {"ring": ring, "positions": positions, "seq_index": seq,
               "state_lines": state_lines, "accepted": accepted}
-    got = _run(dev, stream, arrays, lambda p: rollback_launch(bundle, spec, p, n))["ring"]
+    got = launch_on_arrays(dev, stream, arrays,
+                           lambda p: rollback_launch(bundle, spec, p, n))["ring"]
     want = ring.copy()
     ref.rollback_ref(want, positions[:n], seq[:n], state_lines, accepted)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -127,8 +115,8 @@ def test_markov_step_is_the_ref_bitwise(dev, stream, preset_bundle, step):
               "pairs": np.full((CAP, 2), -7, np.int32), "ids": np.full(CAP, -7, np.int64),
               "partials": np.zeros((CAP, spec.tiles, 2), np.float32),
               "counter": np.zeros(4, np.uint32)}
-    got = _run(dev, stream, arrays,
-               lambda p: markov_launch(bundle, spec, p, seqs, step, offset))
+    got = launch_on_arrays(dev, stream, arrays,
+                           lambda p: markov_launch(bundle, spec, p, seqs, step, offset))
     pairs, ids = ref.markov_ref(base, w1, w2, prev[:seqs], step, spec.steps, offset)
     want_pairs = np.full((CAP, 2), -7, np.int32)
     for s, pair in pairs.items():

@@ -15,27 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from arena_io import launch_on_arrays
 
 from executor.launches.dspark import history_launch
-from executor.runtime import Arena
 from kernels import dspark_ref as ref
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
-
-
-
-def _run(dev, stream, arrays: dict, launch) -> dict:
-    """Upload `arrays` into one arena, run `launch(ptrs)`, return every slice back as numpy."""
-    with Arena(dev, [(n, max(a.nbytes, 16)) for n, a in arrays.items()]) as arena:
-        for name, a in arrays.items():
-            raw = np.ascontiguousarray(a).view(np.uint8).ravel()
-            arena.view(name, np.uint8, (raw.size,))[...] = cp.asarray(raw)
-        cp.cuda.Device().synchronize()
-        launch({n: arena.ptr(n) for n in arrays}).launch(stream)
-        stream.synchronize()
-        return {n: cp.asnumpy(arena.view(n, np.uint8, (a.nbytes,))).view(a.dtype).reshape(a.shape)
-                for n, a in arrays.items()}
+pytest.importorskip("cupy")                 # arena_io moves the arrays with CuPy
 
 
 @pytest.mark.parametrize("to_verify", [False, True])
@@ -52,7 +38,7 @@ def test_history_kernel_is_the_ref(dev, stream, preset_bundle, to_verify, seqs):
               "token_history": rng.integers(0, cfg.vocab_size, (rows, cols)),
               "accepted": rng.integers(0, k + 1, rows).astype(np.int32),
               "bonus": bonus}
-    got = _run(dev, stream, arrays, lambda p: history_launch(bundle, spec, p, seqs))
+    got = launch_on_arrays(dev, stream, arrays, lambda p: history_launch(bundle, spec, p, seqs))
     want = {n: a.copy() for n, a in arrays.items()}
     ref.history_ref(spec, want["token_ids"], want["token_history"], want["accepted"],
                     want["bonus"], seqs)
