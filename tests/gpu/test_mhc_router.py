@@ -6,7 +6,8 @@ the runtime, and compares every element. Downstream quantities are checked again
 fed with the kernel's own upstream outputs (X' for mixes and collapse, mixes for the
 coefficients, logits for the selection), so one rounding difference is judged where it happens.
 
-Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.py):
+Tolerances (the bounds live in kernels/mhc_kernel_ref.py and kernels/router_ref.py, the checks in
+tests/mhc_router_cases.py, shared with the CPU emulator test):
 - X' and the collapse: fp32 sums of <= 5 products then one bf16 rounding, against the float64
   value rounded once: |got - exact| <= 2^-7 |exact| + ops·2^-23 Σ|terms| (`rounding_bound`:
   one bf16 ulp, as the fp32 error can move the value across a rounding midpoint).
@@ -51,11 +52,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mhc_router_cases import (
+    check_mhc_values,
+    check_router,
+    mhc_inputs,
+    previous_coefficients,
+    router_inputs,
+)
 
 from executor.mhc_router_chain import MhcStep, Router, download, poison, upload
 from kernels import mhc_kernel_ref as mk
-from kernels import mhc_ref
-from kernels import norm_ref as nr
 from kernels import router_ref as rk
 from kernels.common_ref import BF16, to_bf16
 
@@ -65,62 +71,16 @@ cp = pytest.importorskip("cupy")
 ROWS = (1, 5, 6, 12, 48, 192)
 POLL_ROWS = (1, 2, 5, 6, 8, 17, 48, 192)       # `_lean_poll`: 1-8 the step's, then 1 and 6 blocks
 RNG = np.random.default_rng()
-PP_ATOL = 1e-5
-COMB_ATOL = 1e-5
-ROUTE_REL = 2.0**-17
-
-
-def _within(got, want, bound, what: str) -> None:
-    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert not np.isnan(got64).any(), f"{what}: unwritten (NaN) elements"
-    bad = np.argwhere(np.abs(got64 - want64) > bound)
-    if len(bad):
-        i = tuple(bad[0])
-        b = bound[i] if np.ndim(bound) else bound
-        raise AssertionError(f"{what}: {len(bad)} elements out of bound, first at {i}: got "
-                             f"{got64[i]!r} want {want64[i]!r} bound {b!r}")
 
 
 # ---- mHC ---------------------------------------------------------------------------------------
 
-def _coefficients(rows: int, streams: int) -> np.ndarray:
-    """A previous sublayer's packed coefficients: M2 of random mixes (post in (0, 2), comb
-    near doubly stochastic, pre > 0)."""
-    mixes = RNG.standard_normal((rows, mk.MIX_DIM)).astype(np.float32)
-    c = mhc_ref.hc_coefficients(mixes, RNG.uniform(0.5, 2, 3).astype(np.float32),
-                                RNG.uniform(-1, 1, mk.MIX_DIM).astype(np.float32), mk.HC_MULT,
-                                20, 1e-6)
-    packed = mk.pack_coefficients(c)
-    if streams == 1:
-        packed[:, :mk.HC_MULT] = mhc_ref.one_hot_pre(rows, mk.HC_MULT)
-    return packed
-
-
-def _mhc_inputs(spec, rows: int):
-    """Fresh inputs of one launch: X, f, coeff_prev, fn, scale, base, the norm weight."""
-    s, d, m = spec.streams, spec.width, mk.MIX_DIM
-    x = to_bf16(RNG.standard_normal((rows, s, d)) * RNG.uniform(0.05, 20))
-    f = to_bf16(RNG.standard_normal((rows, d)) * RNG.uniform(0.05, 20))
-    prev = _coefficients(rows, s)
-    fn = (RNG.standard_normal((m, s * d)) * RNG.uniform(0.3, 3) / np.sqrt(s * d)).astype(
-        np.float32)
-    scale = RNG.uniform(0.5, 2, 3).astype(np.float32)
-    base = RNG.uniform(-1, 1, m).astype(np.float32)
-    w = RNG.uniform(-2, 2, d).astype(np.float32)
-    if spec.norm_weight == "bf16":
-        w = to_bf16(w)
-    return x, f, prev, fn, scale, base, w
-
-
-def _mhc_run(stream, step, cfg, rows: int, in_place: bool, inputs):
+def _mhc_run(stream, step, cfg, rows: int, in_place: bool, inputs: dict):
     """Upload `inputs`, poison every output (the exchange of `_lean_poll` stays zero: 0xFF would
-    read as tagged words), launch, and download (outputs, x_normed, counters, and the polled
-    variants' exchange bytes)."""
+    read as tagged words), launch, and download (outputs as `check_mhc_values` takes them,
+    counters, and the polled variants' exchange bytes)."""
     spec, s, d, m = step.spec, step.spec.streams, step.spec.width, mk.MIX_DIM
-    x, f, prev, fn, scale, base, w = inputs
-    for name, host in (("streams", x), ("sub_out", f), ("coeff_prev", prev), ("fn", fn),
-                       ("scale", np.append(scale, np.float32(0))), ("base", base),
-                       ("norm_weight", w)):
+    for name, host in inputs.items():
         upload(step.arena, name, host)
     for name in ("streams_out", "x_out", "coeff_out", "mixes", "x_normed") + (
             () if spec.polled else ("workspace",)):
@@ -133,67 +93,37 @@ def _mhc_run(stream, step, cfg, rows: int, in_place: bool, inputs):
     stream.synchronize()
     a = step.arena
     source = "streams" if in_place or spec.mode == "plain" else "streams_out"
-    got = mk.MhcPreOutputs(streams=download(a, source, BF16, (rows, s, d)),
-                           x=download(a, "x_out", BF16, (rows, d)),
-                           mixes=download(a, "mixes", np.float32, (rows, m)),
-                           coeff=download(a, "coeff_out", np.float32, (rows, m)))
-    normed = download(a, "x_normed", BF16, (rows, d))
+    got = {"streams": download(a, source, BF16, (rows, s, d)),
+           "x": download(a, "x_out", BF16, (rows, d)),
+           "normed": download(a, "x_normed", BF16, (rows, d)),
+           "mixes": download(a, "mixes", np.float32, (rows, m)),
+           "coeff": download(a, "coeff_out", np.float32, (rows, m))}
     counters = download(a, "counters", np.int32, (mk.counter_count(step.max_rows),))
     scratch = None                     # the polled exchange (the others' partials: not checked)
     if spec.polled:
         scratch = download(a, "workspace", np.uint8, (mk.workspace_bytes(spec, step.max_rows),))
-    return got, normed, counters, scratch
+    return got, counters, scratch
 
 
 def _mhc_case(dev, stream, bundle, spec, rows: int, cfg, in_place: bool):
     step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))        # weight dtype: the spec's
     try:
-        inputs = _mhc_inputs(spec, rows)
-        got, normed, counters, scratch = _mhc_run(stream, step, cfg, rows, in_place, inputs)
+        inputs = mhc_inputs(RNG, spec, rows, spec.norm_weight)
+        got, counters, scratch = _mhc_run(stream, step, cfg, rows, in_place, inputs)
     finally:
         step.close()
     if spec.polled:      # every tagged word consumed and zeroed; the timeout flag (counters[0])
         assert not scratch.any(), (f"{spec.name} rows={rows}: exchange not left empty at bytes "
                                    f"{np.flatnonzero(scratch)[:8].tolist()}")
-    return (*inputs, got, normed, counters)
+    return inputs, got, counters
 
 
-def _check_mhc(spec, cfg, rows, x, f, prev, fn, scale, base, w, got, normed, counters):
+def _check_mhc(spec, cfg, rows, inputs, got, counters):
     tag = f"{spec.name} rows={rows}"
-    s = spec.streams
-    pc = mk.unpack_coefficients(prev)
-    if spec.mode != "plain":
-        exact = (pc.post[:, :, None].astype(np.float64) * f.astype(np.float64)[:, None, :]
-                 + np.einsum("rjk,rjd->rkd", pc.comb.astype(np.float64), x.astype(np.float64)))
-        terms = (np.abs(pc.post)[:, :, None] * np.abs(f.astype(np.float64))[:, None, :]
-                 + np.einsum("rjk,rjd->rkd", np.abs(pc.comb).astype(np.float64),
-                             np.abs(x.astype(np.float64))))
-        _within(got.streams, exact, mk.rounding_bound(exact, terms, 5), f"{tag}: X'")
-    else:
-        assert np.array_equal(got.streams.view(np.uint16), x.view(np.uint16)), f"{tag}: X changed"
-    xn = got.streams.astype(np.float64)
-    collapse = np.einsum("rn,rnd->rd", pc.pre[:, :s].astype(np.float64), xn)
-    cterms = np.einsum("rn,rnd->rd", np.abs(pc.pre[:, :s]).astype(np.float64), np.abs(xn))
-    _within(got.x, collapse, mk.rounding_bound(collapse, cterms, s + 1), f"{tag}: collapse")
-    want_norm = nr.rmsnorm_ref(got.x, w, cfg.rms_norm_eps)
-    assert np.array_equal(normed.view(np.uint16), want_norm.view(np.uint16)), f"{tag}: rmsnorm"
     assert not counters.any(), f"{tag}: counters not reset: {counters}"
     if spec.mode == "postonly":      # no mixes, no coefficients: the poison is untouched
-        assert np.isnan(got.mixes).all() and np.isnan(got.coeff).all(), f"{tag}: wrote mixes"
-        return
-    want = mk.finish_ref(got.streams, pc.pre[:, :s], fn, scale, base, cfg.rms_norm_eps,
-                         cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    _within(got.mixes, want.mixes, mk.mixes_bound(got.streams, fn, cfg.rms_norm_eps),
-            f"{tag}: mixes")
-    # Coefficients from the kernel's own mixes.
-    ref = mk.pack_coefficients(mhc_ref.hc_coefficients(
-        got.mixes, scale, base, mk.HC_MULT, cfg.hc_sinkhorn_iters, cfg.hc_eps))
-    _within(got.coeff[:, :8], ref[:, :8], PP_ATOL, f"{tag}: pre/post")
-    _within(got.coeff[:, 8:], ref[:, 8:], COMB_ATOL, f"{tag}: comb")
-    comb = got.coeff[:, 8:].reshape(rows, 4, 4).astype(np.float64)
-    _within(comb.sum(axis=1), np.ones((rows, 4)), 1e-5, f"{tag}: comb column sums")
-    ref_rows = ref[:, 8:].reshape(rows, 4, 4).astype(np.float64).sum(axis=2)
-    _within(comb.sum(axis=2), ref_rows, 1e-5, f"{tag}: comb row sums")
+        assert np.isnan(got["mixes"]).all() and np.isnan(got["coeff"]).all(), f"{tag}: wrote mixes"
+    check_mhc_values(spec, cfg, rows, inputs, got)
 
 
 def _mode_spec(cfg, mode: str) -> mk.MhcPreSpec:
@@ -234,12 +164,13 @@ def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, preset_bundle, norm, spli
     steps = [MhcStep(dev, bundle, spec, max_rows=max(POLL_ROWS)) for spec in specs]
     try:
         for rows in POLL_ROWS:
-            inputs = _mhc_inputs(specs[1], rows)
-            (want, want_n, _, _), (got, got_n, flag, scratch) = [
+            inputs = mhc_inputs(RNG, specs[1], rows, specs[1].norm_weight)
+            (want, _, _), (got, flag, scratch) = [
                 _mhc_run(stream, step, cfg, rows, rows % 2 == 0, inputs) for step in steps]
             tag = f"{specs[1].name} rows={rows}"
+            want_n, got_n = want["normed"], got["normed"]
             for what in ("streams", "x", "mixes", "coeff"):
-                g, w = getattr(got, what), getattr(want, what)
+                g, w = got[what], want[what]
                 assert not np.isnan(g.astype(np.float32)).any(), f"{tag}: {what} unwritten"
                 assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), (
                     f"{tag}: {what} differs from _lean at "
@@ -269,7 +200,7 @@ def test_mhc_pre_relaunch_reuses_counters(dev, stream, preset_bundle, variant):
         x = to_bf16(RNG.standard_normal((rows, s, d)))
         upload(step.arena, "streams", x)
         upload(step.arena, "sub_out", to_bf16(RNG.standard_normal((rows, d))))
-        upload(step.arena, "coeff_prev", _coefficients(rows, s))
+        upload(step.arena, "coeff_prev", previous_coefficients(RNG, rows, s))
         upload(step.arena, "fn", (RNG.standard_normal((mk.MIX_DIM, s * d)) / np.sqrt(s * d))
                .astype(np.float32))
         upload(step.arena, "scale", np.array([1, 1, 1, 0], np.float32))
@@ -300,17 +231,10 @@ def test_mhc_pre_relaunch_reuses_counters(dev, stream, preset_bundle, variant):
 # ---- router ------------------------------------------------------------------------------------
 
 def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
-    e, d = spec.experts, spec.hidden
+    e = spec.experts
+    x, weight, bias, group = router_inputs(RNG, spec, rows, ties)
     router = Router(dev, bundle, spec, max_rows=max(ROWS))
     try:
-        x = to_bf16(RNG.standard_normal((rows, d)) * RNG.uniform(0.1, 3))
-        weight = to_bf16(RNG.standard_normal((e, d)) * RNG.uniform(0.3, 3) / np.sqrt(d))
-        bias = RNG.uniform(-0.3, 0.3, e).astype(np.float32)
-        group = None
-        if ties:
-            group = np.sort(RNG.choice(e, 7, replace=False))
-            weight[group] = weight[group[0]]
-            bias[group] = np.float32(8.0)
         for name, host in (("x", x), ("weight", weight), ("bias", bias)):
             upload(router.arena, name, host)
         for name in ("logits", "ids", "weights"):
@@ -329,33 +253,10 @@ def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
 
 
 def _check_router(spec, rows, x, weight, bias, group, logits, ids, weights, counters):
-    tag = f"{spec.name} rows={rows}"
-    _within(logits, rk.logits_f64(x, weight), rk.logits_bound(x, weight), f"{tag}: logits")
-    want = rk.select_from_logits(logits, bias, spec.topk, spec.scaling)
-    assert ((ids >= 0) & (ids < spec.experts)).all(), f"{tag}: ids out of range: {ids}"
-    assert all(len(set(r)) == spec.topk for r in ids.tolist()), f"{tag}: repeated ids"
-    sel = want.selection.astype(np.float64)
-    ordered = -np.sort(-sel, axis=1)[:, :spec.topk + 1]
-    margin = ROUTE_REL * np.abs(ordered).max(axis=1, keepdims=True)
-    gaps = ordered[:, :-1] - ordered[:, 1:]
-    clear = (gaps > margin) & np.concatenate([np.ones((rows, 1), bool),
-                                              gaps[:, :-1] > margin], axis=1)
-    bad = clear & (ids != want.ids)
-    assert not bad.any(), (f"{tag}: ids differ where the reference margin is clear: rows "
-                           f"{np.argwhere(bad)[:4].tolist()}, got {ids[bad][:4]} want "
-                           f"{want.ids[bad][:4]}")
-    got_sel = np.take_along_axis(sel, ids.astype(np.int64), axis=1)
-    _within(got_sel, ordered[:, :spec.topk], np.broadcast_to(margin, got_sel.shape),
-            f"{tag}: chosen selection values")
-    if group is not None:
-        assert (logits[:, group] == logits[:, group[:1]]).all(), f"{tag}: equal rows, unequal logits"
-        assert (ids == group[:spec.topk]).all(), f"{tag}: ties not broken to the lower index"
-    scores = np.sqrt(np.logaddexp(0.0, logits.astype(np.float64)))
-    chosen = np.take_along_axis(scores, ids.astype(np.int64), axis=1)
-    exp_w = chosen / (chosen.sum(axis=1, keepdims=True) + 1e-20) * spec.scaling
-    _within(weights, exp_w, ROUTE_REL * np.abs(exp_w) + 1e-30, f"{tag}: route weights")
-    assert not counters.any(), (f"{tag}: scratch not reset (counters, `_tile8p` exchange) at "
-                                f"bytes {np.flatnonzero(counters)[:8].tolist()}")
+    check_router(spec, rows, x, weight, bias, group, logits, ids, weights)
+    assert not counters.any(), (f"{spec.name} rows={rows}: scratch not reset (counters, "
+                                f"`_tile8p` exchange) at bytes "
+                                f"{np.flatnonzero(counters)[:8].tolist()}")
 
 
 @pytest.mark.parametrize("ties", [False, True])
