@@ -38,8 +38,9 @@ verify graph at S (k + 1) rows, the draft graph at S k; slots n_seqs..S-1 are pa
 -1). `round(n_seqs)` replays both graphs of the smallest S >= n_seqs (two cuGraphLaunch, the
 draft then the verify, in stream order); `draft(n_seqs)` replays the draft graph alone and
 `step(n_rows)` the verify graph of the smallest S (k + 1) >= n_rows. Their declines are step's
-(decided before any launch), TOO_MANY_ROWS above the largest S; `round`/`draft` on an executor
-without DSpark return UNSUPPORTED_FEATURE.
+(decided before any launch), TOO_MANY_ROWS above the largest S; `round`/`draft` take
+step's `features` too (PREFILL_ROWS, UNSUPPORTED_FEATURE); on an executor without DSpark they
+return UNSUPPORTED_FEATURE.
 """
 from __future__ import annotations
 
@@ -264,12 +265,12 @@ class Executor:
         self._graphs.launch(n_rows, self._caller_stream(stream))
         return StepResult.SERVED
 
-    def round(self, n_seqs: int, stream: int) -> int:
+    def round(self, n_seqs: int, stream: int, features: int = 0) -> int:
         """Serve one DSpark round of `n_seqs` sequence slots on the caller's stream: the draft
         graph, then the verify graph, of the smallest slot bucket >= n_seqs (module docstring).
-        Returns SERVED (0) or step's declines, decided before any launch; UNSUPPORTED_FEATURE
-        on an executor without DSpark."""
-        reason = self._round_decline("round", n_seqs, stream)
+        Returns SERVED (0) or step's declines (`features` as in step), decided before any
+        launch; UNSUPPORTED_FEATURE on an executor without DSpark."""
+        reason = self._round_decline("round", n_seqs, stream, features)
         if reason:
             return reason
         handle = self._caller_stream(stream)
@@ -279,27 +280,29 @@ class Executor:
         self._graphs.launch(slots * (k + 1), handle)
         return StepResult.SERVED
 
-    def draft(self, n_seqs: int, stream: int) -> int:
+    def draft(self, n_seqs: int, stream: int, features: int = 0) -> int:
         """Only the draft step of a round (its graph of the smallest slot bucket >= n_seqs);
         the declines of `round`."""
-        reason = self._round_decline("draft", n_seqs, stream)
+        reason = self._round_decline("draft", n_seqs, stream, features)
         if reason:
             return reason
         k = self.config.dspark_block_size
         self._draft_graphs.launch(self._round_table[n_seqs] * k, self._caller_stream(stream))
         return StepResult.SERVED
 
-    def _round_decline(self, what: str, n_seqs: int, stream: int) -> StepResult:
-        if type(n_seqs) is not int or type(stream) is not int:
-            raise TypeError(f"Executor.{what} takes plain ints (n_seqs, stream), got "
-                            f"{type(n_seqs).__name__}, {type(stream).__name__}")
-        if n_seqs < 0 or stream <= 1:
-            raise ValueError(f"Executor.{what}: need n_seqs >= 0 and a stream handle > 1 (0 and "
-                             f"1 are the legacy default stream); got n_seqs={n_seqs}, "
-                             f"stream={stream}")
+    def _round_decline(self, what: str, n_seqs: int, stream: int,
+                       features: int) -> StepResult:
+        if type(n_seqs) is not int or type(stream) is not int or type(features) is not int:
+            raise TypeError(f"Executor.{what} takes plain ints (n_seqs, stream, features), got "
+                            f"{type(n_seqs).__name__}, {type(stream).__name__}, "
+                            f"{type(features).__name__}")
+        if n_seqs < 0 or stream <= 1 or features < 0:
+            raise ValueError(f"Executor.{what}: need n_seqs >= 0, a stream handle > 1 (0 and "
+                             f"1 are the legacy default stream) and features >= 0; got "
+                             f"n_seqs={n_seqs}, stream={stream}, features={features}")
         if not self.dspark:
             return StepResult.UNSUPPORTED_FEATURE
-        return self._decline_reason(n_seqs, 0, self.round_slots[-1])
+        return self._decline_reason(n_seqs, features, self.round_slots[-1])
 
     def _caller_stream(self, stream: int):
         if stream != self._stream_handle:

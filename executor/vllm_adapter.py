@@ -12,6 +12,17 @@
     if code:                                            # declined: nothing written
         log(fallback_reason(code)); run_stock_path()
 
+DSpark k = 5 (vLLM's spec decode, num_speculative_tokens = 5): open with `dspark=True` and bind
+`num_accepted_tokens` and `bonus_token_ids` too. A round drafts on the device and then verifies,
+so the engine asks for the round, not for a step, and writes nothing between rounds (the rows,
+the lookback and `bonus` once, after prefill: docs/notes/dspark-round.md):
+
+    decision = backend.decide_round(num_scheduled_tokens, any_prefill=..., features=...)
+    code = backend.round(decision.n_seqs, stream, decision.features) if decision.use_hopdec \
+        else decision.reason
+    # later, after the stream: num_accepted_tokens[s], bonus_token_ids[s], and the committed
+    # tokens sampled_token_ids[s * 6 + j] for j = 0..num_accepted_tokens[s]
+
 Names: `bind` takes vLLM's names for the engine's tensors; VLLM_NAMES maps each to the binding
 name of executor/bind.py (the table is in the README, "Using hopdec from vLLM"). Every tensor is
 bound in place through DLPack, so the executor reads and writes the engine's own memory. A tensor
@@ -49,7 +60,9 @@ __all__ = [
     "VLLM_NAMES",
     "HopdecBackend",
     "NameRule",
+    "RoundDecision",
     "StepDecision",
+    "decide_round",
     "decide_step",
     "decode_backend_enabled",
     "fallback_reason",
@@ -239,31 +252,76 @@ def decide_step(rows_per_request, *, any_prefill: bool = False, features: int = 
     (a DSpark verify block, dspark_block_size + 1 = 6); a longer one is a prefill chunk, as is
     any request the engine flags with `any_prefill`. `max_rows`: the largest captured bucket.
     """
+    rows, _, features = _read_batch("decide_step", rows_per_request, any_prefill, features,
+                                    max_block_rows)
+    n_rows = sum(rows)
+    reason = _decline(n_rows, max_rows, features)
+    return StepDecision(reason == StepResult.SERVED, n_rows, features, reason)
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """Whether to run a DSpark round through hopdec for a spec-decode batch. `reason` is SERVED
+    when `use_hopdec`, else the reason not to (nothing to call then)."""
+
+    use_hopdec: bool
+    n_seqs: int
+    features: int
+    reason: StepResult
+
+
+def decide_round(rows_per_request, *, max_seqs: int, block_rows: int, any_prefill: bool = False,
+                 features: int = 0) -> RoundDecision:
+    """Decide a DSpark round on the host, from the spec-decode batch alone, in `round`'s order.
+
+    `rows_per_request`: vLLM's `num_scheduled_tokens` (host ints), one verify block per request
+    of `block_rows` = k + 1 rows (1 + num_speculative_tokens). `max_seqs`: the largest captured
+    sequence-slot bucket. A longer block is a prefill chunk (PREFILL_ROWS, and the bit set in
+    `features`, where `round` reads it); a shorter one (vLLM cut the drafts, or has none yet)
+    cannot be served by a round, which verifies exactly k drafts per sequence:
+    UNSUPPORTED_FEATURE, decided here only (`round` sees the sequence count alone).
+    """
+    rows, fewest, features = _read_batch("decide_round", rows_per_request, any_prefill,
+                                         features, block_rows)
+    reason = _decline(len(rows), max_seqs, features)
+    if reason == StepResult.SERVED and fewest < block_rows:
+        reason = StepResult.UNSUPPORTED_FEATURE
+    return RoundDecision(reason == StepResult.SERVED, len(rows), features, reason)
+
+
+def _read_batch(what: str, rows_per_request, any_prefill: bool, features,
+                max_block_rows: int) -> tuple[list[int], int, int]:
+    """(rows as a list, the fewest rows of a request, features with PREFILL set when a block is
+    longer than `max_block_rows` or `any_prefill`); refuses what is not a batch."""
     rows = rows_per_request.tolist() if hasattr(rows_per_request, "tolist") else rows_per_request
     try:   # builtins over a list: ~3 us at 32 requests, ~7 at 192 (a Python loop took 22)
-        n_rows = operator.index(sum(rows))
+        operator.index(sum(rows))
         fewest, most = operator.index(min(rows, default=1)), operator.index(max(rows, default=0))
     except TypeError:
-        raise TypeError(f"decide_step: rows_per_request must hold ints, got {rows!r}") from None
+        raise TypeError(f"{what}: rows_per_request must hold ints, got {rows!r}") from None
     if fewest < 1:
-        raise ValueError(f"decide_step: every request schedules >= 1 row, got {rows}")
+        raise ValueError(f"{what}: every request schedules >= 1 row, got {rows}")
     if isinstance(features, bool) or not isinstance(features, int) or features < 0:
-        raise TypeError(f"decide_step: features must be a non-negative int (step_features), "
+        raise TypeError(f"{what}: features must be a non-negative int (step_features), "
                         f"got {features!r}")
     features = int(features)
     if any_prefill or most > max_block_rows:
         features |= int(StepFeature.PREFILL)
-    if n_rows == 0:
-        reason = StepResult.NO_ROWS
-    elif n_rows > max_rows:
-        reason = StepResult.TOO_MANY_ROWS
-    elif features & int(StepFeature.PREFILL):
-        reason = StepResult.PREFILL_ROWS
-    elif features & ~int(SUPPORTED_FEATURES):
-        reason = StepResult.UNSUPPORTED_FEATURE
-    else:
-        reason = StepResult.SERVED
-    return StepDecision(reason == StepResult.SERVED, n_rows, features, reason)
+    return rows, fewest, features
+
+
+def _decline(count: int, limit: int, features: int) -> StepResult:
+    """Executor._decline_reason's batch part: rows (or sequences) against the largest bucket,
+    then the features."""
+    if count == 0:
+        return StepResult.NO_ROWS
+    if count > limit:
+        return StepResult.TOO_MANY_ROWS
+    if features & int(StepFeature.PREFILL):
+        return StepResult.PREFILL_ROWS
+    if features & ~int(SUPPORTED_FEATURES):
+        return StepResult.UNSUPPORTED_FEATURE
+    return StepResult.SERVED
 
 
 _FALLBACK_REASONS = {
@@ -273,12 +331,13 @@ _FALLBACK_REASONS = {
                              "(capture())",
     StepResult.CLOSED: "hopdec declined: the backend is closed",
     StepResult.NO_ROWS: "hopdec declined: the step has no rows",
-    StepResult.TOO_MANY_ROWS: "hopdec declined: more rows than its largest captured bucket "
-                              "(at most 192)",
+    StepResult.TOO_MANY_ROWS: "hopdec declined: more rows (or DSpark sequences) than its "
+                              "largest captured bucket (at most 192 rows, 32 sequences)",
     StepResult.PREFILL_ROWS: "hopdec declined: the batch holds prefill rows",
     StepResult.UNSUPPORTED_FEATURE: "hopdec declined: the batch needs a feature it does not "
                                     "serve (sampling other than greedy, logprobs, LoRA, "
-                                    "multimodal or penalties)",
+                                    "multimodal or penalties; a DSpark round on a backend "
+                                    "without it, or with fewer drafts than k)",
 }
 
 
@@ -310,12 +369,14 @@ class HopdecBackend:
 
     @classmethod
     def open(cls, config, bundle_dir, weights, *, tp: int, rank: int, geometry: CacheGeometry,
-             device_ordinal: int, comm=None, ranges=None) -> HopdecBackend:
+             device_ordinal: int, comm=None, ranges=None, dspark: bool = False) -> HopdecBackend:
         """Build the rank's executor: `config` a ModelConfig or the model's config.json path,
         `bundle_dir` the kernel bundle (python -m kernels.build), `weights` the rank's weights
         (a `fetch(name) -> ndarray` of its slices, e.g. `lambda n: shard(ckpt, ckpt.spec(n),
-        tp, rank)`, or a RankWeights), `comm` its CollectiveState. The config and manifest
-        are validated before the GPU is touched; on any failure what was opened is closed."""
+        tp, rank)`, or a RankWeights), `comm` its CollectiveState, `dspark` whether it serves
+        DSpark rounds (vLLM's spec decode; bind then takes num_accepted_tokens and
+        bonus_token_ids too). The config and manifest are validated before the GPU is touched;
+        on any failure what was opened is closed."""
         from executor.bundle import BundleError, read_manifest
 
         cfg = _model_config(config)
@@ -330,7 +391,8 @@ class HopdecBackend:
             bundle = Bundle.load(device, bundle_dir)
             try:
                 executor = Executor(cfg, bundle, weights, tp, rank, comm, device=device,
-                                    geometry=geometry, owns_bundle=True, ranges=ranges)
+                                    geometry=geometry, owns_bundle=True, ranges=ranges,
+                                    dspark=dspark)
             except BaseException:
                 bundle.close()
                 raise
@@ -405,9 +467,7 @@ class HopdecBackend:
         backend's own state (closed, not bound, not captured), as `step` checks them."""
         decision = decide_step(rows_per_request, any_prefill=any_prefill, features=features,
                                max_rows=self.max_rows, max_block_rows=self._max_block_rows)
-        state = (StepResult.CLOSED if self._closed else
-                 StepResult.NOT_BOUND if self.executor.binding is None else
-                 StepResult.NOT_CAPTURED if not self.executor.captured else StepResult.SERVED)
+        state = self._state()
         if state == StepResult.SERVED:
             return decision
         return StepDecision(False, decision.n_rows, decision.features, state)
@@ -415,14 +475,51 @@ class HopdecBackend:
     def step(self, n_rows: int, stream_handle: int, features: int = 0) -> int:
         """`Executor.step` on the engine's stream (`torch.cuda.current_stream().cuda_stream`):
         0 when served, else a StepResult (`fallback_reason(code)`), nothing written.
-        `features` is a plain int or a StepFeature."""
-        if stream_handle in _LEGACY_STREAMS:
-            raise ValueError(f"HopdecBackend.step: stream handle {stream_handle} is the legacy "
-                             f"default stream, which torch uses unless told otherwise; run "
-                             f"decode under `with torch.cuda.stream(torch.cuda.Stream()):`")
-        if type(features) is not int and isinstance(features, StepFeature):
-            features = int(features)
-        return self.executor.step(n_rows, stream_handle, features)
+        `features` is a plain int or a StepFeature. With DSpark this is the verify step alone."""
+        _check_stream("step", stream_handle)
+        return self.executor.step(n_rows, stream_handle, _plain(features))
+
+    def _state(self) -> StepResult:
+        return (StepResult.CLOSED if self._closed else
+                StepResult.NOT_BOUND if self.executor.binding is None else
+                StepResult.NOT_CAPTURED if not self.executor.captured else StepResult.SERVED)
+
+    # ---- DSpark rounds ---------------------------------------------------------------------
+
+    @property
+    def dspark(self) -> bool:
+        return self.executor.dspark
+
+    @property
+    def max_seqs(self) -> int:
+        """The most sequences one DSpark round serves (the largest slot bucket); 0 without."""
+        return self.executor.round_slots[-1] if self.executor.dspark else 0
+
+    def decide_round(self, rows_per_request, *, any_prefill: bool = False,
+                     features: int = 0) -> RoundDecision:
+        """`decide_round` with this backend's slot buckets and k + 1, after what `round` checks
+        first: a backend without DSpark (UNSUPPORTED_FEATURE), then its state."""
+        decision = decide_round(rows_per_request, max_seqs=self.max_seqs,
+                                block_rows=self._max_block_rows, any_prefill=any_prefill,
+                                features=features)
+        state = self._state() if self.dspark else StepResult.UNSUPPORTED_FEATURE
+        if state == StepResult.SERVED:
+            return decision
+        return RoundDecision(False, decision.n_seqs, decision.features, state)
+
+    def round(self, n_seqs: int, stream_handle: int, features: int = 0) -> int:
+        """`Executor.round` on the engine's stream: the draft graph, then the verify graph, of
+        the smallest slot bucket >= n_seqs. 0 when enqueued (the outputs land in the bound
+        num_accepted_tokens, bonus_token_ids and sampled_token_ids), else a StepResult, nothing
+        written. No allocation, host read or synchronisation."""
+        _check_stream("round", stream_handle)
+        return self.executor.round(n_seqs, stream_handle, _plain(features))
+
+    def draft(self, n_seqs: int, stream_handle: int, features: int = 0) -> int:
+        """`Executor.draft`: a round's draft step alone (its drafts land in the verify rows'
+        input_ids); `step(n_seqs * (k + 1), ...)` is the verify step after it."""
+        _check_stream("draft", stream_handle)
+        return self.executor.draft(n_seqs, stream_handle, _plain(features))
 
     # ---- close -----------------------------------------------------------------------------
 
@@ -442,6 +539,19 @@ class HopdecBackend:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_stream(what: str, handle) -> None:
+    if handle in _LEGACY_STREAMS:
+        raise ValueError(f"HopdecBackend.{what}: stream handle {handle} is the legacy default "
+                         f"stream, which torch uses unless told otherwise; run decode under "
+                         f"`with torch.cuda.stream(torch.cuda.Stream()):`")
+
+
+def _plain(features):
+    """A StepFeature as the plain int the executor takes (anything else is passed on as is)."""
+    return int(features) if type(features) is not int and isinstance(features, StepFeature) \
+        else features
 
 
 def _model_config(config):
