@@ -19,6 +19,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+from compressor_cases import (
+    check_projection,
+    check_records,
+    make_rows,
+    random_weights,
+    rings_before,
+)
 
 from executor.emulate import NoEmulator, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
@@ -53,22 +60,6 @@ def bundle(tiny_bundle_dir):
     return ManifestBundle(tiny_bundle_dir)
 
 
-def random_weights(rng, ratio: int, hidden: int) -> np.ndarray:
-    w = (rng.standard_normal((ck.HEAD_DIM * ratio, hidden)) * 0.02).astype(np.float32)
-    return w if ratio == 2 else formats.bf16_round(w)
-
-
-def make_rows(rng, blocks, padding: int, seqs: int):
-    pos, seq = [], []
-    for q, (start, n) in enumerate(blocks):
-        pos += list(range(start, start + n))
-        seq += [q] * n
-    pos += [int(rng.integers(0, 100))] * padding
-    seq += [-1] * padding
-    lines = rng.permutation(seqs + 3)[:seqs].astype(np.int32)
-    return np.array(pos, np.int32), np.array(seq, np.int32), lines
-
-
 def _case_inputs(rng, cfg, ratio: int, case: str, hidden: int):
     blocks, padding, arena_rows = CASES[case]
     seqs = len(blocks)
@@ -77,10 +68,7 @@ def _case_inputs(rng, cfg, ratio: int, case: str, hidden: int):
     tables = rng.permutation(num_pages)[:seqs * PAGES].reshape(seqs, PAGES).astype(np.int32)
     if seqs > 1:                               # one sequence's entry page is unallocated
         tables[0, (999 // ratio) // PAGE] = -1
-    ring = np.full((seqs + 3, ck.RING_ROWS, ck.RING_WIDTH), np.nan, np.float32)
-    for q, (start, _) in enumerate(blocks):
-        for p in range(max(0, start - ck.RING_ROWS), start):
-            ring[lines[q], p % ck.RING_ROWS] = rng.standard_normal(ck.RING_WIDTH)
+    ring = rings_before(rng, blocks, lines, seqs + 3)
     r = positions.size
     shape = CompressorShape(ratio, hidden, arena_rows, seqs + 3, PAGES, PAGE, num_pages,
                             NUM_POSITIONS)
@@ -108,26 +96,6 @@ def _upload(arena: HostArena, inputs: dict, ratio: int) -> None:
         arena.fill(name, 0xFF)
 
 
-def _check_records(got_cache, got_keys, slots, entries, keys, total_slots: int) -> None:
-    written = slots[slots >= 0]
-    untouched = np.ones(total_slots, bool)
-    untouched[written] = False
-    assert (got_cache[untouched] == 0xFF).all(), "an entry record outside the published slots"
-    assert (got_keys[untouched] == 0xFF).all(), "an index key outside the published slots"
-    ok = slots >= 0
-    if not ok.any():                     # r = 2 at an even decode position only writes the ring
-        return
-    assert (got_cache[written, -1] == 0).all(), "record pad byte"
-    dec = kvrecord_ref.decode_kv_record(got_cache[written])
-    bad = ~(np.abs(dec - entries[ok]) <= ck.entry_tolerance(entries[ok]))
-    assert not bad.any(), (f"{bad.sum()} entry values out of tolerance, first at "
-                           f"{np.argwhere(bad)[0]}: {dec[bad][0]} vs {entries[ok][bad][0]}")
-    deck = kvrecord_ref.decode_index_key(got_keys[written])
-    bad = ~(np.abs(deck - keys[ok]) <= ck.key_tolerance(keys[ok]))
-    assert not bad.any(), (f"{bad.sum()} index key values out of tolerance, first at "
-                           f"{np.argwhere(bad)[0]}: {deck[bad][0]} vs {keys[ok][bad][0]}")
-
-
 @pytest.mark.parametrize("ratio", [2, 1])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
@@ -145,11 +113,7 @@ def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
 
     cols = ck.HEAD_DIM * ratio
     kv_score = arena.download("kv_score", np.float32, (shape.max_rows, cols))
-    x, w = inputs["x"], inputs["w"]
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    bad = ~(np.abs(kv_score[:rows] - want) <= ck.proj_tolerance(x, w))
-    assert not bad.any(), f"{bad.sum()} projection outputs out of tolerance"
-    assert np.isnan(kv_score[rows:]).all(), "the projection wrote past the batch"
+    check_projection(kv_score, rows, inputs["x"], inputs["w"])
 
     ring = inputs["ring"]
     state = ck.PublishState(ring.copy(), np.full((shape.slots, kvrecord_ref.KV_RECORD_BYTES),
@@ -164,7 +128,7 @@ def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
     np.testing.assert_array_equal(got_ring, state.ring.view(np.uint32))
     got_cache = arena.download("cache", np.uint8, (shape.slots, kvrecord_ref.KV_RECORD_BYTES))
     got_keys = arena.download("keys", np.uint8, (shape.slots, kvrecord_ref.INDEX_RECORD_BYTES))
-    _check_records(got_cache, got_keys, slots, entries, keys, shape.slots)
+    check_records(got_cache, got_keys, slots, entries, keys, shape.slots)
 
 
 def test_builder_checks_rows_and_pointers(bundle):
@@ -227,6 +191,6 @@ def test_two_steps_pool_through_the_ring(bundle):
     np.testing.assert_array_equal(arena.download("ring", np.uint32, state.ring.shape),
                                   state.ring.view(np.uint32))
     assert not np.isnan(entries).any(), "a partner row was not in the ring"
-    _check_records(arena.download("cache", np.uint8, state.cache.shape),
+    check_records(arena.download("cache", np.uint8, state.cache.shape),
                    arena.download("keys", np.uint8, state.keys.shape), slots, entries, keys,
                    shape.slots)

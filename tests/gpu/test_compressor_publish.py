@@ -20,6 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from compressor_cases import (
+    check_projection,
+    check_records,
+    make_rows,
+    random_weights,
+    rings_before,
+)
 
 from executor.compressor_chain import CompressorChain, CompressorShape
 from kernels import compressor_kernel_ref as ck
@@ -47,12 +54,6 @@ CASES = {
 }
 
 
-def random_weights(rng, ratio: int):
-    cols = ck.HEAD_DIM * ratio
-    w = (rng.standard_normal((cols, HIDDEN)) * 0.02).astype(np.float32)
-    return w if ratio == 2 else formats.bf16_round(w)
-
-
 def bf16_bits(a: np.ndarray) -> np.ndarray:
     return (formats.bf16_round(a).view(np.uint32) >> 16).astype(np.uint16)
 
@@ -65,7 +66,7 @@ def test_projection(dev, v41_bundle, ratio, rows):
     chain = CompressorChain(dev, v41_bundle, shape)
     try:
         x = formats.bf16_round(rng.standard_normal((rows, HIDDEN)).astype(np.float32))
-        w = random_weights(rng, ratio)
+        w = random_weights(rng, ratio, HIDDEN)
         chain.upload("x", bf16_bits(x))
         chain.upload("w", w if ratio == 2 else bf16_bits(w))
         chain.fill("kv_score", 0xFF)
@@ -76,23 +77,7 @@ def test_projection(dev, v41_bundle, ratio, rows):
         got = chain.download("kv_score", np.float32, (rows + 8, ck.HEAD_DIM * ratio))
     finally:
         chain.close()
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    tol = ck.proj_tolerance(x, w)
-    bad = ~(np.abs(got[:rows] - want) <= tol)
-    assert not bad.any(), (f"{bad.sum()} outputs out of tolerance, first at {np.argwhere(bad)[0]}:"
-                           f" {got[:rows][bad][0]} vs {want[bad][0]}")
-    assert np.isnan(got[rows:]).all(), "the projection wrote past the batch"
-
-
-def make_case(rng, blocks, max_seqs: int, padding: int = 2):
-    pos, seq = [], []
-    for q, (start, n) in enumerate(blocks):
-        pos += list(range(start, start + n))
-        seq += [q] * n
-    pos += [int(rng.integers(0, 100))] * padding
-    seq += [-1] * padding
-    lines = rng.permutation(max_seqs + 3)[:max_seqs].astype(np.int32)
-    return np.array(pos, np.int32), np.array(seq, np.int32), lines
+    check_projection(got, rows, x, w)
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
@@ -102,7 +87,7 @@ def test_publish(dev, v41_bundle, ratio, case):
     cfg = ModelConfig.preset("v41-flash")
     blocks = CASES[case]
     seqs = len(blocks)
-    positions, seq_index, lines = make_case(rng, blocks, seqs)
+    positions, seq_index, lines = make_rows(rng, blocks, 2, seqs)
     r = positions.size
     ring_lines = seqs + 3
     num_pages = seqs * PAGES + 5
@@ -112,16 +97,13 @@ def test_publish(dev, v41_bundle, ratio, case):
     shape = CompressorShape(ratio, HIDDEN, r, ring_lines, PAGES, PAGE, num_pages, NUM_POSITIONS)
     table = rope_ref.RopeTable.for_ratio(cfg, ratio, NUM_POSITIONS)
     # The ring of every used line holds the 8 positions before its block (an earlier step).
-    ring = np.full((ring_lines, ck.RING_ROWS, ck.RING_WIDTH), np.nan, np.float32)
-    for q, (start, _) in enumerate(blocks):
-        for p in range(max(0, start - ck.RING_ROWS), start):
-            ring[lines[q], p % ck.RING_ROWS] = rng.standard_normal(ck.RING_WIDTH)
+    ring = rings_before(rng, blocks, lines, ring_lines)
     norm_w = (rng.random(ck.HEAD_DIM) * 2).astype(np.float32)
     wk = formats.bf16_round((rng.standard_normal((ck.INDEX_DIM, ck.HEAD_DIM))
                              * ck.HEAD_DIM ** -0.5).astype(np.float32))
     k_norm = (rng.random(ck.INDEX_DIM) * 2).astype(np.float32)
     x = formats.bf16_round(rng.standard_normal((r, HIDDEN)).astype(np.float32))
-    w = random_weights(rng, ratio)
+    w = random_weights(rng, ratio, HIDDEN)
     eps = float(cfg.rms_norm_eps)
 
     chain = CompressorChain(dev, v41_bundle, shape)
@@ -156,20 +138,4 @@ def test_publish(dev, v41_bundle, ratio, case):
     assert slots.size == want_pub, "the reference and the case disagree on who publishes"
     # Bitwise: r = 2 rows copied in, every other ring row (r = 1: all) as uploaded.
     np.testing.assert_array_equal(got_ring.view(np.uint32), state.ring.view(np.uint32))
-    written = slots[slots >= 0]
-    untouched = np.ones(shape.slots, bool)
-    untouched[written] = False
-    assert (got_cache[untouched] == 0xFF).all(), "an entry record outside the published slots"
-    assert (got_keys[untouched] == 0xFF).all(), "an index key outside the published slots"
-    if written.size == 0:
-        return
-    ok = slots >= 0
-    assert (got_cache[written, -1] == 0).all(), "record pad byte"
-    dec = kvrecord_ref.decode_kv_record(got_cache[written])
-    bad = ~(np.abs(dec - entries[ok]) <= ck.entry_tolerance(entries[ok]))
-    assert not bad.any(), (f"{bad.sum()} entry values out of tolerance, first at "
-                           f"{np.argwhere(bad)[0]}: {dec[bad][0]} vs {entries[ok][bad][0]}")
-    deck = kvrecord_ref.decode_index_key(got_keys[written])
-    bad = ~(np.abs(deck - keys[ok]) <= ck.key_tolerance(keys[ok]))
-    assert not bad.any(), (f"{bad.sum()} index key values out of tolerance, first at "
-                           f"{np.argwhere(bad)[0]}: {deck[bad][0]} vs {keys[ok][bad][0]}")
+    check_records(got_cache, got_keys, slots, entries, keys, shape.slots)
