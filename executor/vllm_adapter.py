@@ -2,7 +2,8 @@
 
     if decode_backend_enabled(vllm_config.additional_config):     # '{"decode_backend": ...}'
         backend = HopdecBackend.open(config_json, bundle_dir, weights, tp=4, rank=r,
-                                     geometry=geometry, device_ordinal=local_rank)
+                                     geometry=geometry, device_ordinal=local_rank,
+                                     exchange=all_gather_bytes)    # the TP group's
         backend.bind(input_ids=ids64, positions=positions[:192], ..., sampled_token_ids=out)
         backend.capture()                               # once, outside the engine's own capture
     # per decode step, on the host, without reading the device:
@@ -358,27 +359,37 @@ class HopdecBackend:
     """One TP rank's hopdec for a torch engine: owns its Executor (and, from `open`, the
     Device and the bundle). Not thread-safe, like the Executor: one engine thread."""
 
-    def __init__(self, executor: Executor, device=None):
-        """Wrap an Executor (tests, custom plans); `device` is closed with the backend."""
+    def __init__(self, executor: Executor, device=None, allreduce=None, exchange=None):
+        """Wrap an Executor (tests, custom plans); `device` and `allreduce` (the one-shot
+        all-reduce behind the executor's comm, with its `exchange`) are closed with it."""
         self.executor = executor
         self.names = vllm_name_map(executor.rules)       # vLLM name -> binding name
         self._hopdec_to_vllm = {h: v for v, h in self.names.items()}
-        self._device = device
+        self._device, self._allreduce, self._exchange = device, allreduce, exchange
         self._closed = False
         self._max_block_rows = executor.config.dspark_block_size + 1
 
     @classmethod
     def open(cls, config, bundle_dir, weights, *, tp: int, rank: int, geometry: CacheGeometry,
-             device_ordinal: int, comm=None, ranges=None, dspark: bool = False) -> HopdecBackend:
+             device_ordinal: int, comm=None, exchange=None, timeout_ms: int | None = None,
+             ranges=None, dspark: bool = False) -> HopdecBackend:
         """Build the rank's executor: `config` a ModelConfig or the model's config.json path,
         `bundle_dir` the kernel bundle (python -m kernels.build), `weights` the rank's weights
         (a `fetch(name) -> ndarray` of its slices, e.g. `lambda n: shard(ckpt, ckpt.spec(n),
-        tp, rank)`, or a RankWeights), `comm` its CollectiveState, `dspark` whether it serves
-        DSpark rounds (vLLM's spec decode; bind then takes num_accepted_tokens and
-        bonus_token_ids too). The config and manifest are validated before the GPU is touched;
-        on any failure what was opened is closed."""
+        tp, rank)`, or a RankWeights), `dspark` whether it serves DSpark rounds (vLLM's spec
+        decode; bind then takes num_accepted_tokens and bonus_token_ids too).
+
+        Collectives (tp > 1): `exchange`, an all-gather of bytes over the TP group (`exchange(b)
+        -> [b of rank 0, ..., b of rank tp-1]`, e.g. over torch.distributed.all_gather_object),
+        sets up the one-shot all-reduce (collectives/oneshot.py, `timeout_ms` its poll limit);
+        then open, capture and close are collective: every rank calls them. Or `comm`, a
+        CollectiveState the caller made and owns. The config and manifest are validated before
+        the GPU is touched; on any failure what was opened is closed."""
         from executor.bundle import BundleError, read_manifest
 
+        if comm is not None and exchange is not None:
+            raise ValueError("HopdecBackend.open: pass comm= (a CollectiveState) or exchange= "
+                             "(hopdec sets up its all-reduce), not both")
         cfg = _model_config(config)
         manifest = read_manifest(bundle_dir)
         if manifest.tp and manifest.tp != tp:
@@ -387,19 +398,23 @@ class HopdecBackend:
         from executor.runtime import Bundle, Device
 
         device = Device(device_ordinal)
+        bundle = allreduce = None
         try:
             bundle = Bundle.load(device, bundle_dir)
-            try:
-                executor = Executor(cfg, bundle, weights, tp, rank, comm, device=device,
-                                    geometry=geometry, owns_bundle=True, ranges=ranges,
-                                    dspark=dspark)
-            except BaseException:
-                bundle.close()
-                raise
+            if exchange is not None:
+                from collectives.oneshot import DEFAULT_TIMEOUT_MS, OneShotAllReduce
+                allreduce = OneShotAllReduce(bundle, rank, tp, cfg.hidden_size, exchange,
+                                             timeout_ms=timeout_ms or DEFAULT_TIMEOUT_MS)
+                comm = allreduce.state()
+            executor = Executor(cfg, bundle, weights, tp, rank, comm, device=device,
+                                geometry=geometry, owns_bundle=True, ranges=ranges,
+                                dspark=dspark)
         except BaseException:
-            device.close()
+            for opened in (allreduce, bundle, device):
+                if opened is not None:
+                    opened.close()
             raise
-        return cls(executor, device=device)
+        return cls(executor, device=device, allreduce=allreduce, exchange=exchange)
 
     # ---- bind and capture ------------------------------------------------------------------
 
@@ -452,8 +467,13 @@ class HopdecBackend:
 
     def capture(self) -> None:
         """Build the arena and capture one graph per bucket on the executor's own stream. Once,
-        after bind, outside any capture of the engine's (the graphs are replayed by `step`)."""
+        after bind, outside any capture of the engine's (the graphs are replayed by `step`).
+        With hopdec's all-reduce, collective: it returns once every rank has captured, so no
+        rank's first all-reduce waits on a peer still capturing."""
         self.executor.capture()
+        if self._exchange is not None:
+            _synchronize()                      # the weight uploads, before any step reads them
+            self._exchange(b"captured")
 
     # ---- step ------------------------------------------------------------------------------
 
@@ -524,11 +544,22 @@ class HopdecBackend:
     # ---- close -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the executor (graphs, arena, bundle) and the device `open` made; idempotent.
-        The engine's tensors are only un-referenced."""
+        """Close the executor (graphs, arena, bundle), the all-reduce and the device `open`
+        made; idempotent. The engine's tensors are only un-referenced. With hopdec's
+        all-reduce, collective: the rank waits for its device and for every rank to be done
+        with the all-reduce before freeing its buffers (a peer's may still read them); if that
+        agreement fails, they are left to process exit."""
+        if self._closed:
+            return
         self._closed = True
+        allreduce, self._allreduce = self._allreduce, None
         try:
+            if allreduce is not None:
+                _synchronize()
             self.executor.close()
+            if allreduce is not None:
+                self._exchange(b"close")
+                allreduce.close()
         finally:
             device, self._device = self._device, None
             if device is not None:
@@ -539,6 +570,11 @@ class HopdecBackend:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _synchronize() -> None:
+    from executor.cuda import check, driver
+    check(driver().cuCtxSynchronize())
 
 
 def _check_stream(what: str, handle) -> None:

@@ -409,3 +409,94 @@ def test_open_closes_what_it_opened_when_the_executor_refuses(tmp_path, fake_gpu
         HopdecBackend.open(CFG, _bundle_dir(tmp_path, tp=2), None, tp=2, rank=2,
                            geometry=GEOMETRY, device_ordinal=0)
     assert fake_gpu == ["device 0", "bundle loaded", "bundle closed", "device closed"]
+
+
+class _FakeAllReduce:
+    """Stands in for collectives.oneshot.OneShotAllReduce: records its arguments and close."""
+
+    def __init__(self, log: list, bundle, rank, world, width, exchange, *, timeout_ms):
+        self.log, self.args = log, (rank, world, width, exchange, timeout_ms)
+        log.append("allreduce")
+
+    def state(self):
+        return ("comm of", self)
+
+    def close(self):
+        self.log.append("allreduce closed")
+
+
+@pytest.fixture
+def fake_collectives(monkeypatch, fake_gpu):
+    """fake_gpu, plus the one-shot all-reduce and the context synchronize faked into its log."""
+    from collectives import oneshot
+    from executor import vllm_adapter
+
+    monkeypatch.setattr(oneshot, "OneShotAllReduce",
+                        lambda *a, **kw: _FakeAllReduce(fake_gpu, *a, **kw))
+    monkeypatch.setattr(vllm_adapter, "_synchronize", lambda: fake_gpu.append("synchronize"))
+    return fake_gpu
+
+
+def _exchange(log: list, fail: bool = False):
+    def exchange(payload: bytes):
+        log.append(payload)
+        if fail:
+            raise TimeoutError("a peer died")
+        return [payload] * 2
+    return exchange
+
+
+def test_open_with_exchange_owns_the_allreduce_and_closes_it_collectively(tmp_path,
+                                                                          fake_collectives):
+    log = fake_collectives
+    exchange = _exchange(log)
+    timeout = int(np.random.default_rng().integers(1, 100_000))
+    b = HopdecBackend.open(CFG, _bundle_dir(tmp_path, tp=2), None, tp=2, rank=1,
+                           geometry=GEOMETRY, device_ordinal=0, exchange=exchange,
+                           timeout_ms=timeout)
+    assert log == ["device 0", "bundle loaded", "allreduce"]
+    comm = b.executor.comm
+    assert comm[0] == "comm of" and comm[1].args == (1, 2, CFG.hidden_size, exchange, timeout)
+    b.close()
+    assert log[3:] == ["synchronize", "bundle closed", b"close", "allreduce closed",
+                       "device closed"]
+    b.close()
+    assert len(log) == 8
+
+
+def test_close_leaves_the_allreduce_when_the_ranks_cannot_agree(tmp_path, fake_collectives):
+    b = HopdecBackend.open(CFG, _bundle_dir(tmp_path, tp=2), None, tp=2, rank=0,
+                           geometry=GEOMETRY, device_ordinal=0,
+                           exchange=_exchange(fake_collectives, fail=True))
+    with pytest.raises(TimeoutError, match="a peer died"):
+        b.close()
+    assert fake_collectives[3:] == ["synchronize", "bundle closed", b"close", "device closed"]
+
+
+def test_open_refuses_comm_and_exchange_together_and_cleans_up_a_failure(tmp_path,
+                                                                         fake_collectives):
+    bundle = _bundle_dir(tmp_path, tp=2)
+    kw = {"tp": 2, "geometry": GEOMETRY, "device_ordinal": 0}
+    with pytest.raises(ValueError, match="pass comm= .* or exchange= .*not both"):
+        HopdecBackend.open(CFG, bundle, None, rank=0, comm=object(),
+                           exchange=_exchange(fake_collectives), **kw)
+    assert fake_collectives == []
+    with pytest.raises(ValueError, match="0 <= rank < tp"):
+        HopdecBackend.open(CFG, bundle, None, rank=2, exchange=_exchange(fake_collectives), **kw)
+    assert fake_collectives == ["device 0", "bundle loaded", "allreduce", "allreduce closed",
+                                "bundle closed", "device closed"]
+
+
+def test_capture_with_exchange_waits_for_every_rank(monkeypatch):
+    from executor import vllm_adapter
+
+    log: list = []
+    ex, rec = make_executor()
+    b = HopdecBackend(ex, exchange=_exchange(log))
+    b.bind(**vllm_fakes(b))
+    capture = ex.capture
+    monkeypatch.setattr(ex, "capture", lambda: (capture("capture-stream"), log.append("captured")))
+    monkeypatch.setattr(vllm_adapter, "_synchronize", lambda: log.append("synchronize"))
+    b.capture()
+    assert log == ["captured", "synchronize", b"captured"]
+    assert b.executor.captured and rec.captured == sorted(BUCKETS, reverse=True)
