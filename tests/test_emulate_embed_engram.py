@@ -16,8 +16,16 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from embed_engram_cases import (
+    bits_equal,
+    check_gate,
+    every_code_table,
+    gate_inputs,
+    hash_inputs,
+    lookup_ids,
+)
 
-from executor.embed_engram_chain import random_table, random_vocab_map
+from executor.embed_engram_chain import random_table
 from executor.emulate import NoEmulator, emulate_launch, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle, OutOfBounds
 from executor.launch import LaunchSpec
@@ -66,15 +74,6 @@ def _run_and_check_untouched(space, arena, launches, written: dict[str, int]) ->
                               f"{space.name_of(arena.base + int(changed[0]))}")
 
 
-def _bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    g, w = got.view(np.uint16), want.view(np.uint16)
-    bad = np.argwhere(g != w)
-    if len(bad):
-        i = tuple(bad[0])
-        raise AssertionError(f"{what}: {len(bad)} of {g.size} elements differ, first at {i}: "
-                             f"got {g[i]:#06x} want {w[i]:#06x}")
-
-
 def _random_bf16(shape) -> np.ndarray:
     return to_bf16(RNG.standard_normal(shape))
 
@@ -102,7 +101,7 @@ def test_embed_rows_or_zeros(setup):
             want = np.zeros((rows, spec.width), BF16)
             want[mine] = table[local[mine]]
             got = arena.download("out", BF16, (rows, spec.width))
-            _bits_equal(got, want, f"{spec.name} rows={rows} offset={offset}")
+            bits_equal(got, want, f"{spec.name} rows={rows} offset={offset}")
 
 
 # ---- Engram: hash, lookup, gate alone ------------------------------------------------------------
@@ -112,25 +111,12 @@ def _engram_arena(setup, table_rows: int, extra=()):
     return _arena(engram_requests(hashes[0], lookup, gate, MAX_ROWS, table_rows) + list(extra))
 
 
-def _tokens(cfg, spec, rows: int):
-    """Raw tokens (some off the map: read as the pad), positions (0..3: the pad), and a random
-    non-identity map sending tokens[0] to the largest compressed id (the largest products)."""
-    tokens = RNG.integers(0, spec.vocab_size, (rows, spec.max_ngram)).astype(np.int32)
-    vocab_map = random_vocab_map(RNG, spec.vocab_size, cfg.engram_compressed_vocab_size * 3 // 4)
-    vocab_map[tokens[0]] = cfg.engram_compressed_vocab_size - 1
-    if rows > 5:
-        tokens[5, :2] = (-1, spec.vocab_size)              # off the map
-    positions = RNG.integers(0, 100_000, rows).astype(np.int32)
-    positions[:min(rows, 4)] = np.arange(min(rows, 4))    # the pad
-    return tokens, positions, vocab_map
-
-
 def test_hash_ids_exact(setup):
     cfg, bundle, (hashes, _, _, _) = setup
     for spec in hashes:
         for rows in ROWS:
             space, arena, ptrs = _engram_arena(setup, 1)
-            tokens, positions, vocab_map = _tokens(cfg, spec, rows)
+            tokens, positions, vocab_map = hash_inputs(RNG, cfg, spec, rows)
             arena.upload("tokens", tokens)
             arena.upload("positions", positions)
             arena.upload("vocab_map", vocab_map)
@@ -142,31 +128,15 @@ def test_hash_ids_exact(setup):
             assert not len(bad), f"{spec.name} rows={rows}: {len(bad)} ids differ, first {bad[0]}"
 
 
-def _lookup_table(head_dim: int):
-    """Random table whose first rows hold every finite E4M3 code and every scale byte 0..134."""
-    codes, scales = random_table(RNG, LOOKUP_TABLE_ROWS, head_dim)
-    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
-    codes.reshape(-1)[:finite.size] = finite
-    scales.reshape(-1)[:ek.MAX_SCALE_BYTE + 1] = np.arange(ek.MAX_SCALE_BYTE + 1)
-    return codes, scales
-
-
 def test_lookup_bitwise_and_nan_off_table(setup):
     _, bundle, (_, spec, _, _) = setup
     tp = spec.total_cols // spec.cols
     for rows in ROWS:
         space, arena, ptrs = _engram_arena(setup, LOOKUP_TABLE_ROWS)
-        codes, scales = _lookup_table(spec.head_dim)
+        codes, scales = every_code_table(RNG, LOOKUP_TABLE_ROWS, spec.head_dim)
         first_col = int(RNG.integers(tp)) * spec.cols
         row_offset = int(RNG.integers(0, 2**31 - LOOKUP_TABLE_ROWS))
-        ids = RNG.integers(row_offset, row_offset + LOOKUP_TABLE_ROWS, (rows, spec.total_cols))
-        mine = ids[:, first_col:first_col + spec.cols]             # a view: writes go to ids
-        k = min(mine.size, ek.MAX_SCALE_BYTE + 1)
-        mine.flat[:k] = row_offset + np.arange(k)                  # every code and scale byte
-        ids[-1, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS - 1
-        if rows > 3:
-            ids[-2, first_col] = row_offset - 1                    # off the table: NaN heads
-            ids[-3, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS
+        ids = lookup_ids(RNG, spec, rows, first_col, row_offset, LOOKUP_TABLE_ROWS)
         for name, host in (("ids", ids), ("codes", codes), ("scales", scales)):
             arena.upload(name, host)
         launch = engram_lookup_launch(bundle, spec, {**ptrs, "out": ptrs["heads"]}, rows,
@@ -176,27 +146,7 @@ def test_lookup_bitwise_and_nan_off_table(setup):
         got = arena.download("heads", BF16, (rows, spec.cols, spec.head_dim))
         want = ek.lookup_ref(spec, ids, codes, scales, first_col, row_offset)
         assert np.isnan(want.astype(np.float32)).any() == (rows > 3)
-        _bits_equal(got, want, f"{spec.name} rows={rows} first_col={first_col}")
-
-
-def _gate_inputs(rows: int, n: int, d: int):
-    x = to_bf16(RNG.standard_normal((rows, n, d)) * RNG.uniform(0.05, 20, (rows, n, 1)))
-    kv = to_bf16(RNG.standard_normal((rows, (n + 1) * d)) * RNG.uniform(0.05, 20))
-    qw = to_bf16(RNG.uniform(0.2, 2.0, (n, d)))
-    kw = to_bf16(RNG.uniform(0.2, 2.0, (n, d)))
-    kv[0, :n * d] = to_bf16(x[0].reshape(-1) * 2)          # d large and positive
-    if rows > 1:
-        kv[1, :d] = to_bf16(-x[1, 0])                       # d < 0
-        x[1, 1] = 0                                         # d = 0: g = 1/2
-    return x, kv, qw, kw
-
-
-def _check_gate(spec, got, x, kv, qw, kw, eps, what: str) -> None:
-    exact, bound = ek.gate_error_bound(x, kv, qw, kw, eps, spec)
-    got = got.astype(np.float64)
-    bad = np.argwhere(~(np.abs(got - exact) <= bound))     # NaN (poison) fails too
-    assert not len(bad), (f"{what}: {len(bad)} elements out of bound, first {tuple(bad[0])}: "
-                          f"got {got[tuple(bad[0])]!r} want {exact[tuple(bad[0])]!r}")
+        bits_equal(got, want, f"{spec.name} rows={rows} first_col={first_col}")
 
 
 def test_gate_within_bound_in_place_and_out_of_place(setup):
@@ -205,7 +155,7 @@ def test_gate_within_bound_in_place_and_out_of_place(setup):
     eps = cfg.rms_norm_eps
     for rows in ROWS:
         space, arena, ptrs = _engram_arena(setup, 1, [("streams_out", 2 * MAX_ROWS * n * d)])
-        x, kv, qw, kw = _gate_inputs(rows, n, d)
+        x, kv, qw, kw = gate_inputs(RNG, rows, n, d)
         for name, host in (("streams", x), ("keys_and_value", kv), ("q_weight", qw),
                            ("k_weight", kw)):
             arena.upload(name, host)
@@ -216,9 +166,9 @@ def test_gate_within_bound_in_place_and_out_of_place(setup):
         _run_and_check_untouched(space, arena, launches,
                                  {"streams_out": nbytes, "streams": nbytes})
         out = arena.download("streams_out", BF16, (rows, n, d))
-        _bits_equal(arena.download("streams", BF16, (rows, n, d)), out,
-                    f"{spec.name} rows={rows}: in place vs out of place")
-        _check_gate(spec, out, x, kv, qw, kw, eps, f"{spec.name} rows={rows}")
+        bits_equal(arena.download("streams", BF16, (rows, n, d)), out,
+                   f"{spec.name} rows={rows}: in place vs out of place")
+        check_gate(spec, out, x, kv, qw, kw, eps, f"{spec.name} rows={rows}")
 
 
 # ---- one Engram layer's launch list on one arena -------------------------------------------------
@@ -239,8 +189,8 @@ def test_hash_lookup_gate_list_over_a_ranks_real_table(setup):
         arena.buffer[...] = 0xFF
         ptrs = {name: arena.ptr(name) for name, *_ in requests}
         codes, scales = random_table(RNG, stop - start, lookup.head_dim)
-        tokens, positions, vocab_map = _tokens(cfg, hspec, rows)
-        x, kv, qw, kw = _gate_inputs(rows, n, d)
+        tokens, positions, vocab_map = hash_inputs(RNG, cfg, hspec, rows)
+        x, kv, qw, kw = gate_inputs(RNG, rows, n, d)
         for name, host in (("codes", codes), ("scales", scales), ("tokens", tokens),
                            ("positions", positions), ("vocab_map", vocab_map),
                            ("streams", x), ("keys_and_value", kv),
@@ -257,9 +207,9 @@ def test_hash_lookup_gate_list_over_a_ranks_real_table(setup):
         want = ek.lookup_ref(lookup, ids, codes, scales, rank * lookup.cols, start)
         assert not np.isnan(want.astype(np.float32)).any()   # every id is this rank's
         got = arena.download("heads", BF16, (rows, lookup.cols, lookup.head_dim))
-        _bits_equal(got, want, f"{hspec.name} -> {lookup.name} rank={rank} rows={rows}")
-        _check_gate(gate, arena.download("streams", BF16, (rows, n, d)), x, kv, qw, kw, eps,
-                    f"{gate.name} after the lookup, rows={rows}")
+        bits_equal(got, want, f"{hspec.name} -> {lookup.name} rank={rank} rows={rows}")
+        check_gate(gate, arena.download("streams", BF16, (rows, n, d)), x, kv, qw, kw, eps,
+                   f"{gate.name} after the lookup, rows={rows}")
 
 
 # ---- wiring errors the emulator or the builders catch --------------------------------------------

@@ -24,17 +24,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from embed_engram_cases import (
+    bits_equal,
+    check_gate,
+    every_code_table,
+    gate_inputs,
+    hash_inputs,
+    lookup_ids,
+)
 
 from executor.embed_engram_chain import (
     EmbedLookup,
     EngramLayer,
     random_table,
-    random_vocab_map,
     specs_from_bundle,
 )
 from executor.mhc_router_chain import download, poison, upload
 from kernels import engram_kernel_ref as ek
-from kernels.common_ref import BF16, to_bf16
+from kernels.common_ref import BF16
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -42,7 +49,6 @@ cp = pytest.importorskip("cupy")
 ROWS = (1, 5, 6, 12, 48, 192)
 RNG = np.random.default_rng()
 LOOKUP_TABLE_ROWS = 4099
-SPECIAL_ROWS = ek.MAX_SCALE_BYTE + 1   # the table rows holding every finite code / scale byte
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +56,6 @@ def setup(preset_bundle):
     """(config, bundle, the chain's specs) for each preset whose bundle is built."""
     cfg, bundle = preset_bundle
     return cfg, bundle, specs_from_bundle(bundle)
-
-
-def _bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    g, w = got.view(np.uint16), want.view(np.uint16)
-    bad = np.argwhere(g != w)
-    if len(bad):
-        i = tuple(bad[0])
-        raise AssertionError(f"{what}: {len(bad)} of {g.size} elements differ, first at {i}: "
-                             f"got {g[i]:#06x} want {w[i]:#06x}")
 
 
 # ---- embedding -----------------------------------------------------------------------------------
@@ -90,26 +87,12 @@ def test_embed_rows_or_zeros(dev, stream, setup):
                 mine = (local >= 0) & (local < spec.table_rows)
                 want = np.zeros((rows, spec.width), np.uint16)
                 want[mine] = cp.asnumpy(table[cp.asarray(local[mine])])
-                _bits_equal(got, want.view(BF16), f"{spec.name} rows={rows} rank={rank}")
+                bits_equal(got, want.view(BF16), f"{spec.name} rows={rows} rank={rank}")
         finally:
             lookup.close()
 
 
 # ---- hash ids ------------------------------------------------------------------------------------
-
-def _hash_inputs(cfg, spec, rows: int):
-    """Raw tokens over the vocabulary (row 5: off the map), positions (0..3: the pad), and a
-    fresh random non-identity map onto 3/4 of the compressed range, tokens[0] mapped to the
-    largest compressed id (the largest products)."""
-    tokens = RNG.integers(0, spec.vocab_size, (rows, spec.max_ngram)).astype(np.int32)
-    vocab_map = random_vocab_map(RNG, spec.vocab_size, cfg.engram_compressed_vocab_size * 3 // 4)
-    vocab_map[tokens[0]] = cfg.engram_compressed_vocab_size - 1
-    if rows > 5:
-        tokens[5, :3] = (-1, spec.vocab_size, np.iinfo(np.int32).min)
-    positions = RNG.integers(0, 100_000, rows).astype(np.int32)
-    positions[:min(rows, 4)] = np.arange(min(rows, 4))
-    return tokens, positions, vocab_map
-
 
 def test_hash_ids_exact(dev, stream, setup):
     cfg, bundle, (hashes, lookup, gate, _) = setup
@@ -117,7 +100,7 @@ def test_hash_ids_exact(dev, stream, setup):
         layer = EngramLayer(dev, bundle, spec, lookup, gate, table_rows=32)
         try:
             for rows in ROWS:
-                tokens, positions, vocab_map = _hash_inputs(cfg, spec, rows)
+                tokens, positions, vocab_map = hash_inputs(RNG, cfg, spec, rows)
                 upload(layer.arena, "tokens", tokens)
                 upload(layer.arena, "positions", positions)
                 layer.upload_vocab_map(vocab_map)
@@ -137,38 +120,19 @@ def test_hash_ids_exact(dev, stream, setup):
 
 # ---- lookup --------------------------------------------------------------------------------------
 
-def _every_code_table(table_rows: int, head_dim: int):
-    """Random table whose first SPECIAL_ROWS rows hold every finite E4M3 code and every scale
-    byte 0..134 (R >= 48 reads all of them)."""
-    codes, scales = random_table(RNG, table_rows, head_dim)
-    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
-    flat = codes.reshape(-1)
-    flat[:finite.size] = finite
-    scales.reshape(-1)[:ek.MAX_SCALE_BYTE + 1] = np.arange(ek.MAX_SCALE_BYTE + 1)
-    return codes, scales
-
-
 @pytest.mark.parametrize("host_table", [False, True], ids=["device", "pinned-host"])
 def test_lookup_bitwise(dev, stream, setup, host_table):
     _, bundle, (hashes, spec, gate, _) = setup
     layer = EngramLayer(dev, bundle, hashes[0], spec, gate, LOOKUP_TABLE_ROWS,
                         host_table=host_table)
     try:
-        codes, scales = _every_code_table(LOOKUP_TABLE_ROWS, spec.head_dim)
+        codes, scales = every_code_table(RNG, LOOKUP_TABLE_ROWS, spec.head_dim)
         layer.upload_table(codes, scales)
         tp = spec.total_cols // spec.cols
         for rows in ROWS:
             first_col = int(RNG.integers(tp)) * spec.cols
             row_offset = int(RNG.integers(0, 2**31 - LOOKUP_TABLE_ROWS))
-            ids = RNG.integers(row_offset, row_offset + LOOKUP_TABLE_ROWS,
-                               (rows, spec.total_cols), dtype=np.int64)
-            mine = ids[:, first_col:first_col + spec.cols]     # a view: writes go to ids
-            k = min(mine.size, SPECIAL_ROWS)
-            mine.flat[:k] = row_offset + np.arange(k)          # every code and scale byte
-            ids[-1, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS - 1
-            if rows > 3:
-                ids[-2, first_col] = row_offset - 1            # off the table: NaN heads
-                ids[-3, first_col + spec.cols - 1] = row_offset + LOOKUP_TABLE_ROWS
+            ids = lookup_ids(RNG, spec, rows, first_col, row_offset, LOOKUP_TABLE_ROWS)
             upload(layer.arena, "chosen_ids", ids)
             poison(layer.arena, "heads")
             cp.cuda.Device().synchronize()
@@ -176,7 +140,7 @@ def test_lookup_bitwise(dev, stream, setup, host_table):
             stream.synchronize()
             got = download(layer.arena, "heads", BF16, (rows, spec.cols, spec.head_dim))
             want = ek.lookup_ref(spec, ids, codes, scales, first_col, row_offset)
-            _bits_equal(got, want, f"{spec.name} rows={rows} host={host_table}")
+            bits_equal(got, want, f"{spec.name} rows={rows} host={host_table}")
     finally:
         layer.close()
 
@@ -194,7 +158,7 @@ def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
             codes, scales = random_table(RNG, stop - start, spec.head_dim)
             layer.upload_table(codes, scales)
             rows = 48
-            tokens, positions, vocab_map = _hash_inputs(cfg, hspec, rows)
+            tokens, positions, vocab_map = hash_inputs(RNG, cfg, hspec, rows)
             positions = RNG.integers(0, 50, rows).astype(np.int32)
             upload(layer.arena, "tokens", tokens)
             upload(layer.arena, "positions", positions)
@@ -208,24 +172,12 @@ def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
             ids = ek.hash_ref(hspec, tokens, positions, vocab_map)
             want = ek.lookup_ref(spec, ids, codes, scales, rank * spec.cols, start)
             assert not np.isnan(want.astype(np.float32)).any()   # every id is this rank's
-            _bits_equal(got, want, f"{hspec.name} -> {spec.name} rank={rank}")
+            bits_equal(got, want, f"{hspec.name} -> {spec.name} rank={rank}")
         finally:
             layer.close()
 
 
 # ---- gate ----------------------------------------------------------------------------------------
-
-def _gate_inputs(rows: int, n: int, d: int):
-    x = to_bf16(RNG.standard_normal((rows, n, d)) * RNG.uniform(0.05, 20, (rows, n, 1)))
-    kv = to_bf16(RNG.standard_normal((rows, (n + 1) * d)) * RNG.uniform(0.05, 20))
-    qw = to_bf16(RNG.uniform(0.2, 2.0, (n, d)))
-    kw = to_bf16(RNG.uniform(0.2, 2.0, (n, d)))
-    kv[0, :n * d] = to_bf16(x[0].reshape(-1) * 2)          # d large and positive
-    if rows > 1:
-        kv[1, :d] = to_bf16(-x[1, 0])                       # d < 0
-        x[1, 1] = 0                                         # d = 0: g = 1/2
-    return x, kv, qw, kw
-
 
 def test_gate_within_bound(dev, stream, setup):
     cfg, bundle, (hashes, lookup, spec, _) = setup
@@ -233,7 +185,7 @@ def test_gate_within_bound(dev, stream, setup):
     layer = EngramLayer(dev, bundle, hashes[0], lookup, spec, table_rows=32)
     try:
         for rows in ROWS:
-            x, kv, qw, kw = _gate_inputs(rows, n, d)
+            x, kv, qw, kw = gate_inputs(RNG, rows, n, d)
             for name, host in (("streams", x), ("keys_and_value", kv), ("q_weight", qw),
                                ("k_weight", kw)):
                 upload(layer.arena, name, host)
@@ -244,13 +196,7 @@ def test_gate_within_bound(dev, stream, setup):
             stream.synchronize()
             out = download(layer.arena, "streams_out", BF16, (rows, n, d))
             in_place = download(layer.arena, "streams", BF16, (rows, n, d))
-            _bits_equal(in_place, out, f"{spec.name} rows={rows}: in place vs out of place")
-            exact, bound = ek.gate_error_bound(x, kv, qw, kw, cfg.rms_norm_eps, spec)
-            got = out.astype(np.float64)
-            assert not np.isnan(got).any(), f"{spec.name} rows={rows}: unwritten elements"
-            bad = np.argwhere(np.abs(got - exact) > bound)
-            assert not len(bad), (f"{spec.name} rows={rows}: {len(bad)} elements out of bound, "
-                                  f"first {tuple(bad[0])}: got {got[tuple(bad[0])]!r} want "
-                                  f"{exact[tuple(bad[0])]!r} bound {bound[tuple(bad[0])]!r}")
+            bits_equal(in_place, out, f"{spec.name} rows={rows}: in place vs out of place")
+            check_gate(spec, out, x, kv, qw, kw, cfg.rms_norm_eps, f"{spec.name} rows={rows}")
     finally:
         layer.close()
