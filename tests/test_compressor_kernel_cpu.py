@@ -10,9 +10,9 @@ pipeline's error and reject a wrong RoPE position or a wrong row.
 """
 from __future__ import annotations
 
+import compressor_cases as cases
 import numpy as np
 import pytest
-from compressor_cases import rings_before
 
 from kernels import compressor_kernel_ref as ck
 from kernels import compressor_ref, kvrecord_ref, rope_ref
@@ -30,7 +30,7 @@ def random_batch(blocks, lines_total: int = 12, padding: int = 2):
     pos += [3] * padding
     seq += [-1] * padding
     lines = RNG.permutation(lines_total)[:len(blocks)].astype(np.int32)
-    ring = rings_before(RNG, blocks, lines, lines_total)
+    ring = cases.rings_before(RNG, blocks, lines, lines_total)
     kv_score = RNG.standard_normal((len(pos), W)).astype(np.float32)
     return np.array(pos, np.int32), np.array(seq, np.int32), lines, ring, kv_score
 

@@ -17,15 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import compressor_cases as cases
 import numpy as np
 import pytest
-from compressor_cases import (
-    check_projection,
-    check_records,
-    make_rows,
-    random_weights,
-    rings_before,
-)
 
 from executor.emulate import NoEmulator, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
@@ -63,18 +57,18 @@ def bundle(tiny_bundle_dir):
 def _case_inputs(rng, cfg, ratio: int, case: str, hidden: int):
     blocks, padding, arena_rows = CASES[case]
     seqs = len(blocks)
-    positions, seq_index, lines = make_rows(rng, blocks, padding, seqs)
+    positions, seq_index, lines = cases.make_rows(rng, blocks, padding, seqs)
     num_pages = seqs * PAGES + 5
     tables = rng.permutation(num_pages)[:seqs * PAGES].reshape(seqs, PAGES).astype(np.int32)
     if seqs > 1:                               # one sequence's entry page is unallocated
         tables[0, (999 // ratio) // PAGE] = -1
-    ring = rings_before(rng, blocks, lines, seqs + 3)
+    ring = cases.rings_before(rng, blocks, lines, seqs + 3)
     r = positions.size
     shape = CompressorShape(ratio, hidden, arena_rows, seqs + 3, PAGES, PAGE, num_pages,
                             NUM_POSITIONS)
     inputs = {
         "x": formats.bf16_round(rng.standard_normal((r, hidden)).astype(np.float32)),
-        "w": random_weights(rng, ratio, hidden), "ring": ring, "positions": positions,
+        "w": cases.random_weights(rng, ratio, hidden), "ring": ring, "positions": positions,
         "seq_index": seq_index, "state_lines": lines, "block_tables": tables,
         "norm_w": (rng.random(ck.HEAD_DIM) * 2).astype(np.float32),
         "wk": formats.bf16_round((rng.standard_normal((ck.INDEX_DIM, ck.HEAD_DIM))
@@ -113,7 +107,7 @@ def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
 
     cols = ck.HEAD_DIM * ratio
     kv_score = arena.download("kv_score", np.float32, (shape.max_rows, cols))
-    check_projection(kv_score, rows, inputs["x"], inputs["w"])
+    cases.check_projection(kv_score, rows, inputs["x"], inputs["w"])
 
     ring = inputs["ring"]
     state = ck.PublishState(ring.copy(), np.full((shape.slots, kvrecord_ref.KV_RECORD_BYTES),
@@ -128,7 +122,7 @@ def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
     np.testing.assert_array_equal(got_ring, state.ring.view(np.uint32))
     got_cache = arena.download("cache", np.uint8, (shape.slots, kvrecord_ref.KV_RECORD_BYTES))
     got_keys = arena.download("keys", np.uint8, (shape.slots, kvrecord_ref.INDEX_RECORD_BYTES))
-    check_records(got_cache, got_keys, slots, entries, keys, shape.slots)
+    cases.check_records(got_cache, got_keys, slots, entries, keys, shape.slots)
 
 
 def test_builder_checks_rows_and_pointers(bundle):
@@ -191,6 +185,6 @@ def test_two_steps_pool_through_the_ring(bundle):
     np.testing.assert_array_equal(arena.download("ring", np.uint32, state.ring.shape),
                                   state.ring.view(np.uint32))
     assert not np.isnan(entries).any(), "a partner row was not in the ring"
-    check_records(arena.download("cache", np.uint8, state.cache.shape),
-                   arena.download("keys", np.uint8, state.keys.shape), slots, entries, keys,
-                   shape.slots)
+    cases.check_records(arena.download("cache", np.uint8, state.cache.shape),
+                        arena.download("keys", np.uint8, state.keys.shape), slots, entries,
+                        keys, shape.slots)

@@ -14,16 +14,9 @@ output's first R rows must be unchanged. Tolerances (those of tests/gpu/test_emb
 """
 from dataclasses import replace
 
+import embed_engram_cases as cases
 import numpy as np
 import pytest
-from embed_engram_cases import (
-    bits_equal,
-    check_gate,
-    every_code_table,
-    gate_inputs,
-    hash_inputs,
-    lookup_ids,
-)
 
 from executor.embed_engram_chain import random_table
 from executor.emulate import NoEmulator, emulate_launch, run
@@ -101,7 +94,7 @@ def test_embed_rows_or_zeros(setup):
             want = np.zeros((rows, spec.width), BF16)
             want[mine] = table[local[mine]]
             got = arena.download("out", BF16, (rows, spec.width))
-            bits_equal(got, want, f"{spec.name} rows={rows} offset={offset}")
+            cases.bits_equal(got, want, f"{spec.name} rows={rows} offset={offset}")
 
 
 # ---- Engram: hash, lookup, gate alone ------------------------------------------------------------
@@ -116,7 +109,7 @@ def test_hash_ids_exact(setup):
     for spec in hashes:
         for rows in ROWS:
             space, arena, ptrs = _engram_arena(setup, 1)
-            tokens, positions, vocab_map = hash_inputs(RNG, cfg, spec, rows)
+            tokens, positions, vocab_map = cases.hash_inputs(RNG, cfg, spec, rows)
             arena.upload("tokens", tokens)
             arena.upload("positions", positions)
             arena.upload("vocab_map", vocab_map)
@@ -133,10 +126,10 @@ def test_lookup_bitwise_and_nan_off_table(setup):
     tp = spec.total_cols // spec.cols
     for rows in ROWS:
         space, arena, ptrs = _engram_arena(setup, LOOKUP_TABLE_ROWS)
-        codes, scales = every_code_table(RNG, LOOKUP_TABLE_ROWS, spec.head_dim)
+        codes, scales = cases.every_code_table(RNG, LOOKUP_TABLE_ROWS, spec.head_dim)
         first_col = int(RNG.integers(tp)) * spec.cols
         row_offset = int(RNG.integers(0, 2**31 - LOOKUP_TABLE_ROWS))
-        ids = lookup_ids(RNG, spec, rows, first_col, row_offset, LOOKUP_TABLE_ROWS)
+        ids = cases.lookup_ids(RNG, spec, rows, first_col, row_offset, LOOKUP_TABLE_ROWS)
         for name, host in (("ids", ids), ("codes", codes), ("scales", scales)):
             arena.upload(name, host)
         launch = engram_lookup_launch(bundle, spec, {**ptrs, "out": ptrs["heads"]}, rows,
@@ -146,7 +139,7 @@ def test_lookup_bitwise_and_nan_off_table(setup):
         got = arena.download("heads", BF16, (rows, spec.cols, spec.head_dim))
         want = ek.lookup_ref(spec, ids, codes, scales, first_col, row_offset)
         assert np.isnan(want.astype(np.float32)).any() == (rows > 3)
-        bits_equal(got, want, f"{spec.name} rows={rows} first_col={first_col}")
+        cases.bits_equal(got, want, f"{spec.name} rows={rows} first_col={first_col}")
 
 
 def test_gate_within_bound_in_place_and_out_of_place(setup):
@@ -155,7 +148,7 @@ def test_gate_within_bound_in_place_and_out_of_place(setup):
     eps = cfg.rms_norm_eps
     for rows in ROWS:
         space, arena, ptrs = _engram_arena(setup, 1, [("streams_out", 2 * MAX_ROWS * n * d)])
-        x, kv, qw, kw = gate_inputs(RNG, rows, n, d)
+        x, kv, qw, kw = cases.gate_inputs(RNG, rows, n, d)
         for name, host in (("streams", x), ("keys_and_value", kv), ("q_weight", qw),
                            ("k_weight", kw)):
             arena.upload(name, host)
@@ -166,9 +159,9 @@ def test_gate_within_bound_in_place_and_out_of_place(setup):
         _run_and_check_untouched(space, arena, launches,
                                  {"streams_out": nbytes, "streams": nbytes})
         out = arena.download("streams_out", BF16, (rows, n, d))
-        bits_equal(arena.download("streams", BF16, (rows, n, d)), out,
-                   f"{spec.name} rows={rows}: in place vs out of place")
-        check_gate(spec, out, x, kv, qw, kw, eps, f"{spec.name} rows={rows}")
+        cases.bits_equal(arena.download("streams", BF16, (rows, n, d)), out,
+                         f"{spec.name} rows={rows}: in place vs out of place")
+        cases.check_gate(spec, out, x, kv, qw, kw, eps, f"{spec.name} rows={rows}")
 
 
 # ---- one Engram layer's launch list on one arena -------------------------------------------------
@@ -189,8 +182,8 @@ def test_hash_lookup_gate_list_over_a_ranks_real_table(setup):
         arena.buffer[...] = 0xFF
         ptrs = {name: arena.ptr(name) for name, *_ in requests}
         codes, scales = random_table(RNG, stop - start, lookup.head_dim)
-        tokens, positions, vocab_map = hash_inputs(RNG, cfg, hspec, rows)
-        x, kv, qw, kw = gate_inputs(RNG, rows, n, d)
+        tokens, positions, vocab_map = cases.hash_inputs(RNG, cfg, hspec, rows)
+        x, kv, qw, kw = cases.gate_inputs(RNG, rows, n, d)
         for name, host in (("codes", codes), ("scales", scales), ("tokens", tokens),
                            ("positions", positions), ("vocab_map", vocab_map),
                            ("streams", x), ("keys_and_value", kv),
@@ -207,9 +200,9 @@ def test_hash_lookup_gate_list_over_a_ranks_real_table(setup):
         want = ek.lookup_ref(lookup, ids, codes, scales, rank * lookup.cols, start)
         assert not np.isnan(want.astype(np.float32)).any()   # every id is this rank's
         got = arena.download("heads", BF16, (rows, lookup.cols, lookup.head_dim))
-        bits_equal(got, want, f"{hspec.name} -> {lookup.name} rank={rank} rows={rows}")
-        check_gate(gate, arena.download("streams", BF16, (rows, n, d)), x, kv, qw, kw, eps,
-                   f"{gate.name} after the lookup, rows={rows}")
+        cases.bits_equal(got, want, f"{hspec.name} -> {lookup.name} rank={rank} rows={rows}")
+        cases.check_gate(gate, arena.download("streams", BF16, (rows, n, d)), x, kv, qw, kw, eps,
+                         f"{gate.name} after the lookup, rows={rows}")
 
 
 # ---- wiring errors the emulator or the builders catch --------------------------------------------

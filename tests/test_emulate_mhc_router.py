@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import mhc_router_cases as cases
 import numpy as np
 import pytest
-from mhc_router_cases import check_mhc_values, check_router, mhc_inputs, router_inputs
 
 from executor.emulate import NoEmulator, emulate_launch, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
@@ -71,7 +71,7 @@ def _mhc_arena(spec, rows: int, inputs: dict):
 
 
 def _run_mhc(bundle, spec, rows: int, in_place: bool):
-    inputs = mhc_inputs(RNG, spec, rows, "f32")
+    inputs = cases.mhc_inputs(RNG, spec, rows, "f32")
     space, arena = _mhc_arena(spec, rows, inputs)
     ptrs = {name: arena.ptr(name) for name in arena.slices}
     if in_place:
@@ -125,14 +125,14 @@ def test_emulated_mhc_step_matches_reference(bundle, spec):
                "coeff": arena.download("coeff_out", np.float32, (rows, m)),
                "workspace": None if spec.polled else arena.download(
                    "workspace", np.float32, (spec.slices, rows, mk.PARTIAL_STRIDE))}
-        check_mhc_values(spec, CFG, rows, inputs, got)
+        cases.check_mhc_values(spec, CFG, rows, inputs, got)
         _check_mhc_bytes(spec, rows, in_place, inputs, arena)
 
 
 def test_mhc_launch_refuses_bad_wiring(bundle):
     spec = mk.make_spec(CFG.hidden_size, mk.HC_MULT, "post", CFG.hc_sinkhorn_iters,
                         live_rows=True, approx_rcp=True)
-    inputs = mhc_inputs(RNG, spec, 4, "f32")
+    inputs = cases.mhc_inputs(RNG, spec, 4, "f32")
     space, arena = _mhc_arena(spec, 4, inputs)
     ptrs = {name: arena.ptr(name) for name in arena.slices}
     with pytest.raises(KeyError, match="'mixes'"):
@@ -173,7 +173,7 @@ def _check_router_bytes(spec, rows: int, arena: HostArena, prefix: str = "") -> 
 @pytest.mark.parametrize("spec", rk.router_specs(CFG), ids=lambda spec: spec.name)
 def test_emulated_router_matches_reference(bundle, ties, spec):
     for rows in ROUTER_ROWS:
-        x, weight, bias, group = router_inputs(RNG, spec, rows, ties)
+        x, weight, bias, group = cases.router_inputs(RNG, spec, rows, ties)
         space = AddressSpace()
         arena = HostArena(space, router_requests(spec, MAX_ROWS), name="router")
         for name in arena.slices:
@@ -183,7 +183,7 @@ def test_emulated_router_matches_reference(bundle, ties, spec):
             arena.upload(name, host)
         ptrs = {name: arena.ptr(name) for name in arena.slices}
         assert run([router_launch(bundle, spec, ptrs, rows)], space) == 1
-        check_router(spec, rows, x, weight, bias, group, *_router_outputs(spec, rows, arena))
+        cases.check_router(spec, rows, x, weight, bias, group, *_router_outputs(spec, rows, arena))
         _check_router_bytes(spec, rows, arena)
 
 
@@ -196,8 +196,8 @@ def test_emulated_ffn_head_chains_through_one_arena(bundle):
                         live_rows=True, approx_rcp=True)
     rspec = rk.router_specs(CFG)[0]
     rows = int(RNG.integers(2, 48))
-    inputs = mhc_inputs(RNG, spec, rows, "f32")
-    _, weight, bias, _ = router_inputs(RNG, rspec, rows, False)
+    inputs = cases.mhc_inputs(RNG, spec, rows, "f32")
+    _, weight, bias, _ = cases.router_inputs(RNG, rspec, rows, False)
     space = AddressSpace()
     requests = mhc_requests(spec, MAX_ROWS) + [
         ("router." + name, nbytes, comment)
@@ -222,6 +222,6 @@ def test_emulated_ffn_head_chains_through_one_arena(bundle):
     x_out = arena.download("x_out", BF16, (rows, spec.width))
     assert np.array_equal(normed.view(np.uint16),
                           nr.rmsnorm_ref(x_out, inputs["norm_weight"], eps).view(np.uint16))
-    check_router(rspec, rows, normed, weight, bias, None,
-                  *_router_outputs(rspec, rows, arena, "router."))
+    cases.check_router(rspec, rows, normed, weight, bias, None,
+                       *_router_outputs(rspec, rows, arena, "router."))
     _check_router_bytes(rspec, rows, arena, "router.")

@@ -18,15 +18,9 @@ permuted state lines and pages, padding rows, an entry on an unallocated page.
 """
 from __future__ import annotations
 
+import compressor_cases as cases
 import numpy as np
 import pytest
-from compressor_cases import (
-    check_projection,
-    check_records,
-    make_rows,
-    random_weights,
-    rings_before,
-)
 
 from executor.compressor_chain import CompressorChain, CompressorShape
 from kernels import compressor_kernel_ref as ck
@@ -66,7 +60,7 @@ def test_projection(dev, v41_bundle, ratio, rows):
     chain = CompressorChain(dev, v41_bundle, shape)
     try:
         x = formats.bf16_round(rng.standard_normal((rows, HIDDEN)).astype(np.float32))
-        w = random_weights(rng, ratio, HIDDEN)
+        w = cases.random_weights(rng, ratio, HIDDEN)
         chain.upload("x", bf16_bits(x))
         chain.upload("w", w if ratio == 2 else bf16_bits(w))
         chain.fill("kv_score", 0xFF)
@@ -77,7 +71,7 @@ def test_projection(dev, v41_bundle, ratio, rows):
         got = chain.download("kv_score", np.float32, (rows + 8, ck.HEAD_DIM * ratio))
     finally:
         chain.close()
-    check_projection(got, rows, x, w)
+    cases.check_projection(got, rows, x, w)
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
@@ -87,7 +81,7 @@ def test_publish(dev, v41_bundle, ratio, case):
     cfg = ModelConfig.preset("v41-flash")
     blocks = CASES[case]
     seqs = len(blocks)
-    positions, seq_index, lines = make_rows(rng, blocks, 2, seqs)
+    positions, seq_index, lines = cases.make_rows(rng, blocks, 2, seqs)
     r = positions.size
     ring_lines = seqs + 3
     num_pages = seqs * PAGES + 5
@@ -97,13 +91,13 @@ def test_publish(dev, v41_bundle, ratio, case):
     shape = CompressorShape(ratio, HIDDEN, r, ring_lines, PAGES, PAGE, num_pages, NUM_POSITIONS)
     table = rope_ref.RopeTable.for_ratio(cfg, ratio, NUM_POSITIONS)
     # The ring of every used line holds the 8 positions before its block (an earlier step).
-    ring = rings_before(rng, blocks, lines, ring_lines)
+    ring = cases.rings_before(rng, blocks, lines, ring_lines)
     norm_w = (rng.random(ck.HEAD_DIM) * 2).astype(np.float32)
     wk = formats.bf16_round((rng.standard_normal((ck.INDEX_DIM, ck.HEAD_DIM))
                              * ck.HEAD_DIM ** -0.5).astype(np.float32))
     k_norm = (rng.random(ck.INDEX_DIM) * 2).astype(np.float32)
     x = formats.bf16_round(rng.standard_normal((r, HIDDEN)).astype(np.float32))
-    w = random_weights(rng, ratio, HIDDEN)
+    w = cases.random_weights(rng, ratio, HIDDEN)
     eps = float(cfg.rms_norm_eps)
 
     chain = CompressorChain(dev, v41_bundle, shape)
@@ -138,4 +132,4 @@ def test_publish(dev, v41_bundle, ratio, case):
     assert slots.size == want_pub, "the reference and the case disagree on who publishes"
     # Bitwise: r = 2 rows copied in, every other ring row (r = 1: all) as uploaded.
     np.testing.assert_array_equal(got_ring.view(np.uint32), state.ring.view(np.uint32))
-    check_records(got_cache, got_keys, slots, entries, keys, shape.slots)
+    cases.check_records(got_cache, got_keys, slots, entries, keys, shape.slots)

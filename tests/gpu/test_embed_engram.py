@@ -22,16 +22,9 @@ Tolerances (kernels/embed_ref.py, kernels/engram_kernel_ref.py):
 """
 from __future__ import annotations
 
+import embed_engram_cases as cases
 import numpy as np
 import pytest
-from embed_engram_cases import (
-    bits_equal,
-    check_gate,
-    every_code_table,
-    gate_inputs,
-    hash_inputs,
-    lookup_ids,
-)
 
 from executor.embed_engram_chain import (
     EmbedLookup,
@@ -87,7 +80,7 @@ def test_embed_rows_or_zeros(dev, stream, setup):
                 mine = (local >= 0) & (local < spec.table_rows)
                 want = np.zeros((rows, spec.width), np.uint16)
                 want[mine] = cp.asnumpy(table[cp.asarray(local[mine])])
-                bits_equal(got, want.view(BF16), f"{spec.name} rows={rows} rank={rank}")
+                cases.bits_equal(got, want.view(BF16), f"{spec.name} rows={rows} rank={rank}")
         finally:
             lookup.close()
 
@@ -100,7 +93,7 @@ def test_hash_ids_exact(dev, stream, setup):
         layer = EngramLayer(dev, bundle, spec, lookup, gate, table_rows=32)
         try:
             for rows in ROWS:
-                tokens, positions, vocab_map = hash_inputs(RNG, cfg, spec, rows)
+                tokens, positions, vocab_map = cases.hash_inputs(RNG, cfg, spec, rows)
                 upload(layer.arena, "tokens", tokens)
                 upload(layer.arena, "positions", positions)
                 layer.upload_vocab_map(vocab_map)
@@ -126,13 +119,13 @@ def test_lookup_bitwise(dev, stream, setup, host_table):
     layer = EngramLayer(dev, bundle, hashes[0], spec, gate, LOOKUP_TABLE_ROWS,
                         host_table=host_table)
     try:
-        codes, scales = every_code_table(RNG, LOOKUP_TABLE_ROWS, spec.head_dim)
+        codes, scales = cases.every_code_table(RNG, LOOKUP_TABLE_ROWS, spec.head_dim)
         layer.upload_table(codes, scales)
         tp = spec.total_cols // spec.cols
         for rows in ROWS:
             first_col = int(RNG.integers(tp)) * spec.cols
             row_offset = int(RNG.integers(0, 2**31 - LOOKUP_TABLE_ROWS))
-            ids = lookup_ids(RNG, spec, rows, first_col, row_offset, LOOKUP_TABLE_ROWS)
+            ids = cases.lookup_ids(RNG, spec, rows, first_col, row_offset, LOOKUP_TABLE_ROWS)
             upload(layer.arena, "chosen_ids", ids)
             poison(layer.arena, "heads")
             cp.cuda.Device().synchronize()
@@ -140,7 +133,7 @@ def test_lookup_bitwise(dev, stream, setup, host_table):
             stream.synchronize()
             got = download(layer.arena, "heads", BF16, (rows, spec.cols, spec.head_dim))
             want = ek.lookup_ref(spec, ids, codes, scales, first_col, row_offset)
-            bits_equal(got, want, f"{spec.name} rows={rows} host={host_table}")
+            cases.bits_equal(got, want, f"{spec.name} rows={rows} host={host_table}")
     finally:
         layer.close()
 
@@ -158,7 +151,7 @@ def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
             codes, scales = random_table(RNG, stop - start, spec.head_dim)
             layer.upload_table(codes, scales)
             rows = 48
-            tokens, positions, vocab_map = hash_inputs(RNG, cfg, hspec, rows)
+            tokens, positions, vocab_map = cases.hash_inputs(RNG, cfg, hspec, rows)
             positions = RNG.integers(0, 50, rows).astype(np.int32)
             upload(layer.arena, "tokens", tokens)
             upload(layer.arena, "positions", positions)
@@ -172,7 +165,7 @@ def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
             ids = ek.hash_ref(hspec, tokens, positions, vocab_map)
             want = ek.lookup_ref(spec, ids, codes, scales, rank * spec.cols, start)
             assert not np.isnan(want.astype(np.float32)).any()   # every id is this rank's
-            bits_equal(got, want, f"{hspec.name} -> {spec.name} rank={rank}")
+            cases.bits_equal(got, want, f"{hspec.name} -> {spec.name} rank={rank}")
         finally:
             layer.close()
 
@@ -185,7 +178,7 @@ def test_gate_within_bound(dev, stream, setup):
     layer = EngramLayer(dev, bundle, hashes[0], lookup, spec, table_rows=32)
     try:
         for rows in ROWS:
-            x, kv, qw, kw = gate_inputs(RNG, rows, n, d)
+            x, kv, qw, kw = cases.gate_inputs(RNG, rows, n, d)
             for name, host in (("streams", x), ("keys_and_value", kv), ("q_weight", qw),
                                ("k_weight", kw)):
                 upload(layer.arena, name, host)
@@ -196,7 +189,7 @@ def test_gate_within_bound(dev, stream, setup):
             stream.synchronize()
             out = download(layer.arena, "streams_out", BF16, (rows, n, d))
             in_place = download(layer.arena, "streams", BF16, (rows, n, d))
-            bits_equal(in_place, out, f"{spec.name} rows={rows}: in place vs out of place")
-            check_gate(spec, out, x, kv, qw, kw, cfg.rms_norm_eps, f"{spec.name} rows={rows}")
+            cases.bits_equal(in_place, out, f"{spec.name} rows={rows}: in place vs out of place")
+            cases.check_gate(spec, out, x, kv, qw, kw, cfg.rms_norm_eps, f"{spec.name} rows={rows}")
     finally:
         layer.close()

@@ -50,15 +50,9 @@ tests/mhc_router_cases.py, shared with the CPU emulator test):
 """
 from __future__ import annotations
 
+import mhc_router_cases as cases
 import numpy as np
 import pytest
-from mhc_router_cases import (
-    check_mhc_values,
-    check_router,
-    mhc_inputs,
-    previous_coefficients,
-    router_inputs,
-)
 
 from executor.mhc_router_chain import MhcStep, Router, download, poison, upload
 from kernels import mhc_kernel_ref as mk
@@ -77,7 +71,7 @@ RNG = np.random.default_rng()
 
 def _mhc_run(stream, step, cfg, rows: int, in_place: bool, inputs: dict):
     """Upload `inputs`, poison every output (the exchange of `_lean_poll` stays zero: 0xFF would
-    read as tagged words), launch, and download (outputs as `check_mhc_values` takes them,
+    read as tagged words), launch, and download (outputs as `cases.check_mhc_values` takes them,
     counters, and the polled variants' exchange bytes)."""
     spec, s, d, m = step.spec, step.spec.streams, step.spec.width, mk.MIX_DIM
     for name, host in inputs.items():
@@ -108,7 +102,7 @@ def _mhc_run(stream, step, cfg, rows: int, in_place: bool, inputs: dict):
 def _mhc_case(dev, stream, bundle, spec, rows: int, cfg, in_place: bool):
     step = MhcStep(dev, bundle, spec, max_rows=max(ROWS))        # weight dtype: the spec's
     try:
-        inputs = mhc_inputs(RNG, spec, rows, spec.norm_weight)
+        inputs = cases.mhc_inputs(RNG, spec, rows, spec.norm_weight)
         got, counters, scratch = _mhc_run(stream, step, cfg, rows, in_place, inputs)
     finally:
         step.close()
@@ -123,7 +117,7 @@ def _check_mhc(spec, cfg, rows, inputs, got, counters):
     assert not counters.any(), f"{tag}: counters not reset: {counters}"
     if spec.mode == "postonly":      # no mixes, no coefficients: the poison is untouched
         assert np.isnan(got["mixes"]).all() and np.isnan(got["coeff"]).all(), f"{tag}: wrote mixes"
-    check_mhc_values(spec, cfg, rows, inputs, got)
+    cases.check_mhc_values(spec, cfg, rows, inputs, got)
 
 
 def _mode_spec(cfg, mode: str) -> mk.MhcPreSpec:
@@ -164,7 +158,7 @@ def test_mhc_pre_poll_bitwise_equals_lean(dev, stream, preset_bundle, norm, spli
     steps = [MhcStep(dev, bundle, spec, max_rows=max(POLL_ROWS)) for spec in specs]
     try:
         for rows in POLL_ROWS:
-            inputs = mhc_inputs(RNG, specs[1], rows, specs[1].norm_weight)
+            inputs = cases.mhc_inputs(RNG, specs[1], rows, specs[1].norm_weight)
             (want, _, _), (got, flag, scratch) = [
                 _mhc_run(stream, step, cfg, rows, rows % 2 == 0, inputs) for step in steps]
             tag = f"{specs[1].name} rows={rows}"
@@ -200,7 +194,7 @@ def test_mhc_pre_relaunch_reuses_counters(dev, stream, preset_bundle, variant):
         x = to_bf16(RNG.standard_normal((rows, s, d)))
         upload(step.arena, "streams", x)
         upload(step.arena, "sub_out", to_bf16(RNG.standard_normal((rows, d))))
-        upload(step.arena, "coeff_prev", previous_coefficients(RNG, rows, s))
+        upload(step.arena, "coeff_prev", cases.previous_coefficients(RNG, rows, s))
         upload(step.arena, "fn", (RNG.standard_normal((mk.MIX_DIM, s * d)) / np.sqrt(s * d))
                .astype(np.float32))
         upload(step.arena, "scale", np.array([1, 1, 1, 0], np.float32))
@@ -232,7 +226,7 @@ def test_mhc_pre_relaunch_reuses_counters(dev, stream, preset_bundle, variant):
 
 def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
     e = spec.experts
-    x, weight, bias, group = router_inputs(RNG, spec, rows, ties)
+    x, weight, bias, group = cases.router_inputs(RNG, spec, rows, ties)
     router = Router(dev, bundle, spec, max_rows=max(ROWS))
     try:
         for name, host in (("x", x), ("weight", weight), ("bias", bias)):
@@ -253,7 +247,7 @@ def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
 
 
 def _check_router(spec, rows, x, weight, bias, group, logits, ids, weights, counters):
-    check_router(spec, rows, x, weight, bias, group, logits, ids, weights)
+    cases.check_router(spec, rows, x, weight, bias, group, logits, ids, weights)
     assert not counters.any(), (f"{spec.name} rows={rows}: scratch not reset (counters, "
                                 f"`_tile8p` exchange) at bytes "
                                 f"{np.flatnonzero(counters)[:8].tolist()}")
