@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import indexer_cases as cases
 import numpy as np
 import pytest
 
@@ -47,19 +48,6 @@ CASES = [(10, 1, 0, 1), (100, 1, 2, 8), (300, 5, 2, 16), (1000, 12, 2, 14), (300
 @pytest.fixture(scope="module")
 def bundle(tiny_bundle_dir):
     return ManifestBundle(tiny_bundle_dir)
-
-
-def make_rows(rng, context: int, rows: int, padding: int):
-    """Sequences of 1 (R = 1), 5 or 6 rows ending near `context`; then padding rows."""
-    per = 1 if rows == 1 else 5 if rows == 5 else 6
-    pos, seq = [], []
-    while len(pos) < rows:
-        n = min(per, rows - len(pos))
-        end = max(n, context - int(rng.integers(0, 3)))
-        pos += list(range(end - n, end))
-        seq += [len(set(seq))] * n
-    return (np.array(pos + [0] * padding, np.int32), np.array(seq + [-1] * padding, np.int32),
-            len(set(seq)))
 
 
 class Layer:
@@ -112,33 +100,6 @@ def upload_query(rng, layer: Layer, r: int):
     return codes, scales, w, indexer_ref.fp4_quantize_dequantize(q)
 
 
-def check_prep(layer, codes, scales, w, positions, seq_index, cands=None):
-    for name, dtype, want in (("qfrag", np.uint8, ik.fragment_order(codes)),
-                              ("qscale", np.float32, ik.scale_order(scales)),
-                              ("qw", np.float32, ik.weight_order(w)),
-                              ("plan", np.int32, ik.work_plan(positions, seq_index,
-                                                              layer.shape.ratio,
-                                                              layer.shape.mode, cands))):
-        np.testing.assert_array_equal(layer.get(name, dtype, want.shape), want, err_msg=name)
-
-
-def check_scores(got, qd, w, decoded, seq_index, allowed=None):
-    """Within tolerance where written; NaN (poison) beyond each sequence's entries, outside the
-    allowed (candidate) entries and on padding rows."""
-    for q, keys in enumerate(decoded):
-        idx = np.flatnonzero(seq_index == q)
-        n = keys.shape[0]
-        want = indexer_ref.index_scores(qd[idx], w[idx], keys)
-        tol = ik.score_tolerance(qd[idx], w[idx], keys)
-        part = got[idx, :n]
-        mask = np.ones_like(part, bool) if allowed is None else allowed[idx, :n]
-        bad = mask & ~(np.abs(part - want) <= tol)
-        assert not bad.any(), f"sequence {q}: {bad.sum()} scores out of tolerance"
-        assert np.isnan(part[~mask]).all(), f"sequence {q}: a score outside the candidates"
-        assert np.isnan(got[idx, n:]).all(), f"sequence {q}: a score past its {n} entries"
-    assert np.isnan(got[seq_index < 0]).all(), "a padding row got scores"
-
-
 def check_untouched_tail(layer: Layer, r: int):
     """Every byte of the indexer's arena past the launch's r rows is still poison."""
     s = layer.shape
@@ -166,7 +127,7 @@ def new_shape(mode, ratio, context, max_rows, max_seqs, source):
 def test_candidate_source_then_reindex(bundle, context, rows, padding, max_rows):
     rng = np.random.default_rng()
     space = AddressSpace()
-    positions, seq_index, seqs = make_rows(rng, context, rows, padding)
+    positions, seq_index, seqs = cases.make_rows(rng, context, rows, padding)
     r = positions.size
     src = Layer(space, new_shape("dense", 1, context, max_rows, seqs + 1, True))
     decoded = setup_keys(rng, src, seqs, positions, seq_index)
@@ -176,9 +137,10 @@ def test_candidate_source_then_reindex(bundle, context, rows, padding, max_rows)
     src.inputs.fill("cands", 0xFF)                      # dense layers never read it
     src.poison()
     run_checked(space, src, il.indexer_launches(bundle, src.shape, src.ptrs(), r, WEIGHT_SCALE))
-    check_prep(src, codes, scales, w, positions, seq_index)
+    cases.check_prep(src.get, src.shape.ratio, src.shape.mode, codes, scales, w,
+                     positions, seq_index)
     scores = src.get("scores", np.float32, (r, src.shape.max_entries))
-    check_scores(scores, qd, w, decoded, seq_index)
+    cases.check_scores(scores, qd, w, decoded, seq_index)
     topk = src.get("topk", np.int32, (r, TOPK))
     blocks = src.get("blocks_out", np.int32, (r, BLOCKS))
     np.testing.assert_array_equal(topk, ik.topk_ref(scores, positions, seq_index, "entries",
@@ -197,12 +159,13 @@ def test_candidate_source_then_reindex(bundle, context, rows, padding, max_rows)
         rei.poison()
         run_checked(space, rei, il.indexer_launches(bundle, rei.shape, rei.ptrs(), r,
                                                     WEIGHT_SCALE, cluster_topk=cluster))
-        check_prep(rei, codes, scales, w, positions, seq_index, cands)
+        cases.check_prep(rei.get, rei.shape.ratio, rei.shape.mode, codes, scales, w,
+                         positions, seq_index, cands)
         scores = rei.get("scores", np.float32, (r, rei.shape.max_entries))
         n_max = rei.shape.max_entries
         inside = indexer_ref.candidate_entry_mask(cands, n_max, BS) & indexer_ref.visible_mask(
             ik.visible_counts(positions, seq_index, 1), n_max)
-        check_scores(scores, qd, w, decoded, seq_index, allowed=inside)
+        cases.check_scores(scores, qd, w, decoded, seq_index, allowed=inside)
         np.testing.assert_array_equal(
             rei.get("topk", np.int32, (r, TOPK)),
             ik.topk_ref(scores, positions, seq_index, "candidates", TOPK, 1, cands=cands),
@@ -238,7 +201,7 @@ def test_ratio2_dense_layer(bundle, context, rows, padding, max_rows):
     and the cluster one."""
     rng = np.random.default_rng()
     space = AddressSpace()
-    positions, seq_index, seqs = make_rows(rng, context, rows, padding)
+    positions, seq_index, seqs = cases.make_rows(rng, context, rows, padding)
     r = positions.size
     layer = Layer(space, new_shape("dense", 2, context // 2, max_rows, seqs + 1, False))
     decoded = setup_keys(rng, layer, seqs, positions, seq_index)
@@ -253,9 +216,10 @@ def test_ratio2_dense_layer(bundle, context, rows, padding, max_rows):
         ptrs = layer.ptrs(blocks_out=extra.ptr("blocks_out"))   # the cluster ABI's 2nd output
         run_checked(space, layer, il.indexer_launches(bundle, layer.shape, ptrs, r,
                                                       WEIGHT_SCALE, cluster_topk=cluster))
-        check_prep(layer, codes, scales, w, positions, seq_index)
+        cases.check_prep(layer.get, layer.shape.ratio, layer.shape.mode, codes, scales, w,
+                         positions, seq_index)
         scores = layer.get("scores", np.float32, (r, layer.shape.max_entries))
-        check_scores(scores, qd, w, decoded, seq_index)
+        cases.check_scores(scores, qd, w, decoded, seq_index)
         np.testing.assert_array_equal(
             layer.get("topk", np.int32, (r, TOPK)),
             ik.topk_ref(scores, positions, seq_index, "entries", TOPK, 2))

@@ -17,6 +17,7 @@ bitwise identical.
 """
 from __future__ import annotations
 
+import indexer_cases as cases
 import numpy as np
 import pytest
 
@@ -32,22 +33,6 @@ PAGE = 64
 WEIGHT_SCALE = 128 ** -0.5 * 32 ** -0.5
 CASES = [(10, 1), (10, 6), (1000, 1), (1000, 5), (1000, 12), (1000, 48), (4096, 48),
          (32768, 1), (32768, 6), (32768, 12), (131072, 1), (131072, 6)]
-
-
-def make_rows(rng, context: int, rows: int, padding: int):
-    """Sequences of 1 (R = 1), 5 (a draft-sized block) or 6 rows ending near `context`."""
-    per = 1 if rows == 1 else 5 if rows == 5 else 6
-    pos, seq = [], []
-    q = 0
-    while len(pos) < rows:
-        n = min(per, rows - len(pos))
-        end = max(n, context - int(rng.integers(0, 3)))
-        pos += list(range(end - n, end))
-        seq += [q] * n
-        q += 1
-    pos += [0] * padding
-    seq += [-1] * padding
-    return np.array(pos, np.int32), np.array(seq, np.int32), q
 
 
 def setup_keys(rng, chain: IndexerChain, seqs: int, positions, seq_index, ratio: int):
@@ -81,38 +66,11 @@ def run_chain(chain, rows, stream):
 
 
 def check_prep(chain, q, w_raw, positions, seq_index, mode, cands=None):
-    r = q.shape[0]
+    """The prep outputs bitwise; returns the dequantized query and head weights."""
     codes, scales, w = ik.prep_query(q, w_raw, WEIGHT_SCALE)
-    t = chain.shape.tiles
-    np.testing.assert_array_equal(
-        chain.download("qfrag", np.uint8, (r, t, 4, 32, 8)), ik.fragment_order(codes))
-    np.testing.assert_array_equal(
-        chain.download("qscale", np.float32, (r, t, 4, 4, 2)), ik.scale_order(scales))
-    np.testing.assert_array_equal(
-        chain.download("qw", np.float32, (r, t, 4, 2)), ik.weight_order(w))
-    plan = chain.download("plan", np.int32, (ik.plan_words(r),))
-    np.testing.assert_array_equal(plan, ik.work_plan(positions, seq_index, chain.shape.ratio,
-                                                     mode, cands))
+    cases.check_prep(chain.download, chain.shape.ratio, mode, codes, scales, w, positions,
+                     seq_index, cands)
     return ik.dequantized_query(codes, scales), w
-
-
-def check_scores(got, qd, w, decoded, positions, seq_index, ratio, allowed_rows=None):
-    """Scores within tolerance where written; NaN (poison) beyond each sequence's entries."""
-    for q, keys in enumerate(decoded):
-        idx = np.flatnonzero(seq_index == q)
-        n = keys.shape[0]
-        want = indexer_ref.index_scores(qd[idx], w[idx], keys)
-        tol = ik.score_tolerance(qd[idx], w[idx], keys)
-        part = got[idx, :n]
-        mask = np.ones_like(part, bool) if allowed_rows is None else allowed_rows[idx, :n]
-        bad = mask & ~(np.abs(part - want) <= tol)
-        assert not bad.any(), (f"sequence {q}: {bad.sum()} scores out of tolerance, first at "
-                               f"{np.argwhere(bad)[0]}: {part[bad][0]} vs {want[bad][0]}")
-        written = mask if allowed_rows is not None else np.ones_like(part, bool)
-        assert np.isnan(part[~written]).all(), f"sequence {q}: a score outside the candidates"
-        assert np.isnan(got[idx, n:]).all(), f"sequence {q}: a score past its {n} entries"
-    pad = seq_index < 0
-    assert np.isnan(got[pad]).all(), "a padding row got scores"
 
 
 def new_chain(dev, bundle, mode, context, rows, candidate_source):
@@ -125,7 +83,7 @@ def new_chain(dev, bundle, mode, context, rows, candidate_source):
 def test_layer20_then_reindex(dev, v41_bundle, context, rows):
     rng = np.random.default_rng()
     stream = dev.stream()
-    positions, seq_index, seqs = make_rows(rng, context, rows, padding=2)
+    positions, seq_index, seqs = cases.make_rows(rng, context, rows, padding=2)
     r = positions.size
     q = formats.bf16_round(rng.standard_normal((r, 32, 128)).astype(np.float32))
     w_raw = formats.bf16_round(rng.standard_normal((r, 32)).astype(np.float32))
@@ -141,7 +99,7 @@ def test_layer20_then_reindex(dev, v41_bundle, context, rows):
         run_chain(dense, r, stream)
         qd, w = check_prep(dense, q, w_raw, positions, seq_index, "dense")
         scores = dense.download("scores", np.float32, (r, dense.shape.max_entries))
-        check_scores(scores, qd, w, decoded, positions, seq_index, 1)
+        cases.check_scores(scores, qd, w, decoded, seq_index)
         topk = dense.download("topk", np.int32, (r, 512))
         np.testing.assert_array_equal(topk, ik.topk_ref(scores, positions, seq_index, "entries",
                                                         512, 1))
@@ -184,7 +142,7 @@ def test_layer20_then_reindex(dev, v41_bundle, context, rows):
         n_max = reindex.shape.max_entries
         inside = indexer_ref.candidate_entry_mask(blocks, n_max, 8) & indexer_ref.visible_mask(
             ik.visible_counts(positions, seq_index, 1), n_max)
-        check_scores(scores2, qd2, w2, decoded, positions, seq_index, 1, allowed_rows=inside)
+        cases.check_scores(scores2, qd2, w2, decoded, seq_index, allowed=inside)
         want = ik.topk_ref(scores2, positions, seq_index, "candidates", 512, 1, cands=blocks)
         np.testing.assert_array_equal(reindex.download("topk", np.int32, (r, 512)), want)
         np.testing.assert_array_equal(reindex.download("topk_c", np.int32, (r, 512)), want,
