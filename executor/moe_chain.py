@@ -105,10 +105,16 @@ class MoeChain:
         return [v for v in ml.variant_names(self.available, "w13w")
                 if ml.warp_routed_fits(self.available, self.shape, rows, v)]
 
-    def launches_bulk(self, rows: int, w2: str = "bulk") -> list[LaunchSpec]:
-        """prep -> w13w / w13sr "bulk" -> w2 `w2` -> combine (launches/moe.py
+    def launches_bulk(self, rows: int, w2: str = "bulk", w13w: str = ml.BULK_W13W,
+                      w13sr: str = "bulk") -> list[LaunchSpec]:
+        """prep -> w13w `w13w` / w13sr `w13sr` -> w2 `w2` -> combine (launches/moe.py
         `bulk_launches`)."""
-        return ml.bulk_launches(self.bundle, self.shape, self.ptrs, rows, self.available, w2)
+        return ml.bulk_launches(self.bundle, self.shape, self.ptrs, rows, self.available, w2,
+                                w13w, w13sr)
+
+    def has_coresident(self) -> bool:
+        """The bundle holds round 6's "_co" w13 kernels (w13w bulkw_co, w13sr bulk_co)."""
+        return {("w13w", "bulkw_co"), ("w13sr", "bulk_co")} <= set(self.available)
 
     def step_launches(self, rows: int) -> list[LaunchSpec]:
         """What the decode step launches at `rows` (executor/launches/moe.py `step_launches`)."""
@@ -183,10 +189,14 @@ def bench_moe_routed(ctx) -> None:
                 chains.append((" bulk", chain.launches_bulk(rows)))
                 if ("w2", "bulkp") in chain.available:
                     chains.append((" bulkp", chain.launches_bulk(rows, "bulkp")))
+                if chain.has_coresident():        # round 6: w13 at 2 CTAs/SM, w2 beside
+                    chains.append((" bulk co", chain.launches_bulk(rows, "bulk", "bulkw_co",
+                                                                   "bulk_co")))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
-                    w2 = "early" if w13 in ("early", "bulk", "bulkw") and w2_early else None
+                    w2 = ("early" if w13 in ("early", "bulk", "bulkw", "bulk_co") and w2_early
+                          else None)
                     chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
                                    chain.launches_selfrouted(rows, w13=w13, w2=w2)))
             for label, specs in chains:

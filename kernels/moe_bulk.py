@@ -503,8 +503,9 @@ def kernel_class(spec: mk.MoeSpec):
     """The class compiling a bulk-copy spec (w13w "bulk" / "bulk1", w13sr "bulk", w2 "bulk" /
     "bulkp")."""
     classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
-               ("w13w", "bulkw"): MoeW13BulkSm90,
+               ("w13w", "bulkw"): MoeW13BulkSm90, ("w13w", "bulkw_co"): MoeW13BulkSm90,
                ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
+               ("w13sr", "bulk_co"): MoeW13SelfRoutedBulkSm90,
                ("w13sr", "bulkw"): MoeW13SelfRoutedBulkSm90,
                ("w2", "bulk"): MoeW2BulkSm90, ("w2", "bulkp"): MoeW2BulkPrefetchSm90}
     if (spec.kind, spec.variant) not in classes:

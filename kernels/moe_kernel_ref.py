@@ -126,7 +126,11 @@ WARP_ROUTED_MAX_PAIRS = 64
 # (kernels/moe_bulk.py), "bulk1" the same with one copy pair per warp slice (no part split),
 # "bulkw" with 2-group parts kept BULK_WINDOW parts ahead of the math (not all at once).
 # Round 4's plain w13w ("") brought nothing measurable: deleted in round 5.
-W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw")
+# Round 6: "<scheme>_co" = the same kernel at CORESIDENT_CTAS per SM (grid and launch bound), so
+# one w2 CTA is resident beside w13's and streams its first weights under w13 (moe-design.md).
+W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_co")
+CORESIDENT_SUFFIX = "_co"
+CORESIDENT_CTAS = 2
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -284,17 +288,28 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
     base = _w13_spec(shape, *W13_VARIANTS[0])
     warps = base.block[0] // LANES
     return [MoeSpec(f"moe_w13w_{shape.tag()}" + (f"_{v}" if v else ""), "w13w", shape,
-                    base.block, ctas_per_sm=base.ctas_per_sm, stages=1, variant=v,
+                    base.block, stages=1, variant=v,
+                    ctas_per_sm=CORESIDENT_CTAS if is_coresident(v) else base.ctas_per_sm,
                     group_commits=True,
                     smem_bytes=(bulk_smem_bytes(shape, warps, v) if v.startswith("bulk")
                                 else base.smem_bytes))
             for v in W13W_VARIANTS]
 
 
+def is_coresident(variant: str) -> bool:
+    return variant.endswith(CORESIDENT_SUFFIX)
+
+
+def bulk_scheme(variant: str) -> str:
+    """The copy scheme of a bulk variant ("bulkw_co" copies as "bulkw")."""
+    return variant.removesuffix(CORESIDENT_SUFFIX)
+
+
 def bulk_parts(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
     """Bulk-copy pairs (codes + offsets, one mbarrier each) per warp slice of a w13 item: two
     halves where the slice has an even number of 128-groups (v41: 2 x 5 KB), else one; one
     for "bulk1"; parts of two groups for "bulkw" (v41: 5 x 2 KB)."""
+    variant = bulk_scheme(variant)
     groups = shape.k13 // COL_K // warps // 2
     if variant == "bulkw":
         return groups // 2 if groups % 2 == 0 else groups
@@ -307,7 +322,7 @@ BULK_WINDOW = 2       # "bulkw": parts of a warp in flight ahead of the one its 
 def bulk_window(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
     """Parts issued ahead of the math: all of an item (bulk, bulk1), or BULK_WINDOW (bulkw)."""
     parts = bulk_parts(shape, warps, variant)
-    return min(BULK_WINDOW, parts) if variant == "bulkw" else parts
+    return min(BULK_WINDOW, parts) if bulk_scheme(variant) == "bulkw" else parts
 
 
 def bulk_warp_bytes(shape: MoeShape, warps: int) -> int:
@@ -360,7 +375,9 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
-W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3))
+# "bulk_co": "bulk" at CORESIDENT_CTAS per SM, so a w2sr CTA fits beside (round 6)
+W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3),
+                  ("bulk_co", 4, 1, CORESIDENT_CTAS))
 W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 

@@ -199,11 +199,11 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
     specs = ml.step_launches(s.bundle, s.shape, s.ptrs, rows)
     names = [spec.kernel.name for spec in specs]
     tag = s.shape.tag()
+    w13w, w13sr = ml.step_w13_variants()
     if rows >= ml.SELFROUTED_FROM_ROWS:
-        expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{ml.STEP_SELFROUTED_W13}",
-                  f"moe_w2sr_{tag}_early"]
+        expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{w13sr}", f"moe_w2sr_{tag}_early"]
     elif ml.STEP_BULK:
-        w13 = (f"w13w_{tag}_{ml.BULK_W13W}" if rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
+        w13 = (f"w13w_{tag}_{w13w}" if rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
                else f"w13sr_{tag}_bulk")
         expect = [f"moe_prep_{tag}", f"moe_{w13}", f"moe_w2_{tag}_{ml.STEP_BULK_W2}"]
     else:                               # the default chain as STEP_VARIANTS picks its kernels

@@ -231,7 +231,8 @@ def test_selfrouted_specs_abi_grid_and_shared_memory(config):
     inside the ring and the lists after it."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     specs = mk.selfrouted_specs(shape)
-    assert [s.kind for s in specs] == ["xquant"] + ["w13sr"] * 4 + ["w2sr"] * 3
+    assert [s.kind for s in specs] == (["xquant"] + ["w13sr"] * len(mk.W13SR_VARIANTS)
+                                       + ["w2sr"] * len(mk.W2SR_VARIANTS))
     assert len({s.name for s in specs}) == len(specs)
     for spec in specs:
         d = spec.to_dict()
@@ -345,9 +346,10 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
         assert spec.params == mk.PARAMS["w13sr"]
         smem = (mk.bulk_smem_bytes(shape, g.block[0] // mk.LANES, spec.variant)
                 if spec.variant.startswith("bulk") else g.smem_bytes)
+        ctas = mk.CORESIDENT_CTAS if mk.is_coresident(spec.variant) else g.ctas_per_sm
         assert (spec.block, spec.smem_bytes, spec.ctas_per_sm, spec.stages) == (
-            g.block, smem, g.ctas_per_sm, g.stages)
-        assert spec.grid(top) == g.grid(top)
+            g.block, smem, ctas, g.stages)
+        assert spec.grid(top)[0] == min(g.work_items(top), 132 * ctas)
         with pytest.raises(ValueError, match="pairs"):
             spec.grid(top + 1)
 
@@ -391,3 +393,30 @@ def test_bulk_w13_slices_are_contiguous_and_fit(config, variant):
     assert (tile_codes, tile_offsets) == (cols * mk.COL_BYTES, cols // 2 * mk.GROUP_OFFSET_BYTES)
     assert mk.bulk_warp_bytes(shape, warps) * warps == tile_codes + tile_offsets
     assert spec.ctas_per_sm * (spec.smem_bytes + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_coresident_w13_leaves_room_for_one_w2_cta(config):
+    """Round 6: a "_co" w13 is its scheme's kernel (same block, stage, parts, window) at
+    CORESIDENT_CTAS per SM, and that many of its CTAs plus one CTA of the w2 that follows it in
+    the step (w2 "bulk" after w13w, w2sr "early" after w13sr) fit an SM's 228 KB of shared
+    memory (1 KB reserved per CTA), so the w2 CTA can be resident and issue its first weights
+    before its griddepcontrol.wait while w13 runs. (Registers: checked on the built bundle's
+    manifest in the design note; 65536 per SM.)"""
+    shape = mk.moe_shape(ModelConfig.preset(config), 4)
+    every = {(s.kind, s.variant): s for s in mk.warp_routed_specs(shape)
+             + mk.selfrouted_specs(shape) + mk.variant_specs(shape)}
+    pairs = ((("w13w", "bulkw_co"), ("w13w", "bulkw"), ("w2", "bulk")),
+             (("w13sr", "bulk_co"), ("w13sr", "bulk"), ("w2sr", "early")))
+    for co_key, base_key, w2_key in pairs:
+        co, base, w2 = every[co_key], every[base_key], every[w2_key]
+        assert mk.is_coresident(co.variant) and mk.bulk_scheme(co.variant) == base.variant
+        assert (co.block, co.smem_bytes, co.stages) == (base.block, base.smem_bytes, base.stages)
+        warps = co.block[0] // mk.LANES
+        assert (mk.bulk_parts(shape, warps, co.variant), mk.bulk_window(shape, warps, co.variant)
+                ) == (mk.bulk_parts(shape, warps, base.variant),
+                      mk.bulk_window(shape, warps, base.variant))
+        assert co.ctas_per_sm == mk.CORESIDENT_CTAS < base.ctas_per_sm
+        assert co.grid(1)[0] <= 132 * mk.CORESIDENT_CTAS
+        smem = co.ctas_per_sm * (co.smem_bytes + 1024) + w2.smem_bytes + 1024
+        assert smem <= 228 * 1024, (co.name, w2.name, smem)

@@ -29,7 +29,8 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
                -> combine (the default one)
   warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
   bulk         prep -> w13w "bulk" (rows * k <= 64) or w13sr "bulk" -> w2 "bulk" -> combine
-               (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK)
+               (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK);
+               w13 "_co" variants at 2 CTAs/SM leave room for a w2 CTA (STEP_CORESIDENT)
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -86,6 +87,18 @@ STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 STEP_BULK = True
 STEP_BULK_W2 = "bulk"
 BULK_W13W = "bulkw"
+# Round 6 (moe-design.md): w13 at 2 CTAs per SM ("_co" variants, same code, bitwise the same y)
+# so that one w2 CTA is resident beside them and its pre-wait weight copies stream under w13:
+# the step's w13w BULK_W13W -> "bulkw_co" below SELFROUTED_FROM_ROWS, w13sr
+# STEP_SELFROUTED_W13 -> "bulk_co" from there. Revert: STEP_CORESIDENT = False.
+STEP_CORESIDENT = True
+
+
+def step_w13_variants() -> tuple[str, str]:
+    """(w13w, w13sr) variants the step launches (STEP_CORESIDENT picks the "_co" ones)."""
+    if STEP_CORESIDENT:
+        return BULK_W13W + mk.CORESIDENT_SUFFIX, STEP_SELFROUTED_W13 + mk.CORESIDENT_SUFFIX
+    return BULK_W13W, STEP_SELFROUTED_W13
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
@@ -188,23 +201,25 @@ def warp_routed_fits(available, shape: mk.MoeShape, rows: int, w13w: str = "earl
     return ("w13w", w13w) in available and rows * shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
 
 
-def bulk_fits(available, shape: mk.MoeShape, rows: int) -> bool:
+def bulk_fits(available, shape: mk.MoeShape, rows: int, w13w: str = BULK_W13W,
+              w13sr: str = "bulk") -> bool:
     """The bulk-copy chain's kernels for `rows` are in the bundle (`bulk_launches`)."""
-    return ("w2", "bulk") in available and (warp_routed_fits(available, shape, rows, BULK_W13W)
-                                            or ("w13sr", "bulk") in available)
+    return ("w2", "bulk") in available and (warp_routed_fits(available, shape, rows, w13w)
+                                            or ("w13sr", w13sr) in available)
 
 
 def bulk_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                  available=None, w2: str = "bulk") -> list[LaunchSpec]:
-    """prep -> w13w BULK_W13W (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS) or w13sr "bulk" (its
+                  available=None, w2: str = "bulk", w13w: str = BULK_W13W,
+                  w13sr: str = "bulk") -> list[LaunchSpec]:
+    """prep -> w13w `w13w` (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS) or w13sr `w13sr` (its
     routing lists in shared memory; prep's xq / xs) -> w2 `w2` ("bulk" or "bulkp": prep's
     lists) -> combine."""
     available = available_specs(bundle, shape) if available is None else available
-    if not bulk_fits(available, shape, rows):
+    if not bulk_fits(available, shape, rows, w13w, w13sr):
         raise KeyError(f"the bundle lacks the bulk-copy MoE kernels of {shape.tag()} for "
-                       f"rows={rows} (w2 'bulk' and w13w / w13sr 'bulk')")
-    w13 = (("w13w", BULK_W13W) if warp_routed_fits(available, shape, rows, BULK_W13W)
-           else ("w13sr", "bulk"))
+                       f"rows={rows} (w2 'bulk' and w13w {w13w!r} / w13sr {w13sr!r})")
+    w13 = (("w13w", w13w) if warp_routed_fits(available, shape, rows, w13w)
+           else ("w13sr", w13sr))
     prep, w2_spec, combine = chain_launches(bundle, shape, ptrs, rows, "", w2,
                                             ("prep", "w2", "combine"), available)
     return [prep, _launch(bundle, available[w13], ptrs, rows), w2_spec, combine]
@@ -222,17 +237,20 @@ def step_variants(available, rows: int) -> tuple[str, str | None]:
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int) -> list[LaunchSpec]:
     """What the decode step runs for `rows`: from SELFROUTED_FROM_ROWS rows on the self-routed
-    chain (w13sr STEP_SELFROUTED_W13, w2sr early) when the bundle has it; below, with STEP_BULK,
-    the bulk-copy chain (`bulk_launches`); else the default chain with `step_variants` (its w13
-    moe_w13w where that fits). All write the same y (bitwise, tests/gpu/test_moe_kernel.py);
-    only the default and bulk ones write meta / pairs."""
+    chain (w13sr from `step_w13_variants`, w2sr early) when the bundle has it; below, with
+    STEP_BULK, the bulk-copy chain (`bulk_launches`, its w13w from `step_w13_variants`); else
+    the default chain with `step_variants` (its w13 moe_w13w where that fits). All write the same
+    y (bitwise, tests/gpu/test_moe_kernel.py); only the default and bulk ones write meta /
+    pairs."""
     available = available_specs(bundle, shape)
-    chosen = {("w13sr", STEP_SELFROUTED_W13), ("w2sr", SELFROUTED_EARLY)}
+    w13w, w13sr = step_w13_variants()
+    chosen = {("w13sr", w13sr), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and chosen <= set(available):
-        return selfrouted_launches(bundle, shape, ptrs, rows, STEP_SELFROUTED_W13,
-                                   SELFROUTED_EARLY, available)
-    if STEP_BULK and bulk_fits(available, shape, rows) and ("w2", STEP_BULK_W2) in available:
-        return bulk_launches(bundle, shape, ptrs, rows, available, STEP_BULK_W2)
+        return selfrouted_launches(bundle, shape, ptrs, rows, w13sr, SELFROUTED_EARLY,
+                                   available)
+    if (STEP_BULK and bulk_fits(available, shape, rows, w13w)
+            and ("w2", STEP_BULK_W2) in available):
+        return bulk_launches(bundle, shape, ptrs, rows, available, STEP_BULK_W2, w13w)
     w13, w2 = step_variants(available, rows)
     w13w = STEP_VARIANTS["w13w"]
     if w13w is not None and warp_routed_fits(available, shape, rows, w13w):

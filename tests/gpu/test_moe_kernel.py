@@ -8,7 +8,8 @@ mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref 
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds, the pair the step launches and, where rows * k <= 64, the chain with
 each moe_w13w variant (kernels/moe_pipelined.py, kernels/moe_bulk.py) for w13, and the bulk-copy
-chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk", combine); all bitwise equal to each
+chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk", combine) and its round-6 form with
+the "_co" w13 (2 CTAs/SM, kernels/moe_kernel_ref.py CORESIDENT_CTAS); all bitwise equal to each
 other), and
 two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
@@ -125,11 +126,15 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
     if ml.bulk_fits(chain.available, shape, rows):   # the step's bulk-copy chain (round 5)
         variants[:0] = [("bulk", w2) for w2 in ("bulk", "bulkp") if ("w2", w2) in chain.available]
+        if chain.has_coresident():                  # round 6: w13 "_co" + w2 "bulk"
+            variants.insert(0, ("bulk co", "bulk"))
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
         if w13 == "bulk":
             launches = chain.launches_bulk(rows, w2)
+        elif w13 == "bulk co":
+            launches = chain.launches_bulk(rows, w2, "bulkw_co", "bulk_co")
         elif isinstance(w13, tuple):
             launches = chain.launches_warp_routed(rows, w2, w13[1])
         else:
@@ -173,7 +178,7 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
     pairs = ([(w13, "") for w13 in chain.selfrouted_variants("w13sr")]
              + [("", w2) for w2 in chain.selfrouted_variants("w2sr") if w2])
     if "early" in chain.selfrouted_variants("w2sr"):   # the step's / benchmark's pairs
-        pairs += [(w13, "early") for w13 in ("bulk", "bulkw")
+        pairs += [(w13, "early") for w13 in ("bulk", "bulkw", "bulk_co")
                   if w13 in chain.selfrouted_variants("w13sr")]
     for w13, w2 in pairs:
         chain.poison_outputs()
