@@ -46,7 +46,6 @@ the upstream PR's median ITL (one streamed chunk per round, so comparable to the
 """
 from __future__ import annotations
 
-import bisect
 import os
 import statistics
 import time
@@ -55,6 +54,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from executor import bench_step as bs
+from executor.bench_step import ROW_TABLES, PlanWeights, plan_weights, touched_slices  # noqa: F401
 from executor.plan import Plan, decode_plan, draft_plan
 from executor.stages import draft as draft_stages
 from executor.stages import local_collectives
@@ -246,49 +246,6 @@ def count_collectives(plan: Plan, rows: int) -> Collectives:
 
 
 # ---- bytes that must be read ------------------------------------------------------------------
-
-ROW_TABLES = ("embed.weight", ".engram.embed.", "rope.", "markov_w1")   # read by the rows only
-
-
-def touched_slices(specs, arena) -> set[str]:
-    """The arena slices the launches' pointer arguments point into."""
-    spans = sorted((arena.ptr(name), arena.ptr(name) + s.nbytes, name)
-                   for name, s in arena.slices.items())
-    starts = [start for start, _, _ in spans]
-    out = set()
-    for spec in specs:
-        for (_, kind), value in zip(spec.kernel.params, spec.args):
-            if kind != "u64":
-                continue
-            i = bisect.bisect_right(starts, value) - 1
-            if i >= 0 and value < spans[i][1]:
-                out.add(spans[i][2])
-    return out
-
-
-@dataclass(frozen=True)
-class PlanWeights:
-    """The weights one plan reads: whole (dense), and one routed expert of its layers."""
-
-    dense: int
-    per_expert: int
-    expert_slices: int      # layers whose experts it reads (check: 40 verify, 3 draft)
-
-
-def plan_weights(cfg, upload_bytes: dict[str, int], touched: set[str]) -> PlanWeights:
-    """From the packed weights' sizes and the slices a plan's launches touch."""
-    dense = experts = 0
-    layers = set()
-    for name in touched & set(upload_bytes):
-        if ".ffn.experts." in name:
-            experts += upload_bytes[name]
-            layers.add(name.split(".ffn.experts.")[0])
-        elif not any(key in name for key in ROW_TABLES):
-            dense += upload_bytes[name]
-    dspark = any(name.startswith("mtp.") for name in layers)
-    count = cfg.dspark_n_routed_experts if dspark else cfg.n_routed_experts
-    return PlanWeights(dense, experts // max(1, len(layers) * count), len(layers))
-
 
 def draft_kv_bytes(cfg, case: RoundCase, context: int) -> int:
     """Each DSpark stage's SWA window and the block's own k rows, per sequence."""

@@ -39,10 +39,11 @@ KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 m
 """
 from __future__ import annotations
 
+import bisect
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -214,6 +215,13 @@ def kv_read_bytes(cfg, case: Case, context: int) -> int:
     return case.seqs * total
 
 
+def step_weights(cfg, dev, specs) -> WeightBytes:
+    """`dev.weights` with `dense` counted from the slices `specs` point into: the arena also
+    holds weights a plain step never reads (the DSpark stages', main_proj, the Markov head)."""
+    touched = touched_slices(specs, dev.arena)
+    return replace(dev.weights, dense=plan_weights(cfg, dev.upload_bytes, touched).dense)
+
+
 def step_bytes(cfg, weights: WeightBytes, case: Case, context: int, distinct: list[int]) -> int:
     engram = 0
     if cfg.engram_layer_ids:
@@ -222,6 +230,49 @@ def step_bytes(cfg, weights: WeightBytes, case: Case, context: int, distinct: li
     embed = case.rows * cfg.hidden_size * 2
     return (weights.dense + weights.per_expert * sum(distinct) + engram + embed
             + kv_read_bytes(cfg, case, context))
+
+
+ROW_TABLES = ("embed.weight", ".engram.embed.", "rope.", "markov_w1")   # read by the rows only
+
+
+def touched_slices(specs, arena) -> set[str]:
+    """The arena slices the launches' pointer arguments point into."""
+    spans = sorted((arena.ptr(name), arena.ptr(name) + s.nbytes, name)
+                   for name, s in arena.slices.items())
+    starts = [start for start, _, _ in spans]
+    out = set()
+    for spec in specs:
+        for (_, kind), value in zip(spec.kernel.params, spec.args):
+            if kind != "u64":
+                continue
+            i = bisect.bisect_right(starts, value) - 1
+            if i >= 0 and value < spans[i][1]:
+                out.add(spans[i][2])
+    return out
+
+
+@dataclass(frozen=True)
+class PlanWeights:
+    """The weights one plan reads: whole (dense), and one routed expert of its layers."""
+
+    dense: int
+    per_expert: int
+    expert_slices: int      # layers whose experts it reads (check: 40 verify, 3 draft)
+
+
+def plan_weights(cfg, upload_bytes: dict[str, int], touched: set[str]) -> PlanWeights:
+    """From the packed weights' sizes and the slices a plan's launches touch."""
+    dense = experts = 0
+    layers = set()
+    for name in touched & set(upload_bytes):
+        if ".ffn.experts." in name:
+            experts += upload_bytes[name]
+            layers.add(name.split(".ffn.experts.")[0])
+        elif not any(key in name for key in ROW_TABLES):
+            dense += upload_bytes[name]
+    dspark = any(name.startswith("mtp.") for name in layers)
+    count = cfg.dspark_n_routed_experts if dspark else cfg.n_routed_experts
+    return PlanWeights(dense, experts // max(1, len(layers) * count), len(layers))
 
 
 def allreduce_us(rows: int, measured: dict[int, float] | None = None) -> float:
@@ -435,7 +486,6 @@ def bench_step(ctx) -> None:
     ctx.metric("step: host packing of the representative layers (8 of 40)", dev.pack_s, "s")
     ctx.metric("step: host packing threads", dev.pack_workers, "")
     ctx.metric("step: arena upload + cache set-up", dev.upload_s, "s")
-    ctx.metric("step: dense weight bytes per step", dev.weights.dense / 1e9, "GB")
     lines = []
     try:
         for case, contexts in cases:
@@ -453,6 +503,9 @@ def bench_step(ctx) -> None:
 def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
     built = dev.plan.launches(case.rows)
     specs = [s for _, group in built for s in group]
+    weights = step_weights(cfg, dev, specs)
+    ctx.metric(f"step R={case.rows}: dense weight bytes (the slices its launches read)",
+               weights.dense / 1e9, "GB")
     plain = without_pdl(specs)
     graphs = {"pdl": _capture(dev.stream, specs), "plain": _capture(dev.stream, plain)}
     groups = {role: group for role, group in role_groups(built).items() if group}
@@ -469,7 +522,7 @@ def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
                                               reps=EAGER_REPS, warmup=1)
             label = _context_label(context)
             tag = f"step R={case.rows} ctx={label}"
-            nbytes = step_bytes(cfg, dev.weights, case, context, distinct)
+            nbytes = step_bytes(cfg, weights, case, context, distinct)
             row = ctx.bandwidth("step graph (rank 0 of TP4)", f"R{case.rows} {label}",
                                 case.rows, times["pdl"], nbytes)
             with_ar = times["pdl"] + ALLREDUCES * allreduce_us(case.rows, ar_table)

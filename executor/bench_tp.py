@@ -54,6 +54,18 @@ def skip_reason(devices: tuple[int, ...]) -> str | None:
     return None
 
 
+def pdl_variants(specs) -> dict[str, list]:
+    """The step's launches four ways: PDL on every edge ("pdl"), on none ("plain"), on every
+    edge but into the cross-rank launches ("ar_plain": an all-reduce starts only when the
+    kernel before it has finished) or but out of them ("after_ar_plain")."""
+    cross = [br.is_cross_rank(s) for s in specs]
+    plain = bs.without_pdl(specs)
+    return {"pdl": list(specs), "plain": plain,
+            "ar_plain": [p if c else s for s, p, c in zip(specs, plain, cross)],
+            "after_ar_plain": [p if i and cross[i - 1] else s
+                               for i, (s, p) in enumerate(zip(specs, plain))]}
+
+
 # ---- one rank (a spawned process) -------------------------------------------------------------
 
 def tp_rank(ctx, bundle_dir: str, step_cases, rounds) -> dict:
@@ -97,8 +109,9 @@ def _step_cases(ctx, site, cfg, bundle, ar, cases) -> list[dict]:
         for case, contexts in cases:
             built = dev.plan.launches(case.rows)
             specs = [s for _, group in built for s in group]
-            graphs = {"pdl": bs._capture(site.stream, specs),
-                      "plain": bs._capture(site.stream, bs.without_pdl(specs))}
+            weights = bs.step_weights(cfg, dev, specs)
+            graphs = {name: bs._capture(site.stream, variant)
+                      for name, variant in pdl_variants(specs).items()}
             try:
                 for context in contexts:
                     dev.load(case, context)
@@ -112,7 +125,7 @@ def _step_cases(ctx, site, cfg, bundle, ar, cases) -> list[dict]:
                     results.append({
                         "rows": case.rows, "context": context, "us": times,
                         "distinct": statistics.mean(distinct),
-                        "bytes": bs.step_bytes(cfg, dev.weights, case, context, distinct),
+                        "bytes": bs.step_bytes(cfg, weights, case, context, distinct),
                         "nonfinite": dev.nonfinite(case.rows),
                         "tokens": dev.tensors["tokens"][:case.rows].get().tolist()})
             finally:
@@ -181,15 +194,18 @@ def aggregate(values: list[dict], kind: str) -> list[dict]:
 
 
 def step_table(rows: list[dict]) -> str:
-    head = (f"{'R':>4s} {'ctx':>4s} {'TP4 us':>9s} {'no-PDL':>9s} {'GB r0':>6s} {'%4.8':>5s} "
+    head = (f"{'R':>4s} {'ctx':>4s} {'TP4 us':>9s} {'no-PDL':>9s} {'AR noPDL':>9s} "
+            f"{'after AR':>9s} {'GB r0':>6s} {'%4.8':>5s} "
             f"{'floor us':>8s} {'target':>7s} {'experts':>7s} {'tokens':>7s}")
     lines = [("whole step across 4 GPUs (one process per rank, one-shot collectives; slowest "
-             "rank's median; GB r0: rank 0's bytes that must be read)"), head]
+              "rank's median; no-PDL: no PDL edge; AR noPDL: none into the cross-rank launches; "
+              "after AR: none out of them; GB r0: rank 0's bytes that must be read)"), head]
     for r in rows:
         us, floor = r["us"]["pdl"], r["bytes"] / bs.HBM_BYTES_PER_S * 1e6
         target = bs.TARGET_MS.get(r["rows"])
         lines.append(f"{r['rows']:>4d} {bs._context_label(r['context']):>4s} {us:>9.1f} "
-                     f"{r['us']['plain']:>9.1f} {r['bytes'] / 1e9:>6.2f} "
+                     f"{r['us']['plain']:>9.1f} {r['us'].get('ar_plain', 0.0):>9.1f} "
+                     f"{r['us'].get('after_ar_plain', 0.0):>9.1f} {r['bytes'] / 1e9:>6.2f} "
                      f"{100 * floor / us:>5.1f} {floor:>8.1f} "
                      f"{f'{target * 1e3:.0f}' if target else '-':>7s} {r['distinct']:>7.1f} "
                      f"{'agree' if r['ranks_agree'] else 'DIFFER':>7s}")
@@ -251,7 +267,9 @@ def bench_step_tp(ctx) -> None:
         ctx.metric(f"{tag}: graph, slowest rank", r["us"]["pdl"], "us",
                    f"<= {target * 1e3:.0f}" if target else "",
                    r["us"]["pdl"] <= target * 1e3 if target else None)
-        ctx.metric(f"{tag}: graph without PDL, slowest rank", r["us"]["plain"], "us")
+        for name, what in (("plain", "without PDL"), ("ar_plain", "no PDL into all-reduces"),
+                           ("after_ar_plain", "no PDL out of all-reduces")):
+            ctx.metric(f"{tag}: graph {what}, slowest rank", r["us"][name], "us")
         ctx.metric(f"{tag}: every rank holds the same tokens", float(r["ranks_agree"]), "", "1",
                    r["ranks_agree"])
         ctx.metric(f"{tag}: non-finite hidden values (worst rank)", r["nonfinite"], "", "0",

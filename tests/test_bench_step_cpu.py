@@ -246,6 +246,26 @@ def test_step_bytes(tiny_rank):
     assert 3.0 < bs.allreduce_us(6) < 3.5
 
 
+def test_step_dense_bytes_are_the_slices_its_launches_read(tiny_rank):
+    """The arena holds weights a plain step never reads (the DSpark stages'); the step's dense
+    bytes count only the slices its launches point into."""
+    cfg = tiny_rank.cfg
+    dev = type("Dev", (), {"weights": bs.weight_bytes(cfg, tiny_rank.uploads),
+                           "arena": tiny_rank.arena,
+                           "upload_bytes": {n: a.nbytes for n, a in tiny_rank.uploads}})()
+    specs = [s for _, g in tiny_rank.plan.launches(1) for s in g]
+    touched = bs.touched_slices(specs, tiny_rank.arena)
+    weights = bs.step_weights(cfg, dev, specs)
+    unread = {n for n, _ in tiny_rank.uploads if n.startswith("mtp.")}
+    assert unread and not unread & touched
+    assert 0 < weights.dense < dev.weights.dense
+    assert weights.dense == sum(a.nbytes for n, a in tiny_rank.uploads if n in touched
+                                and ".ffn.experts." not in n
+                                and not any(k in n for k in bs.ROW_TABLES))
+    assert (weights.per_expert, weights.engram_row) == (dev.weights.per_expert,
+                                                        dev.weights.engram_row)
+
+
 def test_parallel_packing_equals_arena_contents(tiny):
     """pack_parallel: the requests (slice order = arena layout) and uploads of arena_contents,
     byte for byte, with the same sharing of one array by a role's layers; tiny has DSpark stages

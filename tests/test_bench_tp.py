@@ -65,6 +65,13 @@ def test_step_and_round_wire_on_the_one_shot_collectives(tiny_rank):
     cross = [s for _, group in step.launches(6) for s in group if br.is_cross_rank(s)]
     # embedding + 2 per layer all-reduces, one all-gather per Engram layer, one pick
     assert len(cross) == 1 + 2 * layers + len(cfg.engram_layer_ids) + 1
+    specs = [s for _, group in step.launches(6) for s in group]
+    variants = bt.pdl_variants(specs)
+    pdl = {name: [s.pdl for s in v] for name, v in variants.items()}
+    assert all(len(v) == len(specs) for v in variants.values())
+    assert sum(pdl["pdl"]) - sum(pdl["ar_plain"]) == sum(s.pdl for s in cross)
+    assert not any(pdl["plain"]) and sum(pdl["after_ar_plain"]) < sum(pdl["pdl"])
+    assert [s.kernel for s in variants["after_ar_plain"]] == [s.kernel for s in specs]
     plans = br.wire_round(cfg, context(), bt.ROUND_MODULES)
     stages = sum(s.is_dspark for s in cfg.layers)
     draft = [s for _, g in plans["draft"].launches(case.draft_rows) for s in g
@@ -77,7 +84,9 @@ def test_step_and_round_wire_on_the_one_shot_collectives(tiny_rank):
 
 
 def _rank_value(scale: float, tokens=(5, 7)) -> dict:
-    step = [{"rows": 1, "context": 4096, "us": {"pdl": 1000 * scale, "plain": 1200 * scale},
+    step = [{"rows": 1, "context": 4096, "us": {"pdl": 1000 * scale, "plain": 1200 * scale,
+                                                           "ar_plain": 990 * scale,
+                                                           "after_ar_plain": 995 * scale},
              "distinct": 6.0, "bytes": 4_000_000_000, "nonfinite": 0, "tokens": list(tokens)},
             {"wall_s": 10.0, "pack_s": 5.0}]
     rnd = [{"seqs": 1, "context": 4096, "us": {"round": 3000 * scale, "verify": 2500 * scale,
