@@ -416,10 +416,14 @@ class _FakeAllReduce:
 
     def __init__(self, log: list, bundle, rank, world, width, exchange, *, timeout_ms):
         self.log, self.args = log, (rank, world, width, exchange, timeout_ms)
+        self.silent: list[int] = []
         log.append("allreduce")
 
     def state(self):
         return ("comm of", self)
+
+    def failed_sources(self):
+        return self.silent
 
     def close(self):
         self.log.append("allreduce closed")
@@ -457,6 +461,10 @@ def test_open_with_exchange_owns_the_allreduce_and_closes_it_collectively(tmp_pa
     assert log == ["device 0", "bundle loaded", "allreduce"]
     comm = b.executor.comm
     assert comm[0] == "comm of" and comm[1].args == (1, 2, CFG.hidden_size, exchange, timeout)
+    assert b.collective_timeouts() == []
+    comm[1].silent = [0]
+    assert b.collective_timeouts() == [0]
+    assert backend()[0].collective_timeouts() == []              # no all-reduce of its own
     b.close()
     assert log[3:] == ["synchronize", "bundle closed", b"close", "allreduce closed",
                        "device closed"]
