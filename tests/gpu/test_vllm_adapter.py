@@ -198,15 +198,16 @@ class _EngineRank:
 
     def __init__(self, backend: HopdecBackend, device: int):
         self.b, self.k = backend, backend.executor.config.dspark_block_size
-        self.t = {}
-        for vllm, hopdec in backend.names.items():
-            rule = backend.executor.rules[hopdec]
-            if rule.required:                  # logits left out: the greedy path alone
-                self.t[vllm] = torch.zeros(rule.shape, dtype=TORCH_DTYPES[rule.dtype],
-                                           device=f"cuda:{device}")
-        self.vllm = {h: v for v, h in backend.names.items() if v in self.t}
         self.stream = torch.cuda.Stream(device=device)
         self.handle = self.stream.cuda_stream
+        self.t = {}
+        with torch.cuda.stream(self.stream):    # the zero fills ordered before the writes
+            for vllm, hopdec in backend.names.items():
+                rule = backend.executor.rules[hopdec]
+                if rule.required:               # logits left out: the greedy path alone
+                    self.t[vllm] = torch.zeros(rule.shape, dtype=TORCH_DTYPES[rule.dtype],
+                                               device=f"cuda:{device}")
+        self.vllm = {h: v for v, h in backend.names.items() if v in self.t}
 
     def write(self, hopdec: str, host: np.ndarray) -> None:
         with torch.cuda.stream(self.stream):
