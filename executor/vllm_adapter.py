@@ -353,6 +353,10 @@ class HopdecBackend:
 
     @property
     def max_rows(self) -> int:
+        """The most rows `step` serves: the largest bucket (DSpark: the largest slot bucket's
+        verify rows)."""
+        if self.executor.dspark:
+            return self.executor.round_slots[-1] * self._max_block_rows
         return self.executor.max_rows
 
     def decide(self, rows_per_request, *, any_prefill: bool = False,

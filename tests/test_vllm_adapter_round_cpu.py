@@ -95,6 +95,17 @@ def test_round_replays_draft_then_verify_on_the_engine_stream():
         assert rec.graph_launches == [(s * K, stream), (s * (K + 1), stream)]
 
 
+def test_step_decision_on_a_round_backend_uses_its_verify_buckets():
+    rng = np.random.default_rng()
+    b, rec, _ = dspark_backend(buckets=(8, 100))                 # slots 1, 16: 96 verify rows
+    assert b.max_rows == 16 * (K + 1) == 96
+    for rows in [96, 97, int(rng.integers(1, 101))]:
+        decision = b.decide([1] * rows)
+        rec.graph_launches.clear()
+        assert b.step(decision.n_rows, 5, decision.features) == decision.reason
+        assert decision.use_hopdec == (rows <= 96) == bool(rec.graph_launches)
+
+
 def test_round_declines_launch_nothing():
     rng = np.random.default_rng()
     b, rec, _ = dspark_backend()
