@@ -438,9 +438,11 @@ class HopdecBackend:
         self._closed = True
         allreduce, self._allreduce = self._allreduce, None
         try:
-            if allreduce is not None:
-                _synchronize()
-            self.executor.close()
+            try:
+                if allreduce is not None:
+                    _synchronize()
+            finally:
+                self.executor.close()
             if allreduce is not None:
                 self._exchange(b"close")
                 allreduce.close()
