@@ -171,6 +171,8 @@ def _dense_specs(bundle):
         if rec.family not in ("kernels.dense", "kernels.wo_a"):
             continue
         spec = dr.DenseSpec.from_dict(rec.spec)
+        if spec.timeline:                 # stamps: executor/dense_timeline.py measures those
+            continue
         if spec.epilogue in PLAN_EPILOGUES.get(_label(spec), ("bf16",)):
             out.append(spec)
     return out

@@ -421,6 +421,7 @@ FAMILY_BENCHMARKS = (
     ("moe_routed", "executor.moe_chain:bench_moe_routed"),
     ("dense_w8a16", "executor.bench_dense:bench_dense"),
     ("lm_head", "executor.bench_dense:bench_lm_head"),
+    ("dense_timeline", "executor.dense_timeline:bench_dense_timeline"),   # per-CTA stamps
     ("sparse_mqa", "executor.sparse_mqa_chain:bench_sparse_mqa"),
     ("indexer", "executor.indexer_chain:bench_indexer"),
     ("compressor", "executor.compressor_chain:bench_compressor"),

@@ -78,6 +78,14 @@ STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / 
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
 STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
+# Timeline variant (DenseSpec.timeline, name suffix "_tl"; whole-tile variants only, where the
+# workspace is otherwise unused): thread 0 of every CTA writes u64 [ctas, TIMELINE_WORDS] into the
+# workspace: words 2p, 2p + 1 = %globaltimer (ns), %clock64 at point p (one 16-byte store), word
+# 2 * len(POINTS) = %smid. The production kernels compile without a stamp (cubins unchanged).
+TIMELINE_POINTS = ("entry", "issued", "before_wait", "after_wait", "first_landed", "last_landed",
+                   "epilogue", "exit")
+TIMELINE_WORDS = 32                 # 2 * 8 + 1 used; a 256-byte row per CTA
+TIMELINE_LABELS = ("wqa_wkv", "wq_b", "wo_b")   # the step's attention linears (round 6)
 PARAMS = (("x", "u64"), ("weight", "u64"), ("scales", "u64"), ("residual", "u64"),
           ("out", "u64"), ("workspace", "u64"), ("counters", "u64"), ("rows", "u32"))
 
@@ -105,6 +113,7 @@ class DenseSpec:
     ctas: int = 0                           # stream: grid size (one wave)
     stages: int = 0                         # stream: smem ring depth
     swiglu_limit: float = 0.0               # "swiglu" epilogue: the clamp L
+    timeline: bool = False                  # per-CTA stamps into the workspace (TIMELINE_POINTS)
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -267,7 +276,9 @@ class DenseSpec:
     def workspace_bytes(self) -> int:
         """mma: fp32 [max_passes, split_k, tiles, 128 * row_tiles], 0 without a K split;
         stream: fp32 [ctas, 2, 128] (a CTA's first and last tile, when other CTAs share them);
-        stream_xt: 0 (no tile is shared)."""
+        stream_xt: 0 (no tile is shared); timeline: the stamps, u64 [ctas, TIMELINE_WORDS]."""
+        if self.timeline:
+            return self.ctas * TIMELINE_WORDS * 8
         if self.whole_tiles:
             return 0
         if self.streamed:
@@ -300,14 +311,14 @@ class DenseSpec:
                 "ctas": self.ctas, "stages": self.stages, "swiglu_limit": self.swiglu_limit,
                 "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "tiles": self.tiles,
-                "max_passes": self.max_passes}
+                "max_passes": self.max_passes} | ({"timeline": True} if self.timeline else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> DenseSpec:
         """The spec a manifest records (`to_dict` output)."""
         return cls(d["name"], d["n"], d["k"], d["groups"], d["row_tiles"], d["epilogue"],
                    d["split_k"], d.get("variant", "mma"), d.get("unit_k", 0), d.get("ctas", 0),
-                   d.get("stages", 0), d.get("swiglu_limit", 0.0))
+                   d.get("stages", 0), d.get("swiglu_limit", 0.0), d.get("timeline", False))
 
 
 def choose_stream_unit_k(tiles: int, k: int) -> int:
@@ -345,9 +356,11 @@ def stream_layout(tiles: int, k: int, whole_tiles: bool = False) -> tuple[int, i
 
 def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
               epilogue: str = "bf16", prefix: str = "dense_w8a16",
-              variant: str | None = None, swiglu_limit: float = 0.0) -> DenseSpec:
+              variant: str | None = None, swiglu_limit: float = 0.0,
+              timeline: bool = False) -> DenseSpec:
     """Validated spec; the name carries every compile-time choice. The step's kernel
-    (`default_variant`) has the plain name, another variant the suffix `_<VARIANT_TAGS>`."""
+    (`default_variant`) has the plain name, another variant the suffix `_<VARIANT_TAGS>`, a
+    timeline one `_tl` after that (never picked by the step: executor/launches/dense.py)."""
     default = default_variant(label, row_tiles)
     if default in ("stream_xts", "stream_xtb") and k % (4 * FP8_BLOCK):
         default = "stream_xt"               # 4-byte scale copies need K % 128 == 0
@@ -381,12 +394,16 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
     if variant != default:
         name += f"_{VARIANT_TAGS[variant]}"
+    if timeline and variant not in WHOLE_TILE_VARIANTS:
+        raise ValueError(f"{label}: the timeline stamps take the workspace, which only the "
+                         f"whole-tile variants {WHOLE_TILE_VARIANTS} leave free; got {variant!r}")
+    name += "_tl" if timeline else ""
     if variant == "mma":
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split,
                          swiglu_limit=swiglu_limit)
     unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k, variant in WHOLE_TILE_VARIANTS)
     spec = DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
-                     swiglu_limit)
+                     swiglu_limit, timeline)
     if spec.bulk and (stages < spec.units_per_cta or spec.tiles_per_cta > BULK_MBARRIERS
                       or unit_k % CHUNK_K):
         raise ValueError(f"{label}: variant 'stream_xtb' needs the CTA's whole slice in smem "
@@ -470,15 +487,28 @@ def candidate_specs(label: str, n: int, k: int, groups: int = 1,
             for v in R8_CANDIDATES.get(label, ()) if v != default]
 
 
+def timeline_specs(shapes: dict) -> list[DenseSpec]:
+    """The step's R <= 8 kernel of each TIMELINE_LABELS layer with stamps (bf16 epilogue), where
+    that kernel is a whole-tile variant (executor/dense_timeline.py measures them)."""
+    out = []
+    for label in TIMELINE_LABELS:
+        n, k, _ = shapes[label]
+        step = make_spec(label, n, k)
+        if step.variant in WHOLE_TILE_VARIANTS:
+            out.append(make_spec(label, n, k, variant=step.variant, timeline=True))
+    return out
+
+
 def dense_specs(cfg, tp: int) -> list[DenseSpec]:
-    """8 rows per pass (R <= 8, the step's variant) and 32 (R > 8) for every layer, and the
-    R <= 8 candidates (`candidate_specs`)."""
+    """8 rows per pass (R <= 8, the step's variant) and 32 (R > 8) for every layer, the
+    R <= 8 candidates (`candidate_specs`) and the timeline kernels (`timeline_specs`)."""
     shapes = dense_shapes(cfg, tp)
     return ([make_spec(label, n, k, row_tiles=rt, epilogue=epi,
                        swiglu_limit=cfg.swiglu_limit if epi == "swiglu" else 0.0)
              for label, (n, k, epis) in shapes.items()
              for epi in epis for rt in ROW_TILE_CHOICES]
-            + [s for label, (n, k, _) in shapes.items() for s in candidate_specs(label, n, k)])
+            + [s for label, (n, k, _) in shapes.items() for s in candidate_specs(label, n, k)]
+            + timeline_specs(shapes))
 
 
 # ---- reference ---------------------------------------------------------------------------------

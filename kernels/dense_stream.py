@@ -29,6 +29,12 @@ scheduled stream_xt's scale LDG behind the whole slice's LDGSTS, so the STS wait
 each), so one thread fetches each with 16 / bulk_rows `cp.async.bulk` copies of whole rows
 (<= 8 KB) counted on the tile's mbarrier, and a thread reads rows g and g+8 at its 16 bytes
 (K % 128 == 0: a 16-byte read is 2-way bank conflicted, 8 wavefronts a warp instead of 4).
+Timeline (DenseSpec.timeline, whole-tile variants): thread 0 of each CTA writes %smid and
+(%globaltimer, %clock64) at dense_ref.TIMELINE_POINTS into the workspace (u64 [ctas, 32]): entry,
+weights issued, before / after griddepcontrol.wait, first and last weight unit landed (the point
+this thread's wait returned: xtb waits on every tile after the PDL wait), before the last tile's
+epilogue stores, exit. Every stamp is behind `const_expr(self.timeline)`: without it not one
+instruction of the kernel changes (the production cubins stay byte-identical).
 Epilogues: those of kernels/dense.py; "swiglu" (stream_xt only) reads a tile's rows g / g+8 as a
 gate / up pair with their own scale bytes (two runs of the smem scale window) and stores
 bf16(SwiGLU(bf16(gate), bf16(up))); "add_f32" adds the f32 routed sum to bf16(y).
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
+from cutlass.cutlass_dsl import T
 
 from kernels.dense import e4m3x4_to_bf16x2x2, ld_u8, prmt, round_bf16, scale_bf16x2
 from kernels.dense_ref import (
@@ -48,6 +55,8 @@ from kernels.dense_ref import (
     ROW_TILE,
     STREAM_WARPS,
     TILE_N,
+    TIMELINE_POINTS,
+    TIMELINE_WORDS,
     WARP,
     DenseSpec,
 )
@@ -60,6 +69,7 @@ from kernels.moe_ptx import (
     swiglu,
 )
 from kernels.ptx import (
+    asm,
     cp_async_4,
     cp_async_16,
     cp_async_commit,
@@ -93,6 +103,28 @@ def smem_addr(tensor) -> Int32:
     return Int32(tensor.iterator.toint())
 
 
+# ---- timeline stamps (side effects: never merged, never moved across the kernel's other asm) ---
+
+def globaltimer() -> Int64:
+    return Int64(asm(1, [], "mov.u64 $0, %globaltimer;", "=l", kind=T.i64(), side_effects=True))
+
+
+def clock64() -> Int64:
+    return Int64(asm(1, [], "mov.u64 $0, %clock64;", "=l", kind=T.i64(), side_effects=True))
+
+
+def smid() -> Int32:
+    return Int32(asm(1, [], "mov.u32 $0, %smid;", "=r", side_effects=True))
+
+
+def st_u64(addr: Int64, value: Int64) -> None:
+    void([addr, value], "st.global.u64 [$0], $1;", "l,l")
+
+
+def st_v2_u64(addr: Int64, a: Int64, b: Int64) -> None:
+    void([addr, a, b], "st.global.v2.u64 [$0], {$1, $2};", "l,l,l")
+
+
 # ---- kernel ------------------------------------------------------------------------------------
 
 class DenseStreamSm90:
@@ -124,6 +156,7 @@ class DenseStreamSm90:
         self.tile_bytes = TILE_N * spec.k
         self.ring_bytes = spec.stages * spec.stage_bytes
         self.kg = spec.k // FP8_BLOCK
+        self.timeline = spec.timeline
         self.tiles_per_group = spec.n // TILE_N
 
     @cute.jit
@@ -141,6 +174,7 @@ class DenseStreamSm90:
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP, tidx % WARP
         g, t = lane // 4, lane % 4
+        self._stamp(workspace, cta, tidx, "entry")
         u_begin, n_units = self._unit_range(cta)
         # Trigger at entry: the next kernel's CTAs start beside ours and stream their weights
         # (measured 1.2-2.9 us per launch faster in the PDL chain than triggering at exit).
@@ -169,12 +203,14 @@ class DenseStreamSm90:
         if cutlass.const_expr(self.bulk):
             if tidx == 0:
                 self._bulk_issue(ring_a, weight, u_begin, n_units)
+            self._stamp(workspace, cta, tidx, "issued")
             cp_async_wait(0)                      # the scale group has landed
         else:
             for s in cutlass.range_constexpr(self.stages):
                 if s < n_units:
                     self._issue(ring_a, w_row, u_begin + s, s, warp, lane, t)
                 cp_async_commit()
+            self._stamp(workspace, cta, tidx, "issued")
         if cutlass.const_expr(self.async_scales):
             if cutlass.const_expr(not self.bulk):
                 cp_async_wait(self.stages)        # the scale group (the oldest) has landed
@@ -183,11 +219,16 @@ class DenseStreamSm90:
                 self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
             self._scale_stores(sbytes, sc_a, u_begin, n_units, tidx)
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        self._stamp(workspace, cta, tidx, "before_wait")
         cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
+        self._stamp(workspace, cta, tidx, "after_wait")
         if cutlass.const_expr(self.bulk):         # every tile of the slice has landed
             for i in cutlass.range_constexpr(self.spec.tiles_per_cta):
                 if i < n_units // self.ksteps:
                     mbar_wait(ring_a + self.ring_bytes + 8 * i, Int32(0))
+                    if cutlass.const_expr(i == 0):
+                        self._stamp(workspace, cta, tidx, "first_landed")
+            self._stamp(workspace, cta, tidx, "last_landed")
 
         acc = cute.make_rmem_tensor((4, self.accs), Float32)
         acc.fill(0.0)
@@ -202,6 +243,35 @@ class DenseStreamSm90:
             self._x_ring_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
                               flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,
                               warp, lane)
+        self._stamp(workspace, cta, tidx, "exit")
+
+    @cute.jit
+    def _stamp(self, workspace: cute.Pointer, cta: Int32, tidx: Int32,
+               point: cutlass.Constexpr):
+        """Timeline only: thread 0 writes (%globaltimer, %clock64) at `point` (and %smid at
+        entry) into the CTA's row of the workspace (dense_ref.TIMELINE_POINTS)."""
+        # compile-time test, then the runtime one
+        if cutlass.const_expr(self.timeline):  # noqa: SIM102
+            if tidx == 0:
+                p = TIMELINE_POINTS.index(point)
+                row = workspace.toint() + Int64(cta) * (TIMELINE_WORDS * 8)
+                now = globaltimer()
+                st_v2_u64(row + Int64(16 * p), now, clock64())
+                if cutlass.const_expr(point == "entry"):
+                    st_u64(row + Int64(16 * len(TIMELINE_POINTS)), Int64(smid()))
+
+    @cute.jit
+    def _stamp_landed(self, workspace: cute.Pointer, cta: Int32, tidx: Int32, j: Int32,
+                      n_units: Int32, slot: cutlass.Constexpr):
+        """Timeline, cp.async ring: this thread's pieces of unit 0 / of the last unit landed
+        (unit 0 is always in x slot 0: one copy of that stamp in the unrolled ring, not
+        x_slots, which kept wq_b at 128 registers)."""
+        if cutlass.const_expr(self.timeline):
+            if cutlass.const_expr(slot == 0):  # noqa: SIM102 - compile-time, then runtime
+                if j == 0:
+                    self._stamp(workspace, cta, tidx, "first_landed")
+            if j == n_units - 1:
+                self._stamp(workspace, cta, tidx, "last_landed")
 
     @cute.jit
     def _round3_loop(self, acc, xbuf, x: cute.Pointer, w_row: Int64, out: cute.Pointer,
@@ -381,6 +451,7 @@ class DenseStreamSm90:
                      + kstep * self.unit_k)
         else:
             cp_async_wait(self.stages - 1)       # this thread's pieces of unit j have landed
+            self._stamp_landed(workspace, cta, tidx, j, n_units, slot)
         s_row = sc_a + (tile // self.tps - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
             ch = warp + STREAM_WARPS * cj
@@ -442,6 +513,7 @@ class DenseStreamSm90:
                 for w in cutlass.range_constexpr(1, STREAM_WARPS):
                     up = up + red[ln, q + 2, w]
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        self._stamp(workspace, cta, tidx, "epilogue")   # each tile's: the last one stays
         if cutlass.const_expr(self.swiglu):       # whole tiles (make_spec): no workspace
             if tidx < RED_THREADS // 2:
                 self._swiglu_epilogue(total, up, q, ln, tile, rows, out)

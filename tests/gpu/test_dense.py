@@ -166,6 +166,34 @@ def test_dense_and_wo_a_kernels_match_the_reference(bundle, dev, stream):
             case.close()
 
 
+def test_dense_timeline_kernels_stamp_every_point_in_order(bundle, dev, stream):
+    """The `_tl` kernels (dense_ref.timeline_specs): the reference's output, and in every CTA's
+    row of the workspace all (globaltimer, clock64) stamps, non-decreasing in program order, on
+    a real SM, nothing written past the row's used words (executor/dense_timeline.py)."""
+    from executor.dense_timeline import Stamps
+    specs = [s for s in map(_dense_spec, _records(bundle, "kernels.dense")) if s.timeline]
+    assert specs, "bundle has no dense timeline kernels"
+    rng = np.random.default_rng()
+    used = 2 * len(dr.TIMELINE_POINTS) + 1
+    for spec in specs:
+        case = DenseCase(dev, [spec], rng)
+        try:
+            for rows in (1, 6):
+                case.arena.fill("ws", 0)
+                cp.cuda.Device().synchronize()
+                case.check(spec, rows, case.run(bundle, spec, rows, stream))
+                raw = case.arena.download("ws", np.uint64, (spec.ctas, dr.TIMELINE_WORDS))
+                stamps = Stamps.parse(raw, f"{spec.name} R={rows}")   # raises if one is missing
+                assert not raw[:, used:].any(), f"{spec.name}: wrote past the stamps"
+                assert np.all((stamps.smid >= 0) & (stamps.smid < dev.sm_count)), spec.name
+                for what, v in (("globaltimer", stamps.gt), ("clock64", stamps.clk)):
+                    assert np.all(np.diff(v, axis=1) >= 0), f"{spec.name}: {what} goes back"
+                span = stamps.gt[:, -1].max() - stamps.gt[:, 0].min()
+                assert 0 < span < 10**9, f"{spec.name}: launch spans {span} ns"
+        finally:
+            case.close()
+
+
 # ---- lm_head -----------------------------------------------------------------------------------
 
 def _head_case(vocab: int, hidden: int, seed: int):

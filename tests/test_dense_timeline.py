@@ -1,0 +1,125 @@
+"""CPU tests of the dense timeline summariser (executor/dense_timeline.py) on synthetic stamps.
+
+The stamps are built from known per-CTA phase lengths (random cycles), a known SM clock, per-SM
+clock64 offsets (clock64 counts per SM) and a globaltimer that ticks at a known resolution, laid
+out as kernels/dense_stream.py writes them; the summariser must give back exactly those numbers:
+percentiles of the cycle deltas (integers, exact), the clock within the tick's quantisation, the
+tick itself, and the entry / exit offsets between consecutive launches.
+"""
+from __future__ import annotations
+
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from executor import dense_timeline as tl
+from kernels import dense_ref as dr
+
+P = len(dr.TIMELINE_POINTS)
+
+
+def _launch(rng, start_ns: float, ctas: int, ghz: float, tick: int, sm_offset: np.ndarray):
+    """(raw u64 [ctas, TIMELINE_WORDS], cycles per phase [ctas, P - 1], exact entry ns)."""
+    phases = rng.integers(50, 4000, size=(ctas, P - 1))
+    entry = start_ns + rng.uniform(0, 900, size=ctas)
+    ns = entry[:, None] + np.concatenate([np.zeros((ctas, 1)), np.cumsum(phases, 1) / ghz], 1)
+    smid = rng.permutation(132)[:ctas]
+    raw = np.zeros((ctas, dr.TIMELINE_WORDS), np.uint64)
+    raw[:, 0:2 * P:2] = (np.floor(ns / tick) * tick).astype(np.uint64)
+    clk = np.round(ns * ghz).astype(np.int64)
+    raw[:, 1:2 * P:2] = (clk + sm_offset[smid][:, None]).astype(np.uint64)
+    raw[:, 2 * P] = smid
+    return raw, phases, ns
+
+
+def _chain(seed: int, tick: int, ghz: float = 1.755, launches: int = 6, ctas: int = 120):
+    rng = np.random.default_rng(seed)
+    sm_offset = rng.integers(10**9, 10**12, size=132)
+    out, start = [], 5e9 + rng.uniform(0, 1e6)
+    for _ in range(launches):
+        raw, phases, ns = _launch(rng, start, ctas, ghz, tick, sm_offset)
+        out.append((tl.Stamps.parse(raw, "synthetic"), phases, ns))
+        start = ns[:, -1].max() + rng.uniform(100, 3000)
+    return out
+
+
+@pytest.mark.parametrize("tick", [32, 1000])
+def test_phases_clock_and_resolution_come_back(tick):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    chain = _chain(seed, tick)
+    stamps = [s for s, _, _ in chain]
+    gcd, step = tl.timer_resolution_ns(stamps)
+    assert gcd == tick and step % tick == 0, f"seed {seed}"
+    # clock: per SM and group, cycles over the span of its stamps (3 launches, >= 20 us
+    # mostly; the median over SMs is what is checked); each end is
+    # floored to the tick, so the rate is off by at most 2 ticks / span (the median of the SMs'
+    # rates is inside their range)
+    ghz = tl.clock_ghz([stamps[:3], stamps[3:]])
+    assert abs(ghz - 1.755) <= 1.755 * 2 * tick / 20_000, f"seed {seed}: {ghz}"
+    stats = tl.phase_stats(stamps, ghz)
+    cycles = np.concatenate([p for _, p, _ in chain])
+    for i, (phase, _, _) in enumerate(tl.PHASES[:-1]):
+        want = np.percentile(cycles[:, i], (10, 50, 90))
+        got = [stats[phase][f"{q}_cyc"] for q in ("p10", "p50", "p90")]
+        assert np.allclose(got, want, rtol=0, atol=1.0), f"seed {seed} {phase}: {got} vs {want}"
+        assert stats[phase]["p50_us"] == pytest.approx(want[1] / ghz / 1e3)
+    total = np.percentile(cycles.sum(1), 50)
+    assert stats["total"]["p50_cyc"] == pytest.approx(total, abs=1.0)
+
+
+def test_grid_times_are_relative_to_the_previous_launch():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    chain = _chain(seed, tick=32)
+    (prev, _, prev_ns), (cur, _, cur_ns) = chain[2], chain[3]
+    got = tl.grid_times(cur, prev)
+    prev_exit = prev_ns[:, -1].max()
+    want = {"first entry after prev exit": cur_ns[:, 0].min() - prev_exit,
+            "last entry after prev exit": cur_ns[:, 0].max() - prev_exit,
+            "exit pitch": cur_ns[:, -1].max() - prev_exit,
+            "last exit": cur_ns[:, -1].max() - cur_ns[:, 0].min(),
+            "last landed": cur_ns[:, dr.TIMELINE_POINTS.index("last_landed")].max()
+            - cur_ns[:, 0].min(),
+            "entry spread": cur_ns[:, 0].max() - cur_ns[:, 0].min()}
+    for key, ns in want.items():           # each stamp floored to 32 ns: <= 32 ns off
+        assert abs(got[key] - ns / 1e3) <= 0.032 + 1e-9, f"seed {seed} {key}"
+    alone = tl.grid_times(cur, None)
+    assert "first entry after prev exit" not in alone and set(alone) <= set(got)
+    med = tl.median_grid_times([(c[0], p[0]) for p, c in pairwise(chain)])
+    assert set(med) == set(got)
+    text = "\n".join(tl.format_case("case", tl.phase_stats([cur], 1.755), got))
+    assert "pdl wait" in text and "exit pitch" in text
+
+
+def test_an_unstamped_point_or_a_wrong_shape_is_named():
+    raw, _, _ = _launch(np.random.default_rng(), 1e9, 8, 1.8, 32, np.zeros(132, np.int64))
+    raw[5, 2 * dr.TIMELINE_POINTS.index("after_wait")] = 0
+    with pytest.raises(ValueError, match="CTA 5 never stamped 'after_wait'"):
+        tl.Stamps.parse(raw, "k")
+    with pytest.raises(ValueError, match="stamps must be u64"):
+        tl.Stamps.parse(raw[:, :5], "k")
+    with pytest.raises(ValueError, match="cannot fit the SM clock"):
+        tl.clock_ghz([[tl.Stamps(np.zeros(2, np.int64), np.ones((2, P), np.int64),
+                                 np.ones((2, P), np.int64))]])
+
+
+def test_timeline_specs_are_the_step_kernels_with_stamps_and_never_picked():
+    from loader.config import ModelConfig
+    for preset in ("tiny", "v41-flash"):
+        cfg = ModelConfig.preset(preset)
+        specs = dr.dense_specs(cfg, 4)
+        names = {s.name for s in specs}
+        timeline = [s for s in specs if s.timeline]
+        assert {s.name.split("_n")[0].removeprefix("dense_w8a16_") for s in timeline} \
+            == set(dr.TIMELINE_LABELS)
+        for s in timeline:
+            step = s.name.removesuffix("_tl")
+            assert step in names and s.name.endswith("_r8_bf16_tl")
+            plain = dr.DenseSpec.from_dict(dict(dr.make_spec(
+                s.name.split("_n")[0].removeprefix("dense_w8a16_"), s.n, s.k).to_dict()))
+            assert plain.variant == s.variant and plain.workspace_bytes() == 0
+            assert s.workspace_bytes() == s.ctas * dr.TIMELINE_WORDS * 8
+            assert dr.DenseSpec.from_dict(s.to_dict()) == s
+        assert all("timeline" not in s.to_dict() for s in specs if not s.timeline)
+    with pytest.raises(ValueError, match="timeline stamps take the workspace"):
+        dr.make_spec("wo_b", 256, 1024, variant="stream", timeline=True)
