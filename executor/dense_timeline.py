@@ -259,51 +259,66 @@ def _label(spec: dr.DenseSpec) -> str:
     return spec.name.removeprefix("dense_w8a16_").split("_n")[0]
 
 
-def bench_dense_timeline(ctx) -> None:
-    """The timeline kernels at R = 1 and 6: isolated, 4th of a PDL chain, (R = 1) L2 chain."""
+def _collect(ctx, bundle, spec: dr.DenseSpec, runner_class, doc: dict, cases: list,
+             every: list, groups: list) -> None:
+    """Run one timeline kernel's cases; append (label, case, launches, pairs) to `cases`."""
+    runner = runner_class(ctx, bundle, spec)
+    kdoc = doc["kernels"][spec.name] = {"variant": spec.variant, "ctas": spec.ctas}
+    try:
+        for rows in ROWS:
+            iso, iso_raw = runner.isolated(rows)
+            kdoc[f"R{rows} iso"] = iso_raw
+            cases.append((_label(spec), f"R{rows} iso", iso, [(s, None) for s in iso]))
+            every += iso
+            for l2 in ((False, True) if rows == 1 else (False,)):
+                replays, raw = runner.chain(rows, l2)
+                case = f"R{rows} chain{'-l2' if l2 else ''}"
+                kdoc[case] = raw
+                every += [s for r in replays for s in r]
+                groups += replays
+                for pos in (CHAIN_SHOWN, CHAIN - 1):
+                    cases.append((_label(spec), f"{case} #{pos + 1}", [r[pos] for r in replays],
+                                  [(r[pos], r[pos - 1]) for r in replays]))
+    finally:
+        runner.close()
+
+
+def bench_dense_timeline(ctx, runner_class=None) -> None:
+    """The timeline kernels at R = 1 and 6: isolated, 4th of a PDL chain, (R = 1) L2 chain.
+    `runner_class`: TimelineRunner (tests pass one that makes stamps up)."""
     bundle = ctx.bundle_with("dense_w8a16_")
     specs = _timeline_specs(bundle) if bundle is not None else []
     if not specs:
         raise LookupError("no bundle has dense timeline kernels (dense_w8a16_*_tl)")
-    doc, every, replays_all, lines = {"points": POINTS, "kernels": {}}, [], [], []
-    cases = []                                 # (label, case, launches, pairs)
+    doc, every, groups, cases = {"points": POINTS, "kernels": {}}, [], [], []
     for spec in specs:
-        runner = TimelineRunner(ctx, bundle, spec)
-        kdoc = doc["kernels"][spec.name] = {"variant": spec.variant, "ctas": spec.ctas}
         try:
-            for rows in ROWS:
-                iso, iso_raw = runner.isolated(rows)
-                kdoc[f"R{rows} iso"] = iso_raw
-                cases.append((_label(spec), f"R{rows} iso", iso, [(s, None) for s in iso]))
-                every += iso
-                for l2 in ((False, True) if rows == 1 else (False,)):
-                    replays, raw = runner.chain(rows, l2)
-                    case = f"R{rows} chain{'-l2' if l2 else ''}"
-                    kdoc[case] = raw
-                    every += [s for r in replays for s in r]
-                    replays_all += replays
-                    for pos in (CHAIN_SHOWN, CHAIN - 1):
-                        cases.append((_label(spec), f"{case} #{pos + 1}",
-                                      [r[pos] for r in replays],
-                                      [(r[pos], r[pos - 1]) for r in replays]))
-        finally:
-            runner.close()
-    (resolution, step), ghz = timer_resolution_ns(every), clock_ghz(replays_all)
+            _collect(ctx, bundle, spec, runner_class or TimelineRunner, doc, cases, every, groups)
+        except Exception as exc:  # noqa: BLE001 - one kernel's failure must not hide the others
+            ctx.metric(f"tl {spec.name} failed: {exc!r}"[:200], 0.0, "", "runs", False)
+    out = report_dir()
+    try:
+        if every:
+            _summarise(ctx, doc, cases, every, groups)
+    finally:
+        if out is not None and out.is_dir():
+            (out / JSON_NAME).write_text(json.dumps(doc))
+            ctx.metric(f"tl raw stamps written to {out / JSON_NAME}", 1, "")
+        else:
+            ctx.metric("tl raw stamps NOT written (no report dir found)", 0, "")
+
+
+def _summarise(ctx, doc: dict, cases: list, every: list, groups: list) -> None:
+    """Clock and tick, then per case the phase table (printed; metrics for iso and the 4th)."""
+    (resolution, step), ghz = timer_resolution_ns(every), clock_ghz(groups)
     doc |= {"globaltimer_gcd_ns": resolution, "globaltimer_step_ns": step, "clock_ghz": ghz}
     ctx.metric("tl globaltimer tick: gcd of stamp distances", resolution, "ns")
     ctx.metric("tl globaltimer tick: smallest step between stamps", step, "ns")
     ctx.metric("tl SM clock (clock64 / globaltimer per SM and chain replay)", ghz, "GHz")
+    lines = [f"dense timeline: globaltimer tick {resolution} ns, SM clock {ghz:.3f} GHz"]
     for label, case, launches, pairs in cases:
         stats, grid = phase_stats(launches, ghz), median_grid_times(pairs)
         lines += format_case(f"{label} {case} ({len(launches)} launches pooled)", stats, grid)
         if case.endswith((" iso", f" #{CHAIN_SHOWN + 1}")):     # the table: iso and the 4th
             _metrics(ctx, label, case, stats, grid)
-    print("\n".join([f"dense timeline: globaltimer tick {resolution} ns, SM clock {ghz:.3f} GHz"]
-                    + lines), flush=True)
-    out = report_dir()
-    if out is not None and out.is_dir():
-        (out / JSON_NAME).write_text(json.dumps(doc))
-        ctx.metric(f"tl raw stamps written to {out / JSON_NAME}", 1, "")
-    else:
-        ctx.metric("tl raw stamps NOT written (no report dir found)", 0, "", "written", False)
-
+    print("\n".join(lines), flush=True)

@@ -39,7 +39,7 @@ def _chain(seed: int, tick: int, ghz: float = 1.755, launches: int = 6, ctas: in
     out, start = [], 5e9 + rng.uniform(0, 1e6)
     for _ in range(launches):
         raw, phases, ns = _launch(rng, start, ctas, ghz, tick, sm_offset)
-        out.append((tl.Stamps.parse(raw, "synthetic"), phases, ns))
+        out.append((tl.Stamps.parse(raw, "synthetic"), phases, ns, raw))
         start = ns[:, -1].max() + rng.uniform(100, 3000)
     return out
 
@@ -48,7 +48,7 @@ def _chain(seed: int, tick: int, ghz: float = 1.755, launches: int = 6, ctas: in
 def test_phases_clock_and_resolution_come_back(tick):
     seed = int(np.random.default_rng().integers(1 << 30))
     chain = _chain(seed, tick)
-    stamps = [s for s, _, _ in chain]
+    stamps = [s for s, *_ in chain]
     gcd, step = tl.timer_resolution_ns(stamps)
     assert gcd == tick and step % tick == 0, f"seed {seed}"
     # clock: per SM and group, cycles over the span of its stamps (3 launches, >= 20 us
@@ -58,7 +58,7 @@ def test_phases_clock_and_resolution_come_back(tick):
     ghz = tl.clock_ghz([stamps[:3], stamps[3:]])
     assert abs(ghz - 1.755) <= 1.755 * 2 * tick / 20_000, f"seed {seed}: {ghz}"
     stats = tl.phase_stats(stamps, ghz)
-    cycles = np.concatenate([p for _, p, _ in chain])
+    cycles = np.concatenate([p for _, p, *_ in chain])
     for i, (phase, _, _) in enumerate(tl.PHASES[:-1]):
         want = np.percentile(cycles[:, i], (10, 50, 90))
         got = [stats[phase][f"{q}_cyc"] for q in ("p10", "p50", "p90")]
@@ -71,7 +71,7 @@ def test_phases_clock_and_resolution_come_back(tick):
 def test_grid_times_are_relative_to_the_previous_launch():
     seed = int(np.random.default_rng().integers(1 << 30))
     chain = _chain(seed, tick=32)
-    (prev, _, prev_ns), (cur, _, cur_ns) = chain[2], chain[3]
+    (prev, _, prev_ns, _), (cur, _, cur_ns, _) = chain[2], chain[3]
     got = tl.grid_times(cur, prev)
     prev_exit = prev_ns[:, -1].max()
     want = {"first entry after prev exit": cur_ns[:, 0].min() - prev_exit,
@@ -123,3 +123,87 @@ def test_timeline_specs_are_the_step_kernels_with_stamps_and_never_picked():
         assert all("timeline" not in s.to_dict() for s in specs if not s.timeline)
     with pytest.raises(ValueError, match="timeline stamps take the workspace"):
         dr.make_spec("wo_b", 256, 1024, variant="stream", timeline=True)
+
+
+class _FakeRunner:
+    """TimelineRunner's interface over synthetic stamps (no GPU): one chain of launches per
+    isolated rep / replay, from the same generator as the tests above."""
+
+    def __init__(self, ctx, bundle, spec):
+        self.spec, self.seed = spec, ctx.seed
+
+    def _launches(self, count: int):
+        chain = _chain(self.seed, 32, launches=count, ctas=self.spec.ctas)
+        self.seed += 1
+        return [s for s, *_ in chain], [tl.raw_json(raw) for *_, raw in chain]
+
+    def isolated(self, rows):
+        runs = [self._launches(1) for _ in range(tl.ISO_REPS)]
+        return [r[0][0] for r in runs], [r[1][0] for r in runs]
+
+    def chain(self, rows, l2):
+        runs = [self._launches(tl.CHAIN) for _ in range(tl.CHAIN_REPLAYS)]
+        return [r[0] for r in runs], [r[1] for r in runs]
+
+    def close(self):
+        pass
+
+
+class _FakeCtx:
+    def __init__(self, specs):
+        from types import SimpleNamespace
+        self.seed = int(np.random.default_rng().integers(1 << 30))
+        self.rows = []
+        kernels = {s.name: SimpleNamespace(spec=s.to_dict()) for s in specs}
+        self.bundle = SimpleNamespace(names=lambda: list(kernels),
+                                      manifest=SimpleNamespace(kernels=kernels))
+
+    def bundle_with(self, prefix):
+        return self.bundle
+
+    def metric(self, metric, value, unit, target="", ok=None):
+        self.rows.append((metric, value, unit, ok))
+
+
+def test_the_family_benchmark_reports_every_case_and_writes_the_stamps(tmp_path, monkeypatch):
+    import json
+
+    from loader.config import ModelConfig
+    specs = dr.dense_specs(ModelConfig.preset("v41-flash"), 4)
+    ctx = _FakeCtx([s for s in specs if s.timeline or s.name.endswith("_r8_bf16")])
+    monkeypatch.setenv(tl.REPORT_DIR_ENV, str(tmp_path))
+    tl.bench_dense_timeline(ctx, runner_class=_FakeRunner)
+    names = [m for m, *_ in ctx.rows]
+    assert not [r for r in ctx.rows if r[3] is False], ctx.rows
+    for label in dr.TIMELINE_LABELS:
+        for case in ("R1 iso", "R1 chain #4", "R1 chain-l2 #4", "R6 iso", "R6 chain #4"):
+            for phase, _, _ in tl.PHASES:
+                assert any(n.startswith(f"tl {label} {case} {phase}:") for n in names), \
+                    (label, case, phase)
+        assert f"tl {label} R1 chain #4 first entry after prev exit" in names
+    ghz = next(v for m, v, *_ in ctx.rows if m.startswith("tl SM clock"))
+    assert ghz == pytest.approx(1.755, rel=0.01)
+    doc = json.loads((tmp_path / tl.JSON_NAME).read_text())
+    assert doc["globaltimer_gcd_ns"] == 32 and len(doc["kernels"]) == 3
+    kdoc = doc["kernels"][next(s.name for s in specs if s.timeline)]
+    assert len(kdoc["R1 chain"]) == tl.CHAIN_REPLAYS and len(kdoc["R1 chain"][0]) == tl.CHAIN
+    assert len(kdoc["R6 iso"]) == tl.ISO_REPS
+
+
+def test_a_failing_kernel_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    from loader.config import ModelConfig
+    specs = [s for s in dr.dense_specs(ModelConfig.preset("tiny"), 4) if s.timeline]
+    ctx = _FakeCtx(specs)
+
+    class Broken(_FakeRunner):
+        def chain(self, rows, l2):
+            if self.spec.name == specs[0].name:
+                raise ValueError("CTA 3 never stamped 'exit'")
+            return super().chain(rows, l2)
+
+    monkeypatch.setenv(tl.REPORT_DIR_ENV, str(tmp_path))
+    tl.bench_dense_timeline(ctx, runner_class=Broken)
+    failed = [m for m, _, _, ok in ctx.rows if ok is False]
+    assert len(failed) == 1 and specs[0].name in failed[0] and "never stamped" in failed[0]
+    assert any(m.startswith(f"tl {specs[1].name.split('_n')[0].removeprefix('dense_w8a16_')} "
+                            "R6 chain #4 total") for m, *_ in ctx.rows)
