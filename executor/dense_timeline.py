@@ -117,9 +117,11 @@ def phase_stats(launches: list[Stamps], ghz: float) -> dict[str, dict[str, float
 
 
 def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
-    """globaltimer facts of one launch, us: first / last CTA entry after the previous launch's
-    last exit (chain), last landed and last exit after the first entry, exit-to-exit pitch."""
+    """globaltimer facts of one launch, us: first / last CTA entry and griddepcontrol.wait
+    return after the previous launch's last exit (chain: the PDL hand-off), last landed and
+    last exit after the first entry, exit-to-exit pitch."""
     e, x = cur.gt[:, cur.col("entry")], cur.gt[:, cur.col("exit")]
+    w = cur.gt[:, cur.col("after_wait")]
     out = {"entry spread": (e.max() - e.min()) / 1e3,
            "last landed": (cur.gt[:, cur.col("last_landed")].max() - e.min()) / 1e3,
            "last exit": (x.max() - e.min()) / 1e3}
@@ -127,6 +129,8 @@ def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
         prev_exit = prev.gt[:, prev.col("exit")].max()
         out |= {"first entry after prev exit": (e.min() - prev_exit) / 1e3,
                 "last entry after prev exit": (e.max() - prev_exit) / 1e3,
+                "first wait return after prev exit": (w.min() - prev_exit) / 1e3,
+                "last wait return after prev exit": (w.max() - prev_exit) / 1e3,
                 "exit pitch": (x.max() - prev_exit) / 1e3}
     return out
 

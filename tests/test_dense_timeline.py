@@ -74,13 +74,17 @@ def test_grid_times_are_relative_to_the_previous_launch():
     (prev, _, prev_ns, _), (cur, _, cur_ns, _) = chain[2], chain[3]
     got = tl.grid_times(cur, prev)
     prev_exit = prev_ns[:, -1].max()
+    wait = dr.TIMELINE_POINTS.index("after_wait")
     want = {"first entry after prev exit": cur_ns[:, 0].min() - prev_exit,
             "last entry after prev exit": cur_ns[:, 0].max() - prev_exit,
+            "first wait return after prev exit": cur_ns[:, wait].min() - prev_exit,
+            "last wait return after prev exit": cur_ns[:, wait].max() - prev_exit,
             "exit pitch": cur_ns[:, -1].max() - prev_exit,
             "last exit": cur_ns[:, -1].max() - cur_ns[:, 0].min(),
             "last landed": cur_ns[:, dr.TIMELINE_POINTS.index("last_landed")].max()
             - cur_ns[:, 0].min(),
             "entry spread": cur_ns[:, 0].max() - cur_ns[:, 0].min()}
+    assert set(got) == set(want)
     for key, ns in want.items():           # each stamp floored to 32 ns: <= 32 ns off
         assert abs(got[key] - ns / 1e3) <= 0.032 + 1e-9, f"seed {seed} {key}"
     alone = tl.grid_times(cur, None)
