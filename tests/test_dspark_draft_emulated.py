@@ -37,17 +37,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from emulated_dspark import EmulatedDSparkRanks
 from ref_model import random_prompt
-from ref_model import tiny_checkpoint as synth_tiny
 
 from executor.emulate import run_lockstep
-from executor.emulate.ranks import EmulatedRanks
 from executor.plan import draft_plan
 from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
-from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.weights import rank_weights_from_checkpoint
 from executor.wiring import wire
 from kernels import engram_ref
 from kernels import kvrecord_ref as kr
@@ -59,17 +56,12 @@ LOGIT_BOUND = 0.08          # measured worst 0.017 (see the module docstring)
 MAX_ROWS = 192              # EmulatedRanks' default: the bound tensors' row capacity
 
 
-class Draft:
+class Draft(EmulatedDSparkRanks):
     """The reference model and caches, and four emulated ranks with the draft plan wired."""
 
     def __init__(self, bundle_dir):
-        self.ckpt = ckpt = synth_tiny()
-        self.cfg = cfg = ckpt.config
-        self.model = ref_step.ReferenceModel(
-            cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
-        self.caches = KVCaches.allocate(cfg, max_seqs=SEQS, max_context=128)
-        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, dspark=True)
-        self.plans = [wire(draft_plan(cfg), ctx) for ctx in self.ranks.contexts]
+        super().__init__(bundle_dir, TP, SEQS)
+        self.plans = [wire(draft_plan(self.cfg), ctx) for ctx in self.ranks.contexts]
 
 
 @pytest.fixture(scope="module")

@@ -39,18 +39,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from emulated_dspark import EmulatedDSparkRanks
 from ref_model import random_prompt
-from ref_model import tiny_checkpoint as synth_tiny
 
 from executor.emulate import run_lockstep
-from executor.emulate.ranks import EmulatedRanks
 from executor.plan import draft_plan
 from executor.reference import attention as ra
 from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
-from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.weights import rank_weights_from_checkpoint
 from executor.wiring import Buffer, wire
 from kernels import dense_ref as dr
 from kernels import engram_ref, kvrecord_ref, moe_ref
@@ -75,17 +72,12 @@ def buffers(cfg, tp, max_rows):
     return [Buffer("attn.o", BF16, (max_rows, heads, cfg.head_dim), "stand-in: group B's")]
 
 
-class Round:
+class Round(EmulatedDSparkRanks):
     """The reference model, its caches and the emulated ranks wired for the verify step."""
 
     def __init__(self, bundle_dir):
-        self.ckpt = ckpt = synth_tiny()
-        self.cfg = cfg = ckpt.config
-        self.model = ref_step.ReferenceModel(
-            cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
-        self.caches = KVCaches.allocate(cfg, max_seqs=2, max_context=128)
-        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=MODULES,
-                                   dspark=True)
+        super().__init__(bundle_dir, TP, 2, MODULES)
+        cfg = self.cfg
         for tensors in self.ranks.tensors:                 # the caller's DSpark outputs
             tensors["accepted"][...] = -1
             tensors["bonus"][...] = -1
@@ -313,20 +305,13 @@ def test_dspark_verify_rounds_match_the_reference(setup):
 LOGIT_BOUND = 0.25          # tests/test_emulate_step.py: emulated vs reference step logits
 
 
-class WholeStep:
+class WholeStep(EmulatedDSparkRanks):
     """Every stage module (the whole target forward) plus the DSpark stages, 4 emulated ranks."""
 
     def __init__(self, bundle_dir):
         from executor.wiring import STAGE_MODULES
 
-        self.ckpt = ckpt = synth_tiny()
-        self.cfg = cfg = ckpt.config
-        self.model = ref_step.ReferenceModel(
-            cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
-        self.caches = KVCaches.allocate(cfg, max_seqs=2, max_context=128)
-        modules = STAGE_MODULES
-        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, modules=modules,
-                                   dspark=True)
+        super().__init__(bundle_dir, TP, 2, STAGE_MODULES)
         for tensors in self.ranks.tensors:
             tensors["accepted"][...] = -1
             tensors["bonus"][...] = -1

@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from emulated_dspark import EmulatedDSparkRanks
 from ref_model import random_prompt
-from ref_model import tiny_checkpoint as synth_tiny
 from test_dspark_draft_emulated import _check_drafts
 
 from executor.emulate import run_lockstep
-from executor.emulate.ranks import EmulatedRanks
 from executor.plan import decode_plan, draft_plan
 from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
-from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.weights import rank_weights_from_checkpoint
 from executor.wiring import wire
 from kernels import dspark_ref, engram_ref
 
@@ -123,16 +120,12 @@ def test_make_advance_spec_refuses_bad_arguments():
 
 # ---- whole rounds on the emulated ranks ---------------------------------------------------------
 
-class SyncFree:
+class SyncFree(EmulatedDSparkRanks):
     """The reference model and caches; four emulated ranks with the sync-free plans wired."""
 
     def __init__(self, bundle_dir):
-        self.ckpt = ckpt = synth_tiny()
-        self.cfg = cfg = ckpt.config
-        self.model = ref_step.ReferenceModel(
-            cfg, tuple(rank_weights_from_checkpoint(ckpt, TP, r) for r in range(TP)))
-        self.caches = KVCaches.allocate(cfg, max_seqs=SEQS, max_context=128)
-        self.ranks = EmulatedRanks(ckpt, bundle_dir, TP, self.caches, dspark=True)
+        super().__init__(bundle_dir, TP, SEQS)
+        cfg = self.cfg
         self.verify = [wire(decode_plan(cfg, dspark=True, sync_free=True), ctx)
                        for ctx in self.ranks.contexts]
         self.draft = [wire(draft_plan(cfg, sync_free=True), ctx) for ctx in self.ranks.contexts]
