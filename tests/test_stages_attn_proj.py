@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stage_checks import within_bound
 from tiny_checkpoint import tiny_checkpoint
 
 from executor.emulate.ranks import EmulatedRanks
@@ -105,16 +106,6 @@ def setup(tiny_bundle_dir):
 
 # ---- comparisons --------------------------------------------------------------------------------
 
-def _within(got, want, bound, what: str) -> float:
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = ~(err <= bound)                           # NaN fails
-    if bad.any():
-        i = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} elements off, first at {i}: got "
-                             f"{got[i]}, want {want[i]}, bound {bound[i]:.3g}")
-    return float(err.max(initial=0.0))
-
-
 def _bits(a) -> np.ndarray:
     return np.asarray(a).astype(BF16).view(np.uint16)
 
@@ -168,7 +159,7 @@ def _check_projections(s: Setup, rows: RowBatch, x, layer: int) -> dict:
     qkv_ref = np.concatenate([ra._linear(x, lw0, "attn.wq_a"), ra._linear(x, lw0, "attn.wkv")],
                              axis=1)
     qkv = s.read(0, "attn.qkv", BF16, (bucket, q_lora + hd))
-    errs = {"qkv": _within(qkv, qkv_ref, 2 * dr.dense_tolerance(x, w_fused, "bf16"), "qkv")}
+    errs = {"qkv": within_bound(qkv, qkv_ref, 2 * dr.dense_tolerance(x, w_fused, "bf16"), "qkv")}
     qr = s.read(0, "attn.qr", BF16, (bucket, q_lora))
     want_qr = ra._norm(qkv[:, :q_lora].astype(np.float32), lw0.vector("attn.q_norm.weight"),
                        cfg.rms_norm_eps)
@@ -191,8 +182,8 @@ def _check_projections(s: Setup, rows: RowBatch, x, layer: int) -> dict:
                                    rows.positions, table))
         got = s.read(r, "attn.q", BF16, (bucket, heads, hd))
         tol = dr.dense_tolerance(qr, w, "bf16").reshape(bucket, heads, hd)
-        errs["q"] = max(errs.get("q", 0.0), _within(got, want, _q_bound(tol, got, want),
-                                                     f"rank {r}: q"))
+        errs["q"] = max(errs.get("q", 0.0), within_bound(got, want, _q_bound(tol, got, want),
+                                                         f"rank {r}: q"))
     return {"errs": errs, "kv": kv, "kv_ref": qkv_ref[:, q_lora:]}
 
 
@@ -250,14 +241,14 @@ def _check_output(s: Setup, o, layer: int) -> dict:
         z_ref = z_ref.transpose(1, 0, 2).reshape(bucket, groups * lora)
         tol_a = np.concatenate([dr.dense_tolerance(grouped[:, g], wo_a[g], "bf16")
                                 for g in range(groups)], axis=1)
-        errs["z"] = max(errs["z"], _within(z, z_ref, 2 * tol_a, f"rank {r}: wo_a"))
+        errs["z"] = max(errs["z"], within_bound(z, z_ref, 2 * tol_a, f"rank {r}: wo_a"))
         got = s.read(r, "attn.partial", BF16, (bucket, cfg.hidden_size))
         stage = bf16_round(ra._dot(z.astype(np.float32), wo_b))
-        errs["partial"] = max(errs["partial"], _within(
+        errs["partial"] = max(errs["partial"], within_bound(
             got, stage, 2 * dr.dense_tolerance(z, wo_b, "bf16"), f"rank {r}: wo_b"))
         # AR-1 rounds attention_rank's fp32 partial to bf16 before summing.
         want = bf16_round(ra._dot(z_ref, wo_b))
-        errs["partial_e2e"] = max(errs["partial_e2e"], _within(
+        errs["partial_e2e"] = max(errs["partial_e2e"], within_bound(
             got, want, _partial_bound(z, z_ref, wo_b, got, want), f"rank {r}: partial"))
     return errs
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stage_checks import within_bound
 from tiny_checkpoint import tiny_checkpoint
 
 from executor.emulate.ranks import EmulatedRanks
@@ -84,16 +85,6 @@ def _xn(rng, real: int, bucket: int, d: int) -> np.ndarray:
     return x
 
 
-def _within(got, want, bound, what: str) -> float:
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = ~(err <= bound)                          # NaN fails
-    if bad.any():
-        i = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} elements off, first at {i}: got "
-                             f"{got[i]}, want {want[i]}, bound {bound[i]:.3g}")
-    return float(err.max(initial=0.0))
-
-
 def _check_router(s: Setup, x32, layer: int, bucket: int) -> moe_ref.RouterOutput:
     lw = s.refs[0].layer(layer)
     gate = lw.vector("ffn.gate.weight")
@@ -134,12 +125,12 @@ def _check_fused(x, h, y, partial, w13, w2, limit: float, what: str):
     want, bound = dr.epilogue_expectation(
         spec13, x.astype(np.float64) @ w13.astype(np.float64).T,
         dr.dense_tolerance(x, w13, "f32"))
-    errs = {"h": _within(h, want, bound, f"{what}: h (w1|w3 + SwiGLU epilogue)")}
+    errs = {"h": within_bound(h, want, bound, f"{what}: h (w1|w3 + SwiGLU epilogue)")}
     spec2 = dr.make_spec("shared_w2", d, inter, epilogue="add_f32")
     want, bound = dr.epilogue_expectation(
         spec2, h.astype(np.float64) @ w2.astype(np.float64).T,
         dr.dense_tolerance(h, w2, "f32"), y)
-    errs["partial_stage"] = _within(partial, want, bound, f"{what}: ffn.partial (w2 + routed)")
+    errs["partial_stage"] = within_bound(partial, want, bound, f"{what}: ffn.partial (w2 + routed)")
     return errs, moe_ref.round_bf16(moe_ref.matmul_t(h.astype(np.float32), w2))
 
 
@@ -159,11 +150,11 @@ def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
         errs, shared = _check_fused(x, h, y, partial, w13, w2, limit, f"rank {r} layer {layer}")
     else:
         h13 = s.read(r, "ffn.shared_h13", BF16, bucket, 2 * inter)
-        errs = {"h13": _within(h13, h13_ref, 2 * dr.dense_tolerance(x, w13, "bf16"), "h13")}
+        errs = {"h13": within_bound(h13, h13_ref, 2 * dr.dense_tolerance(x, w13, "bf16"), "h13")}
         np.testing.assert_array_equal(h, swiglu_ref(h13, limit), err_msg=f"rank {r}: SwiGLU")
         shared = s.read(r, "ffn.shared_out", BF16, bucket, d)
-        errs["shared"] = _within(shared, moe_ref.round_bf16(moe_ref.matmul_t(h, w2)),
-                                 2 * dr.dense_tolerance(h, w2, "bf16"), "shared w2")
+        errs["shared"] = within_bound(shared, moe_ref.round_bf16(moe_ref.matmul_t(h, w2)),
+                                      2 * dr.dense_tolerance(h, w2, "bf16"), "shared w2")
         np.testing.assert_array_equal(partial, residual_add_ref(y, shared),
                                       err_msg=f"rank {r}: partial is not bf16(y + shared)")
     # End to end: the reference's own shared-expert path, then moe_partial itself.
@@ -172,7 +163,7 @@ def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
     shared_ref = moe_ref.round_bf16(moe_ref.matmul_t(h_ref, w2))
     want = moe_ref.moe_partial(x32, routing, lw.experts, lw.shared, limit, quantize_acts=True)
     bound = _partial_bound(y, h, h_ref, w2, shared.astype(np.float32), shared_ref)
-    errs["partial"] = _within(partial, want, bound, f"rank {r} layer {layer}: ffn.partial")
+    errs["partial"] = within_bound(partial, want, bound, f"rank {r} layer {layer}: ffn.partial")
     return errs
 
 
