@@ -9,12 +9,10 @@ own test is tests/gpu/test_attn_prep.py.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from spec_bundle import OneKernelBundle
 
-from executor.bundle import KernelRecord
 from executor.emulate import run
 from executor.hostmem import AddressSpace, HostArena
 from executor.launch import LaunchSpec
@@ -26,19 +24,6 @@ from loader.config import ModelConfig
 
 EPS = 1e-20
 NUM_POSITIONS = 4096
-
-
-class _Bundle:
-    """A bundle of the one kernel record a manifest would hold for `spec`."""
-
-    def __init__(self, spec):
-        self.record = KernelRecord(spec.name, "kernels.kv_publish", Path(f"{spec.name}.cubin"),
-                                   "", spec.params, spec.block, spec.smem_bytes, True,
-                                   spec=spec.to_dict())
-
-    def kernel(self, name):
-        assert name == self.record.name
-        return self.record
 
 
 def _setup(spec, rows, max_rows, rng, num_slots):
@@ -67,7 +52,8 @@ def test_emulated_launch_equals_the_round4_chain(width, rows):
     rng = np.random.default_rng()
     num_slots = 2 * 64 + 5
     space, arena, ptrs, x = _setup(spec, rows, 64, rng, num_slots)
-    run(attn_prep_launches(_Bundle(spec), spec, ptrs, rows, NUM_POSITIONS, EPS), space)
+    bundle = OneKernelBundle(spec, "kernels.kv_publish")
+    run(attn_prep_launches(bundle, spec, ptrs, rows, NUM_POSITIONS, EPS), space)
     qr = arena.view("qr", BF16, (64, width)).view(np.uint16)
     cache = arena.view("cache", np.uint8, (num_slots, 584))
 
@@ -108,7 +94,7 @@ def test_a_short_grid_or_qr_over_qkv_is_refused():
     spec = kp.make_attn_prep_spec(256)
     rng = np.random.default_rng()
     space, _, ptrs, _ = _setup(spec, 6, 8, rng, 21)
-    bundle = _Bundle(spec)
+    bundle = OneKernelBundle(spec, "kernels.kv_publish")
     args = tuple(ptrs[n] for n, k in spec.params if k == "u64") + (6, NUM_POSITIONS, EPS)
     with pytest.raises(ValueError, match="grid"):
         run([LaunchSpec(bundle.record, (2, 1, 1), args)], space)

@@ -9,12 +9,10 @@ The kernel itself is compiled into the bundles but has not run on a GPU yet
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from spec_bundle import OneKernelBundle
 
-from executor.bundle import KernelRecord
 from executor.emulate import run
 from executor.hostmem import AddressSpace, HostArena
 from executor.launch import LaunchSpec
@@ -24,19 +22,6 @@ from kernels import split_norm_ref as sr
 from kernels.common_ref import BF16
 
 EPS = 1e-20
-
-
-class _Bundle:
-    """A bundle of the one kernel record a manifest would hold for `spec`."""
-
-    def __init__(self, spec):
-        self.record = KernelRecord(spec.name, "kernels.split_norm", Path(f"{spec.name}.cubin"),
-                                   "", spec.params, spec.block, spec.smem_bytes, True,
-                                   spec=spec.to_dict())
-
-    def kernel(self, name):
-        assert name == self.record.name
-        return self.record
 
 
 def _launch(spec, rows, max_rows, rng, scale=1.0):
@@ -49,7 +34,8 @@ def _launch(spec, rows, max_rows, rng, scale=1.0):
     arena.fill("out", 0xFF)
     arena.fill("tail", 0xFF)
     ptrs = {n: arena.ptr(n) for n in ("x", "weight", "out", "tail")}
-    run([split_norm_launch(_Bundle(spec), spec, ptrs, rows, EPS)], space)
+    bundle = OneKernelBundle(spec, "kernels.split_norm")
+    run([split_norm_launch(bundle, spec, ptrs, rows, EPS)], space)
     out = arena.view("out", BF16, (max_rows, spec.width)).copy()
     tail = arena.view("tail", BF16, (max_rows, spec.tail)).copy()
     return x, w, out, tail, ptrs, space
@@ -93,7 +79,7 @@ def test_a_wrong_grid_or_an_output_over_x_is_refused():
     spec = sr.make_spec(256, 512)
     rng = np.random.default_rng()
     _, _, _, _, ptrs, space = _launch(spec, 4, 8, rng)
-    bundle = _Bundle(spec)
+    bundle = OneKernelBundle(spec, "kernels.split_norm")
     bad_grid = LaunchSpec(bundle.record, (9, 1, 1), (ptrs["x"], ptrs["weight"], ptrs["out"],
                                                      ptrs["tail"], 4, EPS))
     with pytest.raises(ValueError, match="grid"):
