@@ -1,4 +1,4 @@
-"""Where a streamed dense kernel's time goes, per CTA: the `_tl` kernels' stamps (devicecheck family).
+"""Where a streamed dense kernel's time goes, per CTA: the `_timeline` kernels' stamps (devicecheck).
 
 The timeline kernels (kernels/dense_ref.timeline_specs: the step's R <= 8 kernel of wq_a|wkv,
 wq_b and wo_b, bf16, with DenseSpec.timeline) write, per CTA, %smid and (%globaltimer,
@@ -173,7 +173,7 @@ def raw_json(raw: np.ndarray) -> list[list[int]]:
 
 def _timeline_specs(bundle) -> list[dr.DenseSpec]:
     specs = [dr.DenseSpec.from_dict(bundle.manifest.kernels[n].spec) for n in bundle.names()
-             if n.startswith("dense_w8a16_") and n.endswith("_tl")]
+             if n.startswith("dense_w8a16_") and n.endswith("_timeline")]
     return [s for s in specs if s.timeline]
 
 
@@ -293,7 +293,7 @@ def bench_dense_timeline(ctx, runner_class=None) -> None:
     bundle = ctx.bundle_with("dense_w8a16_")
     specs = _timeline_specs(bundle) if bundle is not None else []
     if not specs:
-        raise LookupError("no bundle has dense timeline kernels (dense_w8a16_*_tl)")
+        raise LookupError("no bundle has dense timeline kernels (dense_w8a16_*_timeline)")
     doc, every, groups, cases = {"points": POINTS, "kernels": {}}, [], [], []
     for spec in specs:
         try:

@@ -78,7 +78,7 @@ STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / 
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
 STREAM_SMEM_BUDGET = 104 * 1024     # two CTAs per SM: the next PDL kernel streams beside this one
-# Timeline variant (DenseSpec.timeline, name suffix "_tl"; whole-tile variants only, where the
+# Timeline variant (DenseSpec.timeline, name suffix "_timeline"; whole-tile variants only, where the
 # workspace is otherwise unused): thread 0 of every CTA writes u64 [ctas, TIMELINE_WORDS] into the
 # workspace: words 2p, 2p + 1 = %globaltimer (ns), %clock64 at point p (one 16-byte store), word
 # 2 * len(POINTS) = %smid. The production kernels compile without a stamp (cubins unchanged).
@@ -360,7 +360,7 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
               timeline: bool = False) -> DenseSpec:
     """Validated spec; the name carries every compile-time choice. The step's kernel
     (`default_variant`) has the plain name, another variant the suffix `_<VARIANT_TAGS>`, a
-    timeline one `_tl` after that (never picked by the step: executor/launches/dense.py)."""
+    timeline one `_timeline` after that (never picked by the step: executor/launches/dense.py)."""
     default = default_variant(label, row_tiles)
     if default in ("stream_xts", "stream_xtb") and k % (4 * FP8_BLOCK):
         default = "stream_xt"               # 4-byte scale copies need K % 128 == 0
@@ -397,7 +397,7 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if timeline and variant not in WHOLE_TILE_VARIANTS:
         raise ValueError(f"{label}: the timeline stamps take the workspace, which only the "
                          f"whole-tile variants {WHOLE_TILE_VARIANTS} leave free; got {variant!r}")
-    name += "_tl" if timeline else ""
+    name += "_timeline" if timeline else ""
     if variant == "mma":
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split,
                          swiglu_limit=swiglu_limit)

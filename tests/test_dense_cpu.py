@@ -313,15 +313,15 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
 
 def test_step_variant_names_and_candidates(v41):
     """The step's R <= 8 kernel has the plain name; every other candidate carries its variant
-    tag, a timeline kernel `_tl` after it, so the picker (executor/launches/dense.py) and the
+    tag, a timeline kernel `_timeline` after it, so the picker (executor/launches/dense.py) and the
     stage buffers see the step's."""
     specs = dr.dense_specs(v41, 4) + wr.wo_a_specs(v41, 4)
     for s in specs:
         label = s.name.split("_n")[0].removeprefix("dense_w8a16_").removeprefix("wo_a_fp8_")
         default = dr.default_variant(label, s.row_tiles)
         tag = dr.VARIANT_TAGS[s.variant]
-        name = s.name.removesuffix("_tl") if s.timeline else s.name
-        assert s.timeline == s.name.endswith("_tl")
+        name = s.name.removesuffix("_timeline") if s.timeline else s.name
+        assert s.timeline == s.name.endswith("_timeline")
         assert name.endswith(f"_{s.epilogue}" if s.variant == default else f"_{tag}")
     plain_r8 = {s.name: s.variant for s in specs if s.row_tiles == 1 and s.name.endswith("_bf16")}
     assert plain_r8["dense_w8a16_wq_b_n8192_k1280_r8_bf16"] == dr.R8_VARIANT.get("wq_b", "mma")

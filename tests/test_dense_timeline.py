@@ -117,8 +117,8 @@ def test_timeline_specs_are_the_step_kernels_with_stamps_and_never_picked():
         assert {s.name.split("_n")[0].removeprefix("dense_w8a16_") for s in timeline} \
             == set(dr.TIMELINE_LABELS)
         for s in timeline:
-            step = s.name.removesuffix("_tl")
-            assert step in names and s.name.endswith("_r8_bf16_tl")
+            step = s.name.removesuffix("_timeline")
+            assert step in names and s.name.endswith("_r8_bf16_timeline")
             plain = dr.DenseSpec.from_dict(dict(dr.make_spec(
                 s.name.split("_n")[0].removeprefix("dense_w8a16_"), s.n, s.k).to_dict()))
             assert plain.variant == s.variant and plain.workspace_bytes() == 0

@@ -167,7 +167,7 @@ def test_dense_and_wo_a_kernels_match_the_reference(bundle, dev, stream):
 
 
 def test_dense_timeline_kernels_stamp_every_point_in_order(bundle, dev, stream):
-    """The `_tl` kernels (dense_ref.timeline_specs): the reference's output, and in every CTA's
+    """The `_timeline` kernels (dense_ref.timeline_specs): the reference's output, and in every CTA's
     row of the workspace all (globaltimer, clock64) stamps, non-decreasing in program order, on
     a real SM, nothing written past the row's used words (executor/dense_timeline.py)."""
     from executor.dense_timeline import Stamps
