@@ -2,6 +2,7 @@
 model's own formulation, emulated launches against the refs (CPU; the GPU kernels are compiled
 into the bundle but not run here)."""
 
+import dspark_cases as cases
 import numpy as np
 import pytest
 
@@ -229,12 +230,7 @@ def test_emulated_markov_step(tiny_bundle_dir, step):
                                 step, 5, 768)
     got_pairs = arena.download("pairs", np.int32, (CAP, 2))
     got_ids = arena.download("ids", np.int64, (CAP,))
-    want_pairs = np.full((CAP, 2), -7, np.int32)
-    for s, pair in pairs.items():
-        want_pairs[s] = pair
-    want_ids = np.full(CAP, -7, np.int64)
-    for row, token in ids.items():
-        want_ids[row] = token
+    want_pairs, want_ids = cases.markov_want(pairs, ids, CAP)
     assert np.array_equal(got_pairs, want_pairs)
     assert np.array_equal(got_ids, want_ids)
     assert (step == 5) == (len(pairs) == 0)

@@ -9,6 +9,7 @@ step) then to the verify rows (after the draft step); both are checked over rand
 random state lines and a padding slot, and chained over several rounds with nothing but the
 previous kernels' outputs as input. Integer copies: the results are compared exactly.
 """
+import dspark_cases as cases
 import numpy as np
 import pytest
 
@@ -117,9 +118,7 @@ def test_emulated_history_launch_is_the_ref(tiny_bundle_dir, to_verify, seqs):
         arena.upload(name, a)
     ptrs = {n: arena.ptr(n) for n in arrays}
     run([history_launch(ManifestBundle(tiny_bundle_dir), spec, ptrs, seqs)], space)
-    want = {n: a.copy() for n, a in arrays.items()}
-    ref.history_ref(spec, want["token_ids"], want["token_history"], want["accepted"],
-                    want["bonus"], seqs)
+    want = cases.history_want(spec, arrays, seqs)
     for name, a in want.items():
         assert np.array_equal(arena.download(name, a.dtype, a.shape), a), name
 

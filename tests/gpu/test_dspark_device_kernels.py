@@ -10,6 +10,7 @@ kernels.manifest.FAMILIES. Written while no GPU was available: not yet run on on
 """
 from __future__ import annotations
 
+import dspark_cases as cases
 import numpy as np
 import pytest
 from arena_io import launch_on_arrays
@@ -118,12 +119,7 @@ def test_markov_step_is_the_ref_bitwise(dev, stream, preset_bundle, step):
     got = launch_on_arrays(dev, stream, arrays,
                            lambda p: markov_launch(bundle, spec, p, seqs, step, offset))
     pairs, ids = ref.markov_ref(base, w1, w2, prev[:seqs], step, spec.steps, offset)
-    want_pairs = np.full((CAP, 2), -7, np.int32)
-    for s, pair in pairs.items():
-        want_pairs[s] = pair
-    want_ids = np.full(CAP, -7, np.int64)
-    for row, token in ids.items():
-        want_ids[row] = token
+    want_pairs, want_ids = cases.markov_want(pairs, ids, CAP)
     assert np.array_equal(got["pairs"], want_pairs)
     assert np.array_equal(got["ids"], want_ids)
     assert (got["counter"] == 0).all(), "the last CTA must re-zero the counter"

@@ -13,6 +13,7 @@ multi-slot cases here, so a missing barrier would show as a mismatch. Bundles: H
 """
 from __future__ import annotations
 
+import dspark_cases as cases
 import numpy as np
 import pytest
 from arena_io import launch_on_arrays
@@ -39,9 +40,7 @@ def test_history_kernel_is_the_ref(dev, stream, preset_bundle, to_verify, seqs):
               "accepted": rng.integers(0, k + 1, rows).astype(np.int32),
               "bonus": bonus}
     got = launch_on_arrays(dev, stream, arrays, lambda p: history_launch(bundle, spec, p, seqs))
-    want = {n: a.copy() for n, a in arrays.items()}
-    ref.history_ref(spec, want["token_ids"], want["token_history"], want["accepted"],
-                    want["bonus"], seqs)
+    want = cases.history_want(spec, arrays, seqs)
     for name, a in want.items():
         bad = np.argwhere(got[name] != a)
         assert bad.size == 0, (f"{spec.name} seqs={seqs}: {name} differs at {bad[:4].tolist()} "
