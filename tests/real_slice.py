@@ -13,7 +13,11 @@ What the slice keeps and what it cuts (each cut changes no value the test's step
 - Real widths, 384 routed experts, top-6, the real 129280-token vocabulary (embed and lm_head).
 - One DSpark stage, targeting layer N-1, instead of v41's three: the step's buffers are sized by
   the DSpark widths (loader.synth's slice drops DSpark altogether, which the dense specs cannot
-  size: main_proj would have K = 0); the decode step never runs a DSpark stage.
+  size: main_proj would have K = 0); the decode step never runs a DSpark stage. The DSpark round
+  test (tests/gpu/test_dspark_round_real_slice.py) takes v41's three stages, targeting layers
+  N-3..N-1 (`slice_config_v41(dspark_stages=3)`): its kernels are then exactly v41's (one stage
+  would need a main_proj of K = 5120 and an aux kernel of one target that no bundle builds), and
+  `ROUND_MODULES` packs the stages' FFNs (128 experts each, e % 4's values) and the DSpark heads.
 - Engram tables cut as the step benchmark cuts them (`bench_step.bench_config`, 16384 buckets a
   column instead of 16M; hashed and read the same way), and RoPE tables of 64k positions instead
   of 1M (the steps' positions are < 100; the table length is all it changes).
@@ -48,25 +52,34 @@ from loader.synth import ValueSource, slice_config
 TP = 4
 LAYERS = 4
 DSPARK_STAGES = 1
+ROUND_DSPARK_STAGES = 3         # v41's: the round test's kernels are v41-flash's (docstring)
 ROPE_POSITIONS = 65536
 SEED = 0
 MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.stages.attn_index",
            "stage_ffn_few_experts")
+# the round test: + the DSpark stages' FFNs (tests/gpu/stage_ffn_few_experts_dspark.py), the
+# verify plan's DSpark stages and the draft plan's
+ROUND_MODULES = (*MODULES[:3], "stage_ffn_few_experts_dspark", "executor.stages.dspark",
+                 "executor.stages.draft")
 EXPERT = re.compile(r"((?:layers|mtp)\.\d+\.ffn\.experts\.)(\d+)(\..*)")
 
 
-def slice_config_v41(layers: int = LAYERS) -> ModelConfig:
-    """v41-flash (Engram tables cut as bench_config cuts them), layers 0..layers-1, one DSpark
-    stage on the last of them, RoPE tables of ROPE_POSITIONS."""
+def slice_config_v41(layers: int = LAYERS, dspark_stages: int = DSPARK_STAGES) -> ModelConfig:
+    """v41-flash (Engram tables cut as bench_config cuts them), layers 0..layers-1,
+    `dspark_stages` DSpark stages targeting the last of them, RoPE tables of ROPE_POSITIONS."""
     full = bench_config()
+    if not 1 <= dspark_stages <= min(layers, full.num_nextn_predict_layers):
+        raise ValueError(f"slice_config_v41: {dspark_stages} DSpark stages; v41-flash has "
+                         f"{full.num_nextn_predict_layers} and the slice {layers} layers")
     data = slice_config(full, layers).to_dict()
     top = full.num_hidden_layers
-    data.update(num_nextn_predict_layers=DSPARK_STAGES,
+    data.update(num_nextn_predict_layers=dspark_stages,
                 compress_ratios=[*full.compress_ratios[:layers],
-                                 *full.compress_ratios[top:top + DSPARK_STAGES]],
-                dspark_target_layer_ids=list(range(layers - DSPARK_STAGES, layers)),
+                                 *full.compress_ratios[top:top + dspark_stages]],
+                dspark_target_layer_ids=list(range(layers - dspark_stages, layers)),
                 max_position_embeddings=ROPE_POSITIONS)
-    return ModelConfig.from_dict(data, source=f"v41-flash layers 0..{layers - 1} (test slice)")
+    return ModelConfig.from_dict(data, source=f"v41-flash layers 0..{layers - 1}, "
+                                              f"{dspark_stages} DSpark stage(s) (test slice)")
 
 
 class SharedSynth:
@@ -152,7 +165,7 @@ def _draw(job) -> dict[str, np.ndarray]:
 
 
 def pack_ranks(cfg: ModelConfig, synth: SharedSynth, max_rows: int,
-               workers: int | None = None) -> tuple[list, float]:
+               workers: int | None = None, modules=MODULES) -> tuple[list, float]:
     """Every rank's (requests, uploads), each (rank, stage module) packed on its own thread (the
     NumPy work releases the GIL); and the seconds it took. A rank's contents are the boundary
     buffers, then per module its buffers and weights: arena_contents' slices and arrays, in
@@ -164,14 +177,14 @@ def pack_ranks(cfg: ModelConfig, synth: SharedSynth, max_rows: int,
         requests, uploads = arena_contents(cfg, TP, rank, synth.fetch(rank), max_rows, (module,))
         return requests[boundary:], uploads
 
-    jobs = [(rank, module) for rank in range(TP) for module in MODULES]
+    jobs = [(rank, module) for rank in range(TP) for module in modules]
     with ThreadPoolExecutor(workers or min(len(jobs), os.cpu_count() or 1)) as pool:
         parts = dict(zip(jobs, pool.map(lambda job: part(*job), jobs)))
     contents = []
     for rank in range(TP):
         requests = arena_contents(cfg, TP, rank, synth.fetch(rank), max_rows, ())[0]
         uploads = []
-        for module in MODULES:
+        for module in modules:
             requests += parts[rank, module][0]
             uploads += parts[rank, module][1]
         contents.append((requests, uploads))
@@ -203,10 +216,9 @@ def reference_model(cfg: ModelConfig, synth: SharedSynth) -> ReferenceModel:
     ranks = tuple(RankWeights(cfg, synth.fetch(r, alias_experts=unique), TP, r)
                   for r in range(TP))
     for rank in ranks:
-        for spec in cfg.layers:
-            if not spec.is_dspark:
-                lw = rank.layer(spec.index)
-                lw.experts = _Experts(lw, lw.num_experts, unique)   # overrides the cached list
+        for spec in cfg.layers:                 # the DSpark stages' too (128 experts each)
+            lw = rank.layer(spec.index)
+            lw.experts = _Experts(lw, lw.num_experts, unique)       # overrides the cached list
     return ReferenceModel(cfg, ranks)
 
 

@@ -1,0 +1,172 @@
+"""DSpark k=5 rounds at a real-dimension slice of v41-flash (4 TP ranks on one GPU) vs the reference.
+
+Issue 10's "identical accepted tokens and counts to the NumPy reference over 16 rounds for
+several sequences at once (... a real-dimension slice)". The slice is tests/real_slice.py's
+(layers 0-3: SWA, SWA + Engram, ratio-2 kv/index source, ratio-2 reuse; real widths, 384 routed
+experts, top-6, the real 129280-token vocabulary), here with v41's three DSpark stages (128
+experts each) targeting layers 1-3 (`slice_config_v41(dspark_stages=3)`: its kernels are then
+v41's, all in the step-benchmark bundle); expert e of every layer and stage holds expert e % 4's
+values. The ranks are packed from one draw of loader.synth's values (real_slice.pack_ranks with
+ROUND_MODULES) and run by tests/gpu/device_ranks.py in lockstep on one GPU, one process, the
+cross-rank stages on the host (exactly what the collective kernels compute; the Executor with the
+real collectives runs the round in test_dspark_round_tp4_processes.py, tiny).
+
+SEQS sequences in a bucket of SLOTS sequence slots (slot 3 is padding, `bonus` -1), ROUNDS rounds,
+driven and checked every round by tests/gpu/dspark_round_driver.py as the tiny test is (its
+docstring): the drafts against markov_drafts of the reference's U (near-tie rule), U within
+U_BOUND, the rows and their device-written Engram lookback exactly the reference's, (accepted,
+bonus) and the committed tokens exactly the reference's verify_and_accept of the same drafts
+(unless a near tie parts them: the host then reloads the reference's state), the ring rollback,
+the draft stages' context KV and slots, every SWA cache replicated byte for byte. Two scripted
+rounds lead the drafts with greedy tokens so long accepted counts occur.
+
+Engram's compressed-vocab map is a fresh random non-identity map each run
+(`SharedSynth.set_vocab_map`, surjective onto v41's 99092 compressed ids). Markov drafts and
+picks are ids of the whole 129280 vocabulary; the device writes them raw into token_ids and
+token_history (dspark.history_*) and its hash kernel reads every one of them, the row's own
+token included, through the packed map; the reference's decode_step maps its lookback through
+the same map (ReferenceModel.vocab_map). So a device that skipped the map, or mapped twice,
+hashes other table rows than the reference from the first verify on.
+
+test_declined_calls_write_nothing: rank 0's Executor over the same wired plans and bound tensors
+(captured at slot buckets 4 and 32) declines round(0) (NO_ROWS), round(33) and draft(33)
+(TOO_MANY_ROWS), a prefill step (PREFILL_ROWS); before capture round(4) is NOT_CAPTURED; no byte
+of any bound tensor changes.
+
+Time (device host: 16 cores; the timings are printed): draws ~15 s in 16 processes; then at the
+same time the packing (16 + 12 (rank, module) parts on threads) and upload, ~40-60 s, and the
+reference's first use of every weight (FP8 dequantization, ~4.5 G values) with the three prompts'
+prefills on a thread; then 16 rounds, each ~2 x 50 host collectives over 4 ranks and the
+reference's draft + verify of 3 sequences (~1-2 s). Not measured on a GPU yet; this machine's
+23 GB cannot hold the reference (docs/notes/dspark-round.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import real_slice as rs
+import stage_ffn_few_experts
+from device_ranks import DeviceRanks, PackedRanks
+from dspark_round_driver import ROUNDS, DeviceRound, run_rounds, start_sequences
+
+from executor.reasons import StepFeature, StepResult
+from executor.reference import dspark as ref_dspark
+from executor.reference.kvcache import KVCaches
+from executor.runtime import Bundle
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+BUNDLE = Path(os.environ.get("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4"))
+SEQS, SLOTS = 3, 4                  # slot bucket 4 of the default buckets: one padding slot
+MAX_ROWS = 192
+SCRIPTED = {3: (5, 2, 0), 9: (3, 4, 1)}     # round -> greedy tokens leading each sequence's drafts
+
+
+@pytest.fixture(scope="module")
+def bundle(dev):
+    if not (BUNDLE / "manifest.json").is_file():
+        pytest.skip(f"no step-benchmark bundle at {BUNDLE} (make bundles, or set "
+                    f"HOPDEC_BENCH_BUNDLE)")
+    b = Bundle.load(dev, BUNDLE)
+    yield b
+    b.close()
+
+
+def _random_vocab_map(rng, cfg) -> np.ndarray:
+    """Surjective onto [0, compressed), not the identity (a permutation mod the compressed size)."""
+    return (rng.permutation(cfg.vocab_size) % cfg.engram_compressed_vocab_size).astype(np.int32)
+
+
+def _reference(cfg, synth, caches, rng):
+    """The reference model, its sequences prefilled, every weight the rounds read dequantized
+    (a draft of each sequence on a copy of the caches); runs on a thread beside the packing."""
+    model = rs.reference_model(cfg, synth)
+    seqs = start_sequences(model, caches, SEQS, rng)
+    for seq in seqs:
+        ref_dspark.draft_base_logits(model, caches.copy(), seq)
+    return model, seqs
+
+
+@pytest.fixture(scope="module")
+def slice_round(dev, stream, bundle):
+    """(DeviceRound, reference sequences, rng, timings) over the packed slice."""
+    rng = np.random.default_rng()
+    cfg = rs.slice_config_v41(dspark_stages=rs.ROUND_DSPARK_STAGES)
+    t0 = time.perf_counter()
+    synth = rs.SharedSynth(cfg)
+    synth.set_vocab_map(_random_vocab_map(rng, cfg))
+    timings = [f"synthetic draws {synth.prefetch(stage_ffn_few_experts.UNIQUE_EXPERTS):.1f} s"]
+    caches = KVCaches.allocate(cfg, max_seqs=SEQS, max_context=rs.MAX_CONTEXT)
+    ranks = None
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_reference, cfg, synth, caches,
+                                np.random.default_rng(rng.integers(2 ** 63)))
+        try:
+            contents, pack_s = rs.pack_ranks(cfg, synth, MAX_ROWS, modules=rs.ROUND_MODULES)
+            timings.append(f"pack {pack_s:.1f} s")
+            t1 = time.perf_counter()
+            ranks = DeviceRanks(dev, None, bundle, rs.TP, caches, stream, MAX_ROWS, dspark=True,
+                                packed=PackedRanks(cfg, rs.ROUND_MODULES, tuple(contents)))
+            del contents
+            timings.append(f"upload {time.perf_counter() - t1:.1f} s")
+            model, seqs = reference.result()
+            timings.append(f"reference ready {time.perf_counter() - t0:.1f} s after the start")
+            s = DeviceRound(model, caches, ranks, SEQS, SLOTS, scripted=SCRIPTED)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+    try:
+        yield s, seqs, rng, timings
+    finally:
+        ranks.close()
+        synth.release()
+
+
+def test_dspark_rounds_at_real_dimensions_accept_what_the_reference_accepts(slice_round):
+    s, seqs, rng, timings = slice_round
+    t0 = time.perf_counter()
+    run_rounds(s, seqs, rng)
+    timings.append(f"{ROUNDS} rounds {time.perf_counter() - t0:.1f} s")
+    print("\nreal-dimension slice:", "; ".join(timings))
+    print(s.summary(ROUNDS))
+
+
+def _digests(ranks, rank: int) -> dict[str, str]:
+    ranks.cp.cuda.Device().synchronize()
+    return {name: hashlib.sha256(t.get().tobytes()).hexdigest()
+            for name, t in ranks.tensors[rank].items()}
+
+
+def test_declined_calls_write_nothing(dev, stream, bundle, slice_round):
+    from executor.executor import Executor
+
+    s = slice_round[0]
+    k = s.k
+    ex = Executor(s.cfg, bundle, None, rs.TP, 0, device=dev, geometry=s.ranks.geometry,
+                  plan=s.verify[0], draft=s.draft[0], buckets=(SLOTS * (k + 1), MAX_ROWS),
+                  dspark=True)
+    try:
+        ex.bind(**s.ranks.tensors[0])
+        handle = int(stream.handle)
+        before = _digests(s.ranks, 0)
+        codes = [ex.round(SEQS, handle)]
+        ex.capture(stream)
+        assert ex.round_slots == (SLOTS, MAX_ROWS // (k + 1))
+        codes += [ex.round(0, handle), ex.round(33, handle), ex.draft(33, handle),
+                  ex.step(SLOTS * (k + 1), handle, int(StepFeature.PREFILL))]
+        stream.synchronize()
+        assert codes == [StepResult.NOT_CAPTURED, StepResult.NO_ROWS, StepResult.TOO_MANY_ROWS,
+                         StepResult.TOO_MANY_ROWS, StepResult.PREFILL_ROWS], codes
+        after = _digests(s.ranks, 0)
+        moved = sorted(name for name in before if before[name] != after[name])
+        assert not moved, f"a declined call wrote {moved}"
+    finally:
+        ex.close()
