@@ -85,6 +85,18 @@ def fake_tensors(rules, device_id: int = 0, base: int | None = None) -> dict:
     return out
 
 
+def host_bound_tensors(space, rules) -> dict:
+    """One FakeCudaTensor per rule at a zeroed host array bound into `space` (an emulator
+    AddressSpace): emulated launches read and write what the executor binds."""
+    from executor.emulate import bind_host
+    out = {}
+    for rule in rules.values():
+        array = np.zeros(rule.shape, np.dtype(rule.dtype))
+        out[rule.name] = FakeCudaTensor(rule.shape, rule.dtype,
+                                        bind_host(space, {rule.name: array})[rule.name])
+    return out
+
+
 def host_tensors(rules) -> dict:
     return {r.name: np.zeros(r.shape, NP_DTYPES[r.dtype]) for r in rules.values()}
 

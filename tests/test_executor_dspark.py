@@ -150,12 +150,11 @@ def test_round_takes_plain_ints_and_needs_dspark():
 def test_capture_wires_both_real_plans_on_the_arena(tiny_bundle_dir):
     """The real stage modules wire every stage of both sync-free plans on one HostArena (the
     draft plan's cross-rank stages through the executor's comm, as the verify plan's)."""
-    from test_executor_cpu import FakeCudaTensor, FakeGraph
+    from test_executor_cpu import FakeGraph, host_bound_tensors
     from test_executor_wiring import GEOMETRY, Arenas
     from tiny_checkpoint import tiny_checkpoint
 
     from collectives.oneshot import CollectiveState
-    from executor.emulate import bind_host
     from executor.graphs import GraphSet
     from executor.hostmem import AddressSpace, ManifestBundle
     from executor.wiring import STAGE_MODULES
@@ -178,12 +177,7 @@ def test_capture_wires_both_real_plans_on_the_arena(tiny_bundle_dir):
                       device=FakeDevice(), geometry=GEOMETRY, buckets=(8, 192),
                       capture_graphs=capture,
                       stage_modules=STAGE_MODULES, arena_factory=arenas, dspark=True)
-        tensors = {}
-        for rule in ex.rules.values():
-            array = np.zeros(rule.shape, np.dtype(rule.dtype))
-            tensors[rule.name] = FakeCudaTensor(rule.shape, rule.dtype,
-                                                bind_host(space, {rule.name: array})[rule.name])
-        ex.bind(**tensors)
+        ex.bind(**host_bound_tensors(space, ex.rules))
         ex.capture("capture-stream")
     assert not ex.plan.missing_stages() and not ex.draft_plan.missing_stages()
     assert len(arenas.made) == 1 and arenas.closed == []

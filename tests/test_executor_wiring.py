@@ -2,12 +2,11 @@
 and refuses (freeing that arena, changing nothing) while stages are missing."""
 import numpy as np
 import pytest
-from test_executor_cpu import FakeCudaTensor, FakeDevice, Recorder
+from test_executor_cpu import FakeDevice, Recorder, host_bound_tensors
 from tiny_checkpoint import tiny_checkpoint
 
 from collectives.oneshot import CollectiveState
 from executor.bind import CacheGeometry
-from executor.emulate import bind_host
 from executor.executor import Executor
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
 from executor.plan import decode_plan
@@ -40,12 +39,7 @@ def _executor(ckpt, bundle_dir, space, arenas, modules, capture_graphs=None):
                   device=FakeDevice(), geometry=GEOMETRY,
                   capture_graphs=capture_graphs or Recorder(),
                   stage_modules=modules, arena_factory=arenas)
-    tensors = {}
-    for rule in ex.rules.values():
-        array = np.zeros(rule.shape, np.dtype(rule.dtype))
-        tensors[rule.name] = FakeCudaTensor(rule.shape, rule.dtype,
-                                            bind_host(space, {rule.name: array})[rule.name])
-    ex.bind(**tensors)
+    ex.bind(**host_bound_tensors(space, ex.rules))
     return ex
 
 
