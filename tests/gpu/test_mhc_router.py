@@ -224,26 +224,30 @@ def test_mhc_pre_relaunch_reuses_counters(dev, stream, preset_bundle, variant):
 
 # ---- router ------------------------------------------------------------------------------------
 
+def _launch_router(stream, router, spec, rows: int):
+    """Poison the outputs, launch on `rows` rows and wait; (logits, ids, weights, scratch)."""
+    a = router.arena
+    for name in ("logits", "ids", "weights"):
+        poison(a, name)
+    cp.cuda.Device().synchronize()
+    router.launch(rows).launch(stream)
+    stream.synchronize()
+    return (download(a, "logits", np.float32, (rows, spec.experts)),
+            download(a, "ids", np.int32, (rows, spec.topk)),
+            download(a, "weights", np.float32, (rows, spec.topk)),
+            download(a, "counters", np.uint8, (spec.scratch_bytes(max(ROWS)),)))
+
+
 def _router_case(dev, stream, bundle, spec, rows: int, ties: bool):
-    e = spec.experts
     x, weight, bias, group = cases.router_inputs(RNG, spec, rows, ties)
     router = Router(dev, bundle, spec, max_rows=max(ROWS))
     try:
         for name, host in (("x", x), ("weight", weight), ("bias", bias)):
             upload(router.arena, name, host)
-        for name in ("logits", "ids", "weights"):
-            poison(router.arena, name)
-        cp.cuda.Device().synchronize()
-        router.launch(rows).launch(stream)
-        stream.synchronize()
-        a = router.arena
-        logits = download(a, "logits", np.float32, (rows, e))
-        ids = download(a, "ids", np.int32, (rows, spec.topk))
-        weights = download(a, "weights", np.float32, (rows, spec.topk))
-        counters = download(a, "counters", np.uint8, (spec.scratch_bytes(max(ROWS)),))
+        outputs = _launch_router(stream, router, spec, rows)
     finally:
         router.close()
-    return x, weight, bias, group, logits, ids, weights, counters
+    return (x, weight, bias, group, *outputs)
 
 
 def _check_router(spec, rows, x, weight, bias, group, logits, ids, weights, counters):
@@ -282,16 +286,7 @@ def test_router_relaunch_reuses_scratch(dev, stream, preset_bundle, variant):
         for rows in (8, 3, 6):
             x = to_bf16(RNG.standard_normal((rows, d)))
             upload(router.arena, "x", x)
-            for name in ("logits", "ids", "weights"):
-                poison(router.arena, name)
-            cp.cuda.Device().synchronize()
-            router.launch(rows).launch(stream)
-            stream.synchronize()
-            a = router.arena
             _check_router(spec, rows, x, weight, bias, None,
-                          download(a, "logits", np.float32, (rows, e)),
-                          download(a, "ids", np.int32, (rows, spec.topk)),
-                          download(a, "weights", np.float32, (rows, spec.topk)),
-                          download(a, "counters", np.uint8, (spec.scratch_bytes(max(ROWS)),)))
+                          *_launch_router(stream, router, spec, rows))
     finally:
         router.close()
