@@ -6,6 +6,10 @@ registered when this module is imported from executor/benchmarks.py).
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 
 from executor.arena import Arena
@@ -209,8 +213,53 @@ def bench_moe_routed(ctx) -> None:
                 _report_targets(ctx, rows, us, row, shape, label)
             if rows <= 8:
                 _report_prefixes(ctx, chain, rows)
+            if rows in TIMELINE_ROWS:
+                _report_timeline(ctx, chain, rows)
     finally:
         chain.close()
+
+
+TIMELINE_ROWS = (1, 6)
+
+
+def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
+    """The step's chain at `rows` (as it is now inputs are uploaded) with its w13 / w2 timeline
+    builds, without and with the co-resident w13 ("_co"): per-phase median / p10 / p90 across
+    CTAs, the w13 -> w2 overlap, %globaltimer's resolution as metrics; every raw record and
+    the summary to moe-timeline-R<rows>.json in the report directory. One warm-up run, then L2
+    flushed and one run of the chain (the records are that run's)."""
+    import cupy as cp
+
+    from executor import moe_timeline as tl
+    if not any(n.endswith("_tl") for n in chain.bundle.names()):
+        ctx.metric(f"moe timeline R={rows}: no timeline builds in the bundle", 0, "-")
+        return
+    ctas = mk.H200_NUM_SMS * 4
+    bufs = [cp.zeros(ctas * mk.TIMELINE_RECORD_BYTES, dtype=cp.uint8) for _ in range(2)]
+    dump = {}
+    for coresident in (False, True):
+        label = f"moe timeline R={rows}" + (" co" if coresident else "")
+        specs = ml.timeline_launches(chain.bundle, chain.shape, chain.ptrs, rows,
+                                     (bufs[0].data.ptr, bufs[1].data.ptr), coresident)
+        for warm in (True, False):           # the first run loads the modules
+            for buf in bufs:
+                buf[...] = 0
+            cp.cuda.Device().synchronize()
+            ctx.flusher.flush(ctx.stream)
+            for s in specs:
+                s.launch(ctx.stream)
+            ctx.stream.synchronize()
+        recs = [tl.Records.parse(s.kernel.name, cp.asnumpy(buf), s.grid[0])
+                for s, buf in zip(specs[1:3], bufs)]
+        summary = tl.summarise(*recs)
+        for metric, value, unit in tl.metric_lines(label, summary):
+            ctx.metric(metric, value, unit)
+        dump[label] = {"summary": summary, "raw": {
+            r.name: {"smid": r.smid.tolist(), "ns": r.ns.tolist(), "clock": r.clock.tolist(),
+                     "events": list(tl.EVENTS)} for r in recs}}
+    out = _report_dir(ctx)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"moe-timeline-R{rows}.json").write_text(json.dumps(dump, indent=1))
 
 
 def _report_prefixes(ctx, chain: MoeChain, rows: int) -> None:
@@ -242,3 +291,10 @@ def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: s
     elif rows <= 64:
         ctx.metric(f"moe{label} R={rows}: effective bandwidth", row.gbps, "GB/s", ">= 3800",
                    row.gbps >= 3800)
+
+
+def _report_dir(ctx) -> Path:
+    """Where the devicecheck report goes: the context's, else scripts/device-run.sh's $OUT
+    (default ./devicecheck-out), so the raw timelines land beside report.json."""
+    out = getattr(ctx, "out_dir", None)
+    return Path(out) if out else Path(os.environ.get("OUT", "devicecheck-out"))

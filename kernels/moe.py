@@ -373,7 +373,7 @@ class MoeW2Sm90:
     def chunk_mma(self, stage: Int32, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
                   lane: Int32, tidx: Int32):
         g, t = lane // 4, lane % 4
-        k_pad, hidden = self.shape.k2, self.shape.hidden
+        k_pad = self.shape.k2
         acc = [Float32(0.0)] * 4
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
@@ -389,6 +389,14 @@ class MoeW2Sm90:
             sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
             acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
                    fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
+        self.store_ye(acc, ye, tile, scale, sq, lane)
+
+    @cute.jit
+    def store_ye(self, acc, ye: Int64, tile: Int32, scale: Float32, sq: Int32, lane: Int32):
+        """A chunk's 4 accumulators x the route-independent weight scale into ye (bf16) at the
+        chunk's pair rows (sq's pair ids; -1 = no token), this lane's two rows of the tile."""
+        g, t = lane // 4, lane % 4
+        hidden = self.shape.hidden
         p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
         p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
         n = tile * mk.TILE_ROWS + g
@@ -447,6 +455,9 @@ def _kernel_class(spec: mk.MoeSpec):
     """The default chain's classes here; the per-group-commit w13 / w2 in kernels/moe_pipelined.py
     and the self-routed chain's in kernels/moe_selfroute.py (imported late: both build on this
     module)."""
+    if spec.timeline:                        # diagnostic builds with per-CTA stamps
+        from kernels import moe_timeline
+        return moe_timeline.kernel_class(spec)
     if spec.variant.startswith("bulk"):      # w13w / w13sr / w2 fed by bulk copies
         from kernels import moe_bulk
         return moe_bulk.kernel_class(spec)
@@ -468,10 +479,11 @@ def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     """The four kernels of the routed MoE at this config's rank shape, then the candidate
     w13 / w2 variants (`mk.variant_specs`: the step launches some, launches/moe.py
     STEP_VARIANTS) and the self-routed chain (`mk.selfrouted_specs`); the same for the DSpark
-    stages' shape when it differs."""
+    stages' shape when it differs; the step's w13 / w2 as timeline builds (`mk.timeline_specs`,
+    the backbone's shape only)."""
     shape, *others = mk.moe_shapes(cfg, tp)
     out = (mk.make_specs(shape) + mk.variant_specs(shape) + mk.warp_routed_specs(shape)
-           + mk.selfrouted_specs(shape))
+           + mk.selfrouted_specs(shape) + mk.timeline_specs(shape))
     for other in others:
         out += (mk.make_specs(other) + mk.variant_specs(other) + mk.warp_routed_specs(other)
                 + mk.selfrouted_specs(other))

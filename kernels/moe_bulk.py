@@ -39,14 +39,16 @@ from kernels.moe_ptx import (
     ld_relaxed_u32,
     ld_u32,
     lds_v2,
+    mark,
     mbar_arrive_expect_tx,
     mbar_init,
     mbar_init_fence,
     mbar_wait,
     syncwarp,
+    timeline_of,
 )
 from kernels.moe_selfroute import MoeW2SelfRoutedSm90, MoeW13EarlyRefillSm90
-from kernels.ptx import ld_f32_if, lds_f32, lds_u32, lds_v4_u32, st_bf16
+from kernels.ptx import ld_f32_if, lds_f32, lds_v4_u32
 
 
 class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
@@ -140,18 +142,33 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                h: cute.Pointer, rows: Int32):
+        self.run(_addr(topk_ids), (_addr(xq), _addr(xs), _addr(codes), _addr(offsets),
+                                   _addr(scales), _addr(h)), rows)
+
+    @cute.jit
+    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None):
+        """The kernel's body (moe_w13sr "bulk" too: `route` and `next_expert` differ); stamps:
+        the timeline build's record array (None in production)."""
         tidx, bidx, gdim, warp, lane, ring = self.enter()
-        red = ring + self.stage_bytes
-        state = self.routing.build(_addr(topk_ids), rows, lane)
-        total = state[5] * self.tiles
+        tl = timeline_of(stamps, bidx, tidx)
+        mark(tl, "entry")
+        _, _, codes, offsets, _, _ = ptrs
+        red, state, total = self.route(topk_ids, rows, ring, lane, tidx)
         item = bidx
-        self.issue_item(ring, self.expert_of_item(state, item, total), _addr(codes),
-                        _addr(offsets), item, total, warp, lane)
-        cute.arch.griddepcontrol_wait()          # xq, xs come from moe_prep
+        self.issue_item(ring, self.next_expert(state, item, total), codes, offsets, item, total,
+                        warp, lane)
+        mark(tl, "wait_begin")
+        cute.arch.griddepcontrol_wait()          # xq, xs come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()
-        self.stream_items(ring, red, state, item, gdim, total,
-                          (_addr(xq), _addr(xs), _addr(codes), _addr(offsets), _addr(scales),
-                           _addr(h)), warp, lane, tidx)
+        mark(tl, "wait_end")
+        self.stream_items(ring, red, state, item, gdim, total, ptrs, warp, lane, tidx, tl)
+        mark(tl, "exit")
+
+    @cute.jit
+    def route(self, topk_ids: Int64, rows: Int32, ring: Int32, lane: Int32, tidx: Int32):
+        """(reduction area, routing state, items): the distinct experts in registers."""
+        state = self.routing.build(topk_ids, rows, lane)
+        return ring + self.stage_bytes, state, state[5] * self.tiles
 
     # The routing source (registers here, shared-memory lists in moe_w13sr "bulk"): an item's
     # expert, its pair count and the handle its chunks read their pairs through.
@@ -172,7 +189,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     @cute.jit
     def stream_items(self, ring: Int32, red: Int32, state, item: Int32, gdim: Int32,
-                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32):
+                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32, tl=None):
         """The CTA's items from `item` on (the first already issued): each token chunk's slice
         math, then the cross-warp sum and SwiGLU; the next item refilled part by part in the
         last chunk. Item n of the CTA completes phase n of every barrier."""
@@ -189,8 +206,10 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                 ins = self.chunk_pairs(pairs, xq, xs, count - chunk, chunk, warp, lane)
                 first = Int32(1) if chunk == 0 else Int32(0)
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                acc = self.slice_math(ring, ins, warp, lane, phase, refill, first, last)
+                acc = self.slice_math(ring, ins, warp, lane, phase, refill, first, last, tl,
+                                      item < gdim)
                 _, _, p0, p1, v0, v1 = ins
+                mark(tl, "epilogue")
                 self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0,
                                       v1)
                 chunk += mk.CHUNK_TOKENS
@@ -199,10 +218,12 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     @cute.jit
     def slice_math(self, ring: Int32, ins, warp: Int32, lane: Int32, phase: Int32, refill,
-                   first_chunk: Int32, last_chunk: Int32):
+                   first_chunk: Int32, last_chunk: Int32, tl=None, first_item=None):
         """This warp's K slice against one token chunk: each part awaited on its barrier before
         its first group; right after the mma of a part's last group, the part `window` ahead
-        issued (`refill_part`). Returns the 4 fp32 accumulators (chunk_math's order exactly)."""
+        issued (`refill_part`). Returns the 4 fp32 accumulators (chunk_math's order exactly).
+        tl (timeline builds): the first part of the CTA's first item (first_item: a boolean)
+        and every item's last part stamped as they land."""
         b_regs, sc, _, _, _, _ = ins
         base = ring + warp * self.warp_bytes
         acc = [Float32(0.0)] * 4
@@ -210,6 +231,10 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
             part = gi // self.part_groups
             if gi % self.part_groups == 0:
                 mbar_wait(self.bar(ring, warp, part), phase)
+                if cutlass.const_expr(gi == 0):
+                    mark(tl, "first_landed", lambda: Int32(first_item) & first_chunk)
+                if cutlass.const_expr(part == self.parts - 1):
+                    mark(tl, "last_landed")
             words = (lds_v4_u32(base + (2 * gi) * mk.COL_BYTES + lane * 16)
                      + lds_v4_u32(base + (2 * gi + 1) * mk.COL_BYTES + lane * 16))
             offs = lds_v2(base + self.slice_code_bytes + gi * mk.GROUP_OFFSET_BYTES
@@ -244,24 +269,18 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
         self.bars_at = self.ring_region
         self.red_at = self.ring_region + mk.bulk_bars_bytes(spec.shape, self.warps, spec.variant)
 
-    @cute.kernel
-    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
-               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
-               h: cute.Pointer, rows: Int32):
-        tidx, bidx, gdim, warp, lane, ring = self.enter()
+    kernel = MoeW13BulkSm90.kernel
+    run = MoeW13BulkSm90.run
+
+    @cute.jit
+    def route(self, topk_ids: Int64, rows: Int32, ring: Int32, lane: Int32, tidx: Int32):
+        """(reduction area, lists, items): the lists built in shared memory after the
+        reduction area; build ends with a CTA barrier, so the scratch (in the ring region) is
+        dead after it."""
         red = ring + self.red_at
         lists = red + self.threads * 16
-        # build ends with a CTA barrier: the scratch (in the ring region) is dead after it.
-        self.routing.build(_addr(topk_ids), rows, ring, lists, tidx)
-        total = self.routing.distinct(lists) * self.tiles
-        item = bidx
-        self.issue_item(ring, self.routing.expert_of_item(lists, item, self.tiles, total),
-                        _addr(codes), _addr(offsets), item, total, warp, lane)
-        cute.arch.griddepcontrol_wait()          # xq, xs come from the previous kernel
-        cute.arch.griddepcontrol_launch_dependents()
-        self.stream_items(ring, red, lists, item, gdim, total,
-                          (_addr(xq), _addr(xs), _addr(codes), _addr(offsets), _addr(scales),
-                           _addr(h)), warp, lane, tidx)
+        self.routing.build(topk_ids, rows, ring, lists, tidx)
+        return red, lists, self.routing.distinct(lists) * self.tiles
 
     @cute.jit
     def item_entry(self, lists: Int32, item: Int32):
@@ -330,18 +349,28 @@ class MoeW2BulkSm90(MoeW2Sm90):
     def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                ye: cute.Pointer, rows: Int32):
+        self.run(_addr(meta), (_addr(pairs), _addr(h), _addr(codes), _addr(offsets),
+                               _addr(scales), _addr(ye)))
+
+    @cute.jit
+    def run(self, m: Int64, ptrs, stamps=None):
+        """The kernel's body; stamps: the timeline build's record array (None in production)."""
+        pairs, h, codes, offsets, scales, ye = ptrs
         tidx, bidx, gdim, warp, lane, ring = self.enter()
+        tl = timeline_of(stamps, bidx, tidx)
+        mark(tl, "entry")
         sq = ring + self.stages * self.stage_bytes
-        m = _addr(meta)
         e_count = self.shape.num_experts
         # Before the wait, as moe_w2: prep's lists are final (two kernels back).
         total = ld_relaxed_u32(m, Int32(1)) * self.blocks
         for s in cutlass.range_constexpr(self.stages - 1):
             first = bidx + s * gdim
             self.issue(ring + s * self.stage_bytes, self.expert_of(m, first, total),
-                       _addr(codes), _addr(offsets), first, total, warp, lane, tidx)
+                       codes, offsets, first, total, warp, lane, tidx)
+        mark(tl, "wait_begin")
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13
         cute.arch.griddepcontrol_launch_dependents()
+        mark(tl, "wait_end")
         item = bidx
         it = Int32(0)
         while item < total:
@@ -353,19 +382,20 @@ class MoeW2BulkSm90(MoeW2Sm90):
             e = ld_u32(m + 4 * (mk.META_HEADER + j), Int32(1))
             # The stage ahead was last read in the previous iteration, before its final barrier.
             self.issue(ring + ((it + self.stages - 1) % self.stages) * self.stage_bytes, ahead_e,
-                       _addr(codes), _addr(offsets), ahead_item, total, warp, lane, tidx)
-            scale = ld_f32_if(_addr(scales) + Int64(e) * 4, Int32(1))
-            self.item_chunks(ring, it, item, first, count, scale, (_addr(pairs), _addr(h),
-                             _addr(ye)), sq, warp, lane, tidx)
+                       codes, offsets, ahead_item, total, warp, lane, tidx)
+            scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
+            self.item_chunks(ring, it, item, first, count, scale, (pairs, h, ye), sq, warp, lane,
+                             tidx, None, tl)
             item += gdim
             it += 1
+        mark(tl, "exit")
 
     quantize_pair = MoeW2SelfRoutedSm90.quantize_pair
 
     @cute.jit
     def item_chunks(self, ring: Int32, it: Int32, item: Int32, first: Int32, count: Int32,
                     scale: Float32, ptrs, sq: Int32, warp: Int32, lane: Int32, tidx: Int32,
-                    first_pair=None):
+                    first_pair=None, tl=None):
         """The CTA's it-th item (pairs first.., count of them): per token chunk, h re-quantized
         into sq (all five groups of a token loaded before the first is quantized: one L2 round
         trip, as moe_w2sr), the warp's tile awaited on its barrier, the mma, ye. first_pair:
@@ -385,7 +415,10 @@ class MoeW2BulkSm90(MoeW2Sm90):
                 pair = first_pair if chunk == 0 else later
             self.quantize_pair(pair, valid, h, sq, warp, lane)
             mbar_wait(stage + self.bars_at + warp * 8, phase)
+            mark(tl, "first_landed", lambda c=chunk: Int32(it == 0) & Int32(c == 0))
+            mark(tl, "last_landed")
             cute.arch.sync_threads()
+            mark(tl, "epilogue")
             self.chunk_mma(stage + warp * self.warp_bytes, ye, tile, scale, sq, lane, tidx)
             cute.arch.sync_threads()
             chunk += mk.CHUNK_TOKENS
@@ -413,20 +446,6 @@ class MoeW2BulkSm90(MoeW2Sm90):
             acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
                    fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
         self.store_ye(acc, ye, tile, scale, sq, lane)
-
-    @cute.jit
-    def store_ye(self, acc, ye: Int64, tile: Int32, scale: Float32, sq: Int32, lane: Int32):
-        g, t = lane // 4, lane % 4
-        hidden = self.shape.hidden
-        p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
-        p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
-        n = tile * mk.TILE_ROWS + g
-        if p0 >= 0:
-            st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
-            st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
-        if p1 >= 0:
-            st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
-            st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
 
 
 class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):

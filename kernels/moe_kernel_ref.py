@@ -35,7 +35,7 @@ decode in `kernels/moe_pack_ref.py` (both imported here).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -163,9 +163,14 @@ class MoeSpec:
     # w13 / w2: one cp.async commit group per 128-group of an item, awaited group by group, so
     # the math starts on the first group while the rest is in flight (kernels/moe_pipelined.py).
     group_commits: bool = False
+    # Diagnostic build (kernels/moe_timeline.py): one more pointer, `stamps`, before rows; thread
+    # 0 of each CTA writes TIMELINE_EVENTS there. Never launched by the step.
+    timeline: bool = False
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
+        if self.timeline:
+            return (*PARAMS[self.kind][:-1], ("stamps", "u64"), PARAMS[self.kind][-1])
         return PARAMS[self.kind]
 
     def work_items(self, rows: int) -> int:
@@ -203,7 +208,34 @@ class MoeSpec:
                 "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "stages": self.stages, "variant": self.variant,
                 "group_commits": self.group_commits,
-                "layout_source_sha256": _SOURCE_SHA}
+                "layout_source_sha256": _SOURCE_SHA} | ({"timeline": True} if self.timeline
+                                                        else {})
+
+
+# ---- per-CTA timeline (diagnostic builds: kernels/moe_timeline.py, executor/moe_timeline.py) ----
+# A CTA's record: [smid u32, 12 B pad] then per event (%globaltimer ns u64, %clock64 u64), written
+# by thread 0. first/last_landed: warp 0's first weight stage of the CTA's first item / last stage
+# of its last item; epilogue: the start of the last chunk's epilogue (w13: cross-warp sum, SwiGLU,
+# h store; w2: its mma + ye store, which are one loop).
+TIMELINE_EVENTS = ("entry", "wait_begin", "wait_end", "first_landed", "last_landed", "epilogue",
+                   "exit")
+TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
+# The step's w13 / w2 at R = 1 (bulk chain) and R >= 3 (self-routed chain), before and after
+# round 6's co-resident w13.
+TIMELINE_KERNELS = (("w13w", "bulkw"), ("w13w", "bulkw_co"), ("w2", "bulk"), ("w13sr", "bulk"),
+                    ("w13sr", "bulk_co"), ("w2sr", "early"))
+
+
+def timeline_event(name: str) -> int:
+    return TIMELINE_EVENTS.index(name)
+
+
+def timeline_specs(shape: MoeShape) -> list[MoeSpec]:
+    """The TIMELINE_KERNELS of this shape as timeline builds (name + "_tl")."""
+    every = {(s.kind, s.variant): s for s in variant_specs(shape) + warp_routed_specs(shape)
+             + selfrouted_specs(shape)}
+    return [replace(every[key], name=every[key].name + "_tl", timeline=True)
+            for key in TIMELINE_KERNELS if key in every]
 
 
 def w2_smem_bytes(shape: MoeShape) -> int:

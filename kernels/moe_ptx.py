@@ -193,6 +193,34 @@ def _addr(ptr: cute.Pointer) -> Int64:
     return Int64(ptr.toint())
 
 
+# ---- per-CTA timeline (kernels/moe_timeline.py builds; None in production) ---------------------
+# `tl` is None in every production kernel, so `mark` and `timeline_of` emit nothing there (the
+# cubins stay byte-identical); in a timeline build it is (this CTA's record, thread-0 predicate).
+
+@cute.jit
+def timeline_record(stamps: Int64, bidx: Int32, tidx: Int32):
+    """(record address, 1 on thread 0 else 0); the SM id written at once."""
+    record = stamps + Int64(bidx) * mk.TIMELINE_RECORD_BYTES
+    writer = Int32(1) if tidx == 0 else Int32(0)
+    ptx.stamp_smid(record, writer)
+    return record, writer
+
+
+def timeline_of(stamps, bidx, tidx):
+    """None (production: stamps None) or the CTA's timeline handle."""
+    return None if stamps is None else timeline_record(stamps, bidx, tidx)
+
+
+def mark(tl, event: str, when=None):
+    """Thread 0 stamps `event` (mk.TIMELINE_EVENTS) where when() != 0; nothing when tl is None.
+    `when` is a callable so that production code does not even build its predicate."""
+    if tl is None:
+        return
+    record, writer = tl
+    pred = writer if when is None else writer & Int32(when())
+    ptx.stamp_time(record + 16 * (1 + mk.timeline_event(event)), pred)
+
+
 @cute.jit
 def quantize_quad(w0: Int32, w1: Int32):
     """One lane's 4 bf16 of a 128-group (x0 lowest) -> (4 E4M3 bytes, group scale); the warp's 32

@@ -37,7 +37,6 @@ from kernels.moe_selfroute_routing import SmemRouting, lds_u32_if
 from kernels.ptx import (
     ld_f32_if,
     lds_f32,
-    lds_u32,
     lds_v4_u32,
     round_bf16,
     st_bf16,
@@ -397,44 +396,57 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer, rows: Int32):
+        self.run(mp._addr(topk_ids), (mp._addr(h), mp._addr(codes), mp._addr(offsets),
+                                      mp._addr(scales), mp._addr(ye)), rows)
+
+    @cute.jit
+    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None):
+        """The kernel's body; stamps: the timeline build's record array (None in production)."""
+        h, codes, offsets, scales, ye = ptrs
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
+        tl = mp.timeline_of(stamps, bidx, tidx)
+        mp.mark(tl, "entry")
         warp = tidx // mk.LANES
         lane = tidx % mk.LANES
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         sq = ring + self.ring_region
         lists = sq + mk.w2_smem_bytes(self.shape)
-        self.routing.build(mp._addr(topk_ids), rows, ring, lists, tidx)
+        self.routing.build(topk_ids, rows, ring, lists, tidx)
         total = self.routing.distinct(lists) * self.blocks
         self.issue(ring, self.routing.expert_of_item(lists, bidx, self.blocks, total),
-                   mp._addr(codes), mp._addr(offsets), bidx, total, warp, lane, tidx)
+                   codes, offsets, bidx, total, warp, lane, tidx)
+        mp.mark(tl, "wait_begin")
         cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
         cute.arch.griddepcontrol_launch_dependents()
+        mp.mark(tl, "wait_end")
         item = bidx
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
-            scale = ld_f32_if(mp._addr(scales) + Int64(e) * 4, Int32(1))
+            scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             nxt = item + gdim
             nxt_e = self.routing.expert_of_item(lists, nxt, self.blocks, total)
-            refill = self.weight_addresses(nxt_e, nxt, mp._addr(codes), mp._addr(offsets), warp,
-                                           lane)
+            refill = self.weight_addresses(nxt_e, nxt, codes, offsets, warp, lane)
             more = Int32(1) if nxt < total else Int32(0)
             pair_list = lists + self.routing.pairs_at + 4 * first
             chunk = Int32(0)
             while chunk < count:
-                self.quantize_chunk_smem(pair_list, mp._addr(h), count - chunk, chunk, sq, warp,
-                                         lane)
+                self.quantize_chunk_smem(pair_list, h, count - chunk, chunk, sq, warp, lane)
                 mp.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
                 cute.arch.sync_threads()
+                mp.mark(tl, "first_landed",
+                        lambda i=item, c=chunk: Int32(i < gdim) & Int32(c == 0))
+                mp.mark(tl, "last_landed")
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                self.chunk_mma_refill(ring, mp._addr(ye), tile, scale, sq, lane, tidx, refill,
-                                      more * last)
+                mp.mark(tl, "epilogue")
+                self.chunk_mma_refill(ring, ye, tile, scale, sq, lane, tidx, refill, more * last)
                 cute.arch.sync_threads()
                 chunk += mk.CHUNK_TOKENS
             item += gdim
+        mp.mark(tl, "exit")
 
     @cute.jit
     def weight_addresses(self, e: Int32, item: Int32, codes: Int64, offsets: Int64, warp: Int32,
@@ -451,7 +463,7 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         do_refill) right after that group's mma; one commit group per refilling call."""
         wbase, obase = refill
         g, t = lane // 4, lane % 4
-        k_pad, hidden = self.shape.k2, self.shape.hidden
+        k_pad = self.shape.k2
         acc = [Float32(0.0)] * 4
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
@@ -474,15 +486,7 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
                    mp.fmul_add(acc[2], part[2], sc0), mp.fmul_add(acc[3], part[3], sc1)]
         if do_refill != 0:
             mp.cp_async_commit()
-        p0 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t))
-        p1 = lds_u32(sq + self.q_bytes + self.s_bytes + 4 * (2 * t + 1))
-        n = tile * mk.TILE_ROWS + g
-        if p0 >= 0:
-            st_bf16(ye + Int64(p0 * hidden + n) * 2, acc[0] * scale)
-            st_bf16(ye + Int64(p0 * hidden + n + 8) * 2, acc[2] * scale)
-        if p1 >= 0:
-            st_bf16(ye + Int64(p1 * hidden + n) * 2, acc[1] * scale)
-            st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
+        self.store_ye(acc, ye, tile, scale, sq, lane)
 
 
 KERNEL_CLASSES = {"xquant": MoeXQuantSm90, "w13sr": MoeW13SelfRoutedSm90,

@@ -390,3 +390,22 @@ def shfl_xor_i32(x: Int32, offset: int) -> Int32:
     """Butterfly exchange of an integer over the full warp (every lane must execute it)."""
     return Int32(asm(1, [Int32(x)], f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
                      "=r,r", side_effects=True))
+
+
+# ---- timeline stamps (diagnostic builds only: kernels/moe_timeline.py) --------------------------
+
+def stamp_time(addr: Int64, pred: Int32):
+    """Where pred != 0: %globaltimer (ns; its update period is the GPU's, often 1 us) and
+    %clock64 (SM cycles) as two u64 at addr. Both registers are read whatever pred is, so the
+    instruction stream of every thread is the same."""
+    void([Int64(addr), Int32(pred)],
+         "{ .reg .pred p; .reg .u64 g, c; setp.ne.s32 p, $1, 0;\n"
+         "mov.u64 g, %globaltimer; mov.u64 c, %clock64;\n"
+         "@p st.global.v2.u64 [$0], {g, c}; }", "l,r,~{memory}")
+
+
+def stamp_smid(addr: Int64, pred: Int32):
+    """Where pred != 0: %smid (the SM this CTA runs on) as a u32 at addr."""
+    void([Int64(addr), Int32(pred)],
+         "{ .reg .pred p; .reg .u32 s; setp.ne.s32 p, $1, 0; mov.u32 s, %smid;\n"
+         "@p st.global.u32 [$0], s; }", "l,r,~{memory}")

@@ -37,6 +37,9 @@ KNOWN_VARIANTS = {
 def emulate(record, grid, args, space) -> None:
     spec = record.spec
     kind, variant = spec["kind"], spec.get("variant", "")
+    if spec.get("timeline"):
+        raise NoEmulator(f"{record.name}: a timeline build (per-CTA clock stamps) has no CPU "
+                         "emulator; the step never launches it")
     if variant not in KNOWN_VARIANTS.get(kind, ()):
         raise NoEmulator(f"{record.name}: no CPU emulator for MoE kernel kind {kind!r} "
                          f"variant {variant!r}")

@@ -132,7 +132,7 @@ def has_selfrouted(available) -> bool:
 
 
 def _launch(bundle, spec: mk.MoeSpec, ptrs: Mapping[str, int], rows: int) -> LaunchSpec:
-    keys = POINTER_KEYS[spec.kind]
+    keys = POINTER_KEYS[spec.kind] + (("stamps",) if spec.timeline else ())
     missing = [key for key in keys if key not in ptrs]
     if missing:
         raise KeyError(f"{spec.name}: no address for {missing} (it takes {list(keys)})")
@@ -256,6 +256,33 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
     if w13w is not None and warp_routed_fits(available, shape, rows, w13w):
         return warp_routed_launches(bundle, shape, ptrs, rows, w2, available, w13w)
     return chain_launches(bundle, shape, ptrs, rows, w13, w2, available=available)
+
+
+def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                      stamps: tuple[int, int], coresident: bool) -> list[LaunchSpec]:
+    """The step's chain at `rows` (with or without the "_co" w13) with its w13 and w2 replaced
+    by their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
+    w2's) addresses, each at least grid x mk.TIMELINE_RECORD_BYTES."""
+    available = available_specs(bundle, shape)
+    timeline = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)
+                if s.name in set(bundle.names())}
+    co = mk.CORESIDENT_SUFFIX if coresident else ""
+    if rows >= SELFROUTED_FROM_ROWS:
+        w13, w2 = ("w13sr", STEP_SELFROUTED_W13 + co), ("w2sr", SELFROUTED_EARLY)
+        chain = selfrouted_launches(bundle, shape, ptrs, rows, w13[1], w2[1], available)
+    else:
+        w13, w2 = ("w13w", BULK_W13W + co), ("w2", "bulk")
+        if not warp_routed_fits(available, shape, rows, w13[1]):
+            raise ValueError(f"timeline below {SELFROUTED_FROM_ROWS} rows needs w13w {w13[1]!r} "
+                             f"to fit rows={rows}")
+        chain = bulk_launches(bundle, shape, ptrs, rows, available, w2[1], w13[1])
+    missing = [key for key in (w13, w2) if key not in timeline]
+    if missing:
+        raise KeyError(f"the bundle has no timeline build of {missing} ({shape.tag()}; "
+                       f"mk.timeline_specs)")
+    chain[1] = _launch(bundle, timeline[w13], {**ptrs, "stamps": stamps[0]}, rows)
+    chain[2] = _launch(bundle, timeline[w2], {**ptrs, "stamps": stamps[1]}, rows)
+    return chain
 
 
 # ---- the buffers an arena needs ------------------------------------------------------------------

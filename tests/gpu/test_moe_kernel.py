@@ -192,3 +192,45 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
         want_q, want_s = mk.quantize_fragments(x, shape.k13)
         np.testing.assert_array_equal(chain.download("xq", np.uint8, want_q.shape), want_q)
         np.testing.assert_array_equal(chain.download("xs", np.float32, want_s.shape), want_s)
+
+
+@pytest.mark.parametrize("coresident", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 6, 12])
+def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, coresident):
+    """The timeline builds (kernels/moe_timeline.py) in the step's chain: y bitwise the plain
+    chain's (the stamps add stores, never arithmetic), and every CTA's record in order (entry <=
+    wait_begin <= wait_end <= first_landed <= last_landed <= epilogue <= exit where reached, the
+    landed / epilogue events reached by every CTA with an item) on an SM id < the SM count."""
+    from executor import moe_timeline as tl
+    shape, chain, pool_ids, _, stream = setup
+    if not any(n.endswith("_tl") for n in chain.bundle.names()):
+        pytest.fail("the bundle has no MoE timeline builds (mk.timeline_specs)")
+    rng = np.random.default_rng()
+    ids = _routing(rng, "uniform", rows, pool_ids, shape.topk).astype(np.int32)
+    x = moe_ref.round_bf16(rng.normal(0, 1, (rows, shape.hidden)))
+    chain.upload_inputs((x.view(np.uint32) >> 16).astype(np.uint16), ids,
+                        rng.random((rows, shape.topk)).astype(np.float32))
+    bufs = [cp.zeros(mk.H200_NUM_SMS * 4 * mk.TIMELINE_RECORD_BYTES, cp.uint8) for _ in range(2)]
+    ys = []
+    for launches in (chain.step_launches(rows),
+                     ml.timeline_launches(chain.bundle, shape, chain.ptrs, rows,
+                                          (bufs[0].data.ptr, bufs[1].data.ptr), coresident)):
+        chain.poison_outputs()
+        for spec in launches:
+            spec.launch(stream)
+        stream.synchronize()
+        ys.append(chain.download("y", np.float32, (rows, shape.hidden)))
+    np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"timeline chain y, R={rows}")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    for spec, buf in zip(launches[1:3], bufs):
+        rec = tl.Records.parse(spec.kernel.name, cp.asnumpy(buf), spec.grid[0])
+        assert (rec.smid >= 0).all() and (rec.smid < sms).all(), spec.kernel.name
+        ns = np.where(rec.ns > 0, rec.ns, np.nan)
+        for i in (0, 1, 2, 6):
+            assert (rec.ns[:, i] > 0).all(), f"{spec.kernel.name}: {tl.EVENTS[i]} missing"
+        steps = np.diff(ns[:, [0, 1, 2, 6]], axis=1)
+        assert (steps >= 0).all(), f"{spec.kernel.name}: entry / wait / exit out of order"
+        reached = (rec.ns[:, 3:6] > 0).all(axis=1)
+        assert reached.any() and ((rec.ns[:, 3:6] > 0).any(axis=1) == reached).all()
+        inner = ns[reached][:, 2:7]
+        assert (np.diff(inner, axis=1) >= 0).all(), f"{spec.kernel.name}: phases out of order"
