@@ -199,7 +199,7 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
     specs = ml.step_launches(s.bundle, s.shape, s.ptrs, rows)
     names = [spec.kernel.name for spec in specs]
     tag = s.shape.tag()
-    w13w, w13sr = ml.step_w13_variants()
+    w13w, w13sr = ml.step_w13_variants(rows)
     if rows >= ml.SELFROUTED_FROM_ROWS:
         expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{w13sr}", f"moe_w2sr_{tag}_early"]
     elif ml.STEP_BULK:

@@ -89,14 +89,18 @@ STEP_BULK_W2 = "bulk"
 BULK_W13W = "bulkw"
 # Round 6 (moe-design.md): w13 at 2 CTAs per SM ("_co" variants, same code, bitwise the same y)
 # so that one w2 CTA is resident beside them and its pre-wait weight copies stream under w13:
-# the step's w13w BULK_W13W -> "bulkw_co" below SELFROUTED_FROM_ROWS, w13sr
-# STEP_SELFROUTED_W13 -> "bulk_co" from there. Revert: STEP_CORESIDENT = False.
+# up to CORESIDENT_MAX_ROWS the step's w13w BULK_W13W -> "bulkw_co" (below
+# SELFROUTED_FROM_ROWS), w13sr STEP_SELFROUTED_W13 -> "bulk_co" (from there); above it, where each
+# w13 CTA has many items, a third of w13's warps would be given up for one seam. Revert:
+# STEP_CORESIDENT = False.
 STEP_CORESIDENT = True
+CORESIDENT_MAX_ROWS = 8
 
 
-def step_w13_variants() -> tuple[str, str]:
-    """(w13w, w13sr) variants the step launches (STEP_CORESIDENT picks the "_co" ones)."""
-    if STEP_CORESIDENT:
+def step_w13_variants(rows: int) -> tuple[str, str]:
+    """(w13w, w13sr) variants the step launches at `rows` (STEP_CORESIDENT picks the "_co"
+    ones up to CORESIDENT_MAX_ROWS)."""
+    if STEP_CORESIDENT and rows <= CORESIDENT_MAX_ROWS:
         return BULK_W13W + mk.CORESIDENT_SUFFIX, STEP_SELFROUTED_W13 + mk.CORESIDENT_SUFFIX
     return BULK_W13W, STEP_SELFROUTED_W13
 
@@ -243,7 +247,7 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
     y (bitwise, tests/gpu/test_moe_kernel.py); only the default and bulk ones write meta /
     pairs."""
     available = available_specs(bundle, shape)
-    w13w, w13sr = step_w13_variants()
+    w13w, w13sr = step_w13_variants(rows)
     chosen = {("w13sr", w13sr), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and chosen <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, w13sr, SELFROUTED_EARLY,
