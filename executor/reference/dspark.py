@@ -91,16 +91,26 @@ def write_context_kv(model: ref_step.ReferenceModel, caches, state_line: int, fi
 def draft_base_logits(model: ref_step.ReferenceModel, caches,
                       seq: DsparkSequence) -> list[np.ndarray]:
     """Per rank: base logits U [5, V_l] of the draft block [bonus, noise x 4] through the stages."""
+    return draft_base_logits_many(model, caches, [seq])[0]
+
+
+def draft_base_logits_many(model: ref_step.ReferenceModel, caches,
+                           seqs: list[DsparkSequence]) -> list[list[np.ndarray]]:
+    """draft_base_logits of every sequence of `seqs` in one batch of draft blocks: per sequence,
+    per rank U [5, V_l]. Equal to one call per sequence (every sum of the reference is rounded
+    once, independent of the batch; rows meet only their own sequence's caches), at one read of
+    the weights instead of one per sequence."""
     cfg = model.cfg
-    block = (seq.bonus,) + (cfg.dspark_noise_token_id,) * (cfg.dspark_block_size - 1)
-    rows = RowBatch.from_blocks([RowBlock(seq.state_line, seq.position, block, "draft")],
-                                caches.block_tables, caches.ring_slots)
+    noise = (cfg.dspark_noise_token_id,) * (cfg.dspark_block_size - 1)
+    rows = RowBatch.from_blocks([RowBlock(q.state_line, q.position, (q.bonus, *noise), "draft")
+                                 for q in seqs], caches.block_tables, caches.ring_slots)
     state = ref_step.start_streams(ref_step.embed(model, rows.token_ids), cfg.hc_mult)
     for layer in _stage_layers(cfg):
         ref_step.run_layer(model, layer, state, rows, caches, history=None)
     last = cfg.num_layers_total - 1
     hidden = ref_step.finish(model, state, model.ranks[0].layer(last).vector("norm.weight"))
-    return [head_ref.head_logits(hidden, rank.head) for rank in model.ranks]
+    logits = [head_ref.head_logits(hidden, rank.head) for rank in model.ranks]
+    return [[part[rows.seq_rows(q)] for part in logits] for q in range(len(seqs))]
 
 
 def markov_drafts(model: ref_step.ReferenceModel, base: list[np.ndarray], anchor: int) -> tuple[int, ...]:
@@ -129,21 +139,36 @@ def draft(model: ref_step.ReferenceModel, caches, seq: DsparkSequence) -> tuple[
 def verify_and_accept(model: ref_step.ReferenceModel, caches, seq: DsparkSequence,
                       drafts: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """Target verify of [bonus, drafts]; updates `seq` and the caches. Returns (accepted, emitted)."""
-    p = seq.position
-    block = (seq.bonus, *drafts)
-    rows = RowBatch.from_blocks([RowBlock(seq.state_line, p, block, "verify")],
+    return verify_and_accept_many(model, caches, [seq], [drafts])[0][0]
+
+
+def verify_and_accept_many(model: ref_step.ReferenceModel, caches, seqs: list[DsparkSequence],
+                           drafts: list[tuple[int, ...]]):
+    """verify_and_accept of every sequence in one target forward of their verify blocks (equal
+    to one call per sequence, as draft_base_logits_many). Returns ([(accepted, emitted)] per
+    sequence, the forward's StepOutput: sequence q's rows are RowBatch.seq_rows(q) of the
+    blocks, in order)."""
+    if len(seqs) != len(drafts):
+        raise ValueError(f"{len(seqs)} sequences, {len(drafts)} draft blocks")
+    rows = RowBatch.from_blocks([RowBlock(q.state_line, q.position, (q.bonus, *d), "verify")
+                                 for q, d in zip(seqs, drafts)],
                                 caches.block_tables, caches.ring_slots)
-    out = ref_step.decode_step(model, rows, caches, [np.array(seq.tokens, np.int64)])
-    target = out.tokens
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-        accepted += 1
-    emitted = (*drafts[:accepted], int(target[accepted]))
-    seq.tokens.extend(block[:accepted + 1])
-    seq.bonus = emitted[-1]
-    caches.rollback_compressor_rings(seq.state_line, seq.position)
-    write_context_kv(model, caches, seq.state_line, p, out.aux[:accepted + 1])
-    return accepted, emitted
+    out = ref_step.decode_step(model, rows, caches,
+                               [np.array(q.tokens, np.int64) for q in seqs])
+    results = []
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+        mine = rows.seq_rows(i)
+        target, p, block = out.tokens[mine], seq.position, (seq.bonus, *d)
+        accepted = 0
+        while accepted < len(d) and d[accepted] == target[accepted]:
+            accepted += 1
+        emitted = (*d[:accepted], int(target[accepted]))
+        seq.tokens.extend(block[:accepted + 1])
+        seq.bonus = emitted[-1]
+        caches.rollback_compressor_rings(seq.state_line, seq.position)
+        write_context_kv(model, caches, seq.state_line, p, out.aux[mine][:accepted + 1])
+        results.append((accepted, emitted))
+    return results, out
 
 
 def start_sequence(model: ref_step.ReferenceModel, caches, state_line: int,

@@ -19,7 +19,9 @@ writes the rows once, before round 0 (their `token_history` included); afterward
 in the SCRIPTED rounds, the drafts and their lookback (so that long accepted counts occur: the
 synthetic drafter rarely matches the target). The reference follows the device's drafts: it
 drafts with draft_base_logits / markov_drafts (for the comparison) and verifies the drafts the
-device made.
+device made, every sequence of a round in one batch (draft_base_logits_many,
+verify_and_accept_many: equal to one call per sequence, at one read of the weights; that is what
+keeps the real-dimension slice's reference inside its time budget).
 
 `token_history` holds RAW token ids (the caller's binding; the Engram hash kernel maps every
 history token, the row's own included, through the compressed-vocab map), so the lookback is
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import numpy as np
 from test_dspark_draft_emulated import _check_drafts, _record_bound
-from test_dspark_round_emulated import _greedy, _within
+from test_dspark_round_emulated import _within
 
 from executor.reference import attention as ra
 from executor.reference import dspark as ref_dspark
@@ -198,14 +200,14 @@ def _check_draft_step(s: DeviceRound, seqs, rnd: int) -> list[tuple[int, ...]]:
     ids = [s.ranks.read(r, "token_ids", np.int64, (s.max_rows,)) for r in range(s.tp)]
     rows = s.slots * k
     emu = [s.ranks.read(r, "dspark.base", np.float32, (rows, vocab_l)) for r in range(s.tp)]
+    bases = ref_dspark.draft_base_logits_many(s.model, s.caches, seqs)
     out = []
-    for q, seq in enumerate(seqs):
+    for q, (seq, ref_base) in enumerate(zip(seqs, bases)):
         mine = ids[0][q * (k + 1):(q + 1) * (k + 1)]
         for r in range(s.tp):
             assert np.array_equal(ids[r][q * (k + 1):(q + 1) * (k + 1)], mine), (
                 f"round {rnd} seq {q}: rank {r} drafted other tokens than rank 0")
         assert mine[0] == seq.bonus, f"round {rnd} seq {q}: verify row 0 is not the bonus"
-        ref_base = ref_dspark.draft_base_logits(s.model, s.caches, seq)
         emu_base = [e[q * k:(q + 1) * k] for e in emu]
         for r in range(s.tp):
             err = float(np.abs(emu_base[r].astype(np.float64) - ref_base[r]).max())
@@ -220,13 +222,30 @@ def _check_draft_step(s: DeviceRound, seqs, rnd: int) -> list[tuple[int, ...]]:
     return out
 
 
+def _greedy(s: DeviceRound, seqs, goods) -> list[list[int]]:
+    """The next goods[q] greedy tokens after each sequence's bonus, by plain decode steps of
+    the sequences still wanting one, batched (on a copy of the caches)."""
+    caches = s.caches.copy()
+    tokens = [list(q.tokens) + [q.bonus] for q in seqs]
+    for i in range(max(goods)):
+        active = [q for q, good in enumerate(goods) if good > i]
+        rows = RowBatch.from_blocks([RowBlock(seqs[q].state_line, len(tokens[q]) - 1,
+                                              (tokens[q][-1],), "decode") for q in active],
+                                    caches.block_tables, caches.ring_slots)
+        out = ref_step.decode_step(s.model, rows, caches,
+                                   [np.array(tokens[q][:-1], np.int64) for q in active])
+        for j, q in enumerate(active):
+            tokens[q].append(int(out.tokens[j]))
+    return [t[len(q.tokens) + 1:] for q, t in zip(seqs, tokens)]
+
+
 def _script(s: DeviceRound, seqs, goods, rng) -> list[tuple[int, ...]]:
     """Drafts led by `good` greedy tokens (then random ones), written over the device's."""
     k = s.k
     drafts = []
-    for seq, good in zip(seqs, goods):
+    for lead, good in zip(_greedy(s, seqs, goods), goods):
         noise = [int(t) for t in rng.integers(0, s.cfg.vocab_size - 1, k - good)]
-        drafts.append(tuple(_greedy(s.model, s.caches, seq, good) + noise))
+        drafts.append(tuple(lead + noise))
     ids = s.ranks.read(0, "token_ids", np.int64, (s.seqs * (k + 1),))
     for q, d in enumerate(drafts):
         ids[q * (k + 1) + 1:(q + 1) * (k + 1)] = d
@@ -244,22 +263,17 @@ def _check_verify(s: DeviceRound, seqs, drafts, rnd: int, goods=None) -> list[in
                 for r in range(s.tp)]
     bonus = [s.ranks.read(r, "bonus", np.int64, (s.max_rows,))[:s.seqs] for r in range(s.tp)]
     same, counts = True, []
-    for q, (seq, d) in enumerate(zip(seqs, drafts)):
-        alone = RowBatch.from_blocks([RowBlock(seq.state_line, seq.position, (seq.bonus, *d),
-                                               "verify")],
-                                     s.caches.block_tables, s.caches.ring_slots)
-        before, tokens = s.caches.copy(), np.array(seq.tokens, np.int64)
-        a, emitted = ref_dspark.verify_and_accept(s.model, s.caches, seq, d)
+    results, out = ref_dspark.verify_and_accept_many(s.model, s.caches, seqs, drafts)
+    k = s.k
+    for q, (a, emitted) in enumerate(results):
         counts.append(a)
         if goods is not None:
             assert a >= goods[q], f"round {rnd} seq {q}: the reference rejected its own greedy"
-        mismatch, logits = False, None
+        mismatch, logits = False, out.logits[q * (k + 1):(q + 1) * (k + 1)]
         for r in range(s.tp):
             got = (int(accepted[r][q]), int(bonus[r][q]))
             if got == (a, emitted[-1]):
                 continue
-            if logits is None:              # the reference's verify logits (on `before`)
-                logits = ref_step.decode_step(s.model, alone, before, [tokens]).logits
             row = min(max(got[0], 0), a)    # where the two runs first part: must be a near tie
             top2 = np.sort(logits[row].astype(np.float64))[-2:]
             assert top2[1] - top2[0] <= LOGIT_BOUND, (
@@ -279,7 +293,8 @@ def _check_verify(s: DeviceRound, seqs, drafts, rnd: int, goods=None) -> list[in
 def _check_context(s: DeviceRound, rows: RowBatch, accepted, rnd: int) -> None:
     """The context KV from the device's own aux (test_dspark_round_emulated's _check_context
     rules, on the device's intermediate buffers): main_proj within 2 x dense_tolerance of
-    bf16(aux · main_projᵀ), main_x bitwise rms_norm of it, on every rank; per DSpark stage, the
+    bf16(aux · main_projᵀ), main_x bitwise rms_norm of it, on every rank (once per distinct
+    (aux, main_proj, main_x) bytes: the ranks compute them alike); per DSpark stage, the
     records at the accepted rows' slots: the last stage's (its kv is still in `dspark.kv`) kv
     within 2 x dense_tolerance of wkv(main_x) and its records bitwise the reference composition
     (kv_norm, RoPE, encode) on that kv; the other stages' records within two E4M3 steps
@@ -293,19 +308,24 @@ def _check_context(s: DeviceRound, rows: RowBatch, accepted, rnd: int) -> None:
         mine = rows.seq_rows(q)[:a + 1]
         slots[mine] = rows.slot_mapping[mine]
     keep = slots >= 0
-    main_x = []
+    checked = []                # (aux, raw, x) bytes already checked: the ranks' usually agree
     for r in range(s.tp):
-        aux = s.ranks.read(r, "dspark.aux", BF16, (n, targets * d)).astype(np.float32)
+        aux = s.ranks.read(r, "dspark.aux", BF16, (n, targets * d))
         raw = s.ranks.read(r, "dspark.main_raw", BF16, (n, d))
+        x = s.ranks.read(r, "dspark.main_x", BF16, (n, d))
+        key = aux.tobytes() + raw.tobytes() + x.tobytes()
+        if r == 0:
+            main_x = x.astype(np.float32)       # rank 0's: its records are read below
+        if key in checked:
+            continue
+        checked.append(key)
+        aux = aux.astype(np.float32)
         w = first.dense("main_proj")
         _within(raw, bf16_round(moe_ref.matmul_t(aux, w)),
                 2 * dr.dense_tolerance(aux, w, "bf16"), f"round {rnd} rank {r}: main_proj")
-        x = s.ranks.read(r, "dspark.main_x", BF16, (n, d)).astype(np.float32)
         norm = ref_step.rms_norm(raw.astype(np.float32), first.vector("main_norm.weight"),
                                  cfg.rms_norm_eps)
-        assert np.array_equal(x, norm), f"round {rnd} rank {r}: main_x"
-        main_x.append(x)
-    main_x = main_x[0]                          # rank 0's: its records are read below
+        assert np.array_equal(x.astype(np.float32), norm), f"round {rnd} rank {r}: main_x"
     stages = [spec.index for spec in cfg.layers if spec.is_dspark]
     for layer in stages:
         lw = s.model.ranks[0].layer(layer)

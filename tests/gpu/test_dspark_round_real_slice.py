@@ -89,8 +89,7 @@ def _reference(cfg, synth, caches, rng):
     (a draft of each sequence on a copy of the caches); runs on a thread beside the packing."""
     model = rs.reference_model(cfg, synth)
     seqs = start_sequences(model, caches, SEQS, rng)
-    for seq in seqs:
-        ref_dspark.draft_base_logits(model, caches.copy(), seq)
+    ref_dspark.draft_base_logits_many(model, caches.copy(), seqs)
     return model, seqs
 
 
