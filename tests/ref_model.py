@@ -8,8 +8,9 @@ import numpy as np
 
 from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.step import ReferenceModel, decode_step
+from executor.reference.step import ReferenceModel, compressed_ids, decode_step, ngram_lookback
 from executor.reference.weights import rank_weights_from_checkpoint
+from kernels import engram_ref
 from loader.checkpoint import Checkpoint
 from loader.config import ModelConfig
 from loader.synth import synth
@@ -42,6 +43,15 @@ def block_step(model, caches, line, start, tokens, seq_tokens, kind=None, pad_to
     rows = RowBatch.from_blocks([RowBlock(line, start, tuple(int(t) for t in tokens), kind)],
                                 caches.block_tables, caches.ring_slots, pad_to=pad_to)
     return decode_step(model, rows, caches, [np.asarray(seq_tokens, np.int64)])
+
+
+def token_history(cfg, rows: RowBatch, prior) -> np.ndarray:
+    """The Engram token history the tests hand the wired step (caller tensor `token_history`):
+    each row's lookback over its sequence's `prior` tokens (one int64 array per sequence),
+    compressed (the identity map), then the pad id where p - k < 0."""
+    raw = ngram_lookback(rows, prior, cfg.engram_max_ngram_size)
+    return engram_ref.ngram_history(compressed_ids(cfg, raw), rows.positions,
+                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
 
 
 def random_prompt(rng, length, vocab=1024):

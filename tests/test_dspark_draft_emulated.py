@@ -38,15 +38,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from emulated_dspark import EmulatedDSparkRanks
-from ref_model import random_prompt
+from ref_model import random_prompt, token_history
 
 from executor.emulate import run_lockstep
 from executor.plan import draft_plan
 from executor.reference import dspark as ref_dspark
-from executor.reference import step as ref_step
 from executor.reference.rows import RowBatch, RowBlock
 from executor.wiring import wire
-from kernels import engram_ref
 from kernels import kvrecord_ref as kr
 
 TP = 4
@@ -83,12 +81,6 @@ def test_draft_plan_is_complete_and_each_draft_role_is_a_stage_role(draft):
     backbone = cfg.layers[0]
     with pytest.raises(ValueError, match="DSpark stage layer"):
         stages_draft.BUILDERS["draft.attn.wq_b"](draft.ranks.contexts[0], backbone)
-
-
-def _history(cfg, rows, prior):
-    raw = ref_step.ngram_lookback(rows, prior, cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(ref_step.compressed_ids(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
 
 
 def _markov_logits(model, base, prev: int) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +154,7 @@ def test_draft_steps_produce_the_reference_drafts(draft):
                                     s.caches.block_tables, s.caches.ring_slots)
         assert rows.num_rows == SEQS * k
         prior = [np.array(q.tokens + list(b), np.int64) for q, b in zip(seqs, blocks)]
-        s.ranks.load(rows, s.caches, _history(cfg, rows, prior))
+        s.ranks.load(rows, s.caches, token_history(cfg, rows, prior))
         for tensors in s.ranks.tensors:
             tensors["bonus"][...] = -1
             tensors["bonus"][:SEQS] = [q.bonus for q in seqs]

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from emulated_dspark import EmulatedDSparkRanks
-from ref_model import random_prompt
+from ref_model import random_prompt, token_history
 
 from executor.emulate import run_lockstep
 from executor.plan import draft_plan
@@ -50,7 +50,7 @@ from executor.reference import step as ref_step
 from executor.reference.rows import RowBatch, RowBlock
 from executor.wiring import Buffer, wire
 from kernels import dense_ref as dr
-from kernels import engram_ref, kvrecord_ref, moe_ref
+from kernels import kvrecord_ref, moe_ref
 from kernels.common_ref import BF16
 from loader.formats import bf16_round
 
@@ -86,15 +86,12 @@ class Round(EmulatedDSparkRanks):
                        for ctx in self.ranks.contexts]
 
 
+_history = token_history     # the name tests/gpu/test_dspark_round_tp4_processes.py imports
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_bundle_dir):
     return Round(tiny_bundle_dir)
-
-
-def _history(cfg, rows, seqs):
-    raw = ref_step.ngram_lookback(rows, seqs, cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(ref_step.compressed_ids(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
 
 
 def _forward(model, rows, caches, history):
@@ -241,7 +238,7 @@ def test_dspark_verify_rounds_match_the_reference(setup):
              for q, d in zip(seqs, drafts)], s.caches.block_tables, s.caches.ring_slots,
             pad_to=BUCKET)
         prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
-        history = _history(cfg, rows, prior)
+        history = token_history(cfg, rows, prior)
         if first_round:         # the loop above is decode_step's: same tokens and aux
             check = ref_step.decode_step(s.model, rows, s.caches.copy(),
                                          [np.array(q.tokens, np.int64) for q in seqs])
@@ -348,7 +345,7 @@ def test_whole_verify_steps_accept_what_the_reference_accepts(whole):
              for q, d in zip(seqs, drafts)], s.caches.block_tables, s.caches.ring_slots,
             pad_to=BUCKET)
         prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
-        s.ranks.load(rows, s.caches if first else None, _history(cfg, rows, prior))
+        s.ranks.load(rows, s.caches if first else None, token_history(cfg, rows, prior))
         first = False
         s.ranks.run(rows.num_rows)
         for q, (seq, d) in enumerate(zip(seqs, drafts)):

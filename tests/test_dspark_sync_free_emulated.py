@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from emulated_dspark import EmulatedDSparkRanks
-from ref_model import random_prompt
+from ref_model import random_prompt, token_history
 from test_dspark_draft_emulated import _check_drafts
 
 from executor.emulate import run_lockstep
@@ -43,7 +43,7 @@ from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
 from executor.reference.rows import RowBatch, RowBlock
 from executor.wiring import wire
-from kernels import dspark_ref, engram_ref
+from kernels import dspark_ref
 
 TP = 4
 ROUNDS = 4
@@ -145,9 +145,7 @@ def _history(s: SyncFree, rows: RowBatch, seqs, drafts) -> np.ndarray:
     """The verify step's Engram token history (the host's still: see the module docstring)."""
     cfg = s.cfg
     prior = [np.array(q.tokens + [q.bonus, *d], np.int64) for q, d in zip(seqs, drafts)]
-    raw = ref_step.ngram_lookback(rows, prior, cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(ref_step.compressed_ids(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
+    return token_history(cfg, rows, prior)
 
 
 def _assert_rows(s: SyncFree, want: RowBatch, what: str) -> None:

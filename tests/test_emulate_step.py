@@ -10,22 +10,15 @@ step writes carry over from step to step (only the first step copies the referen
 """
 import numpy as np
 import pytest
-from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model
+from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model, token_history
 
 from executor.emulate.ranks import EmulatedRanks
 from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.step import compressed_ids, decode_step, ngram_lookback
+from executor.reference.step import decode_step
 from executor.wiring import STAGE_MODULES
-from kernels import engram_ref
 
 LOGIT_BOUND = 0.25          # tests/test_ref_step.py: TP1 vs TP4 worst 0.076 over 96 steps
-
-
-def _history(cfg, rows, seq):
-    raw = ngram_lookback(rows, [np.asarray(seq, np.int64)], cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(compressed_ids(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
 
 
 def _check(ranks, rows, ref_out, step) -> float:
@@ -65,7 +58,8 @@ def test_emulated_step_follows_the_reference(tiny_bundle_dir, block):
         start = len(seq) - 1
         rows = RowBatch.from_blocks([RowBlock(0, start, tuple(toks), block)],
                                     caches.block_tables, caches.ring_slots, pad_to=8)
-        history = _history(cfg, rows, seq + toks[1:]) if cfg.engram_layer_ids else None
+        prior = [np.asarray(seq + toks[1:], np.int64)]
+        history = token_history(cfg, rows, prior) if cfg.engram_layer_ids else None
         ranks.load(rows, caches if first else None, history)
         first = False
         ranks.run(rows.num_rows)

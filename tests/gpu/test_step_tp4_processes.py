@@ -37,16 +37,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model
+from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model, token_history
 
 from collectives.launcher import run_ranks
 from executor.bind import MAX_ROWS, CacheGeometry
 from executor.reasons import StepFeature, StepResult
 from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.step import compressed_ids, decode_step, ngram_lookback
+from executor.reference.step import decode_step
 from executor.tp_run import RankSpec, TPRank, WeightSource, host_inputs, is_cache, parse_devices
-from kernels import engram_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -116,12 +115,6 @@ def _rank_program(ctx, bundle_dir: str, ckpt_dir: str, geometry, caches: dict,
 
 # ---- the parent: reference, launch, checks ----------------------------------------------------------
 
-def _history(cfg, rows, seq):
-    raw = ngram_lookback(rows, [np.asarray(seq, np.int64)], cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(compressed_ids(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
-
-
 def reference_run(rng):
     """(geometry, caches after prefill as bound host arrays, steps for the ranks, reference
     outputs): prefill, then BLOCKS, each block accepted whole (its last token is the next
@@ -137,7 +130,8 @@ def reference_run(rng):
         toks = (seq[-1], *drafts)
         rows = RowBatch.from_blocks([RowBlock(0, len(seq) - 1, toks, kind)],
                                     caches.block_tables, caches.ring_slots)
-        history = _history(cfg, rows, seq + drafts) if cfg.engram_layer_ids else None
+        prior = [np.asarray(seq + drafts, np.int64)]
+        history = token_history(cfg, rows, prior) if cfg.engram_layer_ids else None
         if initial is None:            # copied now: decode_step below writes the caches
             initial = {n: a for n, a in host_inputs(cfg, WORLD, geometry, rows, history,
                                                     caches).items() if is_cache(n)}

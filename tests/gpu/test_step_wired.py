@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from device_ranks import DeviceRanks
-from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model
+from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model, token_history
 
 from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
-from executor.reference.step import compressed_ids, decode_step, ngram_lookback
+from executor.reference.step import decode_step
 from executor.runtime import Bundle
-from kernels import engram_ref
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -34,12 +33,6 @@ def bundle(dev):
     b = Bundle.load(dev, BUNDLE)
     yield b
     b.close()
-
-
-def _history(cfg, rows, seq):
-    raw = ngram_lookback(rows, [np.asarray(seq, np.int64)], cfg.engram_max_ngram_size)
-    return engram_ref.ngram_history(compressed_ids(cfg, raw), rows.positions,
-                                    cfg.engram_max_ngram_size, cfg.engram_pad_token_id)
 
 
 @pytest.mark.parametrize("block", ["decode", "verify"])
@@ -57,7 +50,8 @@ def test_wired_step_on_the_gpu_follows_the_reference(dev, stream, bundle, block)
             toks = [int(t) for t in toks]
             rows = RowBatch.from_blocks([RowBlock(0, len(seq) - 1, tuple(toks), block)],
                                         caches.block_tables, caches.ring_slots, pad_to=8)
-            ranks.load(rows, caches if step == 0 else None, _history(cfg, rows, seq + toks[1:]))
+            history = token_history(cfg, rows, [np.asarray(seq + toks[1:], np.int64)])
+            ranks.load(rows, caches if step == 0 else None, history)
             ranks.run(rows.num_rows)
             out = decode_step(model, rows, caches, [np.asarray(seq + toks[1:], np.int64)])
             n, real = len(toks), rows.seq_index >= 0
