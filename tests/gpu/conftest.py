@@ -1,8 +1,9 @@
 """Fixtures every GPU test module shares: one Device (primary context) and one stream per module,
 and the kernel bundles the tests launch from.
 
-Bundles: HOPDEC_BUNDLE (tiny, default build/bundle-tiny) and HOPDEC_BUNDLE_V41 (v41-flash widths,
-default build/bundle-v41-flash-tp4). Imports stay inside the fixtures so collecting these modules
+Bundles: HOPDEC_BUNDLE (tiny, default build/bundle-tiny), HOPDEC_BUNDLE_V41 (v41-flash widths,
+default build/bundle-v41-flash-tp4) and HOPDEC_BENCH_BUNDLE (the step benchmark's, default
+build/bundle-v41-bench-step-tp4). Imports stay inside the fixtures so collecting these modules
 needs no GPU library."""
 import contextlib
 import os
@@ -80,4 +81,14 @@ def v41_bundle(dev):
     path = _bundle_path("v41-flash")
     reason = f"no bundle at {path} (python -m kernels.build --config v41-flash --tp 4)"
     with _opened_bundle(dev, path, pytest.fail, reason) as bundle:
+        yield bundle
+
+
+@pytest.fixture(scope="module")
+def bench_bundle(dev):
+    """The step-benchmark bundle (real-dimension slices of the whole step); missing, the tests
+    skip."""
+    path = Path(os.environ.get("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4"))
+    reason = f"no step-benchmark bundle at {path} (make bundles, or set HOPDEC_BENCH_BUNDLE)"
+    with _opened_bundle(dev, path, pytest.skip, reason) as bundle:
         yield bundle

@@ -38,9 +38,7 @@ each. Not measured on a GPU yet.
 """
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,29 +47,17 @@ import stage_ffn_few_experts
 from device_ranks import DeviceRanks, PackedRanks
 
 from executor.reference.step import ngram_lookback
-from executor.runtime import Bundle
 from kernels import engram_ref
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4"))
 BLOCKS = ("decode", "decode", "decode", "verify")
 VERIFY_ROWS = 6
 PROMPT = 14
 LOGIT_BOUND = 0.25
 REFERENCE_TIMEOUT_S = 600
 CACHES = ("swa_", "compressed_", "index_keys_", "compressor_ring_")
-
-
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.skip(f"no step-benchmark bundle at {BUNDLE} (make bundles, or set "
-                    f"HOPDEC_BENCH_BUNDLE)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
 
 
 def _tokens(rng, cfg, n: int) -> list[int]:
@@ -115,7 +101,7 @@ def _check(ranks, rows, n: int, out, step: int) -> float:
     return diff
 
 
-def test_real_dimension_slice_follows_the_reference(dev, stream, bundle):
+def test_real_dimension_slice_follows_the_reference(dev, stream, bench_bundle):
     rng = np.random.default_rng()
     cfg = rs.slice_config_v41()
     prompt = _tokens(rng, cfg, PROMPT)
@@ -129,7 +115,7 @@ def test_real_dimension_slice_follows_the_reference(dev, stream, bundle):
     contents, pack_s = rs.pack_ranks(cfg, synth, 192)
     timings.append(f"pack {pack_s:.1f} s")
     t1 = time.perf_counter()
-    ranks = DeviceRanks(dev, None, bundle, rs.TP, rs.new_caches(cfg), stream,
+    ranks = DeviceRanks(dev, None, bench_bundle, rs.TP, rs.new_caches(cfg), stream,
                         packed=PackedRanks(cfg, rs.MODULES, tuple(contents)))
     del contents
     synth.release()
