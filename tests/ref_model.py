@@ -7,6 +7,7 @@ import tempfile
 import numpy as np
 
 from executor.reference.kvcache import KVCaches
+from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.step import ReferenceModel, compressed_ids, decode_step, ngram_lookback
 from executor.reference.weights import rank_weights_from_checkpoint
@@ -35,6 +36,15 @@ def tiny_model(tp: int, exact: bool = False) -> ReferenceModel:
 
 def new_caches(model: ReferenceModel, max_seqs: int = 2) -> KVCaches:
     return KVCaches.allocate(model.cfg, max_seqs=max_seqs, max_context=128, exact=model.exact)
+
+
+def prefilled_tiny(rng, tp: int, prompt_length: int = 14):
+    """The tiny model at `tp`, fresh caches, and state line 0 prefilled with a random prompt:
+    (model, caches, the prompt's tokens + the token the prefill generated)."""
+    model = tiny_model(tp)
+    caches = new_caches(model)
+    prompt = random_prompt(rng, prompt_length)
+    return model, caches, list(prompt) + [prefill(model, caches, 0, prompt).next_token]
 
 
 def block_step(model, caches, line, start, tokens, seq_tokens, kind=None, pad_to=None):

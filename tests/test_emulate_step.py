@@ -10,10 +10,9 @@ step writes carry over from step to step (only the first step copies the referen
 """
 import numpy as np
 import pytest
-from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model, token_history
+from ref_model import prefilled_tiny, tiny_checkpoint, token_history
 
 from executor.emulate.ranks import EmulatedRanks
-from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.step import decode_step
 from executor.wiring import STAGE_MODULES
@@ -46,11 +45,8 @@ def _check(ranks, rows, ref_out, step) -> float:
 @pytest.mark.parametrize("block", ["decode", "verify"])
 def test_emulated_step_follows_the_reference(tiny_bundle_dir, block):
     rng = np.random.default_rng()
-    model = tiny_model(4)
+    model, caches, seq = prefilled_tiny(rng, 4)
     cfg = model.cfg
-    caches = new_caches(model)
-    prompt = random_prompt(rng, 14)
-    seq = list(prompt) + [prefill(model, caches, 0, prompt).next_token]
     ranks = EmulatedRanks(tiny_checkpoint(), tiny_bundle_dir, 4, caches, modules=STAGE_MODULES)
     first = True
     for step in range(3):

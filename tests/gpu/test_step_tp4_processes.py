@@ -37,12 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model, token_history
+from ref_model import prefilled_tiny, random_prompt, tiny_checkpoint, token_history
 
 from collectives.launcher import run_ranks
 from executor.bind import MAX_ROWS, CacheGeometry
 from executor.reasons import StepFeature, StepResult
-from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.step import decode_step
 from executor.tp_run import RankSpec, TPRank, WeightSource, host_inputs, is_cache, parse_devices
@@ -119,11 +118,8 @@ def reference_run(rng):
     """(geometry, caches after prefill as bound host arrays, steps for the ranks, reference
     outputs): prefill, then BLOCKS, each block accepted whole (its last token is the next
     block's first)."""
-    model = tiny_model(WORLD)
-    cfg, caches = model.cfg, new_caches(model)
-    geometry = CacheGeometry.of(caches)
-    prompt = random_prompt(rng, 14)
-    seq = list(prompt) + [prefill(model, caches, 0, prompt).next_token]
+    model, caches, seq = prefilled_tiny(rng, WORLD)
+    cfg, geometry = model.cfg, CacheGeometry.of(caches)
     initial, steps, refs = None, [], []
     for k, kind in enumerate(BLOCKS):
         drafts = [] if kind == "decode" else random_prompt(rng, VERIFY_ROWS - 1, 1000)

@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from device_ranks import DeviceRanks
-from ref_model import new_caches, random_prompt, tiny_checkpoint, tiny_model, token_history
+from ref_model import prefilled_tiny, tiny_checkpoint, token_history
 
-from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.step import decode_step
 from executor.runtime import Bundle
@@ -38,11 +37,8 @@ def bundle(dev):
 @pytest.mark.parametrize("block", ["decode", "verify"])
 def test_wired_step_on_the_gpu_follows_the_reference(dev, stream, bundle, block):
     rng = np.random.default_rng()
-    model = tiny_model(4)
+    model, caches, seq = prefilled_tiny(rng, 4)
     cfg = model.cfg
-    caches = new_caches(model)
-    prompt = random_prompt(rng, 14)
-    seq = list(prompt) + [prefill(model, caches, 0, prompt).next_token]
     ranks = DeviceRanks(dev, tiny_checkpoint(), bundle, 4, caches, stream)
     try:
         for step in range(3):
