@@ -115,10 +115,17 @@ def routed_experts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertSha
     """F2 + combine for one rank: [R, D] -> fp32 [R, D] = Σ_k w_k · y_{e_k} (slot order)."""
     rows, topk = routing.experts.shape
     expert_out = np.zeros((rows, topk, x.shape[1]), dtype=np.float32)
+    # One call per distinct shard object: a row's result does not depend on the other rows (every
+    # sum is rounded once), so experts that share one shard (the real-dimension slice test
+    # aliases 384 experts onto 4) share one call; distinct experts are called one by one.
+    shards: dict[int, tuple[ExpertShard, list[int]]] = {}
     for e in np.unique(routing.experts):
-        row_idx, slot_idx = np.nonzero(routing.experts == e)
-        expert_out[row_idx, slot_idx] = expert_forward(
-            x[row_idx], experts[int(e)], swiglu_limit, quantize_acts)
+        shard = experts[int(e)]
+        shards.setdefault(id(shard), (shard, []))[1].append(int(e))
+    for shard, ids in shards.values():
+        row_idx, slot_idx = np.nonzero(np.isin(routing.experts, ids))
+        expert_out[row_idx, slot_idx] = expert_forward(x[row_idx], shard, swiglu_limit,
+                                                       quantize_acts)
     combined = np.zeros((rows, x.shape[1]), dtype=np.float32)
     for k in range(topk):
         combined += routing.weights[:, k:k + 1] * expert_out[:, k]
