@@ -193,14 +193,27 @@ class MoeW13Sm90:
         v1 = Int32(1) if 2 * t + 1 < left else Int32(0)
         p0 = ld_u32(pair_list + Int64(chunk + 2 * t) * 4, v0)
         p1 = ld_u32(pair_list + Int64(chunk + 2 * t + 1) * 4, v1)
-        xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
+        b_regs, sc = self.slice_inputs(xq + Int64(rb) * self.shape.k13 + 8 * t, vb, xs, p0, p1,
+                                       v0, v1, warp)
+        return b_regs, sc, p0, p1, v0, v1
+
+    @cute.jit
+    def slice_inputs(self, xrow: Int64, vb: Int32, xs: Int64, p0: Int32, p1: Int32, v0: Int32,
+                     v1: Int32, warp: Int32):
+        """(B fragments, activation scales) of this warp's K slice for a chunk: lane's token row
+        xrow (valid where vb), its pairs p0 / p1 (valid where v0 / v1); zeros where absent."""
+        topk = self.shape.topk
         b_regs, sc = [], []
         for gi in cutlass.range_constexpr(self.groups_per_warp):
             grp = warp * self.groups_per_warp + gi
-            b_regs.append([ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
+            b_regs.append(self.b_fragments(xrow, vb, grp))
             sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
                        ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
-        return b_regs, sc, p0, p1, v0, v1
+        return b_regs, sc
+
+    def b_fragments(self, xrow: Int64, vb: Int32, grp):
+        """The 4 k-steps' B fragments of 128-group grp (8 bytes a lane each)."""
+        return [ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)]
 
     @cute.jit
     def chunk_math(self, stage: Int32, ins, h: Int64, tile: Int32, scale: Float32, red: Int32,

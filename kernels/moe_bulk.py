@@ -216,6 +216,10 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
             item = nxt
             phase = phase ^ 1
 
+    def b_group(self, b_regs, gi: int):
+        """Group gi's B fragments (all of the slice's are in registers here)."""
+        return b_regs[gi]
+
     @cute.jit
     def slice_math(self, ring: Int32, ins, warp: Int32, lane: Int32, phase: Int32, refill,
                    first_chunk: Int32, last_chunk: Int32, tl=None, first_item=None):
@@ -239,13 +243,44 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                      + lds_v4_u32(base + (2 * gi + 1) * mk.COL_BYTES + lane * 16))
             offs = lds_v2(base + self.slice_code_bytes + gi * mk.GROUP_OFFSET_BYTES
                           + (lane // 4) * 8)
-            group = group_mma(words, offs, 4, b_regs[gi])
+            group = group_mma(words, offs, 4, self.b_group(b_regs, gi))
             if gi % self.part_groups == self.part_groups - 1:
                 self.refill_part(ring, refill, warp, lane, part, first_chunk, last_chunk)
             sc0, sc1 = sc[gi]
             acc = [fmul_add(acc[0], group[0], sc0), fmul_add(acc[1], group[1], sc1),
                    fmul_add(acc[2], group[2], sc0), fmul_add(acc[3], group[3], sc1)]
         return acc
+
+
+class MoeW13BulkLeanSm90(MoeW13BulkSm90):
+    """moe_w13w "bulkw_lean": "bulkw" with a chunk's B fragments loaded mk.LEAN_B_WINDOW groups
+    ahead of the math instead of the whole slice at once (40 registers of fragments in flight
+    instead of 80), so it compiles at 128 registers without spilling and 3 CTAs + one w2 "bulk"
+    CTA fit an SM's 64 K registers (launch bound mk.LEAN_LAUNCH_BOUND). Same values, same math
+    order: y bitwise "bulkw"'s."""
+
+    @cute.jit
+    def slice_inputs(self, xrow: Int64, vb: Int32, xs: Int64, p0: Int32, p1: Int32, v0: Int32,
+                     v1: Int32, warp: Int32):
+        """(the lazy B state: row, validity, first group, fragments of the first
+        LEAN_B_WINDOW groups; every group's scales)."""
+        topk = self.shape.topk
+        first = warp * self.groups_per_warp
+        loaded, sc = [], []
+        for gi in cutlass.range_constexpr(self.groups_per_warp):
+            grp = first + gi
+            if cutlass.const_expr(gi < mk.LEAN_B_WINDOW):
+                loaded.append(self.b_fragments(xrow, vb, grp))
+            sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
+                       ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+        return (xrow, vb, first, loaded), sc
+
+    def b_group(self, b_regs, gi: int):
+        """Group gi's fragments; group gi + LEAN_B_WINDOW's loads issued now."""
+        xrow, vb, first, loaded = b_regs
+        if gi + mk.LEAN_B_WINDOW < self.groups_per_warp:
+            loaded.append(self.b_fragments(xrow, vb, first + gi + mk.LEAN_B_WINDOW))
+        return loaded[gi]
 
 
 class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
@@ -260,6 +295,7 @@ class MoeW13SelfRoutedBulkSm90(MoeW13EarlyRefillSm90):
     issue_item = MoeW13BulkSm90.issue_item
     refill_part = MoeW13BulkSm90.refill_part
     slice_math = MoeW13BulkSm90.slice_math
+    b_group = MoeW13BulkSm90.b_group
     stream_items = MoeW13BulkSm90.stream_items
 
     def __init__(self, spec: mk.MoeSpec):
@@ -523,6 +559,7 @@ def kernel_class(spec: mk.MoeSpec):
     "bulkp")."""
     classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
                ("w13w", "bulkw"): MoeW13BulkSm90, ("w13w", "bulkw_co"): MoeW13BulkSm90,
+               ("w13w", "bulkw_lean"): MoeW13BulkLeanSm90,
                ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
                ("w13sr", "bulk_co"): MoeW13SelfRoutedBulkSm90,
                ("w13sr", "bulkw"): MoeW13SelfRoutedBulkSm90,

@@ -128,9 +128,14 @@ WARP_ROUTED_MAX_PAIRS = 64
 # Round 4's plain w13w ("") brought nothing measurable: deleted in round 5.
 # Round 6: "<scheme>_co" = the same kernel at CORESIDENT_CTAS per SM (grid and launch bound), so
 # one w2 CTA is resident beside w13's and streams its first weights under w13 (moe-design.md).
-W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_co")
+# "bulkw_lean": "bulkw" at 3 CTAs/SM and 128 registers (B fragments LEAN_B_WINDOW groups ahead)
+# so one w2 "bulk" CTA fits beside its 3 CTAs.
+W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_co", "bulkw_lean")
 CORESIDENT_SUFFIX = "_co"
 CORESIDENT_CTAS = 2
+LEAN_SUFFIX = "_lean"
+LEAN_B_WINDOW = 4
+LEAN_LAUNCH_BOUND = 4       # CTAs per SM as the launch bound: 64 K / (4 x 128) = 128 registers
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -166,6 +171,13 @@ class MoeSpec:
     # Diagnostic build (kernels/moe_timeline.py): one more pointer, `stamps`, before rows; thread
     # 0 of each CTA writes TIMELINE_EVENTS there. Never launched by the step.
     timeline: bool = False
+    # The launch bound's CTAs per SM where it differs from the grid's (0: ctas_per_sm).
+    launch_bound_ctas: int = 0
+
+    @property
+    def launch_bound(self) -> int:
+        """CTAs per SM the compiler must fit (registers): launch_bound_ctas or ctas_per_sm."""
+        return self.launch_bound_ctas or self.ctas_per_sm
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -209,7 +221,8 @@ class MoeSpec:
                 "stages": self.stages, "variant": self.variant,
                 "group_commits": self.group_commits,
                 "layout_source_sha256": _SOURCE_SHA} | ({"timeline": True} if self.timeline
-                                                        else {})
+                                                        else {}) | (
+            {"launch_bound_ctas": self.launch_bound_ctas} if self.launch_bound_ctas else {})
 
 
 # ---- per-CTA timeline (diagnostic builds: kernels/moe_timeline.py, executor/moe_timeline.py) ----
@@ -322,6 +335,7 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
     return [MoeSpec(f"moe_w13w_{shape.tag()}" + (f"_{v}" if v else ""), "w13w", shape,
                     base.block, stages=1, variant=v,
                     ctas_per_sm=CORESIDENT_CTAS if is_coresident(v) else base.ctas_per_sm,
+                    launch_bound_ctas=LEAN_LAUNCH_BOUND if v.endswith(LEAN_SUFFIX) else 0,
                     group_commits=True,
                     smem_bytes=(bulk_smem_bytes(shape, warps, v) if v.startswith("bulk")
                                 else base.smem_bytes))
@@ -333,8 +347,8 @@ def is_coresident(variant: str) -> bool:
 
 
 def bulk_scheme(variant: str) -> str:
-    """The copy scheme of a bulk variant ("bulkw_co" copies as "bulkw")."""
-    return variant.removesuffix(CORESIDENT_SUFFIX)
+    """The copy scheme of a bulk variant ("bulkw_co" and "bulkw_lean" copy as "bulkw")."""
+    return variant.removesuffix(CORESIDENT_SUFFIX).removesuffix(LEAN_SUFFIX)
 
 
 def bulk_parts(shape: MoeShape, warps: int, variant: str = "bulk") -> int:

@@ -32,7 +32,6 @@ from kernels.moe_ptx import (
     fmul_add,
     group_mma,
     ld_relaxed_u32,
-    ld_v2,
     lds_v2,
     popc,
 )
@@ -201,7 +200,7 @@ class MoeW13WarpRoutedSm90(MoeW13PipelinedSm90):
         # and spilled (the "g" w13 it extends uses 168, i.e. 3 CTAs of 128 threads per SM).
         self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, rows).launch(
             grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.ctas_per_sm,
+            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.launch_bound,
             preferred_smem_carveout=100)   # given, so the DSL does not query a GPU at compile
 
     @cute.jit
@@ -257,13 +256,8 @@ class MoeW13WarpRoutedSm90(MoeW13PipelinedSm90):
         rb = self.routing.nth_pair(masks, chunk + g) // topk if vb != 0 else Int32(0)
         p0 = self.routing.nth_pair(masks, chunk + 2 * t) if v0 != 0 else Int32(0)
         p1 = self.routing.nth_pair(masks, chunk + 2 * t + 1) if v1 != 0 else Int32(0)
-        xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
-        b_regs, sc = [], []
-        for gi in cutlass.range_constexpr(self.groups_per_warp):
-            grp = warp * self.groups_per_warp + gi
-            b_regs.append([ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
-            sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
-                       ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+        b_regs, sc = self.slice_inputs(xq + Int64(rb) * self.shape.k13 + 8 * t, vb, xs, p0, p1,
+                                       v0, v1, warp)
         return b_regs, sc, p0, p1, v0, v1
 
 

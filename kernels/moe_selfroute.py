@@ -162,13 +162,8 @@ class MoeW13SelfRoutedSm90(mo.MoeW13Sm90):
         v1 = Int32(1) if 2 * t + 1 < left else Int32(0)
         p0 = lds_u32_if(pair_list + 4 * (chunk + 2 * t), v0)
         p1 = lds_u32_if(pair_list + 4 * (chunk + 2 * t + 1), v1)
-        xrow = xq + Int64(rb) * self.shape.k13 + 8 * t
-        b_regs, sc = [], []
-        for gi in cutlass.range_constexpr(self.groups_per_warp):
-            grp = warp * self.groups_per_warp + gi
-            b_regs.append([mp.ld_v2(xrow + (grp * 4 + s4) * mk.KSTEP, vb) for s4 in range(4)])
-            sc.append((ld_f32_if(xs + Int64((p0 // topk) * self.groups + grp) * 4, v0),
-                       ld_f32_if(xs + Int64((p1 // topk) * self.groups + grp) * 4, v1)))
+        b_regs, sc = self.slice_inputs(xq + Int64(rb) * self.shape.k13 + 8 * t, vb, xs, p0, p1,
+                                       v0, v1, warp)
         return b_regs, sc, p0, p1, v0, v1
 
 

@@ -32,7 +32,7 @@ class _W13Timeline:
         # As MoeW13WarpRoutedSm90.__call__: ctas_per_sm is the launch bound.
         self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, stamps, rows).launch(
             grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.ctas_per_sm,
+            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.launch_bound,
             preferred_smem_carveout=100)
 
     @cute.kernel

@@ -420,3 +420,25 @@ def test_coresident_w13_leaves_room_for_one_w2_cta(config):
         assert co.grid(1)[0] <= 132 * mk.CORESIDENT_CTAS
         smem = co.ctas_per_sm * (co.smem_bytes + 1024) + w2.smem_bytes + 1024
         assert smem <= 228 * 1024, (co.name, w2.name, smem)
+
+
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_lean_w13w_keeps_3_ctas_with_a_128_register_bound(config):
+    """Round 6: w13w "bulkw_lean" is "bulkw"'s stage and grid (3 CTAs/SM) compiled for
+    LEAN_LAUNCH_BOUND CTAs (64 K / (4 x 128): 128 registers, the build checks no spill), so its
+    3 CTAs take 48 K registers and one w2 "bulk" CTA (256 threads x 64) the other 16 K; shared
+    memory: 3 x (stage + 1 KB) + (w2 + 1 KB) <= 228 KB."""
+    shape = mk.moe_shape(ModelConfig.preset(config), 4)
+    every = {(s.kind, s.variant): s for s in mk.warp_routed_specs(shape) + mk.variant_specs(shape)}
+    lean, base, w2 = every[("w13w", "bulkw_lean")], every[("w13w", "bulkw")], every[("w2", "bulk")]
+    assert mk.bulk_scheme(lean.variant) == "bulkw" and not mk.is_coresident(lean.variant)
+    assert (lean.block, lean.smem_bytes, lean.ctas_per_sm) == (base.block, base.smem_bytes,
+                                                                base.ctas_per_sm)
+    assert lean.grid(8) == base.grid(8) and lean.launch_bound == mk.LEAN_LAUNCH_BOUND
+    assert base.launch_bound == base.ctas_per_sm and "launch_bound_ctas" not in base.to_dict()
+    regs = 65536 // (lean.launch_bound * lean.block[0])
+    assert lean.ctas_per_sm * lean.block[0] * regs + w2.block[0] * 64 <= 65536
+    assert lean.ctas_per_sm * (lean.smem_bytes + 1024) + w2.smem_bytes + 1024 <= 228 * 1024
+    groups = shape.k13 // mk.COL_K // (lean.block[0] // mk.LANES) // 2     # per warp slice
+    assert mk.LEAN_B_WINDOW >= 1 and (groups == 1 or mk.LEAN_B_WINDOW < groups)  # v41: 4 of 10

@@ -95,13 +95,16 @@ BULK_W13W = "bulkw"
 # STEP_CORESIDENT = False.
 STEP_CORESIDENT = True
 CORESIDENT_MAX_ROWS = 8
+# The w13w of that chain below SELFROUTED_FROM_ROWS: "bulkw_co" (2 CTAs/SM) or "bulkw_lean" (3
+# CTAs/SM at 128 registers, B fragments loaded 4 groups ahead; one w2 "bulk" CTA fits beside).
+CORESIDENT_W13W = "bulkw_co"
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
     """(w13w, w13sr) variants the step launches at `rows` (STEP_CORESIDENT picks the "_co"
     ones up to CORESIDENT_MAX_ROWS)."""
     if STEP_CORESIDENT and rows <= CORESIDENT_MAX_ROWS:
-        return BULK_W13W + mk.CORESIDENT_SUFFIX, STEP_SELFROUTED_W13 + mk.CORESIDENT_SUFFIX
+        return CORESIDENT_W13W, STEP_SELFROUTED_W13 + mk.CORESIDENT_SUFFIX
     return BULK_W13W, STEP_SELFROUTED_W13
 
 
