@@ -13,19 +13,17 @@ import pytest
 
 PRESET_BUNDLES = {"tiny": ("HOPDEC_BUNDLE", "build/bundle-tiny"),
                   "v41-flash": ("HOPDEC_BUNDLE_V41", "build/bundle-v41-flash-tp4")}
-
-
-def _bundle_path(preset: str) -> Path:
-    env, default = PRESET_BUNDLES[preset]
-    return Path(os.environ.get(env, default))
+BENCH_BUNDLE = ("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4")
 
 
 @contextlib.contextmanager
-def _opened_bundle(dev, path: Path, missing, reason: str):
-    """The bundle at `path`, closed on exit; without a manifest there, `missing(reason)`
-    (pytest.skip or pytest.fail) instead."""
+def _opened_bundle(dev, env: str, default: str, missing, reason: str):
+    """The bundle at $`env` (else `default`), closed on exit; without a manifest there,
+    `missing(reason)` instead (pytest.skip or pytest.fail; `{path}` in `reason` names the
+    directory)."""
+    path = Path(os.environ.get(env, default))
     if not (path / "manifest.json").is_file():
-        missing(reason)
+        missing(reason.format(path=path))
     from executor.runtime import Bundle
     bundle = Bundle.load(dev, path)
     try:
@@ -59,18 +57,17 @@ def preset_bundle(dev, preset):
     """(ModelConfig, Bundle) of `preset`; a missing bundle skips that preset's cases with the
     reason."""
     from loader.config import ModelConfig
-    path = _bundle_path(preset)
-    reason = f"no {preset} kernel bundle at {path} (set {PRESET_BUNDLES[preset][0]})"
-    with _opened_bundle(dev, path, pytest.skip, reason) as bundle:
+    env, default = PRESET_BUNDLES[preset]
+    reason = f"no {preset} kernel bundle at {{path}} (set {env})"
+    with _opened_bundle(dev, env, default, pytest.skip, reason) as bundle:
         yield ModelConfig.preset(preset), bundle
 
 
 @pytest.fixture(scope="module")
 def tiny_bundle(dev):
     """The tiny bundle alone (runtime and executor probes); missing, the tests skip."""
-    path = _bundle_path("tiny")
-    reason = f"no kernel bundle at {path} (set HOPDEC_BUNDLE or run make bundle)"
-    with _opened_bundle(dev, path, pytest.skip, reason) as bundle:
+    reason = "no kernel bundle at {path} (set HOPDEC_BUNDLE or run make bundle)"
+    with _opened_bundle(dev, *PRESET_BUNDLES["tiny"], pytest.skip, reason) as bundle:
         yield bundle
 
 
@@ -78,9 +75,8 @@ def tiny_bundle(dev):
 def v41_bundle(dev):
     """The v41-flash bundle alone, for kernels built only at v41-flash widths; missing, the tests
     fail (a run that should have built it did not)."""
-    path = _bundle_path("v41-flash")
-    reason = f"no bundle at {path} (python -m kernels.build --config v41-flash --tp 4)"
-    with _opened_bundle(dev, path, pytest.fail, reason) as bundle:
+    reason = "no bundle at {path} (python -m kernels.build --config v41-flash --tp 4)"
+    with _opened_bundle(dev, *PRESET_BUNDLES["v41-flash"], pytest.fail, reason) as bundle:
         yield bundle
 
 
@@ -88,7 +84,6 @@ def v41_bundle(dev):
 def bench_bundle(dev):
     """The step-benchmark bundle (real-dimension slices of the whole step); missing, the tests
     skip."""
-    path = Path(os.environ.get("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4"))
-    reason = f"no step-benchmark bundle at {path} (make bundles, or set HOPDEC_BENCH_BUNDLE)"
-    with _opened_bundle(dev, path, pytest.skip, reason) as bundle:
+    reason = "no step-benchmark bundle at {path} (make bundles, or set HOPDEC_BENCH_BUNDLE)"
+    with _opened_bundle(dev, *BENCH_BUNDLE, pytest.skip, reason) as bundle:
         yield bundle
