@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import sparse_mqa_cases as cases
 
 from executor.emulate import NoEmulator, run
 from executor.hostmem import AddressSpace, HostArena, ManifestBundle
@@ -81,22 +82,6 @@ def _emulate(bundle, case, bucket: int) -> np.ndarray:
     return out[:case.rows]
 
 
-def _check(case, bits: np.ndarray) -> None:
-    """The GPU test's comparison (tests/gpu/test_sparse_mqa.py::_check)."""
-    want = case.reference()
-    real = case.info[:, 3] >= 0
-    got = bits.view(want.dtype).astype(np.float32)
-    nan = np.argwhere(np.isnan(got))
-    assert nan.size == 0, f"NaN at (row, head, dim) {nan[0].tolist()} ({len(nan)} elements)"
-    assert not got[~real].any(), "a padding row was written with non-zero values"
-    bound = ref.error_bound(case.q, case.gathered(), case.sink, case.info, case.table.inv_freq)
-    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bad = np.argwhere(diff > bound)
-    assert bad.size == 0, f"{len(bad)} elements beyond the bound; first {bad[0].tolist()}"
-    same = (bits == want.view(np.uint16))[real].mean()
-    assert same >= 0.98, f"only {same:.4f} of the elements equal the reference bit for bit"
-
-
 @pytest.mark.parametrize("variant", TOPK_KERNELS)
 @pytest.mark.parametrize("rows", sorted(TOPK_CASES))
 @pytest.mark.parametrize("context", [100, 1024])
@@ -104,7 +89,7 @@ def test_emulated_topk_kernel_equals_the_reference(bundle, variant, rows, contex
     blocks, pad, bucket = TOPK_CASES[rows]
     case = make_case(_spec(bundle, variant), np.random.default_rng(), context, blocks,
                      pad_rows=pad)
-    _check(case, _emulate(bundle, case, bucket))
+    cases.check_output(case, _emulate(bundle, case, bucket))
 
 
 @pytest.mark.parametrize("blocks", SWA_BLOCKS, ids=lambda b: "_".join(b))
@@ -115,7 +100,7 @@ def test_emulated_swa_kernel_equals_the_reference(bundle, blocks, short):
     spec = _spec(bundle, "swa")
     context = 7 if short else 4 * spec.window + 3
     case = make_case(spec, np.random.default_rng(), context, blocks, pad_rows=1)
-    _check(case, _emulate(bundle, case, case.rows + 3))
+    cases.check_output(case, _emulate(bundle, case, case.rows + 3))
 
 
 def test_bad_page_poisons_only_its_row(bundle):

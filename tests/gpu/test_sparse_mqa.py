@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import sparse_mqa_cases as cases
 
 from executor.runtime import LaunchSpec
 from executor.sparse_mqa_chain import SparseMqaBuffers, make_case
@@ -58,24 +59,6 @@ def _run(dev, stream, bundle, case, twice: bool = False):
         bufs.close()
 
 
-def _check(case, got: np.ndarray) -> None:
-    want = case.reference()
-    real = case.info[:, 3] >= 0
-    g32 = got.astype(np.float32)
-    nan = np.argwhere(np.isnan(g32))
-    assert nan.size == 0, f"NaN at (row, head, dim) {nan[0].tolist()} ({len(nan)} elements)"
-    assert not g32[~real].any(), "a padding row was written with non-zero values"
-    bound = ref.error_bound(case.q, case.gathered(), case.sink, case.info, case.table.inv_freq)
-    diff = np.abs(g32.astype(np.float64) - want.astype(np.float64))
-    bad = np.argwhere(diff > bound)
-    if bad.size:
-        i = tuple(bad[0])
-        raise AssertionError(f"{len(bad)} elements beyond the bound; first {list(i)}: got "
-                             f"{g32[i]}, want {float(want[i])}, bound {bound[i]:.3g}")
-    same = (got.view(np.uint16) == want.view(np.uint16))[real].mean()
-    assert same >= 0.98, f"only {same:.4f} of the elements equal the reference bit for bit"
-
-
 def _specs(cfg):
     return ref.sparse_mqa_specs(cfg, 4)
 
@@ -98,7 +81,7 @@ def test_topk_kernel(dev, stream, setup, rows, context_index, variant):
     context = contexts[context_index]
     pad = 2 if rows in (6, 12) else 0
     case = make_case(spec, RNG, context, BLOCKS[rows], pad_rows=pad)
-    _check(case, _run(dev, stream, bundle, case, twice=rows == 12))
+    cases.check_output(case, _run(dev, stream, bundle, case, twice=rows == 12))
 
 
 @pytest.mark.parametrize("blocks", [["decode"], ["draft"], ["verify"], ["draft"] * 3 + ["verify"],
@@ -110,7 +93,7 @@ def test_swa_kernel(dev, stream, setup, blocks, short):
     spec = _specs(cfg)[0]
     context = 7 if short else 4 * cfg.sliding_window + 3
     case = make_case(spec, RNG, context, blocks, pad_rows=1)
-    _check(case, _run(dev, stream, bundle, case))
+    cases.check_output(case, _run(dev, stream, bundle, case))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
