@@ -114,13 +114,16 @@ class DeviceRound:
                 f"{self.launches} kernel launches")
 
 
-def start_sequences(model, caches, seqs: int, rng, vocab: int | None = None) -> list:
-    """Prefill `seqs` random prompts (9 + 4 line tokens of ids below `vocab` - 1, default the
-    model's vocabulary; never its last id) on state lines 0..seqs-1: the reference sequences."""
-    vocab = model.cfg.vocab_size if vocab is None else vocab
+def start_sequences(model, caches, seqs: int, rng, lengths=None) -> list:
+    """Prefill `seqs` random prompts (lengths[line] tokens, default 9 + 4 line; ids below the
+    vocabulary's last) on state lines 0..seqs-1: the reference sequences."""
+    vocab = model.cfg.vocab_size
+    lengths = [9 + 4 * line for line in range(seqs)] if lengths is None else list(lengths)
+    if len(lengths) != seqs:
+        raise ValueError(f"start_sequences: {len(lengths)} prompt lengths for {seqs} sequences")
     return [ref_dspark.start_sequence(model, caches, line,
-                                      [int(t) for t in rng.integers(0, vocab - 1, 9 + 4 * line)])[0]
-            for line in range(seqs)]
+                                      [int(t) for t in rng.integers(0, vocab - 1, n)])[0]
+            for line, n in enumerate(lengths)]
 
 
 def raw_lookback(cfg, rows: RowBatch, prior) -> np.ndarray:

@@ -17,8 +17,10 @@ docstring): the drafts against markov_drafts of the reference's U (near-tie rule
 U_BOUND, the rows and their device-written Engram lookback exactly the reference's, (accepted,
 bonus) and the committed tokens exactly the reference's verify_and_accept of the same drafts
 (unless a near tie parts them: the host then reloads the reference's state), the ring rollback,
-the draft stages' context KV and slots, every SWA cache replicated byte for byte. Two scripted
-rounds lead the drafts with greedy tokens so long accepted counts occur.
+the draft stages' context KV and slots, every SWA cache replicated byte for byte. One scripted
+round leads the drafts with 5 / 2 / 4 greedy tokens so long accepted counts occur (the tiny test
+scripts two; each greedy token is one sequential reference forward, the costly part here). The
+prompts are short (6, 4, 5 tokens: one prefill block each); the rounds take the contexts to ~100.
 
 Engram's compressed-vocab map is a fresh random non-identity map each run
 (`SharedSynth.set_vocab_map`, surjective onto v41's 99092 compressed ids). Markov drafts and
@@ -66,7 +68,8 @@ cp = pytest.importorskip("cupy")
 BUNDLE = Path(os.environ.get("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4"))
 SEQS, SLOTS = 3, 4                  # slot bucket 4 of the default buckets: one padding slot
 MAX_ROWS = 192
-SCRIPTED = {3: (5, 2, 0), 9: (3, 4, 1)}     # round -> greedy tokens leading each sequence's drafts
+PROMPTS = (6, 4, 5)         # one prefill block each (<= 6 rows): one reference forward each
+SCRIPTED = {3: (5, 2, 4)}   # round -> greedy tokens leading each sequence's drafts (5 forwards)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def _reference(cfg, synth, caches, rng):
     """The reference model, its sequences prefilled, every weight the rounds read dequantized
     (a draft of each sequence on a copy of the caches); runs on a thread beside the packing."""
     model = rs.reference_model(cfg, synth)
-    seqs = start_sequences(model, caches, SEQS, rng)
+    seqs = start_sequences(model, caches, SEQS, rng, PROMPTS)
     ref_dspark.draft_base_logits_many(model, caches.copy(), seqs)
     return model, seqs
 
