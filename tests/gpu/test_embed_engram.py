@@ -87,6 +87,15 @@ def test_embed_rows_or_zeros(dev, stream, setup):
 
 # ---- hash ids ------------------------------------------------------------------------------------
 
+def _load_hash_inputs(layer, tokens, positions, vocab_map, output: str) -> None:
+    """Upload one hash launch's inputs, poison `output`, wait for the copies."""
+    upload(layer.arena, "tokens", tokens)
+    upload(layer.arena, "positions", positions)
+    layer.upload_vocab_map(vocab_map)
+    poison(layer.arena, output)
+    cp.cuda.Device().synchronize()
+
+
 def test_hash_ids_exact(dev, stream, setup):
     cfg, bundle, (hashes, lookup, gate, _) = setup
     for spec in hashes:
@@ -94,11 +103,7 @@ def test_hash_ids_exact(dev, stream, setup):
         try:
             for rows in ROWS:
                 tokens, positions, vocab_map = cases.hash_inputs(RNG, cfg, spec, rows)
-                upload(layer.arena, "tokens", tokens)
-                upload(layer.arena, "positions", positions)
-                layer.upload_vocab_map(vocab_map)
-                poison(layer.arena, "ids")
-                cp.cuda.Device().synchronize()
+                _load_hash_inputs(layer, tokens, positions, vocab_map, "ids")
                 layer.launch_hash(rows).launch(stream)
                 stream.synchronize()
                 got = download(layer.arena, "ids", np.int64, (rows, spec.cols))
@@ -153,11 +158,7 @@ def test_hash_then_lookup_over_a_ranks_real_table(dev, stream, setup):
             rows = 48
             tokens, positions, vocab_map = cases.hash_inputs(RNG, cfg, hspec, rows)
             positions = RNG.integers(0, 50, rows).astype(np.int32)
-            upload(layer.arena, "tokens", tokens)
-            upload(layer.arena, "positions", positions)
-            layer.upload_vocab_map(vocab_map)
-            poison(layer.arena, "heads")
-            cp.cuda.Device().synchronize()
+            _load_hash_inputs(layer, tokens, positions, vocab_map, "heads")
             layer.launch_hash(rows).launch(stream)
             layer.launch_lookup(rows, rank * spec.cols, start).launch(stream)
             stream.synchronize()
