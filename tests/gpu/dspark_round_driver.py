@@ -55,6 +55,8 @@ margins of 0.0006 and 0.002): the accepted counts are printed, not asserted.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from test_dspark_draft_emulated import _check_drafts, _record_bound
 from test_dspark_round_emulated import _within
@@ -383,14 +385,18 @@ def _check_caches(s: DeviceRound, seqs, rnd: int) -> None:
 
 # ---- the rounds ---------------------------------------------------------------------------------
 
-def run_rounds(s: DeviceRound, seqs, rng, rounds: int = ROUNDS) -> None:
+def run_rounds(s: DeviceRound, seqs, rng, rounds: int = ROUNDS,
+               deadline: float | None = None) -> None:
     """`rounds` DSpark rounds of the reference sequences `seqs` (start_sequences') on s.ranks,
-    checked as the module docstring says."""
+    checked as the module docstring says. `deadline` (time.perf_counter()): a round that would
+    start after it fails the run instead (a test's time budget, kept for the whole suite)."""
     cfg, k = s.cfg, s.k
     if len(seqs) != s.seqs:
         raise ValueError(f"run_rounds: {len(seqs)} sequences for a DeviceRound of {s.seqs}")
     _load(s, seqs)                          # the host's row write: the first draft step's rows
     for rnd in range(rounds):
+        assert deadline is None or time.perf_counter() < deadline, (
+            f"over the time budget after {rnd} of {rounds} rounds: {s.summary(rnd)}")
         s.launches += s.ranks.run_plans(s.draft, s.slots * k)
         drafts = _check_draft_step(s, seqs, rnd)
         rows = _blocks(s, seqs, drafts)
