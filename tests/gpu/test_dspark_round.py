@@ -8,38 +8,25 @@ tests/gpu/test_dspark_round_real_slice.py.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 from device_ranks import DeviceRanks
 from dspark_round_driver import ROUNDS, DeviceRound, run_rounds, start_sequences
 from ref_model import new_caches, tiny_checkpoint, tiny_model
 
-from executor.runtime import Bundle
-
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BUNDLE", "build/bundle-tiny"))
 TP, SEQS = 4, 2
 MAX_ROWS = 192              # DeviceRanks' default: the bound tensors' row capacity
 SCRIPTED = {3: (5, 2), 9: (3, 4)}   # round -> greedy tokens leading each sequence's drafts
 
 
 @pytest.fixture(scope="module")
-def bundle(dev):
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
-def device_round(dev, stream, bundle):
+def device_round(dev, stream, tiny_bundle):
     model = tiny_model(TP)
     caches = new_caches(model, max_seqs=SEQS)
-    ranks = DeviceRanks(dev, tiny_checkpoint(), bundle, TP, caches, stream, MAX_ROWS,
+    ranks = DeviceRanks(dev, tiny_checkpoint(), tiny_bundle, TP, caches, stream, MAX_ROWS,
                         dspark=True)
     try:
         yield DeviceRound(model, caches, ranks, SEQS, scripted=SCRIPTED)

@@ -48,11 +48,9 @@ that would start later fails the test, saying how far it got.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,12 +62,10 @@ from dspark_round_driver import ROUNDS, DeviceRound, run_rounds, start_sequences
 from executor.reasons import StepFeature, StepResult
 from executor.reference import dspark as ref_dspark
 from executor.reference.kvcache import KVCaches
-from executor.runtime import Bundle
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-BUNDLE = Path(os.environ.get("HOPDEC_BENCH_BUNDLE", "build/bundle-v41-bench-step-tp4"))
 SEQS, SLOTS = 3, 4                  # slot bucket 4 of the default buckets: one padding slot
 MAX_ROWS = 192
 # No round starts later than this after the fixture began: the test then fails, printing how far
@@ -77,16 +73,6 @@ MAX_ROWS = 192
 BUDGET_S = 170
 PROMPTS = (6, 4, 5)         # one prefill block each (<= 6 rows): one reference forward each
 SCRIPTED = {3: (5, 2, 4)}   # round -> greedy tokens leading each sequence's drafts (5 forwards)
-
-
-@pytest.fixture(scope="module")
-def bundle(dev):
-    if not (BUNDLE / "manifest.json").is_file():
-        pytest.skip(f"no step-benchmark bundle at {BUNDLE} (make bundles, or set "
-                    f"HOPDEC_BENCH_BUNDLE)")
-    b = Bundle.load(dev, BUNDLE)
-    yield b
-    b.close()
 
 
 def _random_vocab_map(rng, cfg) -> np.ndarray:
@@ -104,7 +90,7 @@ def _reference(cfg, synth, caches, rng):
 
 
 @pytest.fixture(scope="module")
-def slice_round(dev, stream, bundle):
+def slice_round(dev, stream, bench_bundle):
     """(DeviceRound, reference sequences, rng, timings, start time) over the packed slice."""
     rng = np.random.default_rng()
     cfg = rs.slice_config_v41(dspark_stages=rs.ROUND_DSPARK_STAGES)
@@ -121,7 +107,7 @@ def slice_round(dev, stream, bundle):
             contents, pack_s = rs.pack_ranks(cfg, synth, MAX_ROWS, modules=rs.ROUND_MODULES)
             timings.append(f"pack {pack_s:.1f} s")
             t1 = time.perf_counter()
-            ranks = DeviceRanks(dev, None, bundle, rs.TP, caches, stream, MAX_ROWS, dspark=True,
+            ranks = DeviceRanks(dev, None, bench_bundle, rs.TP, caches, stream, MAX_ROWS, dspark=True,
                                 packed=PackedRanks(cfg, rs.ROUND_MODULES, tuple(contents)))
             del contents
             timings.append(f"upload {time.perf_counter() - t1:.1f} s")
@@ -157,12 +143,12 @@ def _digests(ranks, rank: int) -> dict[str, str]:
             for name, t in ranks.tensors[rank].items()}
 
 
-def test_declined_calls_write_nothing(dev, stream, bundle, slice_round):
+def test_declined_calls_write_nothing(dev, stream, bench_bundle, slice_round):
     from executor.executor import Executor
 
     s = slice_round[0]
     k = s.k
-    ex = Executor(s.cfg, bundle, None, rs.TP, 0, device=dev, geometry=s.ranks.geometry,
+    ex = Executor(s.cfg, bench_bundle, None, rs.TP, 0, device=dev, geometry=s.ranks.geometry,
                   plan=s.verify[0], draft=s.draft[0], buckets=(SLOTS * (k + 1), MAX_ROWS),
                   dspark=True)
     try:
