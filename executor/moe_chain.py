@@ -196,8 +196,10 @@ def bench_moe_routed(ctx) -> None:
                 if chain.has_coresident():        # round 6: w13 at 2 CTAs/SM, w2 beside
                     chains.append((" bulk co", chain.launches_bulk(rows, "bulk", "bulkw_co",
                                                                    "bulk_co")))
-                if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean"):
-                    chains.append((" bulk lean", chain.launches_bulk(rows, "bulk", "bulkw_lean")))
+                for lean in ("bulkw_lean", "bulkw_lean4"):    # round 6: 128 registers
+                    if ml.warp_routed_fits(chain.available, shape, rows, lean):
+                        chains.append((f" bulk {lean[6:]}",
+                                       chain.launches_bulk(rows, "bulk", lean)))
             if chain.has_selfrouted():
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):

@@ -129,13 +129,16 @@ WARP_ROUTED_MAX_PAIRS = 64
 # Round 6: "<scheme>_co" = the same kernel at CORESIDENT_CTAS per SM (grid and launch bound), so
 # one w2 CTA is resident beside w13's and streams its first weights under w13 (moe-design.md).
 # "bulkw_lean": "bulkw" at 3 CTAs/SM and 128 registers (B fragments LEAN_B_WINDOW groups ahead)
-# so one w2 "bulk" CTA fits beside its 3 CTAs.
-W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_co", "bulkw_lean")
+# so one w2 "bulk" CTA fits beside its 3 CTAs; "bulkw_lean4" the same at 4 CTAs/SM (528 CTAs:
+# one item each at R = 1, where 396 leave 36 CTAs with two).
+W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_co", "bulkw_lean", "bulkw_lean4")
 CORESIDENT_SUFFIX = "_co"
 CORESIDENT_CTAS = 2
-LEAN_SUFFIX = "_lean"
 LEAN_B_WINDOW = 4
 LEAN_LAUNCH_BOUND = 4       # CTAs per SM as the launch bound: 64 K / (4 x 128) = 128 registers
+# (grid CTAs per SM, launch-bound CTAs per SM or 0) of the round-6 w13w variants
+W13W_OCCUPANCY = {"bulkw_co": (CORESIDENT_CTAS, 0), "bulkw_lean": (3, LEAN_LAUNCH_BOUND),
+                  "bulkw_lean4": (4, LEAN_LAUNCH_BOUND)}
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -334,8 +337,8 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
     warps = base.block[0] // LANES
     return [MoeSpec(f"moe_w13w_{shape.tag()}" + (f"_{v}" if v else ""), "w13w", shape,
                     base.block, stages=1, variant=v,
-                    ctas_per_sm=CORESIDENT_CTAS if is_coresident(v) else base.ctas_per_sm,
-                    launch_bound_ctas=LEAN_LAUNCH_BOUND if v.endswith(LEAN_SUFFIX) else 0,
+                    ctas_per_sm=W13W_OCCUPANCY.get(v, (base.ctas_per_sm, 0))[0],
+                    launch_bound_ctas=W13W_OCCUPANCY.get(v, (base.ctas_per_sm, 0))[1],
                     group_commits=True,
                     smem_bytes=(bulk_smem_bytes(shape, warps, v) if v.startswith("bulk")
                                 else base.smem_bytes))
@@ -346,9 +349,14 @@ def is_coresident(variant: str) -> bool:
     return variant.endswith(CORESIDENT_SUFFIX)
 
 
+def is_lean(variant: str) -> bool:
+    """B fragments loaded LEAN_B_WINDOW groups ahead (kernels/moe_bulk.py MoeW13BulkLeanSm90)."""
+    return "_lean" in variant
+
+
 def bulk_scheme(variant: str) -> str:
-    """The copy scheme of a bulk variant ("bulkw_co" and "bulkw_lean" copy as "bulkw")."""
-    return variant.removesuffix(CORESIDENT_SUFFIX).removesuffix(LEAN_SUFFIX)
+    """The copy scheme of a bulk variant ("bulkw_co", "bulkw_lean*" copy as "bulkw")."""
+    return variant.split("_")[0]
 
 
 def bulk_parts(shape: MoeShape, warps: int, variant: str = "bulk") -> int:

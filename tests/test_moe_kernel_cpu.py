@@ -346,7 +346,7 @@ def test_warp_routed_w13_spec_limits_its_rows(config):
         assert spec.params == mk.PARAMS["w13sr"]
         smem = (mk.bulk_smem_bytes(shape, g.block[0] // mk.LANES, spec.variant)
                 if spec.variant.startswith("bulk") else g.smem_bytes)
-        ctas = mk.CORESIDENT_CTAS if mk.is_coresident(spec.variant) else g.ctas_per_sm
+        ctas = mk.W13W_OCCUPANCY.get(spec.variant, (g.ctas_per_sm, 0))[0]
         assert (spec.block, spec.smem_bytes, spec.ctas_per_sm, spec.stages) == (
             g.block, smem, ctas, g.stages)
         assert spec.grid(top)[0] == min(g.work_items(top), 132 * ctas)
@@ -424,21 +424,24 @@ def test_coresident_w13_leaves_room_for_one_w2_cta(config):
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
-def test_lean_w13w_keeps_3_ctas_with_a_128_register_bound(config):
-    """Round 6: w13w "bulkw_lean" is "bulkw"'s stage and grid (3 CTAs/SM) compiled for
-    LEAN_LAUNCH_BOUND CTAs (64 K / (4 x 128): 128 registers, the build checks no spill), so its
-    3 CTAs take 48 K registers and one w2 "bulk" CTA (256 threads x 64) the other 16 K; shared
-    memory: 3 x (stage + 1 KB) + (w2 + 1 KB) <= 228 KB."""
+@pytest.mark.parametrize(("variant", "ctas"), [("bulkw_lean", 3), ("bulkw_lean4", 4)])
+def test_lean_w13w_runs_at_a_128_register_bound(config, variant, ctas):
+    """Round 6: w13w "bulkw_lean*" is "bulkw"'s stage at 3 or 4 CTAs/SM compiled for
+    LEAN_LAUNCH_BOUND CTAs (64 K / (4 x 128): 128 registers, the build checks no spill): 3 of
+    them leave 16 K registers and the shared memory for one w2 "bulk" CTA (256 threads x 64);
+    4 fill the SM (one item per CTA at R = 1). Shared memory within 228 KB (1 KB a CTA)."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     every = {(s.kind, s.variant): s for s in mk.warp_routed_specs(shape) + mk.variant_specs(shape)}
-    lean, base, w2 = every[("w13w", "bulkw_lean")], every[("w13w", "bulkw")], every[("w2", "bulk")]
-    assert mk.bulk_scheme(lean.variant) == "bulkw" and not mk.is_coresident(lean.variant)
-    assert (lean.block, lean.smem_bytes, lean.ctas_per_sm) == (base.block, base.smem_bytes,
-                                                                base.ctas_per_sm)
-    assert lean.grid(8) == base.grid(8) and lean.launch_bound == mk.LEAN_LAUNCH_BOUND
+    lean, base, w2 = every[("w13w", variant)], every[("w13w", "bulkw")], every[("w2", "bulk")]
+    assert mk.bulk_scheme(lean.variant) == "bulkw" and mk.is_lean(lean.variant)
+    assert not mk.is_coresident(lean.variant) and not mk.is_lean(base.variant)
+    assert (lean.block, lean.smem_bytes) == (base.block, base.smem_bytes)
+    assert lean.ctas_per_sm == ctas and lean.launch_bound == mk.LEAN_LAUNCH_BOUND
+    assert lean.grid(8)[0] == min(lean.work_items(8), 132 * ctas)
     assert base.launch_bound == base.ctas_per_sm and "launch_bound_ctas" not in base.to_dict()
-    regs = 65536 // (lean.launch_bound * lean.block[0])
-    assert lean.ctas_per_sm * lean.block[0] * regs + w2.block[0] * 64 <= 65536
-    assert lean.ctas_per_sm * (lean.smem_bytes + 1024) + w2.smem_bytes + 1024 <= 228 * 1024
+    regs = min(255, 65536 // (lean.launch_bound * lean.block[0]))     # v41 (128 threads): 128
+    beside = [w2] if ctas == 3 else []
+    assert ctas * lean.block[0] * regs + sum(s.block[0] * 64 for s in beside) <= 65536
+    assert ctas * (lean.smem_bytes + 1024) + sum(s.smem_bytes + 1024 for s in beside) <= 228 * 1024
     groups = shape.k13 // mk.COL_K // (lean.block[0] // mk.LANES) // 2     # per warp slice
     assert mk.LEAN_B_WINDOW >= 1 and (groups == 1 or mk.LEAN_B_WINDOW < groups)  # v41: 4 of 10

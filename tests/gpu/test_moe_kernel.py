@@ -128,8 +128,9 @@ def test_moe_chain_matches_reference(setup, kind, rows):
         variants[:0] = [("bulk", w2) for w2 in ("bulk", "bulkp") if ("w2", w2) in chain.available]
         if chain.has_coresident():                  # round 6: w13 "_co" + w2 "bulk"
             variants.insert(0, ("bulk co", "bulk"))
-        if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean"):
-            variants.insert(0, ("bulk lean", "bulk"))   # round 6: w13w at 128 registers
+        for lean in ("bulkw_lean", "bulkw_lean4"):     # round 6: w13w at 128 registers
+            if ml.warp_routed_fits(chain.available, shape, rows, lean):
+                variants.insert(0, (lean, "bulk"))
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
@@ -137,8 +138,8 @@ def test_moe_chain_matches_reference(setup, kind, rows):
             launches = chain.launches_bulk(rows, w2)
         elif w13 == "bulk co":
             launches = chain.launches_bulk(rows, w2, "bulkw_co", "bulk_co")
-        elif w13 == "bulk lean":
-            launches = chain.launches_bulk(rows, w2, "bulkw_lean")
+        elif w13 in ("bulkw_lean", "bulkw_lean4"):
+            launches = chain.launches_bulk(rows, w2, w13)
         elif isinstance(w13, tuple):
             launches = chain.launches_warp_routed(rows, w2, w13[1])
         else:
