@@ -235,7 +235,7 @@ def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     import cupy as cp
 
     from executor import moe_timeline as tl
-    if not any(n.endswith("_tl") for n in chain.bundle.names()):
+    if not any(n.startswith("moe_") and n.endswith("_tl") for n in chain.bundle.names()):
         ctx.metric(f"moe timeline R={rows}: no timeline builds in the bundle", 0, "-")
         return
     ctas = mk.H200_NUM_SMS * 4

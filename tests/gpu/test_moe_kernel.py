@@ -208,7 +208,7 @@ def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, coresident):
     landed / epilogue events reached by every CTA with an item) on an SM id < the SM count."""
     from executor import moe_timeline as tl
     shape, chain, pool_ids, _, stream = setup
-    if not any(n.endswith("_tl") for n in chain.bundle.names()):
+    if not any(n.startswith("moe_") and n.endswith("_tl") for n in chain.bundle.names()):
         pytest.fail("the bundle has no MoE timeline builds (mk.timeline_specs)")
     rng = np.random.default_rng()
     ids = _routing(rng, "uniform", rows, pool_ids, shape.topk).astype(np.int32)
