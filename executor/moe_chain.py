@@ -201,6 +201,11 @@ def bench_moe_routed(ctx) -> None:
                         chains.append((f" bulk {lean[6:]}",
                                        chain.launches_bulk(rows, "bulk", lean)))
             if chain.has_selfrouted():
+                for w13w in ("bulkw", "bulkw_lean4"):     # round 6: w13w in the self-routed chain
+                    if ml.warp_routed_fits(chain.available, shape, rows, w13w):
+                        chains.append((f" selfrouted w13w {w13w}", ml.selfrouted_w13w_launches(
+                            chain.bundle, shape, chain.ptrs, rows, w13w,
+                            available=chain.available)))
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
                     w2 = ("early" if w13 in ("early", "bulk", "bulkw", "bulk_co") and w2_early

@@ -192,6 +192,25 @@ def test_selfrouted_chains_equal_the_reference(setup, kind, rows):
             assert (s.arena.view(name, np.uint8) == 0xFF).all(), f"{what}: {name} written"
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 10])
+def test_selfrouted_w13w_chain_equals_the_reference(setup, rows):
+    """Round 6: xquant -> w13w (register routing, e.g. "bulkw_lean4") -> w2sr early ->
+    combine: the reference's y, x quantized, no meta / pairs written; refused past 64 pairs."""
+    s = setup
+    x, _, want = s.inputs("uniform", rows)
+    for w13w in ("bulkw", "bulkw_lean4"):
+        what = f"self-routed w13w chain (R={rows}, w13w={w13w!r})"
+        y_full = s.run(ml.selfrouted_w13w_launches(s.bundle, s.shape, s.ptrs, rows, w13w))
+        _check_y(y_full, want, what)
+        _check_xq(s, x, what)
+        _check_poison_past(s, rows, y_full, what)
+        for name in ("meta", "pairs"):
+            assert (s.arena.view(name, np.uint8) == 0xFF).all(), f"{what}: {name} written"
+    too_many = mk.WARP_ROUTED_MAX_PAIRS // s.shape.topk + 1
+    with pytest.raises(KeyError, match="rows \\* topk"):
+        ml.selfrouted_w13w_launches(s.bundle, s.shape, s.ptrs, too_many, "bulkw_lean4")
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_step_launches_pick_the_measured_winners(setup, rows):
     s = setup

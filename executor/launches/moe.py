@@ -190,6 +190,22 @@ def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], row
     return [_launch(bundle, available[key], ptrs, rows) for key in keys]
 
 
+def selfrouted_w13w_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                             w13w: str, w2: str = SELFROUTED_EARLY,
+                             available=None) -> list[LaunchSpec]:
+    """xquant -> w13w `w13w` -> w2sr `w2` -> combine: the self-routed chain with the
+    register-routed w13 (rows * topk <= mk.WARP_ROUTED_MAX_PAIRS; the same ABI and y as w13sr),
+    e.g. "bulkw_lean4" at 4 CTAs/SM where w13sr's lists keep it at 3."""
+    available = available_specs(bundle, shape) if available is None else available
+    if not warp_routed_fits(available, shape, rows, w13w):
+        raise KeyError(f"no moe_w13w {w13w!r} of {shape.tag()} for rows={rows} (have "
+                       f"{variant_names(available, 'w13w')}; rows * topk <= "
+                       f"{mk.WARP_ROUTED_MAX_PAIRS})")
+    xquant, _, w2_spec, combine = selfrouted_launches(bundle, shape, ptrs, rows, "", w2,
+                                                      available)
+    return [xquant, _launch(bundle, available[("w13w", w13w)], ptrs, rows), w2_spec, combine]
+
+
 def warp_routed_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
                          w2: str | None = None, available=None,
                          w13w: str = "early") -> list[LaunchSpec]:

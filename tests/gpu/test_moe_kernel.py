@@ -185,9 +185,14 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
     if "early" in chain.selfrouted_variants("w2sr"):   # the step's / benchmark's pairs
         pairs += [(w13, "early") for w13 in ("bulk", "bulkw", "bulk_co")
                   if w13 in chain.selfrouted_variants("w13sr")]
+    # round 6: the register-routed w13w in that chain (xquant -> w13w -> w2sr early -> combine)
+    pairs += [(("w13w", v), "early") for v in ("bulkw", "bulkw_lean4")
+              if ml.warp_routed_fits(chain.available, shape, rows, v)]
     for w13, w2 in pairs:
         chain.poison_outputs()
-        for spec in chain.launches_selfrouted(rows, w13=w13, w2=w2):
+        launches = (ml.selfrouted_w13w_launches(chain.bundle, shape, chain.ptrs, rows, w13[1], w2)
+                    if isinstance(w13, tuple) else chain.launches_selfrouted(rows, w13=w13, w2=w2))
+        for spec in launches:
             spec.launch(stream)
         stream.synchronize()
         y = chain.download("y", np.float32, (rows, shape.hidden))
