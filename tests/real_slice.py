@@ -210,8 +210,9 @@ class _Experts:
         return self._done[u]
 
 
-def reference_model(cfg: ModelConfig, synth: SharedSynth) -> ReferenceModel:
-    """The NumPy reference of the slice at TP 4 over the same values the ranks pack."""
+def reference_model(cfg: ModelConfig, synth: SharedSynth, rank_workers: int = 1) -> ReferenceModel:
+    """The NumPy reference of the slice at TP 4 over the same values the ranks pack
+    (`rank_workers`: ReferenceModel's threads for the ranks' parts)."""
     unique = stage_ffn_few_experts.UNIQUE_EXPERTS
     ranks = tuple(RankWeights(cfg, synth.fetch(r, alias_experts=unique), TP, r)
                   for r in range(TP))
@@ -219,7 +220,7 @@ def reference_model(cfg: ModelConfig, synth: SharedSynth) -> ReferenceModel:
         for spec in cfg.layers:                 # the DSpark stages' too (128 experts each)
             lw = rank.layer(spec.index)
             lw.experts = _Experts(lw, lw.num_experts, unique)       # overrides the cached list
-    return ReferenceModel(cfg, ranks)
+    return ReferenceModel(cfg, ranks, rank_workers=rank_workers)
 
 
 # ---- the reference run, in its own process (overlapping the ranks' packing) ----------------------

@@ -109,7 +109,7 @@ def draft_base_logits_many(model: ref_step.ReferenceModel, caches,
         ref_step.run_layer(model, layer, state, rows, caches, history=None)
     last = cfg.num_layers_total - 1
     hidden = ref_step.finish(model, state, model.ranks[0].layer(last).vector("norm.weight"))
-    logits = [head_ref.head_logits(hidden, rank.head) for rank in model.ranks]
+    logits = model.map_ranks(lambda rank: head_ref.head_logits(hidden, rank.head), model.ranks)
     return [[part[rows.seq_rows(q)] for part in logits] for q in range(len(seqs))]
 
 

@@ -28,7 +28,8 @@ have no Engram.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,12 +65,15 @@ class ReferenceModel:
     """The model on `tp` ranks: one RankWeights per rank. `engram_vocab_map`: None = the map the
     weights serve (loader.engram_vocab.fetch_vocab_map: a checkpoint's file, a synthetic map, the
     identity where none is needed, else an error naming the ways to supply one), an int32
-    [vocab_size] array, or engram_vocab.IDENTITY (hash raw ids: the explicit opt-out)."""
+    [vocab_size] array, or engram_vocab.IDENTITY (hash raw ids: the explicit opt-out).
+    `rank_workers` > 1 runs the ranks' MoE and head on that many threads (`map_ranks`): the
+    same values, in less time where the weights are large."""
 
     cfg: ModelConfig
     ranks: tuple[RankWeights, ...]
     exact: bool = False
     engram_vocab_map: np.ndarray | str | None = None
+    rank_workers: int = 1
 
     @property
     def tp(self) -> int:
@@ -84,6 +88,16 @@ class ReferenceModel:
 
     def layer(self, index: int) -> list[LayerWeights]:
         return [r.layer(index) for r in self.ranks]
+
+    def map_ranks(self, fn: Callable, items) -> list:
+        """[fn(item) for item in items], on `rank_workers` threads when > 1. Each rank's part
+        reads only its own weights and the shared inputs, and NumPy releases the GIL in its
+        conversions and matmuls, so the ranks run at once and return what they would in turn."""
+        items = list(items)
+        if self.rank_workers <= 1 or len(items) < 2:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(min(self.rank_workers, len(items))) as pool:
+            return list(pool.map(fn, items))
 
 
 @dataclass
@@ -177,8 +191,9 @@ def moe_sublayer(model: ReferenceModel, layer: int, x: np.ndarray) -> np.ndarray
     lw0 = lws[0]
     routing = moe_ref.route(x, lw0.vector("ffn.gate.weight"), lw0.vector("ffn.gate.bias"), lw0.topk,
                             cfg.routed_scaling_factor)
-    partials = [moe_ref.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
-                                    quantize_acts=not model.exact) for lw in lws]
+    partials = model.map_ranks(
+        lambda lw: moe_ref.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
+                                       quantize_acts=not model.exact), lws)
     return all_reduce(partials)
 
 
@@ -219,9 +234,9 @@ def finish(model: ReferenceModel, state: StreamState, norm_weight: np.ndarray) -
 
 def head_and_argmax(model: ReferenceModel, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-rank BF16 head logits, split-vocab greedy pick: (tokens [R], logits [R, V])."""
-    values, indices, shards = [], [], []
-    for rank in model.ranks:
-        logits = head_ref.head_logits(hidden, rank.head)
+    values, indices = [], []
+    shards = model.map_ranks(lambda rank: head_ref.head_logits(hidden, rank.head), model.ranks)
+    for rank, logits in zip(model.ranks, shards):
         v, i = head_ref.local_argmax(logits, rank.vocab_offset)
         values.append(v)
         indices.append(i)

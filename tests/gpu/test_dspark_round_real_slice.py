@@ -83,7 +83,7 @@ def _random_vocab_map(rng, cfg) -> np.ndarray:
 def _reference(cfg, synth, caches, rng):
     """The reference model, its sequences prefilled, every weight the rounds read dequantized
     (a draft of each sequence on a copy of the caches); runs on a thread beside the packing."""
-    model = rs.reference_model(cfg, synth)
+    model = rs.reference_model(cfg, synth, rank_workers=rs.TP)
     seqs = start_sequences(model, caches, SEQS, rng, PROMPTS)
     ref_dspark.draft_base_logits_many(model, caches.copy(), seqs)
     return model, seqs
