@@ -41,7 +41,7 @@ on threads) and upload, ~40-60 s, and on a thread the reference's first use of e
 dequantization, ~4.5 G values), the three prefills and a draft; then 16 rounds, each the
 device's two plans (~2 x 50 host collectives over 4 ranks) and the reference's batched draft
 and verify forwards (every reference matmul converts its weight to float64: the head alone is
-~2.6 G values a forward). Not measured on a GPU yet, nor here (this machine's 23 GB cannot hold
+~2.6 G values a forward; the ranks' MoE and head run on 4 threads, `rank_workers`). Not measured on a GPU yet, nor here (this machine's 23 GB cannot hold
 the reference: docs/notes/dspark-round.md). BUDGET_S bounds it for the suite's sake: a round
 that would start later fails the test, saying how far it got.
 """
