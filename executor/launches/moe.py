@@ -92,8 +92,10 @@ BULK_W13W = "bulkw"
 # up to CORESIDENT_MAX_ROWS the step's w13w BULK_W13W -> "bulkw_co" (below
 # SELFROUTED_FROM_ROWS), w13sr STEP_SELFROUTED_W13 -> "bulk_co" (from there); above it, where each
 # w13 CTA has many items, a third of w13's warps would be given up for one seam. Revert:
-# STEP_CORESIDENT = False.
-STEP_CORESIDENT = True
+# STEP_CORESIDENT = False. Run r6e (21:00): "_co" no faster at R = 1 (bulk co 25.31 vs bulk
+# 24.88 us) and much slower from R = 2 (38.48 vs 36.90; R = 6 selfrouted bulk_co 86.91 vs bulk
+# 72.66): the timeline showed every w2 CTA already resident under w13 without it. Off.
+STEP_CORESIDENT = False
 CORESIDENT_MAX_ROWS = 8
 # The w13w of that chain below SELFROUTED_FROM_ROWS: "bulkw_co" (2 CTAs/SM) or "bulkw_lean" (3
 # CTAs/SM at 128 registers, B fragments loaded 4 groups ahead; one w2 "bulk" CTA fits beside).
