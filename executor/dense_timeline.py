@@ -260,7 +260,10 @@ def _metrics(ctx, label: str, case: str, stats: dict, grid: dict) -> None:
 
 
 def _label(spec: dr.DenseSpec) -> str:
-    return spec.name.removeprefix("dense_w8a16_").split("_n")[0]
+    """The layer, plus what sets a candidate apart (e.g. `wqa_wkv_u1024`)."""
+    layer = spec.name.removeprefix("dense_w8a16_").split("_n")[0]
+    tail = spec.name.removesuffix("_timeline").split(f"_r8_{spec.epilogue}")[-1]
+    return layer + tail
 
 
 def _collect(ctx, bundle, spec: dr.DenseSpec, runner_class, doc: dict, cases: list,

@@ -338,11 +338,13 @@ def choose_stream_unit_k(tiles: int, k: int) -> int:
     return max(cands, key=score)
 
 
-def stream_layout(tiles: int, k: int, whole_tiles: bool = False) -> tuple[int, int, int]:
+def stream_layout(tiles: int, k: int, whole_tiles: bool = False,
+                  unit_k: int = 0) -> tuple[int, int, int]:
     """(unit_k, ctas, stages) of the streamed kernel: the whole CTA slice in the ring when it
     fits the smem budget (every weight byte in flight before griddepcontrol.wait), else a ring.
-    whole_tiles: one CTA per tile up to 132, then [T*c/C, T*(c+1)/C) tiles each."""
-    unit_k = choose_stream_unit_k(tiles, k)
+    whole_tiles: one CTA per tile up to 132, then [T*c/C, T*(c+1)/C) tiles each. unit_k: the
+    choice of `choose_stream_unit_k` unless given (a candidate's)."""
+    unit_k = unit_k or choose_stream_unit_k(tiles, k)
     units = tiles * (k // unit_k)
     ctas = min(H200_NUM_SMS, tiles if whole_tiles else units)
     probe = DenseSpec("probe", TILE_N, k, 1, 1, "bf16", 1, "stream", unit_k, 1, 1)
@@ -357,10 +359,12 @@ def stream_layout(tiles: int, k: int, whole_tiles: bool = False) -> tuple[int, i
 def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1,
               epilogue: str = "bf16", prefix: str = "dense_w8a16",
               variant: str | None = None, swiglu_limit: float = 0.0,
-              timeline: bool = False) -> DenseSpec:
+              timeline: bool = False, unit_k: int = 0) -> DenseSpec:
     """Validated spec; the name carries every compile-time choice. The step's kernel
     (`default_variant`) has the plain name, another variant the suffix `_<VARIANT_TAGS>`, a
-    timeline one `_timeline` after that (never picked by the step: executor/launches/dense.py)."""
+    timeline one `_timeline` after that (never picked by the step: executor/launches/dense.py).
+    unit_k (streamed only): K bytes per unit instead of `choose_stream_unit_k`'s, suffix `_u<K>`
+    before `_timeline`."""
     default = default_variant(label, row_tiles)
     if default in ("stream_xts", "stream_xtb") and k % (4 * FP8_BLOCK):
         default = "stream_xt"               # 4-byte scale copies need K % 128 == 0
@@ -394,6 +398,10 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     name += f"_r{ROW_TILE * row_tiles}_{epilogue}"
     if variant != default:
         name += f"_{VARIANT_TAGS[variant]}"
+    if unit_k and (variant not in STREAM_VARIANTS or k % unit_k or unit_k % CHUNK_K):
+        raise ValueError(f"{label}: unit_k {unit_k} needs a streamed variant (got {variant!r}), "
+                         f"K % unit_k == 0 and unit_k % {CHUNK_K} == 0 (K = {k})")
+    name += f"_u{unit_k}" if unit_k else ""
     if timeline and variant not in WHOLE_TILE_VARIANTS:
         raise ValueError(f"{label}: the timeline stamps take the workspace, which only the "
                          f"whole-tile variants {WHOLE_TILE_VARIANTS} leave free; got {variant!r}")
@@ -401,7 +409,8 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if variant == "mma":
         return DenseSpec(name, n, k, groups, row_tiles, epilogue, split,
                          swiglu_limit=swiglu_limit)
-    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k, variant in WHOLE_TILE_VARIANTS)
+    unit_k, ctas, stages = stream_layout(groups * n // TILE_N, k, variant in WHOLE_TILE_VARIANTS,
+                                         unit_k)
     spec = DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
                      swiglu_limit, timeline)
     if spec.bulk and (stages < spec.units_per_cta or spec.tiles_per_cta > BULK_MBARRIERS
@@ -473,6 +482,12 @@ R8_VARIANT = R8_VARIANT_ROUND5          # revert: = R8_VARIANT_ROUND4 (round 3: 
 R8_CANDIDATES: dict[str, tuple[str, ...]] = {
     label: ("stream_xt", "stream_xts", "stream_xtb") for label, v in R8_VARIANT_ROUND4.items()
     if v == "stream_xt"}
+# Round 6 (the timeline, docs/notes/dense-design.md): a unit costs ~600-650 cycles after the
+# wait whether it holds 1 chunk per warp (wq_a|wkv, unit 512) or 2 (wo_b, unit 1024): fewer,
+# larger units. (label, variant, unit_k) beside the step's kernel, with a timeline twin.
+R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
+    "wqa_wkv": (("stream_xtb", 1024),), "wo_b": (("stream_xtb", 2048),),
+    "wq_b": (("stream_xts", 1280),)}
 
 
 def default_variant(label: str, row_tiles: int) -> str:
@@ -483,8 +498,10 @@ def candidate_specs(label: str, n: int, k: int, groups: int = 1,
                     prefix: str = "dense_w8a16") -> list[DenseSpec]:
     """The R <= 8 variants of `label` other than the step's (bf16 epilogue): benchmark + test."""
     default = default_variant(label, 1)
-    return [make_spec(label, n, k, groups=groups, prefix=prefix, variant=v)
-            for v in R8_CANDIDATES.get(label, ()) if v != default]
+    return ([make_spec(label, n, k, groups=groups, prefix=prefix, variant=v)
+             for v in R8_CANDIDATES.get(label, ()) if v != default]
+            + [make_spec(label, n, k, groups=groups, prefix=prefix, variant=v, unit_k=u)
+               for v, u in R8_UNIT_CANDIDATES.get(label, ()) if k % u == 0])
 
 
 def timeline_specs(shapes: dict) -> list[DenseSpec]:
@@ -496,6 +513,8 @@ def timeline_specs(shapes: dict) -> list[DenseSpec]:
         step = make_spec(label, n, k)
         if step.variant in WHOLE_TILE_VARIANTS:
             out.append(make_spec(label, n, k, variant=step.variant, timeline=True))
+        out += [make_spec(label, n, k, variant=v, unit_k=u, timeline=True)
+                for v, u in R8_UNIT_CANDIDATES.get(label, ()) if k % u == 0]
     return out
 
 

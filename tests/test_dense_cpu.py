@@ -260,7 +260,8 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
     defaults = [s for s in dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4) if s.streamed]
     assert {s.variant for s in defaults} == set(dr.STREAM_VARIANTS), "a variant is not built"
     for s in every_layer + defaults:
-        assert s.k % s.unit_k == 0 and s.unit_k % 32 == 0 and s.unit_k <= dr.STREAM_MAX_UNIT_K
+        assert s.k % s.unit_k == 0 and s.unit_k % 32 == 0
+        assert s.unit_k <= dr.STREAM_MAX_UNIT_K or f"_u{s.unit_k}" in s.name   # or a candidate's
         assert s.stage_bytes == 16 * 64 * -(-s.unit_k // 64)
         assert s.smem_bytes <= dr.STREAM_SMEM_BUDGET and 1 <= s.ctas <= 132
         owner = np.full(s.units, -1)
@@ -322,6 +323,7 @@ def test_step_variant_names_and_candidates(v41):
         tag = dr.VARIANT_TAGS[s.variant]
         name = s.name.removesuffix("_timeline") if s.timeline else s.name
         assert s.timeline == s.name.endswith("_timeline")
+        name = name.removesuffix(f"_u{s.unit_k}")      # a unit-size candidate (round 6)
         assert name.endswith(f"_{s.epilogue}" if s.variant == default else f"_{tag}")
     plain_r8 = {s.name: s.variant for s in specs if s.row_tiles == 1 and s.name.endswith("_bf16")}
     assert plain_r8["dense_w8a16_wq_b_n8192_k1280_r8_bf16"] == dr.R8_VARIANT.get("wq_b", "mma")

@@ -117,11 +117,11 @@ def test_timeline_specs_are_the_step_kernels_with_stamps_and_never_picked():
         assert {s.name.split("_n")[0].removeprefix("dense_w8a16_") for s in timeline} \
             == set(dr.TIMELINE_LABELS)
         for s in timeline:
-            step = s.name.removesuffix("_timeline")
-            assert step in names and s.name.endswith("_r8_bf16_timeline")
-            plain = dr.DenseSpec.from_dict(dict(dr.make_spec(
-                s.name.split("_n")[0].removeprefix("dense_w8a16_"), s.n, s.k).to_dict()))
-            assert plain.variant == s.variant and plain.workspace_bytes() == 0
+            twin = s.name.removesuffix("_timeline")      # the step's kernel or a candidate
+            assert twin in names and s.name.endswith("_timeline") and "_r8_bf16" in s.name
+            plain = next(x for x in specs if x.name == twin)
+            assert (plain.variant, plain.unit_k) == (s.variant, s.unit_k)
+            assert plain.workspace_bytes() == 0
             assert s.workspace_bytes() == s.ctas * dr.TIMELINE_WORDS * 8
             assert dr.DenseSpec.from_dict(s.to_dict()) == s
         assert all("timeline" not in s.to_dict() for s in specs if not s.timeline)
@@ -188,7 +188,10 @@ def test_the_family_benchmark_reports_every_case_and_writes_the_stamps(tmp_path,
     ghz = next(v for m, v, *_ in ctx.rows if m.startswith("tl SM clock"))
     assert ghz == pytest.approx(1.755, rel=0.01)
     doc = json.loads((tmp_path / tl.JSON_NAME).read_text())
-    assert doc["globaltimer_gcd_ns"] == 32 and len(doc["kernels"]) == 3
+    timeline = [s for s in specs if s.timeline]
+    assert doc["globaltimer_gcd_ns"] == 32 and len(doc["kernels"]) == len(timeline) >= 3
+    assert all(f"tl {tl._label(s)} R6 chain #4 total" in " ".join(names) for s in timeline)
+    assert len({tl._label(s) for s in timeline}) == len(timeline)       # one row set each
     kdoc = doc["kernels"][next(s.name for s in specs if s.timeline)]
     assert len(kdoc["R1 chain"]) == tl.CHAIN_REPLAYS and len(kdoc["R1 chain"][0]) == tl.CHAIN
     assert len(kdoc["R6 iso"]) == tl.ISO_REPS
