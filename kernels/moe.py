@@ -492,14 +492,14 @@ def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     """The four kernels of the routed MoE at this config's rank shape, then the candidate
     w13 / w2 variants (`mk.variant_specs`: the step launches some, launches/moe.py
     STEP_VARIANTS) and the self-routed chain (`mk.selfrouted_specs`); the same for the DSpark
-    stages' shape when it differs; the step's w13 / w2 as timeline builds (`mk.timeline_specs`,
-    the backbone's shape only)."""
+    stages' shape when it differs; the step's w13 / w2 as timeline builds of each shape
+    (`mk.timeline_specs`)."""
     shape, *others = mk.moe_shapes(cfg, tp)
     out = (mk.make_specs(shape) + mk.variant_specs(shape) + mk.warp_routed_specs(shape)
            + mk.selfrouted_specs(shape) + mk.timeline_specs(shape))
     for other in others:
         out += (mk.make_specs(other) + mk.variant_specs(other) + mk.warp_routed_specs(other)
-                + mk.selfrouted_specs(other))
+                + mk.selfrouted_specs(other) + mk.timeline_specs(other))
     return out
 
 
