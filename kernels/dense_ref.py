@@ -401,7 +401,9 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if unit_k and (variant not in STREAM_VARIANTS or k % unit_k or unit_k % CHUNK_K):
         raise ValueError(f"{label}: unit_k {unit_k} needs a streamed variant (got {variant!r}), "
                          f"K % unit_k == 0 and unit_k % {CHUNK_K} == 0 (K = {k})")
-    name += f"_u{unit_k}" if unit_k else ""
+    step_unit = step_unit_k(label, k) if row_tiles == 1 and variant == default else 0
+    name += f"_u{unit_k}" if unit_k and unit_k != step_unit else ""
+    unit_k = unit_k or step_unit
     if timeline and variant not in WHOLE_TILE_VARIANTS:
         raise ValueError(f"{label}: the timeline stamps take the workspace, which only the "
                          f"whole-tile variants {WHOLE_TILE_VARIANTS} leave free; got {variant!r}")
@@ -485,6 +487,7 @@ R8_CANDIDATES: dict[str, tuple[str, ...]] = {
 # Round 6 (the timeline, docs/notes/dense-design.md): a unit costs ~600-650 cycles after the
 # wait whether it holds 1 chunk per warp (wq_a|wkv, unit 512) or 2 (wo_b, unit 1024): fewer,
 # larger units. (label, variant, unit_k) beside the step's kernel, with a timeline twin.
+R8_UNIT_K: dict[str, int] = {}       # the step's unit_k where not choose_stream_unit_k's
 R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
     "wqa_wkv": (("stream_xtb", 1024),), "wo_b": (("stream_xtb", 2048),),
     "wq_b": (("stream_xts", 1280),)}
@@ -494,6 +497,19 @@ def default_variant(label: str, row_tiles: int) -> str:
     return R8_VARIANT.get(label, "mma") if row_tiles == 1 else "mma"
 
 
+def step_unit_k(label: str, k: int) -> int:
+    """The step's R <= 8 unit_k for `label` from R8_UNIT_K (0: choose_stream_unit_k's)."""
+    unit = R8_UNIT_K.get(label, 0)
+    return unit if unit and k % unit == 0 else 0
+
+
+def unit_candidates(label: str, k: int) -> list[tuple[str, int]]:
+    """(variant, unit_k) of R8_UNIT_CANDIDATES that K allows and the step does not already use."""
+    default = default_variant(label, 1)
+    return [(v, u) for v, u in R8_UNIT_CANDIDATES.get(label, ())
+            if k % u == 0 and (v, u) != (default, step_unit_k(label, k))]
+
+
 def candidate_specs(label: str, n: int, k: int, groups: int = 1,
                     prefix: str = "dense_w8a16") -> list[DenseSpec]:
     """The R <= 8 variants of `label` other than the step's (bf16 epilogue): benchmark + test."""
@@ -501,7 +517,7 @@ def candidate_specs(label: str, n: int, k: int, groups: int = 1,
     return ([make_spec(label, n, k, groups=groups, prefix=prefix, variant=v)
              for v in R8_CANDIDATES.get(label, ()) if v != default]
             + [make_spec(label, n, k, groups=groups, prefix=prefix, variant=v, unit_k=u)
-               for v, u in R8_UNIT_CANDIDATES.get(label, ()) if k % u == 0])
+               for v, u in unit_candidates(label, k)])
 
 
 def timeline_specs(shapes: dict) -> list[DenseSpec]:
@@ -514,7 +530,7 @@ def timeline_specs(shapes: dict) -> list[DenseSpec]:
         if step.variant in WHOLE_TILE_VARIANTS:
             out.append(make_spec(label, n, k, variant=step.variant, timeline=True))
         out += [make_spec(label, n, k, variant=v, unit_k=u, timeline=True)
-                for v, u in R8_UNIT_CANDIDATES.get(label, ()) if k % u == 0]
+                for v, u in unit_candidates(label, k)]
     return out
 
 
