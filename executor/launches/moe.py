@@ -100,14 +100,19 @@ CORESIDENT_MAX_ROWS = 8
 # The w13w of that chain below SELFROUTED_FROM_ROWS: "bulkw_co" (2 CTAs/SM) or "bulkw_lean" (3
 # CTAs/SM at 128 registers, B fragments loaded 4 groups ahead; one w2 "bulk" CTA fits beside).
 CORESIDENT_W13W = "bulkw_co"
+# The bulk chain's w13w by rows where it is not BULK_W13W. Run r6e's timeline: at R = 1 w13 ends
+# at 11.8 us though a CTA's life is 7.2 us median: 432 items on 396 CTAs leave 36 with two.
+# "bulkw_lean4" runs 528 CTAs (one item each; 128 registers, B fragments 4 groups ahead, which
+# r6e measured neutral at R = 1 and slower from R = 2). Revert: STEP_W13W_BY_ROWS = {}.
+STEP_W13W_BY_ROWS = {1: "bulkw_lean4"}
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
     """(w13w, w13sr) variants the step launches at `rows` (STEP_CORESIDENT picks the "_co"
-    ones up to CORESIDENT_MAX_ROWS)."""
+    ones up to CORESIDENT_MAX_ROWS; STEP_W13W_BY_ROWS the bulk chain's w13w by rows)."""
     if STEP_CORESIDENT and rows <= CORESIDENT_MAX_ROWS:
         return CORESIDENT_W13W, STEP_SELFROUTED_W13 + mk.CORESIDENT_SUFFIX
-    return BULK_W13W, STEP_SELFROUTED_W13
+    return STEP_W13W_BY_ROWS.get(rows, BULK_W13W), STEP_SELFROUTED_W13
 
 
 def shape_of(spec: Mapping) -> mk.MoeShape:
