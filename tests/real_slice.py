@@ -14,10 +14,12 @@ What the slice keeps and what it cuts (each cut changes no value the test's step
 - One DSpark stage, targeting layer N-1, instead of v41's three: the step's buffers are sized by
   the DSpark widths (loader.synth's slice drops DSpark altogether, which the dense specs cannot
   size: main_proj would have K = 0); the decode step never runs a DSpark stage. The DSpark round
-  test (tests/gpu/test_dspark_round_real_slice.py) takes v41's three stages, targeting layers
-  N-3..N-1 (`slice_config_v41(dspark_stages=3)`): its kernels are then exactly v41's (one stage
-  would need a main_proj of K = 5120 and an aux kernel of one target that no bundle builds), and
-  `ROUND_MODULES` packs the stages' FFNs (128 experts each, e % 4's values) and the DSpark heads.
+  test (tests/gpu/test_dspark_round_real_slice.py) takes v41's three stages on layers 0-4,
+  targeting layers 2-4 (`slice_config_v41(ROUND_LAYERS, 3)`; layer 4 is a ratio-2 reuse layer
+  like 3): its kernels are then exactly v41's (one stage would need a main_proj of K = 5120 and
+  an aux kernel of one target that no bundle builds; the aux is not wired at the Engram layer
+  1), and `ROUND_MODULES` packs the stages' FFNs (128 experts each, e % 4's values) and the
+  DSpark heads.
 - Engram tables cut as the step benchmark cuts them (`bench_step.bench_config`, 16384 buckets a
   column instead of 16M; hashed and read the same way), and RoPE tables of 64k positions instead
   of 1M (the steps' positions are < 100; the table length is all it changes).
@@ -53,6 +55,7 @@ TP = 4
 LAYERS = 4
 DSPARK_STAGES = 1
 ROUND_DSPARK_STAGES = 3         # v41's: the round test's kernels are v41-flash's (docstring)
+ROUND_LAYERS = 5                # its targets 2-4: dspark.aux is not wired at an Engram layer (1)
 ROPE_POSITIONS = 65536
 SEED = 0
 MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.stages.attn_index",

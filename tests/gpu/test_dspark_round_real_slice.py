@@ -2,11 +2,11 @@
 
 Issue 10's "identical accepted tokens and counts to the NumPy reference over 16 rounds for
 several sequences at once (... a real-dimension slice)". The slice is tests/real_slice.py's
-(layers 0-3: SWA, SWA + Engram, ratio-2 kv/index source, ratio-2 reuse; real widths, 384 routed
-experts, top-6, the real 129280-token vocabulary), here with v41's three DSpark stages (128
-experts each) targeting layers 1-3 (`slice_config_v41(dspark_stages=3)`: its kernels are then
-v41's, all in the step-benchmark bundle); expert e of every layer and stage holds expert e % 4's
-values. The ranks are packed from one draw of loader.synth's values (real_slice.pack_ranks with
+(layers 0-4: SWA, SWA + Engram, ratio-2 kv/index source, ratio-2 reuse x 2; real widths, 384
+routed experts, top-6, the real 129280-token vocabulary), here with v41's three DSpark stages
+(128 experts each) targeting layers 2-4 (`slice_config_v41(ROUND_LAYERS, 3)`: its kernels are
+then v41's, all in the step-benchmark bundle; dspark.aux is not wired at the Engram layer 1);
+expert e of every layer and stage holds expert e % 4's values. The ranks are packed from one draw of loader.synth's values (real_slice.pack_ranks with
 ROUND_MODULES) and run by tests/gpu/device_ranks.py in lockstep on one GPU, one process, the
 cross-rank stages on the host (exactly what the collective kernels compute; the Executor with the
 real collectives runs the round in test_dspark_round_tp4_processes.py, tiny).
@@ -93,7 +93,7 @@ def _reference(cfg, synth, caches, rng):
 def slice_round(dev, stream, bench_bundle):
     """(DeviceRound, reference sequences, rng, timings, start time) over the packed slice."""
     rng = np.random.default_rng()
-    cfg = rs.slice_config_v41(dspark_stages=rs.ROUND_DSPARK_STAGES)
+    cfg = rs.slice_config_v41(rs.ROUND_LAYERS, rs.ROUND_DSPARK_STAGES)
     t0 = time.perf_counter()
     synth = rs.SharedSynth(cfg)
     synth.set_vocab_map(_random_vocab_map(rng, cfg))
