@@ -240,7 +240,6 @@ def head_and_argmax(model: ReferenceModel, hidden: np.ndarray) -> tuple[np.ndarr
         v, i = head_ref.local_argmax(logits, rank.vocab_offset)
         values.append(v)
         indices.append(i)
-        shards.append(logits)
     tokens = head_ref.pick_across_ranks(np.stack(values), np.stack(indices))
     return tokens, np.concatenate(shards, axis=1)
 
