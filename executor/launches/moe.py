@@ -85,7 +85,10 @@ STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 # "bulkw": 2 KB parts kept 2 ahead of the math, so the math overlaps the stream). If bulkw
 # fails its GPU tests: BULK_W13W = "bulk".
 STEP_BULK = True
-STEP_BULK_W2 = "bulk"
+# Run r6a (us): bulkp chain R = 1 24.05 vs bulk 25.04, R = 2 36.85 vs 37.07 (r6e: 24.18 / 37.10
+# vs 24.88 / 36.90); the timeline put 2 us of list / scale / h round trips between w2's wait and
+# its first mma at R = 1, which bulkp's read-ahead shortens. Revert: STEP_BULK_W2 = "bulk".
+STEP_BULK_W2 = "bulkp"
 BULK_W13W = "bulkw"
 # Round 6 (moe-design.md): w13 at 2 CTAs per SM ("_co" variants, same code, bitwise the same y)
 # so that one w2 CTA is resident beside them and its pre-wait weight copies stream under w13:
@@ -103,8 +106,9 @@ CORESIDENT_W13W = "bulkw_co"
 # The bulk chain's w13w by rows where it is not BULK_W13W. Run r6e's timeline: at R = 1 w13 ends
 # at 11.8 us though a CTA's life is 7.2 us median: 432 items on 396 CTAs leave 36 with two.
 # "bulkw_lean4" runs 528 CTAs (one item each; 128 registers, B fragments 4 groups ahead, which
-# r6e measured neutral at R = 1 and slower from R = 2). Revert: STEP_W13W_BY_ROWS = {}.
-STEP_W13W_BY_ROWS = {1: "bulkw_lean4"}
+# r6e measured neutral at R = 1 and slower from R = 2). Run r6a (bulk chain, us): R = 1 lean4
+# 23.78 vs bulkw 25.04, R = 2 36.69 vs 37.07. Revert: STEP_W13W_BY_ROWS = {}.
+STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:

@@ -8,9 +8,8 @@ rank's partial, which the FFN all-reduce sums over ranks in fp32):
                                      (replicated: every rank computes the same bits)
   ffn.moe_routed     moe chain       xn, ids, weights -> ffn.moe.y f32 (the routed sum, slot
                                      order; executor/launches/moe.py `step_launches`: below 3
-                                     rows prep, w13w "bulkw" ("bulkw_lean4" at 1 row), w2
-                                     "bulk", combine; from 3 xquant, w13sr "bulk", w2sr
-                                     "early", combine)
+                                     rows prep, w13w "bulkw_lean4", w2 "bulkp", combine;
+                                     from 3 xquant, w13sr "bulk", w2sr "early", combine)
   ffn.shared_expert  dense w1|w3 +   xn -> ffn.shared_h bf16 [R, I]      (bf16(SwiGLU(bf16(x·W13ᵀ))))
                      swiglu epilogue
                      dense w2 +      ffn.shared_h, ffn.moe.y -> ffn.partial

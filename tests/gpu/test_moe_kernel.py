@@ -131,10 +131,13 @@ def test_moe_chain_matches_reference(setup, kind, rows):
         for lean in ("bulkw_lean", "bulkw_lean4"):     # round 6: w13w at 128 registers
             if ml.warp_routed_fits(chain.available, shape, rows, lean):
                 variants.insert(0, (lean, "bulk"))
+    variants.insert(0, ("step", None))                  # what the decode step launches
     ys = []
     for w13, w2 in variants:
         chain.poison_outputs()
-        if w13 == "bulk":
+        if w13 == "step":
+            launches = chain.step_launches(rows)
+        elif w13 == "bulk":
             launches = chain.launches_bulk(rows, w2)
         elif w13 == "bulk co":
             launches = chain.launches_bulk(rows, w2, "bulkw_co", "bulk_co")
