@@ -372,7 +372,11 @@ def test_tail_post_collapse_norm_and_argmax(env, batch):
         _close(got_logits[:r], logits, tol, f"rank {rank} logits")
         values.append(got_v)
         indices.append(pick[:r, 1].astype(np.int64))
-    tokens, _ = step.head_and_argmax(model, hidden[:r].astype(np.float32))
+    tokens, full = step.head_and_argmax(model, hidden[:r].astype(np.float32))
+    assert full.shape == (r, model.cfg.vocab_size)        # every rank's shard once, in order
+    assert np.array_equal(full, np.concatenate(
+        [head_ref.head_logits(hidden[:r].astype(np.float32), rw.head) for rw in model.ranks],
+        axis=1))
     picked = head_ref.pick_across_ranks(np.stack(values), np.stack(indices))
     assert np.array_equal(picked, tokens)
 
