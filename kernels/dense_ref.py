@@ -487,7 +487,12 @@ R8_CANDIDATES: dict[str, tuple[str, ...]] = {
 # Round 6 (the timeline, docs/notes/dense-design.md): a unit costs ~600-650 cycles after the
 # wait whether it holds 1 chunk per warp (wq_a|wkv, unit 512) or 2 (wo_b, unit 1024): fewer,
 # larger units. (label, variant, unit_k) beside the step's kernel, with a timeline twin.
-R8_UNIT_K: dict[str, int] = {}       # the step's unit_k where not choose_stream_unit_k's
+# Round 6, measured (run r6a 21:45, PDL chain of 16, us at R = 1 / 6 / 8, step kernel -> `_u`
+# candidate): wq_a|wkv xtb 512 -> 1024: 6.91/7.32/7.44 -> 6.08/6.72/6.78; wq_b xts 640 -> 1280:
+# 6.57/6.67/6.79 -> 5.39/5.72/5.81; wo_b xtb 1024 -> 2048: 5.45/5.97/6.18 -> 5.23/5.53/5.72.
+R8_UNIT_K_ROUND6 = {"wqa_wkv": 1024, "wq_b": 1280, "wo_b": 2048}
+R8_UNIT_K: dict[str, int] = R8_UNIT_K_ROUND6    # the step's unit_k where not the chooser's;
+                                                # revert: = {}
 R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
     "wqa_wkv": (("stream_xtb", 1024),), "wo_b": (("stream_xtb", 2048),),
     "wq_b": (("stream_xts", 1280),)}
