@@ -493,9 +493,11 @@ R8_CANDIDATES: dict[str, tuple[str, ...]] = {
 R8_UNIT_K_ROUND6 = {"wqa_wkv": 1024, "wq_b": 1280, "wo_b": 2048}
 R8_UNIT_K: dict[str, int] = R8_UNIT_K_ROUND6    # the step's unit_k where not the chooser's;
                                                 # revert: = {}
+# Candidates beside the step's kernel (the round-5 units since the switch, to see both in one run).
 R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
-    "wqa_wkv": (("stream_xtb", 1024),), "wo_b": (("stream_xtb", 2048),),
-    "wq_b": (("stream_xts", 1280),)}
+    "wqa_wkv": (("stream_xtb", 512), ("stream_xtb", 1024)),
+    "wo_b": (("stream_xtb", 1024), ("stream_xtb", 2048)),
+    "wq_b": (("stream_xts", 640), ("stream_xts", 1280))}
 
 
 def default_variant(label: str, row_tiles: int) -> str:
