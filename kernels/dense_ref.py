@@ -495,7 +495,7 @@ R8_UNIT_K: dict[str, int] = R8_UNIT_K_ROUND6    # the step's unit_k where not th
                                                 # revert: = {}
 # Candidates beside the step's kernel (the round-5 units since the switch, to see both in one run).
 R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
-    "wqa_wkv": (("stream_xtb", 512), ("stream_xtb", 1024)),
+    "wqa_wkv": (("stream_xtb", 512), ("stream_xtb", 1024), ("stream_xtb", 2560)),
     "wo_b": (("stream_xtb", 1024), ("stream_xtb", 2048)),
     "wq_b": (("stream_xts", 640), ("stream_xts", 1280))}
 
