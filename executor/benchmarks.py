@@ -18,6 +18,7 @@ import importlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from executor.arena import Arena
 from executor.cuda import check, driver
@@ -58,6 +59,7 @@ class BenchContext:
     stream: object
     bundles: dict                      # config name -> Bundle
     quick: bool = False
+    out_dir: Path | None = None        # the report directory: benchmarks' raw files go there
     stream_gbps: float | None = None   # best streaming read, set by `stream_read`
     bandwidth_rows: list = field(default_factory=list)
     metric_rows: list = field(default_factory=list)

@@ -152,10 +152,13 @@ def format_case(title: str, stats: dict, grid: dict) -> list[str]:
     return lines
 
 
-def report_dir() -> Path | None:
-    """$HOPDEC_REPORT_DIR, else the `--out` of the devicecheck command line, else None."""
+def report_dir(ctx=None) -> Path | None:
+    """$HOPDEC_REPORT_DIR, else the devicecheck context's report dir, else the `--out` of the
+    devicecheck command line, else None."""
     if os.environ.get(REPORT_DIR_ENV):
         return Path(os.environ[REPORT_DIR_ENV])
+    if getattr(ctx, "out_dir", None):
+        return Path(ctx.out_dir)
     argv = sys.argv
     for i, arg in enumerate(argv):
         if arg == "--out" and i + 1 < len(argv):
@@ -303,7 +306,7 @@ def bench_dense_timeline(ctx, runner_class=None) -> None:
             _collect(ctx, bundle, spec, runner_class or TimelineRunner, doc, cases, every, groups)
         except Exception as exc:  # noqa: BLE001 - one kernel's failure must not hide the others
             ctx.metric(f"tl {spec.name} failed: {exc!r}"[:200], 0.0, "", "runs", False)
-    out = report_dir()
+    out = report_dir(ctx)
     try:
         if every:
             _summarise(ctx, doc, cases, every, groups)

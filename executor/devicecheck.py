@@ -120,7 +120,8 @@ def parse_junit(path: Path) -> dict:
     return {**counts, "cases": cases}
 
 
-def run_benchmarks(bundles: dict[str, Path], only, quick: bool) -> tuple[dict, list, list]:
+def run_benchmarks(bundles: dict[str, Path], only, quick: bool,
+                   out_dir: Path | None = None) -> tuple[dict, list, list]:
     from executor.benchmarks import BENCHMARKS, BenchContext, result_dicts
     from executor.runtime import Bundle, Device
 
@@ -134,7 +135,7 @@ def run_benchmarks(bundles: dict[str, Path], only, quick: bool) -> tuple[dict, l
     ctx = None
     try:
         loaded = {cfg: Bundle.load(dev, p) for cfg, p in bundles.items()}
-        ctx = BenchContext(dev, dev.stream(), loaded, quick=quick)
+        ctx = BenchContext(dev, dev.stream(), loaded, quick=quick, out_dir=out_dir)
         for name, fn in BENCHMARKS:
             if only and name not in only:
                 continue
@@ -213,7 +214,7 @@ def run(args) -> int:
         report["tests"] = run_gpu_tests(out, bundles, args.test_timeout, args.tests)
     if not args.skip_bench:
         report["benchmarks"], report["bandwidth"], report["metrics"] = run_benchmarks(
-            bundles, args.only, args.quick)
+            bundles, args.only, args.quick, out)
     tests_ok = args.skip_tests or (report["tests"].get("returncode") == 0
                                    and report["tests"].get("passed", 0) > 0
                                    and not report["tests"].get("skipped")

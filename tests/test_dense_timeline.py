@@ -214,3 +214,14 @@ def test_a_failing_kernel_is_reported_and_the_others_still_run(tmp_path, monkeyp
     assert len(failed) == 1 and specs[0].name in failed[0] and "never stamped" in failed[0]
     assert any(m.startswith(f"tl {specs[1].name.split('_n')[0].removeprefix('dense_w8a16_')} "
                             "R6 chain #4 total") for m, *_ in ctx.rows)
+
+
+def test_report_dir_prefers_the_environment_then_the_context(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from executor import dense_timeline as dt
+
+    monkeypatch.delenv(dt.REPORT_DIR_ENV, raising=False)
+    assert dt.report_dir(SimpleNamespace(out_dir=tmp_path)) == tmp_path
+    monkeypatch.setenv(dt.REPORT_DIR_ENV, str(tmp_path / "env"))
+    assert dt.report_dir(SimpleNamespace(out_dir=tmp_path)) == tmp_path / "env"
