@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from executor import bench_step as bs
-from executor.bench_step import ROW_TABLES, PlanWeights, plan_weights, touched_slices  # noqa: F401
+from executor.bench_step import PlanWeights, plan_weights, touched_slices
 from executor.plan import Plan, decode_plan, draft_plan
 from executor.stages import draft as draft_stages
 from executor.stages import local_collectives

@@ -250,15 +250,7 @@ class Executor:
         types (TypeError/ValueError: a caller bug, not a decline), CLOSED, NOT_BOUND,
         NOT_CAPTURED, NO_ROWS, TOO_MANY_ROWS, PREFILL_ROWS, UNSUPPORTED_FEATURE.
         """
-        if type(n_rows) is not int or type(stream) is not int or type(features) is not int:
-            raise TypeError(f"Executor.step takes plain ints (n_rows, stream, features), got "
-                            f"{type(n_rows).__name__}, {type(stream).__name__}, "
-                            f"{type(features).__name__}")
-        if n_rows < 0 or stream <= 1 or features < 0:
-            raise ValueError(f"Executor.step: need n_rows >= 0, a stream handle > 1 (0 and 1 are "
-                             f"the legacy default stream: CU_STREAM_LEGACY) and features >= 0; "
-                             f"got n_rows={n_rows}, "
-                             f"stream={stream}, features={features}")
+        _check_call("step", "n_rows", n_rows, stream, features)
         reason = self._decline_reason(n_rows, features)
         if reason:
             return reason
@@ -292,14 +284,7 @@ class Executor:
 
     def _round_decline(self, what: str, n_seqs: int, stream: int,
                        features: int) -> StepResult:
-        if type(n_seqs) is not int or type(stream) is not int or type(features) is not int:
-            raise TypeError(f"Executor.{what} takes plain ints (n_seqs, stream, features), got "
-                            f"{type(n_seqs).__name__}, {type(stream).__name__}, "
-                            f"{type(features).__name__}")
-        if n_seqs < 0 or stream <= 1 or features < 0:
-            raise ValueError(f"Executor.{what}: need n_seqs >= 0, a stream handle > 1 (0 and "
-                             f"1 are the legacy default stream) and features >= 0; got "
-                             f"n_seqs={n_seqs}, stream={stream}, features={features}")
+        _check_call(what, "n_seqs", n_seqs, stream, features)
         if not self.dspark:
             return StepResult.UNSUPPORTED_FEATURE
         return self._decline_reason(n_seqs, features, self.round_slots[-1])
@@ -399,3 +384,15 @@ def _round_slots(config, buckets) -> tuple[int, ...]:
     least 1), so each slot bucket's verify rows S (k + 1) fit the largest row bucket."""
     block = config.dspark_block_size + 1
     return tuple(sorted({max(1, b // block) for b in buckets}))
+
+
+def _check_call(what: str, name: str, count, stream, features) -> None:
+    """A caller bug, not a decline: plain ints, count >= 0, no legacy default stream."""
+    if type(count) is not int or type(stream) is not int or type(features) is not int:
+        raise TypeError(f"Executor.{what} takes plain ints ({name}, stream, features), got "
+                        f"{type(count).__name__}, {type(stream).__name__}, "
+                        f"{type(features).__name__}")
+    if count < 0 or stream <= 1 or features < 0:
+        raise ValueError(f"Executor.{what}: need {name} >= 0, a stream handle > 1 (0 and 1 are "
+                         f"the legacy default stream: CU_STREAM_LEGACY) and features >= 0; got "
+                         f"{name}={count}, stream={stream}, features={features}")

@@ -164,7 +164,7 @@ def test_round_plans_count_their_cross_rank_calls(tiny_round):
 def test_plan_bytes_from_the_slices_the_launches_touch(tiny_round):
     cfg, case, arena = tiny_round.cfg, tiny_round.case, tiny_round.arena
     rows = {"verify": case.verify.rows, "draft": case.draft_rows}
-    touched = {n: br.touched_slices([s for _, g in tiny_round.plans[n].launches(rows[n])
+    touched = {n: bs.touched_slices([s for _, g in tiny_round.plans[n].launches(rows[n])
                                      for s in g], arena) for n in rows}
     v, d = touched["verify"], touched["draft"]
     assert "mtp.0.main_proj.weight" in v - d and "mtp.0.attn.wq_a_wkv.weight" in v & d
@@ -172,7 +172,7 @@ def test_plan_bytes_from_the_slices_the_launches_touch(tiny_round):
     assert "mtp.1.ffn.experts.codes13" in d - v and "layers.3.ffn.experts.codes13" in v - d
     assert not any(n.startswith("layers.") for n in d)
     up = tiny_round.upload_bytes
-    weights = {n: br.plan_weights(cfg, up, touched[n]) for n in rows}
+    weights = {n: bs.plan_weights(cfg, up, touched[n]) for n in rows}
     assert weights["verify"].expert_slices == cfg.num_hidden_layers
     assert weights["draft"].expert_slices == 3
     mtp_experts = sum(b for n, b in up.items() if n.startswith("mtp.") and ".ffn.experts." in n)
@@ -182,7 +182,7 @@ def test_plan_bytes_from_the_slices_the_launches_touch(tiny_round):
         bb_experts
     # dense: what each plan touches whole, not the row tables (embedding, Engram, RoPE, w1)
     want_d = sum(up[n] for n in d & set(up) if ".ffn.experts." not in n
-                 and not any(key in n for key in br.ROW_TABLES))
+                 and not any(key in n for key in bs.ROW_TABLES))
     assert weights["draft"].dense == want_d and up["head.weight"] < want_d
     distinct_v, distinct_d = [3] * cfg.num_hidden_layers, [2, 3, 4]
     got_v, got_d = br.round_bytes(cfg, weights["verify"], weights["draft"], case, CONTEXT,
@@ -247,8 +247,8 @@ def test_report_metrics_and_tables(tiny_round, capsys):
     specs = {n: [s for _, g in tiny_round.plans[n].launches(rows[n]) for s in g] for n in rows}
     known = br.PlanCase(rows, {n: len(specs[n]) for n in rows},
                         {n: br.count_collectives(tiny_round.wired[n], rows[n]) for n in halves},
-                        {n: br.plan_weights(cfg, tiny_round.upload_bytes,
-                                            br.touched_slices(specs[n], tiny_round.arena))
+                        {n: bs.plan_weights(cfg, tiny_round.upload_bytes,
+                                            bs.touched_slices(specs[n], tiny_round.arena))
                          for n in halves})
     ctx = BenchContext(device=None, stream=None, bundles={})
     dev = type("Dev", (), {"nonfinite": lambda self, name, dtype, shape: 0})()
