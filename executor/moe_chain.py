@@ -116,10 +116,6 @@ class MoeChain:
         return ml.bulk_launches(self.bundle, self.shape, self.ptrs, rows, self.available, w2,
                                 w13w, w13sr)
 
-    def has_coresident(self) -> bool:
-        """The bundle holds round 6's "_co" w13 kernels (w13w bulkw_co, w13sr bulk_co)."""
-        return {("w13w", "bulkw_co"), ("w13sr", "bulk_co")} <= set(self.available)
-
     def step_launches(self, rows: int) -> list[LaunchSpec]:
         """What the decode step launches at `rows` (executor/launches/moe.py `step_launches`)."""
         return ml.step_launches(self.bundle, self.shape, self.ptrs, rows)
@@ -193,13 +189,9 @@ def bench_moe_routed(ctx) -> None:
                 chains.append((" bulk", chain.launches_bulk(rows)))
                 if ("w2", "bulkp") in chain.available:
                     chains.append((" bulkp", chain.launches_bulk(rows, "bulkp")))
-                if chain.has_coresident():        # round 6: w13 at 2 CTAs/SM, w2 beside
-                    chains.append((" bulk co", chain.launches_bulk(rows, "bulk", "bulkw_co",
-                                                                   "bulk_co")))
-                for lean in ("bulkw_lean", "bulkw_lean4"):    # round 6: 128 registers
-                    if ml.warp_routed_fits(chain.available, shape, rows, lean):
-                        chains.append((f" bulk {lean[6:]}",
-                                       chain.launches_bulk(rows, "bulk", lean)))
+                if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
+                    chains.append((" bulk lean4", chain.launches_bulk(rows, "bulk",
+                                                                      "bulkw_lean4")))
             if chain.has_selfrouted():
                 for w13w in ("bulkw", "bulkw_lean4"):     # round 6: w13w in the self-routed chain
                     if ml.warp_routed_fits(chain.available, shape, rows, w13w):
@@ -208,7 +200,7 @@ def bench_moe_routed(ctx) -> None:
                             available=chain.available)))
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
-                    w2 = ("early" if w13 in ("early", "bulk", "bulkw", "bulk_co") and w2_early
+                    w2 = ("early" if w13 in ("early", "bulk", "bulkw") and w2_early
                           else None)
                     chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
                                    chain.launches_selfrouted(rows, w13=w13, w2=w2)))
@@ -233,9 +225,9 @@ TIMELINE_ROWS = (1, 6)
 
 def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     """The step's chain at `rows` (as it is now inputs are uploaded) with its w13 / w2 timeline
-    builds, without and with the co-resident w13 ("_co"): per-phase median / p10 / p90 across
-    CTAs, the w13 -> w2 overlap, %globaltimer's resolution as metrics; every raw record and
-    the summary to moe-timeline-R<rows>.json in the report directory. One warm-up run, then L2
+    builds: per-phase median / p10 / p90 across CTAs, the w13 -> w2 overlap, %globaltimer's
+    resolution as metrics; every raw record and the summary to moe-timeline-R<rows>.json in the
+    report directory. One warm-up run, then L2
     flushed and one run of the chain (the records are that run's)."""
     import cupy as cp
 
@@ -246,10 +238,9 @@ def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     ctas = mk.H200_NUM_SMS * 4
     bufs = [cp.zeros(ctas * mk.TIMELINE_RECORD_BYTES, dtype=cp.uint8) for _ in range(2)]
     dump = {}
-    for coresident in (False, True):
-        label = f"moe timeline R={rows}" + (" co" if coresident else "")
-        specs = ml.timeline_launches(chain.bundle, chain.shape, chain.ptrs, rows,
-                                     (bufs[0].data.ptr, bufs[1].data.ptr), coresident)
+    chains = [(f"moe timeline R={rows}", ml.timeline_launches(
+        chain.bundle, chain.shape, chain.ptrs, rows, (bufs[0].data.ptr, bufs[1].data.ptr)))]
+    for label, specs in chains:
         for _ in range(2):                   # the first run loads the modules: the second counts
             for buf in bufs:
                 buf[...] = 0

@@ -253,11 +253,11 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
 
 class MoeW13BulkLeanSm90(MoeW13BulkSm90):
-    """moe_w13w "bulkw_lean" / "bulkw_lean4": "bulkw" with a chunk's B fragments loaded
+    """moe_w13w "bulkw_lean4": "bulkw" with a chunk's B fragments loaded
     mk.LEAN_B_WINDOW groups ahead of the math instead of the whole slice at once (32-40
     registers of fragments in flight instead of 80), so it compiles at 128 registers without
-    spilling (launch bound mk.LEAN_LAUNCH_BOUND): 3 CTAs + one w2 "bulk" CTA, or 4 CTAs, fit an
-    SM's 64 K registers. Same values, same math order: y bitwise "bulkw"'s."""
+    spilling (launch bound mk.LEAN_LAUNCH_BOUND): 4 CTAs fit an SM's 64 K registers. Same
+    values, same math order: y bitwise "bulkw"'s."""
 
     @cute.jit
     def slice_inputs(self, xrow: Int64, vb: Int32, xs: Int64, p0: Int32, p1: Int32, v0: Int32,
@@ -558,11 +558,8 @@ def kernel_class(spec: mk.MoeSpec):
     """The class compiling a bulk-copy spec (w13w "bulk" / "bulk1", w13sr "bulk", w2 "bulk" /
     "bulkp")."""
     classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
-               ("w13w", "bulkw"): MoeW13BulkSm90, ("w13w", "bulkw_co"): MoeW13BulkSm90,
-               ("w13w", "bulkw_lean"): MoeW13BulkLeanSm90,
-               ("w13w", "bulkw_lean4"): MoeW13BulkLeanSm90,
+               ("w13w", "bulkw"): MoeW13BulkSm90, ("w13w", "bulkw_lean4"): MoeW13BulkLeanSm90,
                ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
-               ("w13sr", "bulk_co"): MoeW13SelfRoutedBulkSm90,
                ("w13sr", "bulkw"): MoeW13SelfRoutedBulkSm90,
                ("w2", "bulk"): MoeW2BulkSm90, ("w2", "bulkp"): MoeW2BulkPrefetchSm90}
     if (spec.kind, spec.variant) not in classes:

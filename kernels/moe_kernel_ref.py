@@ -126,19 +126,14 @@ WARP_ROUTED_MAX_PAIRS = 64
 # (kernels/moe_bulk.py), "bulk1" the same with one copy pair per warp slice (no part split),
 # "bulkw" with 2-group parts kept BULK_WINDOW parts ahead of the math (not all at once).
 # Round 4's plain w13w ("") brought nothing measurable: deleted in round 5.
-# Round 6: "<scheme>_co" = the same kernel at CORESIDENT_CTAS per SM (grid and launch bound), so
-# one w2 CTA is resident beside w13's and streams its first weights under w13 (moe-design.md).
-# "bulkw_lean": "bulkw" at 3 CTAs/SM and 128 registers (B fragments LEAN_B_WINDOW groups ahead)
-# so one w2 "bulk" CTA fits beside its 3 CTAs; "bulkw_lean4" the same at 4 CTAs/SM (528 CTAs:
-# one item each at R = 1, where 396 leave 36 CTAs with two).
-W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_co", "bulkw_lean", "bulkw_lean4")
-CORESIDENT_SUFFIX = "_co"
-CORESIDENT_CTAS = 2
+# "bulkw_lean4" (round 6): "bulkw" at 4 CTAs/SM and 128 registers (B fragments LEAN_B_WINDOW
+# groups ahead): 528 CTAs, one item each at R = 1, where 396 leave 36 CTAs with two. Round 6's
+# "_co" (2 CTAs/SM) and "bulkw_lean" (3 CTAs/SM) measured slower and were deleted in round 7.
+W13W_VARIANTS = ("early", "bulk", "bulk1", "bulkw", "bulkw_lean4")
 LEAN_B_WINDOW = 4
 LEAN_LAUNCH_BOUND = 4       # CTAs per SM as the launch bound: 64 K / (4 x 128) = 128 registers
-# (grid CTAs per SM, launch-bound CTAs per SM or 0) of the round-6 w13w variants
-W13W_OCCUPANCY = {"bulkw_co": (CORESIDENT_CTAS, 0), "bulkw_lean": (3, LEAN_LAUNCH_BOUND),
-                  "bulkw_lean4": (4, LEAN_LAUNCH_BOUND)}
+# (grid CTAs per SM, launch-bound CTAs per SM or 0) of the w13w variants that differ from w13's
+W13W_OCCUPANCY = {"bulkw_lean4": (4, LEAN_LAUNCH_BOUND)}
 PREP_THREADS = 256
 W2_WARPS = 8
 COMBINE_THREADS = 256
@@ -236,10 +231,8 @@ class MoeSpec:
 TIMELINE_EVENTS = ("entry", "wait_begin", "wait_end", "first_landed", "last_landed", "epilogue",
                    "exit")
 TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
-# The step's w13 / w2 at R = 1 (bulk chain) and R >= 3 (self-routed chain), before and after
-# round 6's co-resident w13.
-TIMELINE_KERNELS = (("w13w", "bulkw"), ("w13w", "bulkw_co"), ("w2", "bulk"), ("w13sr", "bulk"),
-                    ("w13sr", "bulk_co"), ("w2sr", "early"))
+# The bulk chain's w13 / w2 below 3 rows and the step's self-routed w13 / w2 from 3 rows.
+TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"))
 
 
 def timeline_event(name: str) -> int:
@@ -345,17 +338,13 @@ def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:
             for v in W13W_VARIANTS]
 
 
-def is_coresident(variant: str) -> bool:
-    return variant.endswith(CORESIDENT_SUFFIX)
-
-
 def is_lean(variant: str) -> bool:
     """B fragments loaded LEAN_B_WINDOW groups ahead (kernels/moe_bulk.py MoeW13BulkLeanSm90)."""
     return "_lean" in variant
 
 
 def bulk_scheme(variant: str) -> str:
-    """The copy scheme of a bulk variant ("bulkw_co", "bulkw_lean*" copy as "bulkw")."""
+    """The copy scheme of a bulk variant ("bulkw_lean4" copies as "bulkw")."""
     return variant.split("_")[0]
 
 
@@ -429,9 +418,7 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
-# "bulk_co": "bulk" at CORESIDENT_CTAS per SM, so a w2sr CTA fits beside (round 6)
-W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3),
-                  ("bulk_co", 4, 1, CORESIDENT_CTAS))
+W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3))
 W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 

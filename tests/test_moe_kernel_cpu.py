@@ -396,52 +396,22 @@ def test_bulk_w13_slices_are_contiguous_and_fit(config, variant):
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
-def test_coresident_w13_leaves_room_for_one_w2_cta(config):
-    """Round 6: a "_co" w13 is its scheme's kernel (same block, stage, parts, window) at
-    CORESIDENT_CTAS per SM, and that many of its CTAs plus one CTA of the w2 that follows it in
-    the step (w2 "bulk" after w13w, w2sr "early" after w13sr) fit an SM's 228 KB of shared
-    memory (1 KB reserved per CTA), so the w2 CTA can be resident and issue its first weights
-    before its griddepcontrol.wait while w13 runs. (Registers: checked on the built bundle's
-    manifest in the design note; 65536 per SM.)"""
-    shape = mk.moe_shape(ModelConfig.preset(config), 4)
-    every = {(s.kind, s.variant): s for s in mk.warp_routed_specs(shape)
-             + mk.selfrouted_specs(shape) + mk.variant_specs(shape)}
-    pairs = ((("w13w", "bulkw_co"), ("w13w", "bulkw"), ("w2", "bulk")),
-             (("w13sr", "bulk_co"), ("w13sr", "bulk"), ("w2sr", "early")))
-    for co_key, base_key, w2_key in pairs:
-        co, base, w2 = every[co_key], every[base_key], every[w2_key]
-        assert mk.is_coresident(co.variant) and mk.bulk_scheme(co.variant) == base.variant
-        assert (co.block, co.smem_bytes, co.stages) == (base.block, base.smem_bytes, base.stages)
-        warps = co.block[0] // mk.LANES
-        assert (mk.bulk_parts(shape, warps, co.variant), mk.bulk_window(shape, warps, co.variant)
-                ) == (mk.bulk_parts(shape, warps, base.variant),
-                      mk.bulk_window(shape, warps, base.variant))
-        assert co.ctas_per_sm == mk.CORESIDENT_CTAS < base.ctas_per_sm
-        assert co.grid(1)[0] <= 132 * mk.CORESIDENT_CTAS
-        smem = co.ctas_per_sm * (co.smem_bytes + 1024) + w2.smem_bytes + 1024
-        assert smem <= 228 * 1024, (co.name, w2.name, smem)
-
-
-
-@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
-@pytest.mark.parametrize(("variant", "ctas"), [("bulkw_lean", 3), ("bulkw_lean4", 4)])
+@pytest.mark.parametrize(("variant", "ctas"), [("bulkw_lean4", 4)])
 def test_lean_w13w_runs_at_a_128_register_bound(config, variant, ctas):
-    """Round 6: w13w "bulkw_lean*" is "bulkw"'s stage at 3 or 4 CTAs/SM compiled for
-    LEAN_LAUNCH_BOUND CTAs (64 K / (4 x 128): 128 registers, the build checks no spill): 3 of
-    them leave 16 K registers and the shared memory for one w2 "bulk" CTA (256 threads x 64);
-    4 fill the SM (one item per CTA at R = 1). Shared memory within 228 KB (1 KB a CTA)."""
+    """Round 6: w13w "bulkw_lean4" is "bulkw"'s stage at 4 CTAs/SM compiled for
+    LEAN_LAUNCH_BOUND CTAs (64 K / (4 x 128): 128 registers, the build checks no spill): 4 fill
+    the SM (one item per CTA at R = 1). Shared memory within 228 KB (1 KB a CTA)."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     every = {(s.kind, s.variant): s for s in mk.warp_routed_specs(shape) + mk.variant_specs(shape)}
-    lean, base, w2 = every[("w13w", variant)], every[("w13w", "bulkw")], every[("w2", "bulk")]
+    lean, base = every[("w13w", variant)], every[("w13w", "bulkw")]
     assert mk.bulk_scheme(lean.variant) == "bulkw" and mk.is_lean(lean.variant)
-    assert not mk.is_coresident(lean.variant) and not mk.is_lean(base.variant)
+    assert not mk.is_lean(base.variant)
     assert (lean.block, lean.smem_bytes) == (base.block, base.smem_bytes)
     assert lean.ctas_per_sm == ctas and lean.launch_bound == mk.LEAN_LAUNCH_BOUND
     assert lean.grid(8)[0] == min(lean.work_items(8), 132 * ctas)
     assert base.launch_bound == base.ctas_per_sm and "launch_bound_ctas" not in base.to_dict()
     regs = min(255, 65536 // (lean.launch_bound * lean.block[0]))     # v41 (128 threads): 128
-    beside = [w2] if ctas == 3 else []
-    assert ctas * lean.block[0] * regs + sum(s.block[0] * 64 for s in beside) <= 65536
-    assert ctas * (lean.smem_bytes + 1024) + sum(s.smem_bytes + 1024 for s in beside) <= 228 * 1024
+    assert ctas * lean.block[0] * regs <= 65536
+    assert ctas * (lean.smem_bytes + 1024) <= 228 * 1024
     groups = shape.k13 // mk.COL_K // (lean.block[0] // mk.LANES) // 2     # per warp slice
     assert mk.LEAN_B_WINDOW >= 1 and (groups == 1 or mk.LEAN_B_WINDOW < groups)  # v41: 4 of 10

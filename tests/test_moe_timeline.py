@@ -105,8 +105,7 @@ def test_timeline_specs_add_stamps_before_rows(config):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6])
-@pytest.mark.parametrize("coresident", [False, True])
-def test_timeline_launches_swap_in_the_stamped_w13_and_w2(tiny_bundle_dir, rows, coresident):
+def test_timeline_launches_swap_in_the_stamped_w13_and_w2(tiny_bundle_dir, rows):
     """The step's chain with its w13 / w2 replaced by their timeline builds: the same kernels
     around them, each stamped kernel's stamps address right before rows, the grid of the
     kernel it replaces."""
@@ -118,13 +117,12 @@ def test_timeline_launches_swap_in_the_stamped_w13_and_w2(tiny_bundle_dir, rows,
     ptrs = {key: 4096 * (i + 1) for i, key in enumerate(
         sorted({k for keys in ml.POINTER_KEYS.values() for k in keys}))}
     stamps = (1 << 40, 1 << 41)
-    got = ml.timeline_launches(bundle, shape, ptrs, rows, stamps, coresident)
-    co = mk.CORESIDENT_SUFFIX if coresident else ""
+    got = ml.timeline_launches(bundle, shape, ptrs, rows, stamps)
     if rows >= ml.SELFROUTED_FROM_ROWS:
-        plain = ml.selfrouted_launches(bundle, shape, ptrs, rows, ml.STEP_SELFROUTED_W13 + co,
+        plain = ml.selfrouted_launches(bundle, shape, ptrs, rows, ml.STEP_SELFROUTED_W13,
                                        ml.SELFROUTED_EARLY)
     else:
-        plain = ml.bulk_launches(bundle, shape, ptrs, rows, None, "bulk", ml.BULK_W13W + co)
+        plain = ml.bulk_launches(bundle, shape, ptrs, rows, None, "bulk", ml.BULK_W13W)
     assert [s.kernel.name for s in got] == [
         s.kernel.name + ("_tl" if i in (1, 2) else "") for i, s in enumerate(plain)]
     for i, (g, p) in enumerate(zip(got, plain)):

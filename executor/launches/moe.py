@@ -29,8 +29,7 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
                -> combine (the default one)
   warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
   bulk         prep -> w13w "bulk" (rows * k <= 64) or w13sr "bulk" -> w2 "bulk" -> combine
-               (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK);
-               w13 "_co" variants at 2 CTAs/SM leave room for a w2 CTA (STEP_CORESIDENT)
+               (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK)
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -90,19 +89,6 @@ STEP_BULK = True
 # its first mma at R = 1, which bulkp's read-ahead shortens. Revert: STEP_BULK_W2 = "bulk".
 STEP_BULK_W2 = "bulkp"
 BULK_W13W = "bulkw"
-# Round 6 (moe-design.md): w13 at 2 CTAs per SM ("_co" variants, same code, bitwise the same y)
-# so that one w2 CTA is resident beside them and its pre-wait weight copies stream under w13:
-# up to CORESIDENT_MAX_ROWS the step's w13w BULK_W13W -> "bulkw_co" (below
-# SELFROUTED_FROM_ROWS), w13sr STEP_SELFROUTED_W13 -> "bulk_co" (from there); above it, where each
-# w13 CTA has many items, a third of w13's warps would be given up for one seam. Revert:
-# STEP_CORESIDENT = False. Run r6e (21:00): "_co" no faster at R = 1 (bulk co 25.31 vs bulk
-# 24.88 us) and much slower from R = 2 (38.48 vs 36.90; R = 6 selfrouted bulk_co 86.91 vs bulk
-# 72.66): the timeline showed every w2 CTA already resident under w13 without it. Off.
-STEP_CORESIDENT = False
-CORESIDENT_MAX_ROWS = 8
-# The w13w of that chain below SELFROUTED_FROM_ROWS: "bulkw_co" (2 CTAs/SM) or "bulkw_lean" (3
-# CTAs/SM at 128 registers, B fragments loaded 4 groups ahead; one w2 "bulk" CTA fits beside).
-CORESIDENT_W13W = "bulkw_co"
 # The bulk chain's w13w by rows where it is not BULK_W13W. Run r6e's timeline: at R = 1 w13 ends
 # at 11.8 us though a CTA's life is 7.2 us median: 432 items on 396 CTAs leave 36 with two.
 # "bulkw_lean4" runs 528 CTAs (one item each; 128 registers, B fragments 4 groups ahead, which
@@ -112,10 +98,8 @@ STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
-    """(w13w, w13sr) variants the step launches at `rows` (STEP_CORESIDENT picks the "_co"
-    ones up to CORESIDENT_MAX_ROWS; STEP_W13W_BY_ROWS the bulk chain's w13w by rows)."""
-    if STEP_CORESIDENT and rows <= CORESIDENT_MAX_ROWS:
-        return CORESIDENT_W13W, STEP_SELFROUTED_W13 + mk.CORESIDENT_SUFFIX
+    """(w13w, w13sr) variants the step launches at `rows` (STEP_W13W_BY_ROWS the bulk chain's
+    w13w by rows). Round 6's "_co" w13 (2 CTAs/SM) measured slower at every R: deleted."""
     return STEP_W13W_BY_ROWS.get(rows, BULK_W13W), STEP_SELFROUTED_W13
 
 
@@ -293,19 +277,18 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
 
 
 def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                      stamps: tuple[int, int], coresident: bool) -> list[LaunchSpec]:
-    """The step's chain at `rows` (with or without the "_co" w13) with its w13 and w2 replaced
-    by their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
+                      stamps: tuple[int, int]) -> list[LaunchSpec]:
+    """The step's chain at `rows` (the bulk chain with w13w BULK_W13W and w2 "bulk" below
+    SELFROUTED_FROM_ROWS) with its w13 and w2 replaced by their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
     w2's) addresses, each at least grid x mk.TIMELINE_RECORD_BYTES."""
     available = available_specs(bundle, shape)
     timeline = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)
                 if s.name in set(bundle.names())}
-    co = mk.CORESIDENT_SUFFIX if coresident else ""
     if rows >= SELFROUTED_FROM_ROWS:
-        w13, w2 = ("w13sr", STEP_SELFROUTED_W13 + co), ("w2sr", SELFROUTED_EARLY)
+        w13, w2 = ("w13sr", STEP_SELFROUTED_W13), ("w2sr", SELFROUTED_EARLY)
         chain = selfrouted_launches(bundle, shape, ptrs, rows, w13[1], w2[1], available)
     else:
-        w13, w2 = ("w13w", BULK_W13W + co), ("w2", "bulk")
+        w13, w2 = ("w13w", BULK_W13W), ("w2", "bulk")
         if not warp_routed_fits(available, shape, rows, w13[1]):
             raise ValueError(f"timeline below {SELFROUTED_FROM_ROWS} rows needs w13w {w13[1]!r} "
                              f"to fit rows={rows}")

@@ -8,10 +8,8 @@ mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref 
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds, the pair the step launches and, where rows * k <= 64, the chain with
 each moe_w13w variant (kernels/moe_pipelined.py, kernels/moe_bulk.py) for w13, and the bulk-copy
-chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk", combine) and its round-6 form with
-the "_co" w13 (2 CTAs/SM, kernels/moe_kernel_ref.py CORESIDENT_CTAS); all bitwise equal to each
-other), and
-two replays bitwise equal; then the self-routed chain
+chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk", combine) and its w13w "bulkw_lean4"
+form; all bitwise equal to each other), and two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
 tolerance and bitwise the default chain's, its quantized x bitwise.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
@@ -126,11 +124,8 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
     if ml.bulk_fits(chain.available, shape, rows):   # the step's bulk-copy chain (round 5)
         variants[:0] = [("bulk", w2) for w2 in ("bulk", "bulkp") if ("w2", w2) in chain.available]
-        if chain.has_coresident():                  # round 6: w13 "_co" + w2 "bulk"
-            variants.insert(0, ("bulk co", "bulk"))
-        for lean in ("bulkw_lean", "bulkw_lean4"):     # round 6: w13w at 128 registers
-            if ml.warp_routed_fits(chain.available, shape, rows, lean):
-                variants.insert(0, (lean, "bulk"))
+        if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
+            variants.insert(0, ("bulkw_lean4", "bulk"))    # round 6: w13w at 128 registers
     variants.insert(0, ("step", None))                  # what the decode step launches
     ys = []
     for w13, w2 in variants:
@@ -139,9 +134,7 @@ def test_moe_chain_matches_reference(setup, kind, rows):
             launches = chain.step_launches(rows)
         elif w13 == "bulk":
             launches = chain.launches_bulk(rows, w2)
-        elif w13 == "bulk co":
-            launches = chain.launches_bulk(rows, w2, "bulkw_co", "bulk_co")
-        elif w13 in ("bulkw_lean", "bulkw_lean4"):
+        elif w13 == "bulkw_lean4":
             launches = chain.launches_bulk(rows, w2, w13)
         elif isinstance(w13, tuple):
             launches = chain.launches_warp_routed(rows, w2, w13[1])
@@ -186,7 +179,7 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
     pairs = ([(w13, "") for w13 in chain.selfrouted_variants("w13sr")]
              + [("", w2) for w2 in chain.selfrouted_variants("w2sr") if w2])
     if "early" in chain.selfrouted_variants("w2sr"):   # the step's / benchmark's pairs
-        pairs += [(w13, "early") for w13 in ("bulk", "bulkw", "bulk_co")
+        pairs += [(w13, "early") for w13 in ("bulk", "bulkw")
                   if w13 in chain.selfrouted_variants("w13sr")]
     # round 6: the register-routed w13w in that chain (xquant -> w13w -> w2sr early -> combine)
     pairs += [(("w13w", v), "early") for v in ("bulkw", "bulkw_lean4")
@@ -207,9 +200,8 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
         np.testing.assert_array_equal(chain.download("xs", np.float32, want_s.shape), want_s)
 
 
-@pytest.mark.parametrize("coresident", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 6, 12])
-def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, coresident):
+def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows):
     """The timeline builds (kernels/moe_timeline.py) in the step's chain: y bitwise the plain
     chain's (the stamps add stores, never arithmetic), and every CTA's record in order (entry <=
     wait_begin <= wait_end <= first_landed <= last_landed <= epilogue <= exit where reached, the
@@ -227,7 +219,7 @@ def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, coresident):
     ys = []
     for launches in (chain.step_launches(rows),
                      ml.timeline_launches(chain.bundle, shape, chain.ptrs, rows,
-                                          (bufs[0].data.ptr, bufs[1].data.ptr), coresident)):
+                                          (bufs[0].data.ptr, bufs[1].data.ptr))):
         chain.poison_outputs()
         for spec in launches:
             spec.launch(stream)
