@@ -351,7 +351,11 @@ def attention_sublayer(lw, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg,
 
 
 def attention_sublayer_ranks(lws, x: np.ndarray, rows: RowBatch, caches: KVCaches, cfg, tp: int,
-                             exact: bool = False) -> list[np.ndarray]:
-    """Every rank's partial, with the replicated half computed once (same values as per rank)."""
+                             exact: bool = False, map_ranks=None) -> list[np.ndarray]:
+    """Every rank's partial, with the replicated half computed once (same values as per rank).
+    `map_ranks(fn, items)` (ReferenceModel.map_ranks: threads) runs the ranks' halves; each
+    reads only its own weights and the shared half, so the values do not depend on it."""
     shared = attention_shared(lws[0], x, rows, caches, cfg, exact)
-    return [attention_rank(lw, shared, rows, cfg, tp, rank) for rank, lw in enumerate(lws)]
+    jobs = list(enumerate(lws))
+    run = map_ranks or (lambda fn, items: [fn(item) for item in items])
+    return run(lambda job: attention_rank(job[1], shared, rows, cfg, tp, job[0]), jobs)

@@ -31,7 +31,7 @@ from executor.reference import step as ref_step
 from executor.reference.attention import insert_swa
 from executor.reference.prefill import prefill
 from executor.reference.rows import RowBatch, RowBlock
-from kernels import head_ref, moe_ref
+from kernels import head_ref
 
 
 @dataclass
@@ -77,7 +77,8 @@ def write_context_kv(model: ref_step.ReferenceModel, caches, state_line: int, fi
     first_position += aux.shape[0] - keep
     aux = aux[aux.shape[0] - keep:]
     stage0 = model.ranks[0].layer(cfg.num_hidden_layers)
-    projected = ref_step.bf16(moe_ref.matmul_t(aux.reshape(keep, -1), stage0.dense("main_proj")))
+    projected = ref_step.bf16(model.float64.matmul_t(aux.reshape(keep, -1),
+                                                     stage0.dense("main_proj")))
     main_x = ref_step.rms_norm(projected, stage0.vector("main_norm.weight"), cfg.rms_norm_eps)
     for start in range(0, keep, caches.ring_rows - 2):  # at most one block of rows per write
         n = min(caches.ring_rows - 2, keep - start)
@@ -109,7 +110,7 @@ def draft_base_logits_many(model: ref_step.ReferenceModel, caches,
         ref_step.run_layer(model, layer, state, rows, caches, history=None)
     last = cfg.num_layers_total - 1
     hidden = ref_step.finish(model, state, model.ranks[0].layer(last).vector("norm.weight"))
-    logits = model.map_ranks(lambda rank: head_ref.head_logits(hidden, rank.head), model.ranks)
+    logits = model.map_ranks(lambda rank: model.float64.matmul_t(hidden, rank.head), model.ranks)
     return [[part[rows.seq_rows(q)] for part in logits] for q in range(len(seqs))]
 
 
@@ -122,7 +123,8 @@ def markov_drafts(model: ref_step.ReferenceModel, base: list[np.ndarray], anchor
     for i in range(base[0].shape[0]):
         values, indices = [], []
         for r, rank in enumerate(model.ranks):
-            logits = base[r][i:i + 1] + moe_ref.matmul_t(markov_w1[prev][None, :], markov_w2[r])
+            logits = base[r][i:i + 1] + model.float64.matmul_t(markov_w1[prev][None, :],
+                                                                markov_w2[r])
             v, idx = head_ref.local_argmax(logits, rank.vocab_offset)
             values.append(v)
             indices.append(idx)

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.reference import attention
+from executor.reference import moe as reference_moe
+from executor.reference.float64_weights import Float64Weights
 from executor.reference.rows import RowBatch
 from executor.reference.weights import LayerWeights, RankWeights
 from kernels import engram_ref, head_ref, mhc_ref, moe_ref
@@ -66,14 +68,17 @@ class ReferenceModel:
     weights serve (loader.engram_vocab.fetch_vocab_map: a checkpoint's file, a synthetic map, the
     identity where none is needed, else an error naming the ways to supply one), an int32
     [vocab_size] array, or engram_vocab.IDENTITY (hash raw ids: the explicit opt-out).
-    `rank_workers` > 1 runs the ranks' MoE and head on that many threads (`map_ranks`): the
-    same values, in less time where the weights are large."""
+    `rank_workers` > 1 runs the ranks' attention heads, MoE and head on that many threads
+    (`map_ranks`); `float64_cache_bytes` > 0 keeps the float64 copies of the MoE, Engram,
+    DSpark and head weights that every product sums over (`float64`), up to that many bytes.
+    Both give the same values in less time where the weights are large."""
 
     cfg: ModelConfig
     ranks: tuple[RankWeights, ...]
     exact: bool = False
     engram_vocab_map: np.ndarray | str | None = None
     rank_workers: int = 1
+    float64_cache_bytes: int = 0
 
     @property
     def tp(self) -> int:
@@ -85,6 +90,11 @@ class ReferenceModel:
         if self.engram_vocab_map is None:
             return engram_vocab.fetch_vocab_map(self.cfg, self.ranks[0].fetch)
         return engram_vocab.resolve(self.cfg, self.engram_vocab_map, "ReferenceModel")
+
+    @functools.cached_property
+    def float64(self) -> Float64Weights:
+        """The float64 weight copies (none kept when float64_cache_bytes is 0)."""
+        return Float64Weights(self.float64_cache_bytes)
 
     def layer(self, index: int) -> list[LayerWeights]:
         return [r.layer(index) for r in self.ranks]
@@ -179,7 +189,7 @@ def engram_update(model: ReferenceModel, layer: int, state: StreamState,
                                           e.table_scales, e.row_offset))
     looked_up = np.concatenate(gathered, axis=1).reshape(ids.shape[0], -1)
     e0 = model.ranks[0].layer(layer).engram
-    keys_and_value = bf16(moe_ref.matmul_t(looked_up, e0.wkv))
+    keys_and_value = bf16(model.float64.matmul_t(looked_up, e0.wkv))
     state.streams = engram_ref.gate_update(state.streams, keys_and_value, e0.q_weight, e0.k_weight,
                                            cfg.rms_norm_eps)
 
@@ -192,8 +202,8 @@ def moe_sublayer(model: ReferenceModel, layer: int, x: np.ndarray) -> np.ndarray
     routing = moe_ref.route(x, lw0.vector("ffn.gate.weight"), lw0.vector("ffn.gate.bias"), lw0.topk,
                             cfg.routed_scaling_factor)
     partials = model.map_ranks(
-        lambda lw: moe_ref.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
-                                       quantize_acts=not model.exact), lws)
+        lambda lw: reference_moe.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
+                                             not model.exact, model.float64), lws)
     return all_reduce(partials)
 
 
@@ -215,8 +225,10 @@ def run_layer(model: ReferenceModel, layer: int, state: StreamState, rows: RowBa
     x = rms_norm(mhc_ref.hc_collapse(state.streams, state.carried_pre),
                  lw0.vector("attn_norm.weight"), cfg.rms_norm_eps)
     # Per-rank partials; the replicated half (cache writes, top-k, gathers) is computed once.
+    # (map_ranks only where it threads: tests record this call with the serial signature.)
+    threads = {"map_ranks": model.map_ranks} if model.rank_workers > 1 else {}
     partials = attention.attention_sublayer_ranks(lws, x, rows, caches, cfg, model.tp,
-                                                  exact=model.exact)
+                                                  exact=model.exact, **threads)
     state.streams = mhc_ref.hc_post(all_reduce(partials), state.streams, attn_coeffs)
     ffn_coeffs = _coefficients(cfg, lw0, "ffn", state, broadcast=False)
     x = rms_norm(mhc_ref.hc_collapse(state.streams, attn_coeffs.pre),
@@ -235,7 +247,7 @@ def finish(model: ReferenceModel, state: StreamState, norm_weight: np.ndarray) -
 def head_and_argmax(model: ReferenceModel, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-rank BF16 head logits, split-vocab greedy pick: (tokens [R], logits [R, V])."""
     values, indices = [], []
-    shards = model.map_ranks(lambda rank: head_ref.head_logits(hidden, rank.head), model.ranks)
+    shards = model.map_ranks(lambda rank: model.float64.matmul_t(hidden, rank.head), model.ranks)
     for rank, logits in zip(model.ranks, shards):
         v, i = head_ref.local_argmax(logits, rank.vocab_offset)
         values.append(v)
