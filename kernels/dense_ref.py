@@ -491,8 +491,11 @@ R8_CANDIDATES: dict[str, tuple[str, ...]] = {
 # candidate): wq_a|wkv xtb 512 -> 1024: 6.91/7.32/7.44 -> 6.08/6.72/6.78; wq_b xts 640 -> 1280:
 # 6.57/6.67/6.79 -> 5.39/5.72/5.81; wo_b xtb 1024 -> 2048: 5.45/5.97/6.18 -> 5.23/5.53/5.72.
 R8_UNIT_K_ROUND6 = {"wqa_wkv": 1024, "wq_b": 1280, "wo_b": 2048}
-R8_UNIT_K: dict[str, int] = R8_UNIT_K_ROUND6    # the step's unit_k where not the chooser's;
-                                                # revert: = {}
+# Round 7: wq_a|wkv unit 2560 (2 units of 5 chunks per warp; run r6b family chain R = 1 / 6 / 8
+# 5.33 / 5.97 / 6.23 us against unit 1024's 6.12 / 6.77 / 6.87). Its cubin is r6b's `_u2560`.
+R8_UNIT_K_ROUND7 = {**R8_UNIT_K_ROUND6, "wqa_wkv": 2560}
+R8_UNIT_K: dict[str, int] = R8_UNIT_K_ROUND7    # the step's unit_k where not the chooser's;
+                                                # revert: = R8_UNIT_K_ROUND6 (round 5: {})
 # Candidates beside the step's kernel (the round-5 units since the switch, to see both in one run).
 R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
     "wqa_wkv": (("stream_xtb", 512), ("stream_xtb", 1024), ("stream_xtb", 2560)),
