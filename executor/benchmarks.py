@@ -426,6 +426,7 @@ FAMILY_BENCHMARKS = (
     ("dense_timeline", "executor.dense_timeline:bench_dense_timeline"),   # per-CTA stamps
     ("sparse_mqa", "executor.sparse_mqa_chain:bench_sparse_mqa"),
     ("indexer", "executor.indexer_chain:bench_indexer"),
+    ("attn_timeline", "executor.attn_timeline:bench_attn_timeline"),   # MQA/indexer CTA stamps
     ("compressor", "executor.compressor_chain:bench_compressor"),
     ("collectives", "collectives.bench:bench_collectives"),
     ("tp", "collectives.multi:bench_tp"),               # >= 2 GPUs; one skipped line on 1

@@ -162,12 +162,13 @@ class SparseMqaBuffers:
         self.ptrs = {abi: self.arena.ptr(k) for abi, k in zip(BUFFERS, ARRAYS)}
         self.launch = self.launch_of(bundle, case.spec)
 
-    def launch_of(self, bundle, spec: ref.SparseMqaSpec) -> LaunchSpec:
-        """A launch of `spec`'s kernel on these buffers (variants share the case's ABI)."""
+    def launch_of(self, bundle, spec: ref.SparseMqaSpec, stamps: int | None = None) -> LaunchSpec:
+        """A launch of `spec`'s kernel on these buffers (variants share the case's ABI; a
+        `_timeline` build also takes its stamps address)."""
         c = self.case
         return sparse_mqa_launch(bundle, spec, self.ptrs, c.rows,
                                  pages_per_seq=c.block_tables.shape[1], page_size=c.page_size,
-                                 num_positions=c.table.num_positions)
+                                 num_positions=c.table.num_positions, stamps=stamps)
 
     @staticmethod
     def _host(case: Case) -> dict:
@@ -247,7 +248,8 @@ def _chain_us(ctx, launches) -> float:
 
 def _topk_specs(bundle) -> list[ref.SparseMqaSpec]:
     """The bundle's top-k kernels: the measured default first, candidates, then ablations."""
-    specs = [_spec_from(bundle, n) for n in bundle.names() if n.startswith("sparse_mqa_topk")]
+    specs = [_spec_from(bundle, n) for n in bundle.names()
+             if n.startswith("sparse_mqa_topk") and not n.endswith("_timeline")]
     return sorted(specs, key=lambda s: (s.ablation, s.split != "balanced", s.name))
 
 

@@ -35,10 +35,12 @@ from kernels.indexer_ptx import (
     fp4_round,
     ld_v2,
     ld_v2_f32,
+    mark,
     pack_e4m3,
     pow2_exponent,
     relu_mul,
     syncwarp,
+    timeline_of,
 )
 from kernels.indexer_radix import RadixSelectPhases
 from kernels.ptx import (
@@ -86,19 +88,35 @@ class IndexerPrepSm90:
                seq_index: cute.Pointer, cands: cute.Pointer, qfrag: cute.Pointer,
                qscale: cute.Pointer, qw: cute.Pointer, plan: cute.Pointer, rows: Int32,
                num_cands: Int32, weight_scale: Float32):
+        self.run(q, w_raw, positions, seq_index, cands, qfrag, qscale, qw, plan, rows, num_cands,
+                 weight_scale)
+
+    @cute.jit
+    def run(self, q: cute.Pointer, w_raw: cute.Pointer, positions: cute.Pointer,
+            seq_index: cute.Pointer, cands: cute.Pointer, qfrag: cute.Pointer,
+            qscale: cute.Pointer, qw: cute.Pointer, plan: cute.Pointer, rows: Int32,
+            num_cands: Int32, weight_scale: Float32, stamps=None):
+        """The body; stamps: the timeline build's u64 address (None in production)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
+        tl = timeline_of(stamps, bidx, tidx, ik.TIMELINE_WORDS)
+        points = ik.TIMELINE_POINTS["prep"]
+        mark(tl, points, "entry")
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
+        mark(tl, points, "before_wait")
         cute.arch.griddepcontrol_wait()        # q, w, positions and candidates come from earlier
+        mark(tl, points, "after_wait")
         if bidx == 0:
             self.write_plan(_addr(positions), _addr(seq_index), _addr(cands), _addr(plan),
                             rows, num_cands, base, tidx)
         else:
             self.quantize(_addr(q), _addr(w_raw), _addr(qfrag), _addr(qscale), _addr(qw), rows,
                           weight_scale, tidx, bidx, gdim)
+        mark(tl, points, "work")
         cute.arch.griddepcontrol_launch_dependents()
+        mark(tl, points, "exit")
 
     @cute.jit
     def quantize(self, q: Int64, w_raw: Int64, qfrag: Int64, qscale: Int64, qw: Int64,
@@ -226,16 +244,30 @@ class IndexerScoresSm90:
                plan: cute.Pointer, keys: cute.Pointer, block_tables: cute.Pointer,
                cands: cute.Pointer, seq_index: cute.Pointer, scores: cute.Pointer, rows: Int32,
                ld: Int32, max_pages: Int32, num_cands: Int32):
+        self.run(qfrag, qscale, qw, plan, keys, block_tables, cands, seq_index, scores, rows, ld,
+                 max_pages, num_cands)
+
+    @cute.jit
+    def run(self, qfrag: cute.Pointer, qscale: cute.Pointer, qw: cute.Pointer,
+            plan: cute.Pointer, keys: cute.Pointer, block_tables: cute.Pointer,
+            cands: cute.Pointer, seq_index: cute.Pointer, scores: cute.Pointer, rows: Int32,
+            ld: Int32, max_pages: Int32, num_cands: Int32, stamps=None):
+        """The body; stamps: the timeline build's u64 address (None in production)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
+        tl = timeline_of(stamps, bidx, tidx, ik.TIMELINE_WORDS)
+        points = ik.TIMELINE_POINTS["scores"]
+        mark(tl, points, "entry")
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         lane = tidx % ik.LANES
         warp = tidx // ik.LANES
         ring = base + warp * (self.stages * self.stage_bytes)
         nwarps = gdim * ik.SCORE_WARPS
+        mark(tl, points, "before_wait")
         cute.arch.griddepcontrol_wait()        # the plan, q and the keys come from earlier
+        mark(tl, points, "after_wait")
         p = _addr(plan)
         total = ld_s32(p)
         item = bidx * ik.SCORE_WARPS + warp
@@ -243,6 +275,8 @@ class IndexerScoresSm90:
             self.issue(item + s * nwarps, total, ring + s * self.stage_bytes, p, _addr(keys),
                        _addr(block_tables), _addr(cands), rows, max_pages, num_cands, lane)
             cp_async_commit()
+        mark(tl, points, "prologue")
+        first = Int32(1)                       # timeline only: warp 0's first item not yet seen
         stage = Int32(0)
         while item < total:
             ahead = (stage + self.stages - 1) % self.stages
@@ -252,13 +286,20 @@ class IndexerScoresSm90:
             cp_async_commit()
             cp_async_wait(self.stages - 1)
             syncwarp()
+            if cutlass.const_expr(tl is not None):
+                mark(tl, points, "first_landed", first)
+                first = Int32(0)
             self.compute(item, ring + stage * self.stage_bytes, p, _addr(qfrag), _addr(qscale),
                          _addr(qw), _addr(cands), _addr(scores), rows, ld, num_cands, lane)
             syncwarp()
             item += nwarps
             stage = (stage + 1) % self.stages
+        mark(tl, points, "first_landed", first)     # warp 0 had no item: at the loop's end
+        mark(tl, points, "items")
         cp_async_wait(0)
+        mark(tl, points, "drained")
         cute.arch.griddepcontrol_launch_dependents()
+        mark(tl, points, "exit")
 
     @cute.jit
     def unit_of(self, p: Int64, item: Int32, rows: Int32):
@@ -402,17 +443,30 @@ class IndexerTopkSm90(RadixSelectPhases):
     @cute.kernel
     def kernel(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
                cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32):
+        self.run(scores, positions, seq_index, cands, out, rows, ld, num_cands)
+
+    @cute.jit
+    def run(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+            cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32,
+            stamps=None):
+        """The body; stamps: the timeline build's u64 address (None in production)."""
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
+        tl = timeline_of(stamps, row, tidx, ik.TIMELINE_WORDS)
+        points = ik.TIMELINE_POINTS["topk"]
+        mark(tl, points, "entry")
         smem = cutlass.memory.SmemAllocator()
         hist = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
         totals = hist + 4 * ik.TOPK_BINS
         found = totals + 4 * self.warps
+        mark(tl, points, "before_wait")
         cute.arch.griddepcontrol_wait()        # scores (and candidates) come from earlier
+        mark(tl, points, "after_wait")
         s = ld_s32(_addr(seq_index) + Int64(row) * 4)
         n = Int32(0)
         if s >= 0:
             n = (ld_s32(_addr(positions) + Int64(row) * 4) + 1) // self.spec.ratio
+        mark(tl, points, "meta")
         src = _addr(scores) + Int64(row) * Int64(ld) * 4
         crow = _addr(cands) + Int64(row) * Int64(num_cands) * 4
         items = n
@@ -429,13 +483,16 @@ class IndexerTopkSm90(RadixSelectPhases):
                 prefix, mask, need, take_all = self.radix_pass(
                     src, crow, n, items, prefix, mask, need, ik.RADIX_PASSES[pi][0],
                     ik.RADIX_PASSES[pi][1], hist, found, totals, tidx)
+            mark(tl, points, f"pass{pi + 1}")
         selected = self.ordered_output(src, crow, n, items, prefix, need, take_all,
                                        _addr(out) + Int64(row) * self.k * 4, totals, tidx)
         j = selected + tidx
         while j < self.k:
             st_s32(_addr(out) + (Int64(row) * self.k + Int64(j)) * 4, Int32(-1))
             j += ik.TOPK_THREADS
+        mark(tl, points, "output")
         cute.arch.griddepcontrol_launch_dependents()
+        mark(tl, points, "exit")
 
 
 # ---- family protocol -------------------------------------------------------------------------
@@ -446,6 +503,9 @@ _CLASSES = {"prep": IndexerPrepSm90, "scores": IndexerScoresSm90, "topk": Indexe
 
 
 def _kernel_class(spec: ik.IndexerSpec):
+    if spec.timeline:               # the step's kernels with stamps (devicecheck attn_timeline)
+        from kernels import indexer_timeline
+        return indexer_timeline.kernel_class(spec)
     if spec.kind == "topkc":        # the cluster top-k variants build on this module's helpers
         from kernels import indexer_topk_cluster as tc
         if spec.mode == "candidates":
@@ -487,7 +547,8 @@ def specs(cfg, tp: int) -> list[ik.IndexerSpec]:
                                                    cfg.candidate_block_size,
                                                    cfg.candidate_topk_blocks))
         out += [s for s in group if s.name not in {o.name for o in out}]
-    return out
+    from kernels.indexer_timeline import TIMELINE_OF
+    return out + [ik.timeline_twin(s) for s in out if (s.kind, s.mode, s.ratio) in TIMELINE_OF]
 
 
 def compile_spec(spec: ik.IndexerSpec, options: str = "--gpu-arch sm_90a"):

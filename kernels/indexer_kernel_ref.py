@@ -40,7 +40,7 @@ Keys in a 32-key item sit at 132-byte stride in shared memory; fragment row m of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -97,6 +97,12 @@ class IndexerSpec:
     smem_bytes: int
     cluster_ctas: int = 0          # topkc: CTAs of the row's thread-block cluster
     topk_blocks: int = 0           # topkc "both": k of the candidate blocks (topk: of entries)
+    timeline: bool = False         # per-CTA stamps (TIMELINE_POINTS[kind]): `timeline_twin`
+
+    def stamp_rows(self, rows: int) -> int:
+        """Timeline builds: CTAs of a launch on `rows` rows (one stamp row each)."""
+        x, y, z = self.grid(rows)
+        return x * y * z
 
     @property
     def cluster(self) -> tuple[int, int, int] | None:
@@ -126,7 +132,7 @@ class IndexerSpec:
                 "block_size": self.block_size, "page_size": self.page_size,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "cluster_ctas": self.cluster_ctas,
-                "topk_blocks": self.topk_blocks}
+                "topk_blocks": self.topk_blocks} | ({"timeline": True} if self.timeline else {})
 
 
 PREP_PARAMS = (("q", "u64"), ("w_raw", "u64"), ("positions", "u64"), ("seq_index", "u64"),
@@ -140,6 +146,43 @@ TOPK_PARAMS = (("scores", "u64"), ("positions", "u64"), ("seq_index", "u64"), ("
                ("out", "u64"), ("rows", "u32"), ("ld", "u32"), ("num_cands", "u32"))
 TOPKC_PARAMS = (("scores", "u64"), ("positions", "u64"), ("seq_index", "u64"),
                 ("out_entries", "u64"), ("out_blocks", "u64"), ("rows", "u32"), ("ld", "u32"))
+
+
+# Timeline builds (name suffix "_timeline"; never launched by the step): the production kernel with
+# (u64 stamps) before its first 32-bit parameter. Thread 0 of CTA c (the linear block index:
+# x + grid_x * y) writes %smid into word 0 of row c of stamps (u64 [stamp_rows, TIMELINE_WORDS])
+# and (%globaltimer, %clock64) of point i into words 1 + 2i, 2 + 2i. Points, by kernel kind:
+# prep: the CTA's quantize items or the plan written ("work"). scores: "prologue" (the plan's
+# item count read, the first stages issued), "first_landed" (warp 0's first item in smem; at the
+# loop's end if it had none), "items" (warp 0's last item scored), "drained" (every copy waited).
+# topk / topkc: "meta" (the row's count read; topkc: the slice or candidates in smem, CTA
+# barrier), one point per radix pass (a pass skipped by take-all stamps when skipped), "output"
+# (selection written, topk: and the -1 tail), exit (topkc: after the final cluster barrier).
+TIMELINE_POINTS = {
+    "prep": ("entry", "before_wait", "after_wait", "work", "exit"),
+    "scores": ("entry", "before_wait", "after_wait", "prologue", "first_landed", "items",
+               "drained", "exit"),
+    "topk": ("entry", "before_wait", "after_wait", "meta", "pass1", "pass2", "pass3", "output",
+             "exit"),
+    "topkc": ("entry", "before_wait", "after_wait", "meta", "pass1", "pass2", "pass3", "output",
+              "exit"),
+}
+TIMELINE_WORDS = 32
+
+
+def timeline_twin(spec: IndexerSpec) -> IndexerSpec:
+    """The `_timeline` build of a production spec: (u64 stamps) before the first u32/f32."""
+    if spec.timeline:
+        raise ValueError(f"{spec.name} is already a timeline build")
+    at = next(i for i, (_, kind) in enumerate(spec.params) if kind != "u64")
+    params = spec.params[:at] + (("stamps", "u64"),) + spec.params[at:]
+    return replace(spec, name=spec.name + "_timeline", params=params, timeline=True)
+
+
+def production_of(spec: IndexerSpec) -> IndexerSpec:
+    """The production spec of a timeline build (inverse of timeline_twin)."""
+    params = tuple(p for p in spec.params if p[0] != "stamps")
+    return replace(spec, name=spec.name.removesuffix("_timeline"), params=params, timeline=False)
 
 
 def score_smem_bytes() -> int:

@@ -10,7 +10,7 @@ from functools import partial
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T
 
-from kernels.ptx import asm, void
+from kernels.ptx import asm, stamp_smid, stamp_time, void
 
 # Pure by default (this family's arithmetic); its loads opt in with side_effects=True.
 _asm = partial(asm, side_effects=False)
@@ -120,3 +120,32 @@ def _as_i32(value: int) -> int:
 
 def _addr(ptr: cute.Pointer) -> Int64:
     return Int64(ptr.toint())
+
+
+# ---- timeline stamps (the `_timeline` builds only: ik.TIMELINE_POINTS) ---------------------------
+
+@cute.jit
+def _thread0(tidx: Int32) -> Int32:
+    writer = Int32(0)
+    if tidx == 0:
+        writer = Int32(1)
+    return writer
+
+
+def timeline_of(stamps, cta, tidx: Int32, words: int):
+    """None in production (stamps None: nothing is emitted); else (the CTA's stamp row, 1 on
+    thread 0 else 0), the SM id written at once. words: u64 per stamp row."""
+    if stamps is None:
+        return None
+    row = stamps + Int64(cta) * (words * 8)
+    writer = _thread0(tidx)
+    stamp_smid(row, writer)
+    return row, writer
+
+
+def mark(tl, points: tuple[str, ...], point: str, when=None):
+    """Thread 0 writes (%globaltimer, %clock64) of `point` (where `when` != 0, if given)."""
+    if tl is not None:
+        row, writer = tl
+        pred = writer if when is None else writer & when
+        stamp_time(row + 8 * (1 + 2 * points.index(point)), pred)

@@ -37,8 +37,10 @@ from kernels.indexer_ptx import (
     atom_add_shared,
     fmax_f32,
     imin,
+    mark,
     ordered_key,
     select_flags,
+    timeline_of,
     ushr,
 )
 from kernels.ptx import (
@@ -217,8 +219,10 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
     @cute.jit
     def select(self, sub: cutlass.Constexpr, k: cutlass.Constexpr, src: Int64, crow: Int64,
                n: Int32, first: Int32, count: Int32, held: Int32, dst: Int64, base: Int32,
-               rank: Int32, tidx: Int32, run: cutlass.Constexpr):
-        """Top-k of one item kind over the cluster's slices, written to dst (the row's k words)."""
+               rank: Int32, tidx: Int32, run: cutlass.Constexpr, tl=None):
+        """Top-k of one item kind over the cluster's slices, written to dst (the row's k words).
+        tl: a timeline build's stamp handle (None in production)."""
+        points = ik.TIMELINE_POINTS["topkc"]
         prefix = Int32(0)
         mask = Int32(0)
         need = Int32(k)
@@ -227,8 +231,10 @@ class IndexerTopkClusterSm90(IndexerTopkSm90):
             if take_all == 0:
                 prefix, mask, need, take_all = self.cluster_pass(
                     sub, src, crow, n, first, count, held, prefix, mask, need, pi, base, tidx)
+            mark(tl, points, f"pass{pi + 1}")
         self.write_selection(sub, k, src, crow, n, first, count, held, prefix, need, take_all,
                              dst, base, rank, tidx, run)
+        mark(tl, points, "output")
 
     @cute.jit
     def cluster_pass(self, sub: cutlass.Constexpr, src: Int64, crow: Int64, n: Int32,
@@ -381,13 +387,25 @@ class IndexerTopkCandidatesClusterSm90(IndexerTopkClusterSm90):
     @cute.kernel
     def kernel(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
                cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32):
+        self.run(scores, positions, seq_index, cands, out, rows, ld, num_cands)
+
+    @cute.jit
+    def run(self, scores: cute.Pointer, positions: cute.Pointer, seq_index: cute.Pointer,
+            cands: cute.Pointer, out: cute.Pointer, rows: Int32, ld: Int32, num_cands: Int32,
+            stamps=None):
+        """The body; stamps: the timeline build's u64 address (None in production)."""
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()
+        tl = timeline_of(stamps, row * self.C + rank, tidx, ik.TIMELINE_WORDS)
+        points = ik.TIMELINE_POINTS["topkc"]
+        mark(tl, points, "entry")
         smem = cutlass.memory.SmemAllocator()
         base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
         if cluster_nctarank(side_effects=False) != self.C:
             trap()                             # DSMEM addresses would be wrong: fail loudly
+        mark(tl, points, "before_wait")
         cute.arch.griddepcontrol_wait()        # scores and candidates come from earlier kernels
+        mark(tl, points, "after_wait")
         s = ld_s32(_addr(seq_index) + Int64(row) * 4)
         n = Int32(0)
         if s >= 0:
@@ -403,10 +421,12 @@ class IndexerTopkCandidatesClusterSm90(IndexerTopkClusterSm90):
         held = imin(count, Int32(CAND_HELD))
         self.fill_candidates(src, crow, n, first, held, base, tidx)
         cute.arch.sync_threads()
+        mark(tl, points, "meta")
         self.select("candidates", self.k, src, crow, n, first, count, held,
-                    _addr(out) + Int64(row) * self.k * 4, base, rank, tidx, 0)
+                    _addr(out) + Int64(row) * self.k * 4, base, rank, tidx, 0, tl)
         cluster_sync()                         # no CTA leaves while another reads its counts
         cute.arch.griddepcontrol_launch_dependents()
+        mark(tl, points, "exit")
 
     @cute.jit
     def fill_candidates(self, src: Int64, crow: Int64, n: Int32, first: Int32, held: Int32,

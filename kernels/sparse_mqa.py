@@ -64,6 +64,8 @@ from kernels.ptx import (
     shfl_add,
     shfl_max,
     st_v2_b32,
+    stamp_smid,
+    stamp_time,
     sts_f32,
     sts_u32,
     sts_v2_f32,
@@ -81,6 +83,34 @@ NOPE = 448
 O_ROW_BYTES = ref.HEAD_DIM * 4 + 16  # padded fp32 partial-o row
 SOFTMAX_SCALE = ref.HEAD_DIM ** -0.5
 NEG_INF = float("-inf")
+
+
+# ---- timeline stamps (the `_timeline` builds only: ref.TIMELINE_POINTS) -------------------------
+
+def timeline_of(stamps, cta: Int32, tidx: Int32):
+    """None in production (stamps None: nothing is emitted); else (the CTA's stamp row, 1 on
+    thread 0 else 0), the SM id written at once."""
+    if stamps is None:
+        return None
+    row = stamps + Int64(cta) * (ref.TIMELINE_WORDS * 8)
+    writer = _thread0(tidx)
+    stamp_smid(row, writer)
+    return row, writer
+
+
+@cute.jit
+def _thread0(tidx: Int32) -> Int32:
+    writer = Int32(0)
+    if tidx == 0:
+        writer = Int32(1)
+    return writer
+
+
+def mark(tl, point: str):
+    """Thread 0 writes (%globaltimer, %clock64) of `point`; nothing when tl is None."""
+    if tl is not None:
+        row, writer = tl
+        stamp_time(row + 8 * (1 + 2 * ref.TIMELINE_POINTS.index(point)), writer)
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
@@ -122,15 +152,30 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                row_info: cute.Pointer, state_lines: cute.Pointer, sink: cute.Pointer,
                rope_table: cute.Pointer, rows: Int32, pages_per_seq: Int32, page_size: Int32,
                num_positions: Int32):
+        self.run(q, out, swa, compressed, topk, block_tables, row_info, state_lines, sink,
+                 rope_table, rows, pages_per_seq, page_size, num_positions)
+
+    @cute.jit
+    def run(self, q: cute.Pointer, out: cute.Pointer, swa: cute.Pointer,
+            compressed: cute.Pointer, topk: cute.Pointer, block_tables: cute.Pointer,
+            row_info: cute.Pointer, state_lines: cute.Pointer, sink: cute.Pointer,
+            rope_table: cute.Pointer, rows: Int32, pages_per_seq: Int32, page_size: Int32,
+            num_positions: Int32, stamps=None):
+        """The kernel's body; stamps: the timeline build's u64 address (None in production, so
+        no stamp reaches the production cubin)."""
         tidx, _, _ = cute.arch.thread_idx()
         s, r, _ = cute.arch.block_idx()
+        tl = timeline_of(stamps, r * self.S + s, tidx)
+        mark(tl, "entry")
         smem = cutlass.memory.SmemAllocator()
         base = Int32(smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint())
         cluster_ok = cluster_nctarank(side_effects=True) == self.S
         self._zero_pad_heads(base, tidx)
         if cutlass.const_expr(self.consts):     # a weight, not written by the step: before the wait
             self._prefetch_sink(base, tidx, sink)
+        mark(tl, "before_wait")
         cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
+        mark(tl, "after_wait")
 
         if cutlass.const_expr(self.spec.split == "fixed"):
             pos, seq = self._addresses_fixed(q, swa, compressed, topk, block_tables, row_info,
@@ -141,21 +186,27 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
             pos, seq, n_pad = self._addresses_balanced(q, swa, compressed, topk, block_tables,
                                                        row_info, state_lines, base, tidx, s, r,
                                                        rows, pages_per_seq, page_size)
+        mark(tl, "addresses")
         if cutlass.const_expr(self.push):
             if cutlass.const_expr("gather" not in self.skip):
                 self._load_records_by_record(base, tidx)
         else:
             self._load_records(base, tidx, n_pad)
+        mark(tl, "issued")
         cp_async_wait_all()
         cute.arch.sync_threads()
+        mark(tl, "landed")
 
         if cutlass.const_expr(self.spec.qk_runs):
             self._logits_runs(base, tidx)
         else:
             self._logits(base, tidx, n_pad)
         cute.arch.sync_threads()
+        mark(tl, "qk")
         self._local_stats(base, tidx, n_pad, s, cluster_ok)
+        mark(tl, "stats")
         self._cluster_sync()                # every CTA's (max, sum, bad) is visible
+        mark(tl, "exchange1")
         if cutlass.const_expr(self.push):
             cute.arch.griddepcontrol_launch_dependents()    # the next kernel's launch overlaps
             if tidx < ref.MMA_M:
@@ -165,17 +216,24 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         cute.arch.sync_threads()
         self._probs(base, tidx, n_pad)
         cute.arch.sync_threads()
+        mark(tl, "probs")
         if cutlass.const_expr(self.push):
             self._pv_push(base, tidx, s, cluster_ok)
+            mark(tl, "pv")
             self._cluster_sync()            # every CTA's partial o is in its owner's inbox
+            mark(tl, "exchange2")
             self._reduce_inbox_store(base, tidx, s, r, rows, pos, seq, out, rope_table,
                                      num_positions, cluster_ok)
+            mark(tl, "exit")
         else:
             self._pv(base, tidx, n_pad)
+            mark(tl, "pv")
             self._cluster_sync()            # every CTA's partial o is visible
+            mark(tl, "exchange2")
             self._reduce_store(base, tidx, s, r, rows, pos, seq, out, rope_table, num_positions,
                                cluster_ok)
             self._cluster_sync()            # no CTA leaves while others read its partial o
+            mark(tl, "exit")
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -416,15 +474,46 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
             v[2 * p + 1] = x1 * c - x0 * sn
 
 
+class SparseMqaTimelineSm90(SparseMqaSm90):
+    """A `_timeline` build: the production body with (u64 stamps) before rows (ref.TIMELINE_PARAMS)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, out: cute.Pointer, swa: cute.Pointer,
+                 compressed: cute.Pointer, topk: cute.Pointer, block_tables: cute.Pointer,
+                 row_info: cute.Pointer, state_lines: cute.Pointer, sink: cute.Pointer,
+                 rope_table: cute.Pointer, stamps: cute.Pointer, rows: Int32,
+                 pages_per_seq: Int32, page_size: Int32, num_positions: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(q, out, swa, compressed, topk, block_tables, row_info, state_lines, sink,
+                    rope_table, stamps, rows, pages_per_seq, page_size, num_positions).launch(
+            grid=[self.S, 1, 1], block=list(self.spec.block), cluster=list(self.spec.cluster),
+            smem=self.spec.smem_bytes, stream=stream, use_pdl=True,
+            min_blocks_per_mp=ref.CTAS_PER_SM, preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, q: cute.Pointer, out: cute.Pointer, swa: cute.Pointer,
+               compressed: cute.Pointer, topk: cute.Pointer, block_tables: cute.Pointer,
+               row_info: cute.Pointer, state_lines: cute.Pointer, sink: cute.Pointer,
+               rope_table: cute.Pointer, stamps: cute.Pointer, rows: Int32,
+               pages_per_seq: Int32, page_size: Int32, num_positions: Int32):
+        self.run(q, out, swa, compressed, topk, block_tables, row_info, state_lines, sink,
+                 rope_table, rows, pages_per_seq, page_size, num_positions, stamps.toint())
+
+
+def kernel_class(spec: ref.SparseMqaSpec):
+    return SparseMqaTimelineSm90 if spec.timeline else SparseMqaSm90
+
+
 def kernel_function(spec: ref.SparseMqaSpec):
     """The @cute.kernel whose Python signature the build checks against spec.params."""
-    del spec
-    return SparseMqaSm90.kernel
+    return kernel_class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[ref.SparseMqaSpec]:
-    """The two measured kernels, then the candidates and ablations (`ref.variant_specs`)."""
-    return ref.sparse_mqa_specs(cfg, tp) + ref.variant_specs(cfg, tp)
+    """The two measured kernels, the candidates and ablations (`ref.variant_specs`), then the
+    step kernels' timeline twins (`ref.timeline_specs`)."""
+    return (ref.sparse_mqa_specs(cfg, tp) + ref.variant_specs(cfg, tp)
+            + ref.timeline_specs(cfg, tp))
 
 
 def compile_spec(spec: ref.SparseMqaSpec, options: str = "--gpu-arch sm_90a"):
@@ -434,7 +523,8 @@ def compile_spec(spec: ref.SparseMqaSpec, options: str = "--gpu-arch sm_90a"):
     def ptr(dtype):
         return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
-    return cute.compile(SparseMqaSm90(spec), ptr(cutlass.BFloat16), ptr(cutlass.BFloat16),
-                        ptr(cutlass.Uint8), ptr(cutlass.Uint8), ptr(Int32), ptr(Int32),
-                        ptr(Int32), ptr(Int32), ptr(Float32), ptr(Float32), Int32(1), Int32(1),
-                        Int32(64), Int32(1), cuda.CUstream(0), options=options)
+    pointers = [ptr(cutlass.BFloat16), ptr(cutlass.BFloat16), ptr(cutlass.Uint8),
+                ptr(cutlass.Uint8), ptr(Int32), ptr(Int32), ptr(Int32), ptr(Int32), ptr(Float32),
+                ptr(Float32)] + ([ptr(cutlass.Int64)] if spec.timeline else [])
+    return cute.compile(kernel_class(spec)(spec), *pointers, Int32(1), Int32(1), Int32(64),
+                        Int32(1), cuda.CUstream(0), options=options)

@@ -75,6 +75,20 @@ PARAMS = (("q", "u64"), ("out", "u64"), ("swa", "u64"), ("compressed", "u64"), (
           ("block_tables", "u64"), ("row_info", "u64"), ("state_lines", "u64"), ("sink", "u64"),
           ("rope_table", "u64"), ("rows", "u32"), ("pages_per_seq", "u32"), ("page_size", "u32"),
           ("num_positions", "u32"))
+# Timeline builds (SparseMqaSpec.timeline, name suffix "_timeline", of the step's two kernels; never
+# launched by the step): the production kernel with (u64 stamps) before (u32 rows). Thread 0 of CTA
+# (s, r) writes %smid into word 0 of row r * cluster_ctas + s of stamps (u64 [ctas, TIMELINE_WORDS])
+# and (%globaltimer, %clock64) of point i into words 1 + 2i, 2 + 2i. The points follow the phases of
+# the module docstring: entry; before / after griddepcontrol.wait; addresses (the metadata, top-k id
+# and block-table loads done, CTA barrier); issued (thread 0's record copies issued); landed (every
+# record and q in smem, CTA barrier); qk (logits, CTA barrier); stats (thread 0's (max, sum) stored
+# or pushed); exchange1 (cluster barrier 1 returned); probs (P in smem, CTA barrier); pv (thread 0's
+# partial o stored or pushed); exchange2 (cluster barrier 2 returned); exit (thread 0's output
+# stored; the pull kernel: after its third cluster barrier).
+TIMELINE_POINTS = ("entry", "before_wait", "after_wait", "addresses", "issued", "landed", "qk",
+                   "stats", "exchange1", "probs", "pv", "exchange2", "exit")
+TIMELINE_WORDS = 32                 # 1 + 2 * 13 used: a 256-byte row per CTA
+TIMELINE_PARAMS = PARAMS[:10] + (("stamps", "u64"),) + PARAMS[10:]
 
 
 def next_pow2(n: int) -> int:
@@ -161,6 +175,7 @@ class SparseMqaSpec:
     # QK with lane-run k order (kernels/sparse_mqa_qk.py): 16-dim runs per lane, vector loads,
     # two accumulator chains. The logits' fp32 summation order differs from the plain order.
     qk_runs: bool = False
+    timeline: bool = False             # per-CTA stamps (TIMELINE_POINTS); params TIMELINE_PARAMS
 
     @property
     def swa_share(self) -> int:
@@ -187,6 +202,10 @@ class SparseMqaSpec:
         return smem_layout(self.heads, self.entries_per_cta, self.split == "fixed",
                            self.cluster_ctas if self.exchange == "push" else 0)
 
+    def stamp_rows(self, rows: int) -> int:
+        """Timeline builds: rows of TIMELINE_WORDS u64 the stamps buffer needs for `rows`."""
+        return self.cluster_ctas * rows
+
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
         if rows > 65535:
@@ -200,12 +219,13 @@ class SparseMqaSpec:
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
                 "skip": list(self.skip), "exchange": self.exchange,
-                "qk_runs": self.qk_runs}
+                "qk_runs": self.qk_runs} | ({"timeline": True} if self.timeline else {})
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
               split: str = "balanced", skip: tuple[str, ...] = (),
-              exchange: str = "pull", qk_runs: bool = False) -> SparseMqaSpec:
+              exchange: str = "pull", qk_runs: bool = False,
+              timeline: bool = False) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -235,11 +255,15 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     name += "_push" if push else ""
     name += "_runs" if qk_runs else ""
     name += "_skip_" + "_".join(skip) if skip else ""
+    if timeline and skip:
+        raise ValueError(f"{name}: a timeline build of an ablation measures nothing useful")
+    name += "_timeline" if timeline else ""
     if CTAS_PER_SM * (layout.total + 1024) > SM_SMEM_BYTES:
         raise ValueError(f"{name}: {CTAS_PER_SM} CTAs per SM of {layout.total} B shared memory")
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
-                         layout.total, split=split, skip=tuple(skip), exchange=exchange,
-                         qk_runs=qk_runs)
+                         layout.total, params=TIMELINE_PARAMS if timeline else PARAMS,
+                         split=split, skip=tuple(skip), exchange=exchange, qk_runs=qk_runs,
+                         timeline=timeline)
 
 
 # Every top-k kernel the bundle carries with outputs that count (GPU-tested), by variant key.
@@ -281,6 +305,14 @@ def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
         return others
     return others + [_topk_spec(cfg, tp, max_block_rows, skip=skip, **STEP_TOPK_VARIANT)
                      for skip in PUSH_ABLATIONS]
+
+
+def timeline_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
+    """The `_timeline` twins of `sparse_mqa_specs` (the step's SWA-only and top-k kernels)."""
+    heads = cfg.rank_shapes(tp).heads
+    ring = next_pow2(cfg.sliding_window + max_block_rows)
+    return [make_spec(heads, cfg.sliding_window, cfg.dspark_block_size, 0, ring, timeline=True),
+            _topk_spec(cfg, tp, max_block_rows, timeline=True, **STEP_TOPK_VARIANT)]
 
 
 # ---- row metadata ------------------------------------------------------------------------------

@@ -310,8 +310,12 @@ def test_specs_of_both_configs():
                             ("both", cfg.index_topk, cfg.candidate_topk_blocks),
                             ("candidates", cfg.index_topk, 0)}
         for s in specs:
-            if s.kind == "topkc":
+            if s.kind == "topkc" and not s.timeline:
                 assert s.params == (ik.TOPK_PARAMS if s.mode == "candidates" else ik.TOPKC_PARAMS)
+        # The timeline twins (devicecheck attn_timeline) of kernels the bundle also carries.
+        names = {s.name for s in specs}
+        for s in (s for s in specs if s.timeline):
+            assert ik.production_of(s).name in names and ik.timeline_twin(ik.production_of(s)) == s
 
 
 def test_bad_specs_are_refused():

@@ -46,7 +46,8 @@ def spec_of(record_spec: dict) -> ref.SparseMqaSpec:
                              s["smem_bytes"], split=s.get("split", "balanced"),
                              skip=tuple(s.get("skip", ())),
                              exchange=s.get("exchange", "pull"),
-                             qk_runs=s.get("qk_runs", False))
+                             qk_runs=s.get("qk_runs", False), timeline=s.get("timeline", False),
+                             params=ref.TIMELINE_PARAMS if s.get("timeline") else ref.PARAMS)
 
 
 def uses(spec: ref.SparseMqaSpec) -> tuple[str, ...]:
@@ -78,14 +79,21 @@ def requests(spec: ref.SparseMqaSpec, max_rows: int, *, swa_records: int, max_se
 
 
 def sparse_mqa_launch(bundle, spec: ref.SparseMqaSpec, ptrs: Mapping[str, int], rows: int, *,
-                      pages_per_seq: int, page_size: int, num_positions: int) -> LaunchSpec:
-    """One cluster launch of `spec`'s kernel on `rows` rows over `ptrs` (module docstring)."""
+                      pages_per_seq: int, page_size: int, num_positions: int,
+                      stamps: int | None = None) -> LaunchSpec:
+    """One cluster launch of `spec`'s kernel on `rows` rows over `ptrs` (module docstring).
+    stamps: a `_timeline` build's stamp rows (u64 [spec.stamp_rows(rows), TIMELINE_WORDS],
+    zeroed), required by those builds and refused by the others."""
     needed = uses(spec)
     missing = [n for n in needed if n not in ptrs]
     if missing:
         raise KeyError(f"{spec.name}: no pointer for buffer(s) {missing} (it needs "
                        f"{', '.join(needed)})")
+    if spec.timeline != (stamps is not None):
+        raise ValueError(f"{spec.name}: stamps {'required' if spec.timeline else 'given'}: "
+                         f"only `_timeline` builds take a stamps buffer")
     args = tuple(ptrs[n] if n in ptrs else ptrs["q"] for n in BUFFERS)   # q: never dereferenced
+    args += (stamps,) if spec.timeline else ()
     return LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
                       args + (rows, pages_per_seq, page_size, num_positions),
                       cluster=spec.cluster)

@@ -1,0 +1,471 @@
+"""Where a sparse MQA (and indexer) launch's time goes, per CTA: the `_timeline` builds' stamps.
+
+The timeline builds (kernels/sparse_mqa_ref.timeline_specs; the step's kernels plus a stamps
+pointer) have thread 0 of every CTA write a row of u64: word 0 %smid, then (%globaltimer ns,
+%clock64) per point of the kernel's POINTS. `bench_attn_timeline` (devicecheck family
+"attn_timeline") runs them as the family benchmarks and the step do, at 4k and 64k context,
+R = 1 and 6:
+- "iso": one launch after an L2 flush (ISO_REPS times, CTAs pooled);
+- "chain": a graph of CHAIN PDL launches of the kernel, each on its own case (other rows, other
+  records) and its own stamp rows, CHAIN_REPLAYS replays; the launch at CHAIN_SHOWN (the 4th) is
+  reported.
+Per phase (consecutive points, then entry -> exit): p10 / p50 / p90 across CTAs in clock64 cycles
+(one SM's counter: exact within a CTA) and in us (cycles / the SM clock fitted from the stamps).
+Per launch (globaltimer, ns): the spread of the CTAs' entries and wait returns, the last exit
+after the first entry and, in the chain, first / last entry and wait return after the previous
+launch's last exit and the exit pitch. Every chain also checks that the timeline build's output
+equals the production kernel's bit for bit on the same case. Raw stamps: attn-timeline.json in the
+devicecheck report dir. NumPy only above the device section (tests/test_attn_timeline.py).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import indexer_kernel_ref as ik
+from kernels import sparse_mqa_ref as ref
+
+CONTEXTS = (4096, 65536)
+ROWS = (1, 6)
+ISO_REPS = 3
+CHAIN = 6
+CHAIN_SHOWN = 3                 # the 4th launch of the chain (steady state)
+CHAIN_REPLAYS = 3
+JSON_NAME = "attn-timeline.json"
+
+
+# ---- stamps -> numbers (CPU) ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stamps:
+    """One launch's stamps: smid [C], globaltimer ns [C, P], clock64 cycles [C, P] (int64)."""
+
+    points: tuple[str, ...]
+    smid: np.ndarray
+    gt: np.ndarray
+    clk: np.ndarray
+
+    @classmethod
+    def parse(cls, raw: np.ndarray, points: tuple[str, ...], name: str) -> Stamps:
+        """u64 [ctas, >= 1 + 2 * len(points)] as the kernel writes them into a zeroed buffer.
+        Raises ValueError naming the first CTA and point that was never stamped."""
+        p = len(points)
+        if raw.ndim != 2 or raw.shape[1] < 1 + 2 * p:
+            raise ValueError(f"{name}: stamps must be u64 [ctas, >= {1 + 2 * p}], got {raw.shape}")
+        raw = raw.astype(np.int64)
+        gt, clk = raw[:, 1:1 + 2 * p:2], raw[:, 2:2 + 2 * p:2]
+        missing = np.argwhere((gt == 0) | (clk == 0))
+        if missing.size:
+            cta, point = missing[0]
+            raise ValueError(f"{name}: CTA {cta} never stamped '{points[point]}' "
+                             f"({len(missing)} stamps missing)")
+        return cls(tuple(points), raw[:, 0] & 0xFFFFFFFF, gt, clk)
+
+    def col(self, point: str) -> int:
+        return self.points.index(point)
+
+    def out_of_order(self) -> list[str]:
+        """'CTA c: a > b' for every CTA whose clock64 or globaltimer goes back between points."""
+        bad = []
+        for name, t in (("clock64", self.clk), ("globaltimer", self.gt)):
+            for cta, point in np.argwhere(np.diff(t, axis=1) < 0):
+                bad.append(f"CTA {cta}: {name} {self.points[point]} > {self.points[point + 1]}")
+        return bad
+
+
+def phases(points: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(name, from, to): every consecutive pair of points, then the total."""
+    out = [(b, a, b) for a, b in itertools.pairwise(points)]
+    return out + [("total", points[0], points[-1])]
+
+
+def clock_ghz(launches: list[Stamps], min_span_ns: int = 1000) -> float:
+    """SM clock: the median over CTAs of clock64 span / globaltimer span (entry -> exit of one
+    CTA: one SM, no idle gap), over the CTAs that span >= min_span_ns."""
+    rates = []
+    for s in launches:
+        span = s.gt[:, -1] - s.gt[:, 0]
+        cyc = s.clk[:, -1] - s.clk[:, 0]
+        rates += list(cyc[span >= min_span_ns] / span[span >= min_span_ns])
+    if not rates:
+        raise ValueError(f"no CTA's stamps span {min_span_ns} ns: cannot fit the SM clock")
+    return float(np.median(rates))
+
+
+def phase_stats(launches: list[Stamps], ghz: float) -> dict[str, dict[str, float]]:
+    """Per phase: p10 / p50 / p90 across the pooled CTAs, in cycles and in us."""
+    out = {}
+    for phase, a, b in phases(launches[0].points):
+        cyc = np.concatenate([s.clk[:, s.col(b)] - s.clk[:, s.col(a)] for s in launches])
+        q = np.percentile(cyc, (10, 50, 90))
+        out[phase] = {f"p{p}_{unit}": v / (ghz * 1e3 if unit == "us" else 1.0)
+                      for p, v in zip((10, 50, 90), q) for unit in ("cyc", "us")}
+    return out
+
+
+def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
+    """globaltimer facts of one launch, us (module docstring)."""
+    e, x = cur.gt[:, cur.col("entry")], cur.gt[:, -1]
+    w = cur.gt[:, cur.col("after_wait")]
+    out = {"entry spread": (e.max() - e.min()) / 1e3,
+           "wait return spread": (w.max() - w.min()) / 1e3,
+           "last exit after first entry": (x.max() - e.min()) / 1e3,
+           "last exit after last wait return": (x.max() - w.max()) / 1e3}
+    if prev is not None:
+        prev_exit = prev.gt[:, -1].max()
+        out |= {"first entry after prev exit": (e.min() - prev_exit) / 1e3,
+                "last entry after prev exit": (e.max() - prev_exit) / 1e3,
+                "first wait return after prev exit": (w.min() - prev_exit) / 1e3,
+                "last wait return after prev exit": (w.max() - prev_exit) / 1e3,
+                "exit pitch": (x.max() - prev_exit) / 1e3}
+    return out
+
+
+def median_grid_times(pairs: list[tuple[Stamps, Stamps | None]]) -> dict[str, float]:
+    each = [grid_times(cur, prev) for cur, prev in pairs]
+    return {key: float(np.median([d[key] for d in each])) for key in each[0]}
+
+
+def format_case(title: str, stats: dict, grid: dict) -> list[str]:
+    head = (f"  {'phase':12s} {'p10 us':>8s} {'p50 us':>8s} {'p90 us':>8s} "
+            f"{'p10 cyc':>9s} {'p50 cyc':>9s} {'p90 cyc':>9s}")
+    lines = [title, head]
+    for phase, s in stats.items():
+        lines.append(f"  {phase:12s} {s['p10_us']:8.3f} {s['p50_us']:8.3f} {s['p90_us']:8.3f} "
+                     f"{s['p10_cyc']:9.0f} {s['p50_cyc']:9.0f} {s['p90_cyc']:9.0f}")
+    return lines + [f"  {key:34s} {value:8.3f} us (globaltimer)" for key, value in grid.items()]
+
+
+def report(ctx, label: str, case: str, launches: list[Stamps], pairs, ghz: float,
+           metrics: bool) -> list[str]:
+    """The case's table lines; with `metrics`, the p50 of each phase and the grid facts too."""
+    stats, grid = phase_stats(launches, ghz), median_grid_times(pairs)
+    if metrics:
+        for phase, s in stats.items():
+            ctx.metric(f"tl {label} {case} {phase}: p10/p90 {s['p10_us']:.2f}/{s['p90_us']:.2f} "
+                       f"us, p50 {s['p50_cyc']:.0f} cyc", s["p50_us"], "us")
+        for key, value in grid.items():
+            ctx.metric(f"tl {label} {case} {key}", value, "us")
+    return format_case(f"{label} {case} ({len(launches)} launches pooled)", stats, grid)
+
+
+def raw_rows(raw: np.ndarray, points: tuple[str, ...]) -> list[list[int]]:
+    return [[int(v) for v in row[:1 + 2 * len(points)]] for row in raw]
+
+
+# ---- device: sparse MQA ----------------------------------------------------------------------------
+
+def _mqa_timeline_specs(bundle) -> list[ref.SparseMqaSpec]:
+    from executor.launches.sparse_mqa import spec_of
+    return [spec_of(bundle.manifest.kernels[n].spec) for n in bundle.names()
+            if n.startswith("sparse_mqa_") and n.endswith("_timeline")]
+
+
+class MqaTimelineRunner:
+    """CHAIN distinct cases of one (context, rows) on device, a stamp block per chain slot."""
+
+    def __init__(self, ctx, bundle, spec: ref.SparseMqaSpec, context: int, rows: int, rng):
+        from executor.arena import Arena
+        from executor.sparse_mqa_chain import BENCH_CASES, SparseMqaBuffers, make_case
+        self.ctx, self.bundle, self.spec, self.rows = ctx, bundle, spec, rows
+        cases = [make_case(spec, rng, context, BENCH_CASES[rows], write_all=True)
+                 for _ in range(CHAIN)]
+        self.bufs = [SparseMqaBuffers(ctx.device, bundle, c) for c in cases]
+        self.slot_bytes = spec.stamp_rows(rows) * ref.TIMELINE_WORDS * 8
+        self.arena = Arena(ctx.device, [("stamps", CHAIN * self.slot_bytes)])
+
+    def launch(self, case: int, slot: int):
+        return self.bufs[case].launch_of(self.bundle, self.spec,
+                                         stamps=self.arena.ptr("stamps") + slot * self.slot_bytes)
+
+    def clear(self) -> None:
+        self.ctx.stream.synchronize()
+        self.arena.fill("stamps", 0)
+        self.arena.synchronize()
+
+    def stamps(self, slots: int) -> tuple[list[Stamps], list]:
+        self.ctx.stream.synchronize()
+        raw = self.arena.download("stamps", np.uint64, (CHAIN, self.spec.stamp_rows(self.rows),
+                                                        ref.TIMELINE_WORDS))
+        out = [Stamps.parse(raw[i], ref.TIMELINE_POINTS, f"{self.spec.name} slot {i}")
+               for i in range(slots)]
+        return out, [raw_rows(raw[i], ref.TIMELINE_POINTS) for i in range(slots)]
+
+    def isolated(self) -> tuple[list[Stamps], list]:
+        runs, raws = [], []
+        for rep in range(ISO_REPS):
+            self.clear()
+            self.ctx.flusher.flush(self.ctx.stream)
+            self.launch(rep % CHAIN, 0).launch(self.ctx.stream)
+            got, raw = self.stamps(1)
+            runs += got
+            raws += raw
+        return runs, raws
+
+    def chain(self) -> tuple[list[list[Stamps]], list]:
+        from executor.graphs import Graph
+        launches = [self.launch(i, i) for i in range(CHAIN)]
+        with Graph.capture(self.ctx.stream) as g:
+            for x in launches:
+                x.launch(self.ctx.stream)
+        replays, raws = [], []
+        try:
+            g.launch(self.ctx.stream)                     # warm-up (code, TLB, clocks)
+            for _ in range(CHAIN_REPLAYS):
+                self.clear()
+                g.launch(self.ctx.stream)
+                got, raw = self.stamps(CHAIN)
+                replays.append(got)
+                raws.append(raw)
+        finally:
+            g.close()
+        return replays, raws
+
+    def matches_production(self, production: ref.SparseMqaSpec) -> bool:
+        """The timeline build's output on case 0 equals the production kernel's bit for bit."""
+        b = self.bufs[0]
+        outs = []
+        for launch in (b.launch_of(self.bundle, production), self.launch(0, 0)):
+            b.arena.fill("out", 0xFF)
+            launch.launch(self.ctx.stream)
+            self.ctx.stream.synchronize()
+            outs.append(b.output().view(np.uint16).copy())
+        return bool(np.array_equal(outs[0], outs[1]))
+
+    def close(self) -> None:
+        for b in self.bufs:
+            b.close()
+        self.arena.close()
+
+
+def _mqa_label(spec: ref.SparseMqaSpec) -> str:
+    return "mqa_topk" if spec.topk else "mqa_swa"
+
+
+def _mqa_cases(ctx, bundle, spec, doc: dict, tables: list) -> None:
+    """Every (context, rows) of one timeline kernel: iso, chain, the output check."""
+    from executor.launches.sparse_mqa import spec_of
+    production = spec_of(bundle.manifest.kernels[spec.name.removesuffix("_timeline")].spec)
+    rng = np.random.default_rng(11)
+    kdoc = doc["kernels"].setdefault(spec.name, {})
+    for context in CONTEXTS if spec.topk else CONTEXTS[:1]:
+        for rows in ROWS:
+            case = f"T{context // 1024}k R{rows}"
+            runner = MqaTimelineRunner(ctx, bundle, spec, context, rows, rng)
+            try:
+                same = runner.matches_production(production)
+                ctx.metric(f"tl {_mqa_label(spec)} {case}: output equals {production.name}'s",
+                           float(same), "bool", "1", same)
+                iso, iso_raw = runner.isolated()
+                replays, chain_raw = runner.chain()
+            finally:
+                runner.close()
+            kdoc[f"{case} iso"], kdoc[f"{case} chain"] = iso_raw, chain_raw
+            tables.append((_mqa_label(spec), f"{case} iso", iso, [(s, None) for s in iso]))
+            shown = [r[CHAIN_SHOWN] for r in replays]
+            tables.append((_mqa_label(spec), f"{case} chain #{CHAIN_SHOWN + 1}", shown,
+                           [(r[CHAIN_SHOWN], r[CHAIN_SHOWN - 1]) for r in replays]))
+
+
+# ---- device: indexer -------------------------------------------------------------------------------
+
+def stamped_launch(bundle, launch, stamps: int):
+    """The `_timeline` twin of a production LaunchSpec: same grid, cluster and arguments, the
+    stamps address inserted where the twin's ABI has it."""
+    from executor.launch import LaunchSpec
+    twin = bundle.kernel(launch.kernel.name + "_timeline")
+    at = [name for name, _ in twin.params].index("stamps")
+    return LaunchSpec(twin, launch.grid, launch.args[:at] + (stamps,) + launch.args[at:],
+                      cluster=launch.cluster)
+
+
+def indexer_kind(name: str) -> str:
+    """The TIMELINE_POINTS key of an indexer kernel name."""
+    for kind in ("prep", "scores", "topkc", "topk"):
+        if name.startswith(f"indexer_{kind}_"):
+            return kind
+    raise ValueError(f"{name}: not an indexer prep / scores / top-k kernel")
+
+
+INDEXER_CHAINS = {"idx_dense_r2": (2, "dense"), "idx_reindex": (1, "candidates")}
+LAYERS = 4                      # index layers per chain graph (the step has 3 dense r2, 4 reindex)
+LAYER_SHOWN = 2                 # the 3rd layer's launches are reported
+
+
+class IndexerTimelineRunner:
+    """One index layer kind's prep -> scores -> top-k (the step's kernels, their timeline twins)
+    on one IndexerChain at (context, rows); a stamp block per launch of a LAYERS-layer chain."""
+
+    def __init__(self, ctx, bundle, label: str, context: int, rows: int, rng):
+        import cupy as cp
+
+        from executor.arena import Arena
+        from executor.benchmarks import fill_random_bf16
+        from executor.indexer_chain import IndexerChain, layout_rows, random_key_records
+        from executor.launches import indexer as il
+        ratio, mode = INDEXER_CHAINS[label]
+        self.ctx, self.bundle, self.rows = ctx, bundle, rows
+        pos, seq, seqs = layout_rows(rows, context)
+        shape = il.IndexerShape(32, ratio, mode, 512, 2048, 8, 64, rows, seqs, context)
+        self.chain = IndexerChain(ctx.device, bundle, shape)
+        keys = self.chain.arena.view("keys", np.uint8)
+        chunk = random_key_records(rng, 8192).reshape(-1)
+        for start in range(0, keys.size, chunk.size):
+            stop = min(keys.size, start + chunk.size)
+            keys[start:stop] = cp.asarray(chunk[:stop - start])
+        pages = keys.size // ik.KEY_BYTES // 64
+        self.chain.upload("block_tables", rng.permutation(pages).astype(np.int32))
+        fill_random_bf16(self.chain.arena, "q")
+        fill_random_bf16(self.chain.arena, "w_raw")
+        self.chain.upload("positions", pos)
+        self.chain.upload("seq_index", seq)
+        if mode == "candidates":
+            blocks = max(1, context // 8)
+            cands = np.full((rows, 2048), -1, np.int32)
+            for r in range(rows):
+                picked = np.sort(rng.permutation(blocks)[:2048])
+                cands[r, :picked.size] = picked
+            self.chain.upload("cands", cands)
+        self.chain.arena.synchronize()
+        self.production = il.indexer_launches(bundle, shape, self.chain.ptrs(), rows, 0.0156,
+                                              cluster_topk=mode == "candidates")
+        ctas = max(int(np.prod(x.grid)) for x in self.production)
+        self.slot_bytes = ctas * ik.TIMELINE_WORDS * 8
+        self.slots = LAYERS * len(self.production)
+        self.arena = Arena(ctx.device, [("stamps", self.slots * self.slot_bytes)])
+
+    def names(self) -> list[str]:
+        return [x.kernel.name for x in self.production]
+
+    def launches(self) -> list:
+        base = self.arena.ptr("stamps")
+        return [stamped_launch(self.bundle, x, base + (layer * len(self.production) + i)
+                               * self.slot_bytes)
+                for layer in range(LAYERS) for i, x in enumerate(self.production)]
+
+    def raw(self) -> np.ndarray:
+        """u64 [launch slot, most CTAs of a launch, TIMELINE_WORDS]."""
+        self.ctx.stream.synchronize()
+        return self.arena.download("stamps", np.uint64,
+                                   (self.slots, self.slot_bytes // 8 // ik.TIMELINE_WORDS,
+                                    ik.TIMELINE_WORDS))
+
+    def stamps(self) -> tuple[list[Stamps], list]:
+        raw = self.raw()
+        out, raws = [], []
+        for slot, x in enumerate(self.launches()):
+            points = ik.TIMELINE_POINTS[indexer_kind(x.kernel.name)]
+            ctas = int(np.prod(x.grid))
+            out.append(Stamps.parse(raw[slot, :ctas], points, f"{x.kernel.name} slot {slot}"))
+            raws.append(raw_rows(raw[slot, :ctas], points))
+        return out, raws
+
+    def run_chain(self, flush: bool) -> tuple[list[Stamps], list]:
+        """One replay of the LAYERS-layer PDL graph (after an L2 flush if asked)."""
+        self.ctx.stream.synchronize()
+        self.arena.fill("stamps", 0)
+        self.arena.synchronize()
+        if flush:
+            self.ctx.flusher.flush(self.ctx.stream)
+        self.graph.launch(self.ctx.stream)
+        return self.stamps()
+
+    def matches_production(self) -> bool:
+        """The timeline chain's top-k equals the production chain's bit for bit."""
+        outs = []
+        k = 512
+        for launches in (self.production, self.launches()[:len(self.production)]):
+            self.chain.poison("topk")
+            self.chain.arena.synchronize()
+            for x in launches:
+                x.launch(self.ctx.stream)
+            self.ctx.stream.synchronize()
+            outs.append(self.chain.download("topk", np.int32, (self.rows, k)))
+        return bool(np.array_equal(outs[0], outs[1]))
+
+    def __enter__(self):
+        from executor.graphs import Graph
+        with Graph.capture(self.ctx.stream) as g:
+            for x in self.launches():
+                x.launch(self.ctx.stream)
+        self.graph = g
+        return self
+
+    def __exit__(self, *exc):
+        self.graph.close()
+        self.arena.close()
+        self.chain.close()
+
+
+def _indexer_cases(ctx, bundle, label: str, doc: dict, tables: list) -> None:
+    rng = np.random.default_rng(13)
+    kdoc = doc["kernels"].setdefault(label, {})
+    for context in CONTEXTS:
+        for rows in ROWS:
+            case = f"T{context // 1024}k R{rows}"
+            runner = IndexerTimelineRunner(ctx, bundle, label, context, rows, rng)
+            with runner:
+                same = runner.matches_production()
+                ctx.metric(f"tl {label} {case}: top-k equals the production chain's",
+                           float(same), "bool", "1", same)
+                runner.run_chain(flush=False)                 # warm-up
+                replays, raws = zip(*[runner.run_chain(flush=f)
+                                      for f in [True] * ISO_REPS + [False] * CHAIN_REPLAYS])
+                names = runner.names()
+            kdoc[case] = {"kernels": names, "replays": list(raws)}
+            n = len(names)
+            for i, name in enumerate(names):
+                kind = indexer_kind(name)
+                iso = [r[i] for r in replays[:ISO_REPS]]                  # layer 1, cold L2
+                tables.append((f"{label} {kind}", f"{case} iso", iso,
+                               [(r[i], r[i - 1] if i else None) for r in replays[:ISO_REPS]]))
+                at = LAYER_SHOWN * n + i
+                warm = replays[ISO_REPS:]
+                tables.append((f"{label} {kind}", f"{case} chain L{LAYER_SHOWN + 1}",
+                               [r[at] for r in warm], [(r[at], r[at - 1]) for r in warm]))
+
+
+def bench_attn_timeline(ctx) -> None:
+    """The sparse MQA and indexer timeline kernels: per-phase tables (printed) and metrics, raw
+    JSON."""
+    from executor.dense_timeline import report_dir
+    bundle = ctx.bundle_with("sparse_mqa_")
+    specs = _mqa_timeline_specs(bundle) if bundle is not None else []
+    if not specs:
+        raise LookupError("no bundle has sparse MQA timeline kernels (sparse_mqa_*_timeline)")
+    doc = {"points": {"sparse_mqa": ref.TIMELINE_POINTS, **ik.TIMELINE_POINTS}, "kernels": {}}
+    tables = []
+    for spec in specs:
+        try:
+            _mqa_cases(ctx, bundle, spec, doc, tables)
+        except Exception as exc:  # noqa: BLE001 - one kernel's failure must not hide the others
+            ctx.metric(f"tl {spec.name} failed: {exc!r}"[:200], 0.0, "", "runs", False)
+    ibundle = ctx.bundle_with("indexer_scores_dense_h32_r2_p64_timeline")
+    for label in INDEXER_CHAINS if ibundle is not None else ():
+        try:
+            _indexer_cases(ctx, ibundle, label, doc, tables)
+        except Exception as exc:  # noqa: BLE001
+            ctx.metric(f"tl {label} failed: {exc!r}"[:200], 0.0, "", "runs", False)
+    try:
+        _summarise(ctx, doc, tables)
+    finally:
+        out = report_dir(ctx)
+        if out is not None and out.is_dir():
+            (out / JSON_NAME).write_text(json.dumps(doc))
+            ctx.metric(f"tl raw stamps written to {out / JSON_NAME}", 1, "")
+
+
+def _summarise(ctx, doc: dict, tables: list) -> None:
+    if not tables:
+        return
+    every = [s for _, _, launches, _ in tables for s in launches]
+    ghz = clock_ghz(every)
+    doc["clock_ghz"] = ghz
+    ctx.metric("tl SM clock (clock64 / globaltimer per CTA)", ghz, "GHz")
+    lines = [f"attn timeline: SM clock {ghz:.3f} GHz"]
+    for label, case, launches, pairs in tables:
+        lines += report(ctx, label, case, launches, pairs, ghz, metrics=True)
+    print("\n".join(lines), flush=True)

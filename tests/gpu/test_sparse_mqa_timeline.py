@@ -1,0 +1,83 @@
+"""GPU tests of the sparse MQA `_timeline` builds (kernels/sparse_mqa_ref.timeline_specs).
+
+A timeline build is the step's kernel plus per-CTA stamps; it must compute exactly what the
+production kernel computes. Each case draws fresh inputs (executor.sparse_mqa_chain.make_case) and
+checks, on the step's SWA-only and top-k kernels:
+- the output equals the production kernel's bit for bit, and the reference within its bound
+  (tests/sparse_mqa_cases.check_output: every element);
+- every CTA stamped every point (ref.TIMELINE_POINTS), clock64 and globaltimer never go back
+  between consecutive points, %smid is below the GPU's SM count, and nothing is written past the
+  used words of a stamp row or past the launch's stamp rows (the buffer is zeroed; one spare row).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sparse_mqa_cases as cases
+
+from executor.attn_timeline import Stamps
+from executor.sparse_mqa_chain import SparseMqaBuffers, make_case
+from kernels import sparse_mqa_ref as ref
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+RNG = np.random.default_rng()
+BLOCKS = {1: ["decode"], 6: ["verify"], 13: ["verify", "verify", "decode"]}
+
+
+@pytest.fixture(scope="module")
+def setup(preset, preset_bundle):
+    return (preset, *preset_bundle)
+
+
+def _run(dev, stream, bundle, case, timeline: ref.SparseMqaSpec, production: ref.SparseMqaSpec):
+    """(production out, timeline out, raw stamps incl. one spare row)."""
+    from executor.arena import Arena
+    bufs = SparseMqaBuffers(dev, bundle, case)
+    rows = timeline.stamp_rows(case.rows) + 1
+    stamps = Arena(dev, [("stamps", rows * ref.TIMELINE_WORDS * 8)])
+    try:
+        outs = []
+        stamps.fill("stamps", 0)
+        stamps.synchronize()
+        for launch in (bufs.launch_of(bundle, production),
+                       bufs.launch_of(bundle, timeline, stamps=stamps.ptr("stamps"))):
+            bufs.arena.fill("out", 0xFF)
+            bufs.arena.synchronize()
+            launch.launch(stream)
+            stream.synchronize()
+            outs.append(bufs.output())
+        raw = stamps.download("stamps", np.uint64, (rows, ref.TIMELINE_WORDS))
+        return outs[0], outs[1], raw
+    finally:
+        stamps.close()
+        bufs.close()
+
+
+def _check_stamps(raw: np.ndarray, spec: ref.SparseMqaSpec, rows: int, sm_count: int) -> None:
+    used = spec.stamp_rows(rows)
+    words = 1 + 2 * len(ref.TIMELINE_POINTS)
+    assert not raw[used:].any(), "stamps written past the launch's rows"
+    assert not raw[:used, words:].any(), "stamps written past a row's used words"
+    stamps = Stamps.parse(raw[:used], ref.TIMELINE_POINTS, spec.name)   # every point stamped
+    assert stamps.out_of_order() == []
+    assert (stamps.smid < sm_count).all()
+    assert (stamps.gt[:, -1] > stamps.gt[:, 0]).all()
+
+
+@pytest.mark.parametrize("which", ["swa", "topk"])
+@pytest.mark.parametrize("rows", sorted(BLOCKS))
+def test_timeline_build_matches_production(dev, stream, setup, which, rows):
+    _, cfg, bundle = setup
+    index = 0 if which == "swa" else 1
+    production = ref.sparse_mqa_specs(cfg, 4)[index]
+    timeline = ref.timeline_specs(cfg, 4)[index]
+    assert timeline.name == production.name + "_timeline"
+    context = 3 * cfg.sliding_window + int(RNG.integers(0, 4 * cfg.index_topk))
+    case = make_case(production, RNG, context, BLOCKS[rows], pad_rows=1)
+    want, got, raw = _run(dev, stream, bundle, case, timeline, production)
+    cases.check_output(case, want)
+    diff = np.argwhere(want.view(np.uint16) != got.view(np.uint16))
+    assert diff.size == 0, f"{len(diff)} elements differ; first (row, head, dim) {diff[0].tolist()}"
+    _check_stamps(raw, timeline, case.rows, dev.sm_count)
