@@ -318,3 +318,13 @@ def check_routed_given_hidden(y: np.ndarray, y_ref: np.ndarray, ye_ref: np.ndarr
         idx = _first(over)
         raise AssertionError(f"{what}: {int(over.sum())} elements out of tolerance; first at "
                              f"{idx}: {y[idx]!r} vs {y_ref[idx]!r} (allowed {allow[idx]:.3g})")
+
+
+def check_two_stage(y: np.ndarray, h: np.ndarray, parts: RoutedParts, routing: RouterOutput,
+                    experts: list[ExpertShard], swiglu_limit: float, what: str = "y") -> None:
+    """A device's h [R·k, I] and y [R, D] against the reference `parts` of the same inputs:
+    `check_hidden_close`, then `check_routed_given_hidden` on the reference's w2 + combine of
+    the device's own h."""
+    check_hidden_close(h, parts.h13, swiglu_limit, f"h of {what}")
+    ye_ref, y_ref = routed_from_hidden(h, routing, experts)
+    check_routed_given_hidden(y, y_ref, ye_ref, routing.weights, what)
