@@ -315,6 +315,9 @@ class DenseW8A16Sm90:
 
 def kernel_class(spec: DenseSpec):
     """The kernel object class of a spec's variant (kernels/dense_stream.py: streamed ones)."""
+    if spec.unrolled:
+        from kernels.dense_tile import DenseTileSm90
+        return DenseTileSm90
     if spec.streamed:
         from kernels.dense_stream import DenseStreamSm90
         return DenseStreamSm90

@@ -66,13 +66,18 @@ ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows 
 # "stream_xtb" (stream_xts whose weights arrive by a few multi-KB cp.async.bulk copies per tile
 # on one mbarrier per tile, in the checkpoint layout: round 5). Round 4's "stream_x" (stream_xt
 # with units split across CTAs) lost everywhere and is gone (round 5).
-VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb")
+# Round 7: "stream_xtu" (kernels/dense_tile.py) is stream_xtb with one unit per tile and the tile's
+# chunks unrolled at compile time: no per-unit index arithmetic or branch, x resident in registers
+# (B fragments, loaded once per CTA) where K allows, else X_AHEAD chunks ahead, two accumulators.
+VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb", "stream_xtu")
 STREAM_VARIANTS = VARIANTS[1:]
 VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt", "stream_xts": "sxts",
-                "stream_xtb": "sxtb"}
-WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb")
+                "stream_xtb": "sxtb", "stream_xtu": "sxtu"}
+WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb", "stream_xtu")
 BULK_PIECE_MAX = 8192               # stream_xtb: bytes per cp.async.bulk (whole weight rows)
 BULK_MBARRIERS = 8                  # stream_xtb: mbarrier slots (one per tile of the CTA)
+X_RESIDENT_WORDS = 32               # stream_xtu: x of the whole K in registers up to this (K <= 2048)
+X_AHEAD = 4                         # stream_xtu: else x loads run this many chunks ahead
 STREAM_WARPS = 8                    # warps of the streamed kernel
 STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / stream_xt ...
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
@@ -136,13 +141,25 @@ class DenseSpec:
     def async_scales(self) -> bool:
         """stream_xts / xtb: the scale window arrives by 4-byte cp.async (K % 128 == 0) in the
         first commit group, not by plain loads stored after the weights' copies are issued."""
-        return self.variant in ("stream_xts", "stream_xtb")
+        return self.variant in ("stream_xts", "stream_xtb", "stream_xtu")
 
     @property
     def bulk(self) -> bool:
         """stream_xtb: tile slot i of the ring holds the CTA's i-th tile as stored (16 rows x K),
         fetched by `bulk_pieces` copies of `bulk_rows` rows counted on mbarrier i."""
-        return self.variant == "stream_xtb"
+        return self.variant in ("stream_xtb", "stream_xtu")
+
+    @property
+    def unrolled(self) -> bool:
+        """stream_xtu: one unit per tile (unit_k = K), the tile's chunks unrolled at compile time."""
+        return self.variant == "stream_xtu"
+
+    @property
+    def x_resident(self) -> bool:
+        """stream_xtu: every chunk's x (8 words a chunk this warp owns) loaded once per CTA and
+        reused by all its tiles; needs one group (x is the same for every tile)."""
+        return (self.unrolled and self.groups == 1
+                and 8 * ceil_div(ceil_div(self.k, CHUNK_K), STREAM_WARPS) <= X_RESIDENT_WORDS)
 
     @property
     def bulk_rows(self) -> int:
@@ -167,7 +184,8 @@ class DenseSpec:
         """fp32 accumulator sets per warp (alternate mma steps: half the dependent chain). One
         where a warp owns 2 chunks per unit: two sets beside a 3-unit x ring took 127-128
         registers (ptxas), at the 128 that two CTAs per SM (this kernel and the next) allow."""
-        if self.variant == "stream" or ceil_div(self.chunks, STREAM_WARPS) > 1:
+        if self.variant == "stream" or (ceil_div(self.chunks, STREAM_WARPS) > 1
+                                         and not self.unrolled):
             return 1
         return 2
 
@@ -401,9 +419,14 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if unit_k and (variant not in STREAM_VARIANTS or k % unit_k or unit_k % CHUNK_K):
         raise ValueError(f"{label}: unit_k {unit_k} needs a streamed variant (got {variant!r}), "
                          f"K % unit_k == 0 and unit_k % {CHUNK_K} == 0 (K = {k})")
+    if variant == "stream_xtu":
+        if unit_k not in (0, k):
+            raise ValueError(f"{label}: variant 'stream_xtu' has one unit per tile (unit_k = "
+                             f"K = {k}), got unit_k {unit_k}")
+        unit_k = 0                          # no `_u` suffix: K is the variant's own unit
     step_unit = step_unit_k(label, k) if row_tiles == 1 and variant == default else 0
     name += f"_u{unit_k}" if unit_k and unit_k != step_unit else ""
-    unit_k = unit_k or step_unit
+    unit_k = unit_k or step_unit or (k if variant == "stream_xtu" else 0)
     if timeline and variant not in WHOLE_TILE_VARIANTS:
         raise ValueError(f"{label}: the timeline stamps take the workspace, which only the "
                          f"whole-tile variants {WHOLE_TILE_VARIANTS} leave free; got {variant!r}")
@@ -503,6 +526,24 @@ R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
     "wq_b": (("stream_xts", 640), ("stream_xts", 1280))}
 
 
+# Round 7: stream_xtu (kernels/dense_tile.py) beside the step's kernel of every layer whose step
+# kernel is stream_xtb / xts (bf16 epilogue; wo_b's f32 / residual take it only when switched).
+R8_TILE_LABELS = ("wqa_wkv", "wq_b", "wo_b", "grouped", "indexer_wq_b")
+
+
+def tile_candidates(label: str, n: int, k: int, groups: int = 1) -> list[str]:
+    """["stream_xtu"] where the layer is an R8_TILE_LABELS one, K % 128 == 0 (4-byte scale
+    copies) and the CTA's tiles fit the bulk ring, unless the step already uses it."""
+    if (label not in R8_TILE_LABELS or k % (4 * FP8_BLOCK)
+            or default_variant(label, 1) == "stream_xtu"):
+        return []
+    try:
+        make_spec(label, n, k, groups=groups, variant="stream_xtu")
+    except ValueError:
+        return []
+    return ["stream_xtu"]
+
+
 def default_variant(label: str, row_tiles: int) -> str:
     return R8_VARIANT.get(label, "mma") if row_tiles == 1 else "mma"
 
@@ -526,6 +567,8 @@ def candidate_specs(label: str, n: int, k: int, groups: int = 1,
     default = default_variant(label, 1)
     return ([make_spec(label, n, k, groups=groups, prefix=prefix, variant=v)
              for v in R8_CANDIDATES.get(label, ()) if v != default]
+            + [make_spec(label, n, k, groups=groups, prefix=prefix, variant=v)
+               for v in tile_candidates(label, n, k, groups)]
             + [make_spec(label, n, k, groups=groups, prefix=prefix, variant=v, unit_k=u)
                for v, u in unit_candidates(label, k)])
 
@@ -541,6 +584,8 @@ def timeline_specs(shapes: dict) -> list[DenseSpec]:
             out.append(make_spec(label, n, k, variant=step.variant, timeline=True))
         out += [make_spec(label, n, k, variant=v, unit_k=u, timeline=True)
                 for v, u in unit_candidates(label, k)]
+        out += [make_spec(label, n, k, variant=v, timeline=True)
+                for v in tile_candidates(label, n, k)]
     return out
 
 

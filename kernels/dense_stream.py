@@ -239,6 +239,10 @@ class DenseStreamSm90:
             self._round3_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
                               flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,
                               warp, lane)
+        elif cutlass.const_expr(self.spec.unrolled):   # stream_xtu: kernels/dense_tile.py
+            self._tile_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
+                            flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,
+                            warp, lane)
         else:
             self._x_ring_loop(acc, xbuf, x, w_row, out, residual, workspace, counters, rows,
                               flag, red, ring_a, sc_a, cta, u_begin, n_units, srow0, row, tidx,

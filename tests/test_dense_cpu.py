@@ -240,11 +240,11 @@ def test_split_k_fills_the_gpu_for_narrow_layers(v41):
 
 
 def _variants_for(n: int, k: int) -> tuple[str, ...]:
-    """The streamed variants a shape allows (stream_xts / xtb: scale rows of a multiple of 4
-    bytes; stream_xtb: the CTA's slice resident, i.e. not Engram wkv / main_proj)."""
+    """The streamed variants a shape allows (stream_xts / xtb / xtu: scale rows of a multiple of
+    4 bytes; stream_xtb / xtu: the CTA's slice resident, i.e. not Engram wkv / main_proj)."""
     return tuple(v for v in dr.STREAM_VARIANTS
-                 if (v not in ("stream_xts", "stream_xtb") or k % 128 == 0)
-                 and (v != "stream_xtb" or n * k <= 12 * 2**20))
+                 if (v not in ("stream_xts", "stream_xtb", "stream_xtu") or k % 128 == 0)
+                 and (v not in ("stream_xtb", "stream_xtu") or n * k <= 12 * 2**20))
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
@@ -263,7 +263,8 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
         assert s.k % s.unit_k == 0 and s.unit_k % 32 == 0
         label = s.name.split("_n")[0].removeprefix("dense_w8a16_").removeprefix("wo_a_fp8_")
         assert (s.unit_k <= dr.STREAM_MAX_UNIT_K or f"_u{s.unit_k}" in s.name    # a candidate's
-                or s.unit_k == dr.step_unit_k(label, s.k))                      # or the step's
+                or s.unit_k == dr.step_unit_k(label, s.k)                       # or the step's
+                or (s.unrolled and s.unit_k == s.k))                            # xtu: a tile
         assert s.stage_bytes == 16 * 64 * -(-s.unit_k // 64)
         assert s.smem_bytes <= dr.STREAM_SMEM_BUDGET and 1 <= s.ctas <= 132
         owner = np.full(s.units, -1)
@@ -300,7 +301,8 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
 def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
     """stream_xt: x_slots units of x (8 words per chunk a warp owns) within
     STREAM_X_REGS, never more slots than the CTA has units (but 2, the ring's minimum), two
-    accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged."""
+    accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged;
+    stream_xtu: one unit per tile, two sets, x resident up to X_RESIDENT_WORDS."""
     cfg = ModelConfig.preset(config)
     for label, (n, k, _) in dr.dense_shapes(cfg, 4).items():
         for v in _variants_for(n, k):
@@ -308,6 +310,10 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
             per_chunk = 8 * -(-s.chunks // dr.STREAM_WARPS)
             if v == "stream":
                 assert (s.x_slots, s.accumulators) == (2, 1)
+                continue
+            if v == "stream_xtu":     # no x ring: resident (<= X_RESIDENT_WORDS) or X_AHEAD chunks
+                assert s.accumulators == 2 and s.ksteps == 1
+                assert s.x_resident == (s.groups == 1 and per_chunk <= dr.X_RESIDENT_WORDS)
                 continue
             assert 2 <= s.x_slots <= max(2, min(s.units_per_cta, dr.STREAM_X_SLOTS))
             assert s.x_slots == 2 or s.x_slots * per_chunk <= dr.STREAM_X_REGS
