@@ -47,6 +47,7 @@ class MoeChain:
         self.per_expert = {"codes13": c13, "offsets13": o13, "codes2": c2, "offsets2": o2}
         self.arena = Arena(device, ml.weight_requests(shape) + ml.requests(shape, mk.MAX_ROWS))
         self.ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}
+        self.zero_flags()
 
     def close(self) -> None:
         self.arena.close()
@@ -85,6 +86,25 @@ class MoeChain:
             self.arena.view(name, np.uint8)[...] = 0xFF
         self.arena.view("meta", np.int32)[...] = -7
         cp.cuda.Device().synchronize()
+
+    def zero_flags(self) -> None:
+        """The polled pair's counters to 0 (as the step's arena starts; each polled chain leaves
+        them 0 again)."""
+        import cupy as cp
+        self.arena.view("flags", np.uint32)[...] = 0
+        cp.cuda.Device().synchronize()
+
+    def flags(self) -> np.ndarray:
+        """(timeout status, produced[E], consumed[E]) of the polled pair, from the device."""
+        return self.download("flags", np.uint32, (mk.flags_words(self.shape.num_experts),))
+
+    def has_polled(self) -> bool:
+        return ml.has_polled(self.available)
+
+    def launches_polled(self, rows: int) -> list[LaunchSpec]:
+        """xquant -> w13sr "bulkf" -> w2sr "earlyp" -> combine (launches/moe.py
+        `polled_launches`)."""
+        return ml.polled_launches(self.bundle, self.shape, self.ptrs, rows, self.available)
 
     def variant_names(self, kind: str) -> list[str]:
         """"" (the default) and the candidate variants of kind the bundle holds."""
@@ -156,8 +176,9 @@ def _fill_random_weights(chain: MoeChain) -> None:
 def bench_moe_routed(ctx) -> None:
     """The routed-MoE chain (prep + w13 + w2 + combine) at R = 1..192, uniform top-k routing over
     every expert, L2 flushed before each rep; the self-routed chain (xquant + w13sr + w2sr +
-    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants) beside
-    it; Humming's stock numbers (anchors.md)."""
+    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants) and the
+    polled pair (rows "polled": w13sr "bulkf" -> w2sr "earlyp", its timeout status a metric)
+    beside it; Humming's stock numbers (anchors.md)."""
     from executor.benchmarks import fill_random_bf16
     bundle = ctx.bundle_with("moe_w13_")
     if bundle is None:
@@ -187,11 +208,17 @@ def bench_moe_routed(ctx) -> None:
             # Round 5: the step's chain with every weight byte by bulk copies.
             if ml.bulk_fits(chain.available, shape, rows):
                 chains.append((" bulk", chain.launches_bulk(rows)))
-                if ("w2", "bulkp") in chain.available:
-                    chains.append((" bulkp", chain.launches_bulk(rows, "bulkp")))
+                for w2 in ("bulkp", "bulkpd"):      # round 7: bulkpd decodes before its wait
+                    if ("w2", w2) in chain.available:
+                        chains.append((f" {w2}", chain.launches_bulk(rows, w2)))
+                        if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
+                            chains.append((f" {w2} lean4", chain.launches_bulk(
+                                rows, w2, "bulkw_lean4")))
                 if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
                     chains.append((" bulk lean4", chain.launches_bulk(rows, "bulk",
                                                                       "bulkw_lean4")))
+            if chain.has_polled():          # round 7: w2 items start on per-expert counts
+                chains.append((" polled", chain.launches_polled(rows)))
             if chain.has_selfrouted():
                 for w13w in ("bulkw", "bulkw_lean4"):     # round 6: w13w in the self-routed chain
                     if ml.warp_routed_fits(chain.available, shape, rows, w13w):
@@ -212,6 +239,10 @@ def bench_moe_routed(ctx) -> None:
                 row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}{label}", rows,
                                     us, mk.moe_bytes(shape, distinct, rows))
                 _report_targets(ctx, rows, us, row, shape, label)
+            if chain.has_polled():
+                status = int(chain.flags()[0])
+                ctx.metric(f"moe polled R={rows}: poll timeouts (flags[0], sticky)", status, "-",
+                           "== 0", status == 0)
             if rows <= 8:
                 _report_prefixes(ctx, chain, rows)
             if rows in TIMELINE_ROWS:
@@ -273,6 +304,7 @@ def _report_prefixes(ctx, chain: MoeChain, rows: int) -> None:
                 s.launch(ctx.stream)
         us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
         ctx.metric(f"moe step chain R={rows}: {' + '.join(names[:n])}", us, "us")
+        chain.zero_flags()         # a polled w13 without its w2 leaves its experts counted
 
 
 def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: str) -> None:

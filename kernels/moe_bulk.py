@@ -34,8 +34,10 @@ from kernels.moe_pipelined import MoeW13WarpRoutedSm90
 from kernels.moe_ptx import (
     _addr,
     bulk_copy_g2s,
+    decode_group,
     fmul_add,
     group_mma,
+    group_mma_decoded,
     ld_relaxed_u32,
     ld_u32,
     lds_v2,
@@ -44,6 +46,7 @@ from kernels.moe_ptx import (
     mbar_init,
     mbar_init_fence,
     mbar_wait,
+    signal_produced,
     syncwarp,
     timeline_of,
 )
@@ -146,9 +149,10 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                                    _addr(scales), _addr(h)), rows)
 
     @cute.jit
-    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None):
+    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None, flags=None):
         """The kernel's body (moe_w13sr "bulk" too: `route` and `next_expert` differ); stamps:
-        the timeline build's record array (None in production)."""
+        the timeline build's record array, flags: the polled handoff's counters (each None
+        where the build has none)."""
         tidx, bidx, gdim, warp, lane, ring = self.enter()
         tl = timeline_of(stamps, bidx, tidx)
         mark(tl, "entry")
@@ -161,7 +165,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
         cute.arch.griddepcontrol_wait()          # xq, xs come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()
         mark(tl, "wait_end")
-        self.stream_items(ring, red, state, item, gdim, total, ptrs, warp, lane, tidx, tl)
+        self.stream_items(ring, red, state, item, gdim, total, ptrs, warp, lane, tidx, tl, flags)
         mark(tl, "exit")
 
     @cute.jit
@@ -189,10 +193,13 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     @cute.jit
     def stream_items(self, ring: Int32, red: Int32, state, item: Int32, gdim: Int32,
-                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32, tl=None):
+                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32, tl=None,
+                     flags=None):
         """The CTA's items from `item` on (the first already issued): each token chunk's slice
         math, then the cross-warp sum and SwiGLU; the next item refilled part by part in the
-        last chunk. Item n of the CTA completes phase n of every barrier."""
+        last chunk. Item n of the CTA completes phase n of every barrier. With flags, the
+        item's expert is counted as one item further once its h is stored (the last warp's
+        lane 0 signals, so warp 0, which runs the next cross-warp sum, never waits on it)."""
         xq, xs, codes, offsets, scales, h = ptrs
         phase = Int32(0)
         while item < total:
@@ -213,6 +220,8 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                 self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0,
                                       v1)
                 chunk += mk.CHUNK_TOKENS
+            # reduce_and_store ended with a CTA barrier after warp 0's h stores.
+            signal_produced(flags, e, Int32(tidx == self.threads - mk.LANES))
             item = nxt
             phase = phase ^ 1
 
@@ -431,11 +440,12 @@ class MoeW2BulkSm90(MoeW2Sm90):
     @cute.jit
     def item_chunks(self, ring: Int32, it: Int32, item: Int32, first: Int32, count: Int32,
                     scale: Float32, ptrs, sq: Int32, warp: Int32, lane: Int32, tidx: Int32,
-                    first_pair=None, tl=None):
+                    first_pair=None, tl=None, decoded=None):
         """The CTA's it-th item (pairs first.., count of them): per token chunk, h re-quantized
         into sq (all five groups of a token loaded before the first is quantized: one L2 round
         trip, as moe_w2sr), the warp's tile awaited on its barrier, the mma, ye. first_pair:
-        the first chunk's pair id of this warp, already loaded (else read here)."""
+        the first chunk's pair id of this warp, already loaded (else read here); decoded: the
+        warp's tile as A fragments already (`decode_tile`; else decoded from the stage)."""
         pairs, h, ye = ptrs
         tile = (item % self.blocks) * mk.W2_WARPS + warp
         stage = ring + (it % self.stages) * self.stage_bytes
@@ -455,33 +465,53 @@ class MoeW2BulkSm90(MoeW2Sm90):
             mark(tl, "last_landed")
             cute.arch.sync_threads()
             mark(tl, "epilogue")
-            self.chunk_mma(stage + warp * self.warp_bytes, ye, tile, scale, sq, lane, tidx)
+            self.chunk_mma(stage + warp * self.warp_bytes, ye, tile, scale, sq, lane, tidx,
+                           decoded)
             cute.arch.sync_threads()
             chunk += mk.CHUNK_TOKENS
 
     @cute.jit
     def chunk_mma(self, tile_at: Int32, ye: Int64, tile: Int32, scale: Float32, sq: Int32,
-                  lane: Int32, tidx: Int32):
+                  lane: Int32, tidx: Int32, decoded=None):
         """moe_w2's chunk_mma on the warp's tile as the bulk copy laid it out (the source's
-        layout: column c of lane l at c * 512 + l * 16, group offsets at 64 B each)."""
+        layout: column c of lane l at c * 512 + l * 16, group offsets at 64 B each); its first
+        len(decoded) groups from A fragments decoded already (the same mmas in the same
+        order)."""
         g, t = lane // 4, lane % 4
         k_pad = self.shape.k2
         acc = [Float32(0.0)] * 4
         for grp in cutlass.range_constexpr(self.groups):
             n_steps = self.ksteps(grp)
-            words = [w for c in range(2 * grp, min(2 * grp + 2, self.cols))
-                     for w in lds_v4_u32(tile_at + c * mk.COL_BYTES + lane * 16)]
-            offs = lds_v2(tile_at + self.tile_code_bytes + grp * mk.GROUP_OFFSET_BYTES
-                          + (lane // 4) * 8)
+            frags = decoded[grp] if decoded is not None and grp < len(decoded) else None
+            if cutlass.const_expr(frags is None):
+                words, offs = self.group_words(tile_at, grp, lane)
             b_regs = []
             for s4 in cutlass.range_constexpr(n_steps):
                 b_regs.append(lds_v2(sq + g * k_pad + (grp * 4 + s4) * mk.KSTEP + 8 * t))
-            part = group_mma(words, offs, n_steps, b_regs)
+            if cutlass.const_expr(frags is None):
+                part = group_mma(words, offs, n_steps, b_regs)
+            else:
+                part = group_mma_decoded(frags, b_regs)
             sc0 = lds_f32(sq + self.q_bytes + 4 * ((2 * t) * self.groups + grp))
             sc1 = lds_f32(sq + self.q_bytes + 4 * ((2 * t + 1) * self.groups + grp))
             acc = [fmul_add(acc[0], part[0], sc0), fmul_add(acc[1], part[1], sc1),
                    fmul_add(acc[2], part[2], sc0), fmul_add(acc[3], part[3], sc1)]
         self.store_ye(acc, ye, tile, scale, sq, lane)
+
+
+    def group_words(self, tile_at: Int32, grp: int, lane: Int32):
+        """(code words, offset words) of this lane for 128-group grp of the warp's tile."""
+        words = [w for c in range(2 * grp, min(2 * grp + 2, self.cols))
+                 for w in lds_v4_u32(tile_at + c * mk.COL_BYTES + lane * 16)]
+        offs = lds_v2(tile_at + self.tile_code_bytes + grp * mk.GROUP_OFFSET_BYTES
+                      + (lane // 4) * 8)
+        return words, offs
+
+    def decode_tile(self, tile_at: Int32, lane: Int32, groups: int):
+        """The warp's tile's first `groups` 128-groups as A fragments: [group][k-step][4 words]
+        (16 registers a lane per whole group)."""
+        return [decode_group(*self.group_words(tile_at, grp, lane), self.ksteps(grp))
+                for grp in range(groups)]
 
 
 class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
@@ -556,12 +586,15 @@ class MoeW2BulkPrefetchSm90(MoeW2BulkSm90):
 
 def kernel_class(spec: mk.MoeSpec):
     """The class compiling a bulk-copy spec (w13w "bulk" / "bulk1", w13sr "bulk", w2 "bulk" /
-    "bulkp")."""
+    "bulkp" / "bulkpd")."""
     classes = {("w13w", "bulk"): MoeW13BulkSm90, ("w13w", "bulk1"): MoeW13BulkSm90,
                ("w13w", "bulkw"): MoeW13BulkSm90, ("w13w", "bulkw_lean4"): MoeW13BulkLeanSm90,
                ("w13sr", "bulk"): MoeW13SelfRoutedBulkSm90,
                ("w13sr", "bulkw"): MoeW13SelfRoutedBulkSm90,
                ("w2", "bulk"): MoeW2BulkSm90, ("w2", "bulkp"): MoeW2BulkPrefetchSm90}
+    if (spec.kind, spec.variant) == ("w2", "bulkpd"):
+        from kernels.moe_predecode import MoeW2BulkDecodedSm90  # builds on this module
+        return MoeW2BulkDecodedSm90
     if (spec.kind, spec.variant) not in classes:
         raise ValueError(f"{spec.name}: no bulk-copy kernel for {spec.kind} {spec.variant!r} "
                          f"(have {sorted(classes)})")

@@ -189,6 +189,108 @@ def popc(x: Int32):
 
 
 
+# ---- the polled w13 -> w2 handoff (kernels/moe_polled.py; None in every other kernel) ----------
+# flags (u32, mk.flags_words): [0] sticky timeout status, then produced[E] (w13 items of expert e
+# done this launch), consumed[E] (w2 items of e that have passed their poll). Both kernels emit
+# nothing for these when flags is None, so the other cubins stay byte-identical.
+
+def fence_acq_rel_gpu():
+    void([], "fence.acq_rel.gpu;", "~{memory}")
+
+
+def red_add_gpu(addr: Int64):
+    """+1 at addr (relaxed, GPU scope; after a fence.acq_rel.gpu it releases what came before)."""
+    void([Int64(addr)], "red.relaxed.gpu.global.add.u32 [$0], 1;", "l,~{memory}")
+
+
+def atom_add_gpu_if(addr: Int64, pred: Int32):
+    """Where pred != 0: the word at addr before +1 (relaxed, GPU scope); else -1."""
+    return Int32(_asm(1, [Int64(addr), Int32(pred)],
+                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, -1;\n"
+                      "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }", "=r,l,r,~{memory}",
+                      side_effects=True))
+
+
+def st_zero_gpu_if(addr: Int64, pred: Int32):
+    void([Int64(addr), Int32(pred)], "{ .reg .pred p; setp.ne.s32 p, $1, 0;\n"
+         "@p st.relaxed.gpu.global.u32 [$0], 0; }", "l,r,~{memory}")
+
+
+def st_one_gpu(addr: Int64):
+    void([Int64(addr)], "st.relaxed.gpu.global.u32 [$0], 1;", "l,~{memory}")
+
+
+def nanosleep(ns: int):
+    void([], f"nanosleep.u32 {ns};", "~{memory}")
+
+
+def produced_at(flags: Int64, e: Int32) -> Int64:
+    return flags + Int64(mk.FLAGS_HEADER + e) * 4
+
+
+def consumed_at(flags: Int64, e: Int32, num_experts: int) -> Int64:
+    return flags + Int64(mk.FLAGS_HEADER + num_experts + e) * 4
+
+
+@cute.jit
+def _signal_produced(flags: Int64, e: Int32, signaller: Int32):
+    if signaller != 0:
+        fence_acq_rel_gpu()
+        red_add_gpu(produced_at(flags, e))
+
+
+def signal_produced(flags, e, signaller):
+    """w13: one item of expert e is in h. Call after a CTA barrier that follows the item's h
+    stores; the signalling thread's fence.acq_rel.gpu is cumulative over them (the barrier
+    orders them before it), then its relaxed +1 publishes. Nothing when flags is None."""
+    if flags is None:
+        return
+    _signal_produced(flags, e, signaller)
+
+
+@cute.jit
+def _await_produced(flags: Int64, e: Int32, target: Int32):
+    addr = produced_at(flags, e)
+    start = cute.arch.globaltimer()
+    seen = ld_relaxed_u32(addr, Int32(1))
+    while seen != target:
+        nanosleep(mk.POLL_SLEEP_NS)
+        seen = ld_relaxed_u32(addr, Int32(1))
+        if (seen != target) & (cute.arch.globaltimer() - start > Int64(mk.POLL_TIMEOUT_NS)):
+            st_one_gpu(flags)              # sticky: the host / the GPU tests read it
+            seen = target
+    fence_acq_rel_gpu()
+
+
+def await_produced(flags, e, target):
+    """w2: every thread spins (relaxed loads, GPU scope) until produced[e] == target (all of
+    expert e's w13 items), then fence.acq_rel.gpu: its own later loads of h see what the
+    signalling fences released. After mk.POLL_TIMEOUT_NS it sets flags[0] and goes on (wrong
+    outputs, never a hang). Nothing when flags is None."""
+    if flags is None:
+        return
+    _await_produced(flags, e, target)
+
+
+def claim_consumed(flags, e, claimer, num_experts: int):
+    """w2: after a CTA barrier that follows every warp's poll of expert e: +1 on consumed[e] by
+    the claimer thread; its old value (-1 elsewhere), which `release_expert` tests an item
+    later so that the atomic's latency never stalls. None when flags is None."""
+    if flags is None:
+        return None
+    return atom_add_gpu_if(consumed_at(flags, e, num_experts), claimer)
+
+
+def release_expert(flags, e, old, items: int, num_experts: int):
+    """w2: the claimer whose +1 was expert e's last (old == items - 1, every item of e has
+    passed its poll) zeroes produced[e] and consumed[e] for the next launch."""
+    if flags is None:
+        return
+    last = Int32(old == items - 1)
+    st_zero_gpu_if(produced_at(flags, e), last)
+    st_zero_gpu_if(consumed_at(flags, e, num_experts), last)
+
+
 def _addr(ptr: cute.Pointer) -> Int64:
     return Int64(ptr.toint())
 
@@ -238,6 +340,28 @@ def fragment_position(kstep_of_lane, lane):
     """Byte offset of lane's 4 consecutive K values (4*lane..) inside the fragment-ordered row."""
     quad = lane % 8
     return kstep_of_lane * mk.KSTEP + 8 * (quad % 4) + 4 * (quad // 4)
+
+
+def decode_group(words, offs, ksteps: int):
+    """`group_mma`'s A fragments of one 128-group (the lane's code words of its two columns, its
+    two offset words), decoded ahead of the mma: [k-step][a0, a1, a2, a3]."""
+    frags = []
+    for s4 in range(ksteps):
+        col, s = s4 // 2, s4 % 2
+        byte_g, byte_g8 = 2 * s4, 2 * s4 + 1
+        a0, a2 = decode_row(words[4 * col + 2 * s], offs[byte_g // 4], byte_g % 4)
+        a1, a3 = decode_row(words[4 * col + 2 * s + 1], offs[byte_g8 // 4], byte_g8 % 4)
+        frags.append([a0, a1, a2, a3])
+    return frags
+
+
+@cute.jit
+def group_mma_decoded(frags, b_regs):
+    """`group_mma` on fragments `decode_group` produced: the same mmas in the same order."""
+    part = [Float32(0.0)] * 4
+    for s4 in cutlass.range_constexpr(len(frags)):
+        part = mma_e4m3(frags[s4], b_regs[s4], part)
+    return part
 
 
 @cute.jit

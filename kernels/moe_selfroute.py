@@ -395,8 +395,12 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
                                       mp._addr(scales), mp._addr(ye)), rows)
 
     @cute.jit
-    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None):
-        """The kernel's body; stamps: the timeline build's record array (None in production)."""
+    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None, flags=None):
+        """The kernel's body; stamps: the timeline build's record array, flags: the polled
+        handoff's counters (kernels/moe_polled.py; each None where the build has none). With
+        flags an item starts once its expert's w13 items are all counted, not after w13's
+        end: griddepcontrol.wait moves to the kernel's end, so that this grid completes only
+        after moe_w13sr (what runs after it may rely on both)."""
         h, codes, offsets, scales, ye = ptrs
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -414,12 +418,16 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         self.issue(ring, self.routing.expert_of_item(lists, bidx, self.blocks, total),
                    codes, offsets, bidx, total, warp, lane, tidx)
         mp.mark(tl, "wait_begin")
-        cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
+        if cutlass.const_expr(flags is None):
+            cute.arch.griddepcontrol_wait()      # h comes from moe_w13sr
         cute.arch.griddepcontrol_launch_dependents()
         mp.mark(tl, "wait_end")
+        claimer = Int32(tidx == self.threads - mk.LANES)
+        e_claimed, claimed = Int32(0), Int32(-1)
         item = bidx
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
+            mp.await_produced(flags, e, Int32(self.shape.tiles13))
             scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             nxt = item + gdim
@@ -440,7 +448,16 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
                 self.chunk_mma_refill(ring, ye, tile, scale, sq, lane, tidx, refill, more * last)
                 cute.arch.sync_threads()
                 chunk += mk.CHUNK_TOKENS
+            if cutlass.const_expr(flags is not None):
+                # The chunk loop's barriers follow every warp's poll of e. The previous item's
+                # claim is tested now, an item after its atomic was issued.
+                mp.release_expert(flags, e_claimed, claimed, self.blocks, self.shape.num_experts)
+                claimed = mp.claim_consumed(flags, e, claimer, self.shape.num_experts)
+                e_claimed = e
             item += gdim
+        if cutlass.const_expr(flags is not None):
+            mp.release_expert(flags, e_claimed, claimed, self.blocks, self.shape.num_experts)
+            cute.arch.griddepcontrol_wait()      # complete only after moe_w13sr
         mp.mark(tl, "exit")
 
     @cute.jit

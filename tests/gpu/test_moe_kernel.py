@@ -8,10 +8,13 @@ mul.rn, cvt.rn.satfinite as quantize_act_fp8), y against kernels/moe_kernel_ref 
 `check_routed_close` states and justifies (for the default chain and for every candidate w13 / w2
 variant the bundle holds, the pair the step launches and, where rows * k <= 64, the chain with
 each moe_w13w variant (kernels/moe_pipelined.py, kernels/moe_bulk.py) for w13, and the bulk-copy
-chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk", combine) and its w13w "bulkw_lean4"
-form; all bitwise equal to each other), and two replays bitwise equal; then the self-routed chain
+chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk" / "bulkp" / "bulkpd" (round 7: the
+first tile decoded before the wait), combine) and its w13w "bulkw_lean4" form; all bitwise equal
+to each other), and two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: y within
-tolerance and bitwise the default chain's, its quantized x bitwise.
+tolerance and bitwise the default chain's, its quantized x bitwise; and the polled pair
+(kernels/moe_polled.py) twice: y bitwise the default chain's, no poll timed out, its counters zero
+again after each launch. The step's chain (polled from 3 rows) is in the bitwise matrix.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
 zero, so a kernel reading a wrong expert is caught.
 """
@@ -123,7 +126,7 @@ def test_moe_chain_matches_reference(setup, kind, rows):
     # moe_w13w variants in place of w13 (("w13w", v): their own launch list)
     variants[:0] = [(("w13w", v), step_w2) for v in chain.warp_routed_variants(rows)]
     if ml.bulk_fits(chain.available, shape, rows):   # the step's bulk-copy chain (round 5)
-        variants[:0] = [("bulk", w2) for w2 in ("bulk", "bulkp") if ("w2", w2) in chain.available]
+        variants[:0] = [("bulk", w2) for w2 in mk.W2_BULK_VARIANTS if ("w2", w2) in chain.available]
         if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
             variants.insert(0, ("bulkw_lean4", "bulk"))    # round 6: w13w at 128 registers
     variants.insert(0, ("step", None))                  # what the decode step launches
@@ -198,6 +201,29 @@ def _check_selfrouted(chain, stream, rows, shape, x, want, y_default, what):
         want_q, want_s = mk.quantize_fragments(x, shape.k13)
         np.testing.assert_array_equal(chain.download("xq", np.uint8, want_q.shape), want_q)
         np.testing.assert_array_equal(chain.download("xs", np.float32, want_s.shape), want_s)
+    _check_polled(chain, stream, rows, shape, want, y_default, what)
+
+
+def _check_polled(chain, stream, rows, shape, want, y_default, what):
+    """Round 7: the polled pair (xquant, w13sr "bulkf", w2sr "earlyp", combine) from NaN-poisoned
+    buffers, launched twice in a row: y within the reference tolerance and bitwise the default
+    chain's both times (same items and arithmetic; only when w2 may start moved), no poll timed
+    out (flags[0]) and every counter zero again after each launch (the last w2 item of an
+    expert zeroes its counts, or the second launch's polls would time out)."""
+    assert chain.has_polled(), "the bundle lacks the polled MoE pair (mk.polled_specs)"
+    assert not chain.flags().any(), f"counters not zero before the polled chain ({what})"
+    for launch in range(2):
+        chain.poison_outputs()
+        for spec in chain.launches_polled(rows):
+            spec.launch(stream)
+        stream.synchronize()
+        y = chain.download("y", np.float32, (rows, shape.hidden))
+        label = f"polled y ({what}, launch {launch})"
+        flags = chain.flags()
+        assert flags[0] == 0, f"{label}: a w2 poll timed out (flags[0] = {flags[0]})"
+        assert not flags.any(), f"{label}: counters left at {np.flatnonzero(flags).tolist()}"
+        mk.check_routed_close(y, want, label)
+        np.testing.assert_array_equal(y, y_default, err_msg=f"{label} vs the default chain")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 12])
