@@ -213,9 +213,11 @@ class _Experts:
         return self._done[u]
 
 
-def reference_model(cfg: ModelConfig, synth: SharedSynth, rank_workers: int = 1) -> ReferenceModel:
+def reference_model(cfg: ModelConfig, synth: SharedSynth, rank_workers: int = 1,
+                    float64_cache_bytes: int = 0) -> ReferenceModel:
     """The NumPy reference of the slice at TP 4 over the same values the ranks pack
-    (`rank_workers`: ReferenceModel's threads for the ranks' parts)."""
+    (`rank_workers`, `float64_cache_bytes`: ReferenceModel's threads for the ranks' parts and
+    its float64 weight copies; the same values either way)."""
     unique = stage_ffn_few_experts.UNIQUE_EXPERTS
     ranks = tuple(RankWeights(cfg, synth.fetch(r, alias_experts=unique), TP, r)
                   for r in range(TP))
@@ -223,7 +225,8 @@ def reference_model(cfg: ModelConfig, synth: SharedSynth, rank_workers: int = 1)
         for spec in cfg.layers:                 # the DSpark stages' too (128 experts each)
             lw = rank.layer(spec.index)
             lw.experts = _Experts(lw, lw.num_experts, unique)       # overrides the cached list
-    return ReferenceModel(cfg, ranks, rank_workers=rank_workers)
+    return ReferenceModel(cfg, ranks, rank_workers=rank_workers,
+                          float64_cache_bytes=float64_cache_bytes)
 
 
 # ---- the reference run, in its own process (overlapping the ranks' packing) ----------------------

@@ -66,7 +66,7 @@ from executor.reference import dspark as ref_dspark
 from executor.reference import step as ref_step
 from executor.reference.rows import RowBatch, RowBlock
 from kernels import dense_ref as dr
-from kernels import engram_ref, moe_ref
+from kernels import engram_ref
 from kernels import kvrecord_ref as kr
 from kernels.common_ref import BF16
 from loader.formats import bf16_round
@@ -326,7 +326,7 @@ def _check_context(s: DeviceRound, rows: RowBatch, accepted, rnd: int) -> None:
         checked.append(key)
         aux = aux.astype(np.float32)
         w = first.dense("main_proj")
-        _within(raw, bf16_round(moe_ref.matmul_t(aux, w)),
+        _within(raw, bf16_round(s.model.float64.matmul_t(aux, w)),
                 2 * dr.dense_tolerance(aux, w, "bf16"), f"round {rnd} rank {r}: main_proj")
         norm = ref_step.rms_norm(raw.astype(np.float32), first.vector("main_norm.weight"),
                                  cfg.rms_norm_eps)
