@@ -129,6 +129,7 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         self.skip = frozenset(spec.skip)
         self.consts = self.lay.consts >= 0      # sink and RoPE row prefetched into smem
         self.push = spec.exchange == "push"     # kernels/sparse_mqa_push.py
+        self.early = spec.early                 # addresses and records before the PDL wait
         if self.E > ref.CTA_THREADS or self.E % ref.ENTRY_TILE:
             raise ValueError(f"{spec.name}: {self.E} entries per CTA; need a multiple of "
                              f"{ref.ENTRY_TILE} <= {ref.CTA_THREADS}")
@@ -173,26 +174,40 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
         self._zero_pad_heads(base, tidx)
         if cutlass.const_expr(self.consts):     # a weight, not written by the step: before the wait
             self._prefetch_sink(base, tidx, sink)
-        mark(tl, "before_wait")
-        cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
-        mark(tl, "after_wait")
-
-        if cutlass.const_expr(self.spec.split == "fixed"):
+        if cutlass.const_expr(self.early):      # all but q: complete before the previous kernel
             pos, seq = self._addresses_fixed(q, swa, compressed, topk, block_tables, row_info,
                                              state_lines, rope_table, base, tidx, s, r, rows,
                                              pages_per_seq, page_size, num_positions)
             n_pad = Int32(self.E)
+            mark(tl, "addresses")
+            self._load_records_by_record(base, tidx)
+            mark(tl, "issued")
+        mark(tl, "before_wait")
+        cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
+        mark(tl, "after_wait")
+
+        if cutlass.const_expr(self.early):
+            if r < rows:
+                self._load_q(q, base, r, tidx)
         else:
-            pos, seq, n_pad = self._addresses_balanced(q, swa, compressed, topk, block_tables,
-                                                       row_info, state_lines, base, tidx, s, r,
-                                                       rows, pages_per_seq, page_size)
-        mark(tl, "addresses")
-        if cutlass.const_expr(self.push):
-            if cutlass.const_expr("gather" not in self.skip):
-                self._load_records_by_record(base, tidx)
-        else:
-            self._load_records(base, tidx, n_pad)
-        mark(tl, "issued")
+            if cutlass.const_expr(self.spec.split == "fixed"):
+                pos, seq = self._addresses_fixed(q, swa, compressed, topk, block_tables,
+                                                 row_info, state_lines, rope_table, base, tidx,
+                                                 s, r, rows, pages_per_seq, page_size,
+                                                 num_positions)
+                n_pad = Int32(self.E)
+            else:
+                pos, seq, n_pad = self._addresses_balanced(q, swa, compressed, topk,
+                                                           block_tables, row_info, state_lines,
+                                                           base, tidx, s, r, rows,
+                                                           pages_per_seq, page_size)
+            mark(tl, "addresses")
+            if cutlass.const_expr(self.push):
+                if cutlass.const_expr("gather" not in self.skip):
+                    self._load_records_by_record(base, tidx)
+            else:
+                self._load_records(base, tidx, n_pad)
+            mark(tl, "issued")
         cp_async_wait_all()
         cute.arch.sync_threads()
         mark(tl, "landed")

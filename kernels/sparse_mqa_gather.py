@@ -92,7 +92,8 @@ class SparseMqaGather:
             words = ld_v4_s32(row_info.toint() + Int64(r) * 16)
             for i in cutlass.range_constexpr(4):
                 info[i] = words[i]
-            self._load_q(q, base, r, tidx)
+            if cutlass.const_expr(not self.early):     # early: q after the PDL wait
+                self._load_q(q, base, r, tidx)
         pos, lo, hi, seq = info[0], info[1], info[2], info[3]
         if (tidx < 16) & (pos >= 0) & (pos < num_positions):    # 256 B: 16 x 16 B
             cp_async_16(base + self.lay.consts + ref.MMA_M * 4 + tidx * 16,

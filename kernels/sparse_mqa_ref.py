@@ -176,6 +176,13 @@ class SparseMqaSpec:
     # two accumulator chains. The logits' fp32 summation order differs from the plain order.
     qk_runs: bool = False
     timeline: bool = False             # per-CTA stamps (TIMELINE_POINTS); params TIMELINE_PARAMS
+    # Round 7 candidate: resolve the addresses and issue every record copy BEFORE
+    # griddepcontrol.wait, q after it. Valid only where everything but q was written by kernels
+    # that completed before this one started: the step's wiring guarantees it when the kernel
+    # launched right before (attn.rope_swa_insert: kernels/rope.py) triggers its dependents
+    # after its own wait (so wq_b, the indexer, the compressor, the SWA insert and rows_prep have
+    # completed). Needs split="fixed" and the push exchange.
+    early: bool = False
 
     @property
     def swa_share(self) -> int:
@@ -219,13 +226,14 @@ class SparseMqaSpec:
                 "entries_per_cta": self.entries_per_cta, "params": params_dict(self.params),
                 "block": list(self.block), "smem_bytes": self.smem_bytes, "split": self.split,
                 "skip": list(self.skip), "exchange": self.exchange,
-                "qk_runs": self.qk_runs} | ({"timeline": True} if self.timeline else {})
+                "qk_runs": self.qk_runs} | ({"timeline": True} if self.timeline else {}) | (
+                    {"early": True} if self.early else {})
 
 
 def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: int,
               split: str = "balanced", skip: tuple[str, ...] = (),
               exchange: str = "pull", qk_runs: bool = False,
-              timeline: bool = False) -> SparseMqaSpec:
+              timeline: bool = False, early: bool = False) -> SparseMqaSpec:
     if not 1 <= heads <= MMA_M:
         raise ValueError(f"sparse MQA: {heads} heads per rank; the kernel holds 1..{MMA_M}")
     if ring_slots & (ring_slots - 1) or ring_slots < window + draft_rows:
@@ -254,6 +262,10 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     name += "_fixed" if split == "fixed" else ""
     name += "_push" if push else ""
     name += "_runs" if qk_runs else ""
+    if early and not push:
+        raise ValueError(f"{name}: early (records before the PDL wait) needs the fixed split and "
+                         f"the push exchange")
+    name += "_early" if early else ""
     name += "_skip_" + "_".join(skip) if skip else ""
     if timeline and skip:
         raise ValueError(f"{name}: a timeline build of an ablation measures nothing useful")
@@ -263,13 +275,15 @@ def make_spec(heads: int, window: int, draft_rows: int, topk: int, ring_slots: i
     return SparseMqaSpec(name, heads, window, swa_cols, topk, ring_slots, cluster, per,
                          layout.total, params=TIMELINE_PARAMS if timeline else PARAMS,
                          split=split, skip=tuple(skip), exchange=exchange, qk_runs=qk_runs,
-                         timeline=timeline)
+                         timeline=timeline, early=early)
 
 
 # Every top-k kernel the bundle carries with outputs that count (GPU-tested), by variant key.
 TOPK_VARIANTS = {"balanced": {}, "fixed": {"split": "fixed"},
                  "fixed_push": {"split": "fixed", "exchange": "push"},
-                 "fixed_push_runs": {"split": "fixed", "exchange": "push", "qk_runs": True}}
+                 "fixed_push_runs": {"split": "fixed", "exchange": "push", "qk_runs": True},
+                 "fixed_push_runs_early": {"split": "fixed", "exchange": "push", "qk_runs": True,
+                                           "early": True}}
 # The top-k kernel the step runs. One-line revert: TOPK_VARIANTS["fixed_push"], or "fixed" (the
 # best measured in session 1, 12.7 us at R = 1).
 STEP_TOPK_VARIANT = TOPK_VARIANTS["fixed_push_runs"]
@@ -307,12 +321,28 @@ def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
                      for skip in PUSH_ABLATIONS]
 
 
+# Candidates whose timeline twin is built beside the step kernels' (round 7).
+TIMELINE_CANDIDATES = ("fixed_push_runs_early",)
+
+
 def timeline_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
-    """The `_timeline` twins of `sparse_mqa_specs` (the step's SWA-only and top-k kernels)."""
+    """The `_timeline` twins of `sparse_mqa_specs` (the step's SWA-only and top-k kernels), then
+    of the TIMELINE_CANDIDATES that are not the step's."""
     heads = cfg.rank_shapes(tp).heads
     ring = next_pow2(cfg.sliding_window + max_block_rows)
-    return [make_spec(heads, cfg.sliding_window, cfg.dspark_block_size, 0, ring, timeline=True),
-            _topk_spec(cfg, tp, max_block_rows, timeline=True, **STEP_TOPK_VARIANT)]
+    out = [make_spec(heads, cfg.sliding_window, cfg.dspark_block_size, 0, ring, timeline=True),
+           _topk_spec(cfg, tp, max_block_rows, timeline=True, **STEP_TOPK_VARIANT)]
+    return out + [_topk_spec(cfg, tp, max_block_rows, timeline=True, **TOPK_VARIANTS[key])
+                  for key in TIMELINE_CANDIDATES if TOPK_VARIANTS[key] != STEP_TOPK_VARIANT]
+
+
+def timeline_points(spec: SparseMqaSpec) -> tuple[str, ...]:
+    """The order a build's points are reached in: an early build resolves the addresses and
+    issues the records before the wait."""
+    if not spec.early:
+        return TIMELINE_POINTS
+    first = ("entry", "addresses", "issued", "before_wait", "after_wait")
+    return first + tuple(p for p in TIMELINE_POINTS if p not in first)
 
 
 # ---- row metadata ------------------------------------------------------------------------------

@@ -107,8 +107,10 @@ def test_parse_names_a_missing_stamp_and_order_check_names_a_reversal():
 def test_timeline_specs_twin_the_step_kernels(preset):
     cfg = ModelConfig.preset(preset)
     step, twins = ref.sparse_mqa_specs(cfg, 4), ref.timeline_specs(cfg, 4)
-    assert len(twins) == len(step) == 2
-    for prod, twin in zip(step, twins):
+    cands = ref.candidate_specs(cfg, 4)
+    extra = [cands[k] for k in ref.TIMELINE_CANDIDATES if cands[k].name != step[1].name]
+    assert len(twins) == len(step) + len(extra)
+    for prod, twin in zip(step + extra, twins, strict=True):
         assert twin.name == prod.name + "_timeline" and twin.timeline and not prod.timeline
         assert twin.params == ref.TIMELINE_PARAMS and prod.params == ref.PARAMS
         names = [n for n, _ in twin.params]
@@ -191,3 +193,101 @@ def test_stamped_launch_keeps_grid_cluster_and_args():
     assert stamped.kernel.name == twin.name
     assert (stamped.grid, stamped.cluster) == (plain.grid, plain.cluster)
     assert stamped.args == args[:5] + (999,) + args[5:]
+
+
+def test_early_build_reaches_its_points_in_another_order():
+    cfg = ModelConfig.preset("v41-flash")
+    early = ref.candidate_specs(cfg, 4)["fixed_push_runs_early"]
+    order = ref.timeline_points(early)
+    assert sorted(order) == sorted(POINTS) and order != POINTS
+    assert order.index("issued") < order.index("before_wait") < order.index("landed")
+    assert ref.timeline_points(ref.sparse_mqa_specs(cfg, 4)[1]) == POINTS
+    s, _, _ = _launch(4, 1_000_000, 1.8)                   # word order -> reached order
+    r = s.reordered(order)
+    for p in POINTS:
+        assert np.array_equal(r.gt[:, r.col(p)], s.gt[:, s.col(p)])
+        assert np.array_equal(r.clk[:, r.col(p)], s.clk[:, s.col(p)])
+
+
+class _FakeMqaRunner:
+    """Stands in for MqaTimelineRunner: synthetic stamps, no device."""
+
+    def __init__(self, ctx, bundle, spec, production, context, rows, rng):
+        self.spec, self.rows = spec, rows
+
+    def matches_production(self):
+        return True
+
+    def _launches(self, n, start):
+        ctas = self.spec.stamp_rows(self.rows)
+        order = ref.timeline_points(self.spec)
+        return [_launch(ctas, start + 5_000 * i, 1.8)[0].reordered(order) for i in range(n)]
+
+    def isolated(self):
+        return self._launches(tl.ISO_REPS, 1_000_000), [[]] * tl.ISO_REPS
+
+    def chain(self):
+        return [self._launches(tl.CHAIN, 9_000_000) for _ in range(tl.CHAIN_REPLAYS)], []
+
+    def close(self):
+        pass
+
+
+class _FakeIndexerRunner:
+    def __init__(self, ctx, bundle, label, context, rows, rng):
+        from kernels import indexer_kernel_ref as ik
+        self.kinds = ["prep", "scores", "topkc" if "reindex" in label else "topk"]
+        self.ik = ik
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def matches_production(self):
+        return True
+
+    def names(self):
+        return [f"indexer_{k}_x" for k in self.kinds]
+
+    def run_chain(self, flush):
+        out = []
+        for i in range(tl.LAYERS * len(self.kinds)):
+            points = self.ik.TIMELINE_POINTS[self.kinds[i % len(self.kinds)]]
+            phase_ns = RNG.integers(50, 3000, (8, len(points) - 1)) * 32
+            raw = np.zeros((8, ref.TIMELINE_WORDS), np.uint64)
+            start = np.full(8, 1_000_000 + 10_000 * i)
+            at = start[:, None] + np.concatenate([np.zeros((8, 1), np.int64),
+                                                  np.cumsum(phase_ns, axis=1)], axis=1)
+            raw[:, 1:1 + 2 * len(points):2] = at
+            raw[:, 2:2 + 2 * len(points):2] = np.round(at * 1.8)
+            out.append(tl.Stamps.parse(raw, points, "fake"))
+        return out, []
+
+
+def test_family_runs_end_to_end_on_fake_runners(monkeypatch):
+    """The devicecheck family's glue: every kernel and case reported, metrics for the chain
+    cases, nothing failed (the device parts are the fakes)."""
+    cfg = ModelConfig.preset("v41-flash")
+    specs = ref.sparse_mqa_specs(cfg, 4) + ref.variant_specs(cfg, 4) + ref.timeline_specs(cfg, 4)
+    from kernels import indexer_kernel_ref as ik
+    names = [s.name for s in specs] + [
+        ik.timeline_twin(ik.make_scores_spec(32, "dense", 2, 64)).name]
+    records = {s.name: SimpleNamespace(spec=s.to_dict()) for s in specs}
+    bundle = SimpleNamespace(names=lambda: names, manifest=SimpleNamespace(kernels=records))
+    metrics = []
+    ctx = SimpleNamespace(bundle_with=lambda prefix: bundle, out_dir=None,
+                          metric=lambda *a, **k: metrics.append(a))
+    monkeypatch.setattr(tl, "MqaTimelineRunner", _FakeMqaRunner)
+    monkeypatch.setattr(tl, "IndexerTimelineRunner", _FakeIndexerRunner)
+    monkeypatch.delenv("HOPDEC_REPORT_DIR", raising=False)
+    monkeypatch.setattr("sys.argv", ["x"])
+    tl.bench_attn_timeline(ctx)
+    text = [m[0] for m in metrics]
+    assert not [t for t in text if "failed" in t], [t for t in text if "failed" in t]
+    for label in ("mqa_topk", "mqa_swa", "mqa_topk_early", "idx_dense_r2 topk",
+                  "idx_reindex topkc", "idx_reindex scores", "idx_dense_r2 prep"):
+        assert any(t.startswith(f"tl {label} T4k R1 chain") for t in text), label
+    assert any(t.startswith("tl mqa_topk T64k R6 chain #4 exit pitch") for t in text)
+    assert not any(" iso " in t for t in text)

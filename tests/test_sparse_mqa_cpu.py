@@ -282,7 +282,14 @@ def test_variant_specs_build_beside_the_step_kernel(cfg):
     base = _specs(cfg)
     variants = ref.variant_specs(cfg, 4)
     cands = ref.candidate_specs(cfg, 4)
-    assert sorted(cands) == ["balanced", "fixed", "fixed_push", "fixed_push_runs"]
+    assert sorted(cands) == ["balanced", "fixed", "fixed_push", "fixed_push_runs",
+                             "fixed_push_runs_early"]
+    early = cands["fixed_push_runs_early"]
+    assert early.early and early.name == cands["fixed_push_runs"].name + "_early"
+    assert (early.smem_bytes, early.layout) == (cands["fixed_push_runs"].smem_bytes,
+                                                cands["fixed_push_runs"].layout)
+    with pytest.raises(ValueError, match="early"):
+        ref.make_spec(16, 128, 5, 512, 256, split="fixed", early=True)       # pull exchange
     step = [k for k, v in cands.items() if v == base[1]]
     assert len(step) == 1 and ref.STEP_TOPK_VARIANT == ref.TOPK_VARIANTS[step[0]]
     assert cands["fixed_push_runs"].qk_runs and not cands["fixed_push"].qk_runs

@@ -47,6 +47,7 @@ def spec_of(record_spec: dict) -> ref.SparseMqaSpec:
                              skip=tuple(s.get("skip", ())),
                              exchange=s.get("exchange", "pull"),
                              qk_runs=s.get("qk_runs", False), timeline=s.get("timeline", False),
+                             early=s.get("early", False),
                              params=ref.TIMELINE_PARAMS if s.get("timeline") else ref.PARAMS)
 
 

@@ -61,6 +61,7 @@ def _check_stamps(raw: np.ndarray, spec: ref.SparseMqaSpec, rows: int, sm_count:
     assert not raw[used:].any(), "stamps written past the launch's rows"
     assert not raw[:used, words:].any(), "stamps written past a row's used words"
     stamps = Stamps.parse(raw[:used], ref.TIMELINE_POINTS, spec.name)   # every point stamped
+    stamps = stamps.reordered(ref.timeline_points(spec))                 # the order reached
     assert stamps.out_of_order() == []
     assert (stamps.smid < sm_count).all()
     assert (stamps.gt[:, -1] > stamps.gt[:, 0]).all()
