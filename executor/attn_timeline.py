@@ -299,7 +299,9 @@ def indexer_kind(name: str) -> str:
     raise ValueError(f"{name}: not an indexer prep / scores / top-k kernel")
 
 
-INDEXER_CHAINS = {"idx_dense_r2": (2, "dense"), "idx_reindex": (1, "candidates")}
+# label -> (ratio, mode, suffix of the top-k kernel measured instead of the step's: "" = the step's)
+INDEXER_CHAINS = {"idx_dense_r2": (2, "dense", ""), "idx_reindex": (1, "candidates", ""),
+                  "idx_dense_r2_held": (2, "dense", f"_s{ik.TOPK_HELD}")}
 LAYERS = 4                      # index layers per chain graph (the step has 3 dense r2, 4 reindex)
 LAYER_SHOWN = 2                 # the 3rd layer's launches are reported
 
@@ -314,8 +316,9 @@ class IndexerTimelineRunner:
         from executor.arena import Arena
         from executor.benchmarks import fill_random_bf16
         from executor.indexer_chain import IndexerChain, layout_rows, random_key_records
+        from executor.launch import LaunchSpec
         from executor.launches import indexer as il
-        ratio, mode = INDEXER_CHAINS[label]
+        ratio, mode, topk_suffix = INDEXER_CHAINS[label]
         self.ctx, self.bundle, self.rows = ctx, bundle, rows
         pos, seq, seqs = layout_rows(rows, context)
         shape = il.IndexerShape(32, ratio, mode, 512, 2048, 8, 64, rows, seqs, context)
@@ -341,19 +344,23 @@ class IndexerTimelineRunner:
         self.chain.arena.synchronize()
         self.production = il.indexer_launches(bundle, shape, self.chain.ptrs(), rows, 0.0156,
                                               cluster_topk=mode == "candidates")
+        # What is measured: the step's chain, or with a candidate top-k on the same arguments.
+        *head, topk = self.production
+        self.measured = head + [LaunchSpec(bundle.kernel(topk.kernel.name + topk_suffix),
+                                           topk.grid, topk.args, cluster=topk.cluster)]
         ctas = max(int(np.prod(x.grid)) for x in self.production)
         self.slot_bytes = ctas * ik.TIMELINE_WORDS * 8
         self.slots = LAYERS * len(self.production)
         self.arena = Arena(ctx.device, [("stamps", self.slots * self.slot_bytes)])
 
     def names(self) -> list[str]:
-        return [x.kernel.name for x in self.production]
+        return [x.kernel.name for x in self.measured]
 
     def launches(self) -> list:
         base = self.arena.ptr("stamps")
-        return [stamped_launch(self.bundle, x, base + (layer * len(self.production) + i)
+        return [stamped_launch(self.bundle, x, base + (layer * len(self.measured) + i)
                                * self.slot_bytes)
-                for layer in range(LAYERS) for i, x in enumerate(self.production)]
+                for layer in range(LAYERS) for i, x in enumerate(self.measured)]
 
     def raw(self) -> np.ndarray:
         """u64 [launch slot, most CTAs of a launch, TIMELINE_WORDS]."""
@@ -383,10 +390,11 @@ class IndexerTimelineRunner:
         return self.stamps()
 
     def matches_production(self) -> bool:
-        """The timeline chain's top-k equals the production chain's bit for bit."""
+        """The timeline chain's top-k (of the measured top-k kernel) equals the step's
+        production chain's bit for bit."""
         outs = []
         k = 512
-        for launches in (self.production, self.launches()[:len(self.production)]):
+        for launches in (self.production, self.launches()[:len(self.measured)]):
             self.chain.poison("topk")
             self.chain.arena.synchronize()
             for x in launches:

@@ -538,6 +538,9 @@ def specs(cfg, tp: int) -> list[ik.IndexerSpec]:
         group.append(ik.make_topk_cluster_spec(             # variant, measured side by side
             "candidates" if layer.uses_candidates else "entries", cfg.index_topk, layer.ratio,
             cfg.candidate_block_size))
+        if not layer.uses_candidates:                       # round 7: keys held in smem
+            group.append(ik.make_topk_spec("entries", cfg.index_topk, layer.ratio,
+                                           cfg.candidate_block_size, held=ik.TOPK_HELD))
         if layer.is_candidate_source:
             group.append(ik.make_topk_spec("blocks", cfg.candidate_topk_blocks, layer.ratio,
                                            cfg.candidate_block_size))

@@ -98,6 +98,10 @@ class IndexerSpec:
     cluster_ctas: int = 0          # topkc: CTAs of the row's thread-block cluster
     topk_blocks: int = 0           # topkc "both": k of the candidate blocks (topk: of entries)
     timeline: bool = False         # per-CTA stamps (TIMELINE_POINTS[kind]): `timeline_twin`
+    # topk entries / blocks (round 7 candidate): the first `held` items' ordered keys are kept in
+    # shared memory by radix pass 1, so passes 2, 3 and the output pass read them there instead
+    # of the scores from L2 (the rest of a longer row is read from global, as before).
+    held: int = 0
 
     def stamp_rows(self, rows: int) -> int:
         """Timeline builds: CTAs of a launch on `rows` rows (one stamp row each)."""
@@ -132,7 +136,8 @@ class IndexerSpec:
                 "block_size": self.block_size, "page_size": self.page_size,
                 "params": params_dict(self.params), "block": list(self.block),
                 "smem_bytes": self.smem_bytes, "cluster_ctas": self.cluster_ctas,
-                "topk_blocks": self.topk_blocks} | ({"timeline": True} if self.timeline else {})
+                "topk_blocks": self.topk_blocks} | ({"timeline": True} if self.timeline else {}) | (
+                    {"held": self.held} if self.held else {})
 
 
 PREP_PARAMS = (("q", "u64"), ("w_raw", "u64"), ("positions", "u64"), ("seq_index", "u64"),
@@ -211,13 +216,23 @@ def make_scores_spec(heads: int, mode: str, ratio: int, page_size: int) -> Index
                        (SCORE_WARPS * LANES, 1, 1), score_smem_bytes())
 
 
-def make_topk_spec(mode: str, k: int, ratio: int, block_size: int = 8) -> IndexerSpec:
+TOPK_HELD = 16384                  # the held candidate: 64 KB of keys (a 128k row at ratio 2)
+
+
+def make_topk_spec(mode: str, k: int, ratio: int, block_size: int = 8,
+                   held: int = 0) -> IndexerSpec:
+    """held > 0: the candidate keeping the first `held` item keys in shared memory (name suffix
+    `_s{held}`; entries and blocks modes)."""
     if mode not in MODES_TOPK:
         raise ValueError(f"indexer top-k mode {mode!r}; expected one of {MODES_TOPK}")
     if not 1 <= k <= 4096:
         raise ValueError(f"indexer top-k: k = {k} outside [1, 4096]")
-    return IndexerSpec(f"indexer_topk_{mode}_k{k}_r{ratio}", "topk", 0, mode, ratio, k,
-                       block_size, 0, TOPK_PARAMS, (TOPK_THREADS, 1, 1), topk_smem_bytes())
+    if held and (mode == "candidates" or held % TOPK_THREADS or held > TOPK_HELD):
+        raise ValueError(f"indexer top-k {mode}: held {held} must be a multiple of "
+                         f"{TOPK_THREADS} <= {TOPK_HELD}, entries or blocks mode")
+    return IndexerSpec(f"indexer_topk_{mode}_k{k}_r{ratio}" + (f"_s{held}" if held else ""),
+                       "topk", 0, mode, ratio, k, block_size, 0, TOPK_PARAMS,
+                       (TOPK_THREADS, 1, 1), topk_smem_bytes() + 4 * held, held=held)
 
 
 def topkc_smem_layout() -> dict[str, int]:

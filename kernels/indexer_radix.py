@@ -58,6 +58,25 @@ class RadixSelectPhases:
         return allowed, key, index
 
     @cute.jit
+    def held_key(self, src: Int64, crow: Int64, n: Int32, j: Int32, base: Int32,
+                 first: cutlass.Constexpr):
+        """item_key, or (held candidate, j < held) the key pass 1 kept in shared memory at
+        base + topk_smem_bytes(): pass 1 (`first`) stores it, the later passes load it."""
+        if cutlass.const_expr(self.spec.held == 0):
+            return self.item_key(src, crow, n, j)
+        keys = base + ik.topk_smem_bytes()
+        allowed, key, index = Int32(1), Int32(0), j
+        if j < self.spec.held:
+            if cutlass.const_expr(first):
+                allowed, key, index = self.item_key(src, crow, n, j)
+                sts_s32(keys + 4 * j, key)
+            else:
+                key = lds_s32(keys + 4 * j)
+        else:
+            allowed, key, index = self.item_key(src, crow, n, j)
+        return allowed, key, index
+
+    @cute.jit
     def radix_pass(self, src: Int64, crow: Int64, n: Int32, items: Int32, prefix: Int32,
                    mask: Int32, need: Int32, shift: cutlass.Constexpr, bits: cutlass.Constexpr,
                    hist: Int32, found: Int32, totals: Int32, tidx: Int32):
@@ -69,7 +88,8 @@ class RadixSelectPhases:
         cute.arch.sync_threads()
         j = tidx
         while j < items:
-            allowed, key, _ = self.item_key(src, crow, n, j)
+            allowed, key, _ = self.held_key(src, crow, n, j, hist,
+                                            shift == ik.RADIX_PASSES[0][0])
             if allowed != 0 and (key & mask) == prefix:
                 atom_add_shared(hist + 4 * (ushr(key, shift) & (nbins - 1)), Int32(1))
             j += ik.TOPK_THREADS
@@ -148,7 +168,8 @@ class RadixSelectPhases:
                 tie = Int32(0)
                 index = Int32(0)
                 if j < items:
-                    allowed, key, index = self.item_key(src, crow, n, j)
+                    allowed, key, index = self.held_key(src, crow, n, j,
+                                                        totals - 4 * ik.TOPK_BINS, False)
                     above, tie = select_flags(key, threshold, take_all, allowed)
                 flags.append((above, tie, index))
                 packed = packed + above + (tie << 16)

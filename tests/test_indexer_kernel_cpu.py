@@ -354,3 +354,20 @@ def test_swa_insert_ref_writes_real_rows_only():
     assert np.all(np.abs(got - truth) <= amax * 2.0**-4)
     with pytest.raises(ValueError, match="beyond"):
         kp.swa_insert_ref(cache, kv, weight, 1e-6, table, positions, np.full(6, 16))
+
+
+def test_held_topk_candidate_spec():
+    """The round-7 top-k candidate keeping item keys in shared memory: same ABI and grid as the
+    default, its keys after the default's shared memory, refused where it does not apply."""
+    base = ik.make_topk_spec("entries", 512, 2)
+    held = ik.make_topk_spec("entries", 512, 2, held=ik.TOPK_HELD)
+    assert held.name == base.name + f"_s{ik.TOPK_HELD}"
+    assert held.params == base.params and held.grid(6) == base.grid(6)
+    assert held.smem_bytes == ik.topk_smem_bytes() + 4 * ik.TOPK_HELD
+    assert ik.topk_smem_bytes() % 16 == 0 and held.to_dict()["held"] == ik.TOPK_HELD
+    assert "held" not in base.to_dict()
+    for bad in ({"mode": "candidates", "held": ik.TOPK_THREADS},
+                {"mode": "entries", "held": ik.TOPK_THREADS + 1},
+                {"mode": "entries", "held": 2 * ik.TOPK_HELD}):
+        with pytest.raises(ValueError, match="held"):
+            ik.make_topk_spec(bad["mode"], 512, 1, held=bad["held"])
