@@ -69,16 +69,23 @@ ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows 
 # Round 7: "stream_xtu" (kernels/dense_tile.py) is stream_xtb with one unit per tile and the tile's
 # chunks unrolled at compile time: no per-unit index arithmetic or branch, x resident in registers
 # (B fragments, loaded once per CTA) where K allows, else X_AHEAD chunks ahead, two accumulators.
-VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb", "stream_xtu")
+# "stream_xtw" is stream_xtu with WIDE_WARPS warps a CTA: the multiply is issue-bound with 2 warps
+# per SM sub-partition issuing ~60% of the cycles; 4 per sub-partition hide more of the latency.
+VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb", "stream_xtu", "stream_xtw")
 STREAM_VARIANTS = VARIANTS[1:]
 VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt", "stream_xts": "sxts",
-                "stream_xtb": "sxtb", "stream_xtu": "sxtu"}
-WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb", "stream_xtu")
+                "stream_xtb": "sxtb", "stream_xtu": "sxtu",
+                "stream_xtw": "sxtw"}
+WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb", "stream_xtu", "stream_xtw")
+TILE_VARIANTS = ("stream_xtu", "stream_xtw")     # one unit per tile, chunks unrolled
 BULK_PIECE_MAX = 8192               # stream_xtb: bytes per cp.async.bulk (whole weight rows)
 BULK_MBARRIERS = 8                  # stream_xtb: mbarrier slots (one per tile of the CTA)
 X_RESIDENT_WORDS = 32               # stream_xtu: x of the whole K in registers up to this (K <= 2048)
 X_AHEAD = 4                         # stream_xtu: else x loads run this many chunks ahead
+X_AHEAD_WIDE = 2                    # stream_xtw (4 warps per sub-partition hide the rest; at 4
+                                    # wq_a|wkv took 70 registers, over the 64 of 2 CTAs a SM)
 STREAM_WARPS = 8                    # warps of the streamed kernel
+WIDE_WARPS = 16                     # ... of stream_xtw (2 CTAs a SM: <= 64 registers)
 STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / stream_xt ...
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
@@ -126,7 +133,12 @@ class DenseSpec:
 
     @property
     def block(self) -> tuple[int, int, int]:
-        return ((STREAM_WARPS if self.streamed else CTA_WARPS) * WARP, 1, 1)
+        return ((self.warps if self.streamed else CTA_WARPS) * WARP, 1, 1)
+
+    @property
+    def warps(self) -> int:
+        """Warps of a streamed CTA: STREAM_WARPS, WIDE_WARPS for stream_xtw."""
+        return WIDE_WARPS if self.variant == "stream_xtw" else STREAM_WARPS
 
     @property
     def streamed(self) -> bool:
@@ -141,25 +153,30 @@ class DenseSpec:
     def async_scales(self) -> bool:
         """stream_xts / xtb: the scale window arrives by 4-byte cp.async (K % 128 == 0) in the
         first commit group, not by plain loads stored after the weights' copies are issued."""
-        return self.variant in ("stream_xts", "stream_xtb", "stream_xtu")
+        return self.variant in ("stream_xts", "stream_xtb", *TILE_VARIANTS)
 
     @property
     def bulk(self) -> bool:
         """stream_xtb: tile slot i of the ring holds the CTA's i-th tile as stored (16 rows x K),
         fetched by `bulk_pieces` copies of `bulk_rows` rows counted on mbarrier i."""
-        return self.variant in ("stream_xtb", "stream_xtu")
+        return self.variant in ("stream_xtb", *TILE_VARIANTS)
 
     @property
     def unrolled(self) -> bool:
-        """stream_xtu: one unit per tile (unit_k = K), the tile's chunks unrolled at compile time."""
-        return self.variant == "stream_xtu"
+        """stream_xtu / xtw: one unit per tile (unit_k = K), the tile's chunks unrolled."""
+        return self.variant in TILE_VARIANTS
+
+    @property
+    def x_ahead(self) -> int:
+        """stream_xtu / xtw without resident x: chunks of x in flight ahead of the multiply."""
+        return X_AHEAD_WIDE if self.variant == "stream_xtw" else X_AHEAD
 
     @property
     def x_resident(self) -> bool:
         """stream_xtu: every chunk's x (8 words a chunk this warp owns) loaded once per CTA and
         reused by all its tiles; needs one group (x is the same for every tile)."""
         return (self.unrolled and self.groups == 1
-                and 8 * ceil_div(ceil_div(self.k, CHUNK_K), STREAM_WARPS) <= X_RESIDENT_WORDS)
+                and 8 * ceil_div(ceil_div(self.k, CHUNK_K), self.warps) <= X_RESIDENT_WORDS)
 
     @property
     def bulk_rows(self) -> int:
@@ -263,7 +280,7 @@ class DenseSpec:
         if self.streamed:
             # ring + scale window + warp partials + flag + alignment slack
             return (self.stages * self.stage_bytes + ceil_div(self.scale_window(), 16) * 16
-                    + STREAM_WARPS * TILE_N * ROW_TILE * 4 + 16 + 256
+                    + self.warps * TILE_N * ROW_TILE * 4 + 16 + 256
                     + (8 * BULK_MBARRIERS if self.bulk else 0))
         # fp32 partial per warp x row tile x 128 accumulators, plus the last-arrival flag.
         return CTA_WARPS * self.row_tiles * TILE_N * ROW_TILE * 4 + 16
@@ -419,14 +436,14 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
     if unit_k and (variant not in STREAM_VARIANTS or k % unit_k or unit_k % CHUNK_K):
         raise ValueError(f"{label}: unit_k {unit_k} needs a streamed variant (got {variant!r}), "
                          f"K % unit_k == 0 and unit_k % {CHUNK_K} == 0 (K = {k})")
-    if variant == "stream_xtu":
+    if variant in TILE_VARIANTS:
         if unit_k not in (0, k):
-            raise ValueError(f"{label}: variant 'stream_xtu' has one unit per tile (unit_k = "
+            raise ValueError(f"{label}: variant {variant!r} has one unit per tile (unit_k = "
                              f"K = {k}), got unit_k {unit_k}")
         unit_k = 0                          # no `_u` suffix: K is the variant's own unit
     step_unit = step_unit_k(label, k) if row_tiles == 1 and variant == default else 0
     name += f"_u{unit_k}" if unit_k and unit_k != step_unit else ""
-    unit_k = unit_k or step_unit or (k if variant == "stream_xtu" else 0)
+    unit_k = unit_k or step_unit or (k if variant in TILE_VARIANTS else 0)
     if timeline and variant not in WHOLE_TILE_VARIANTS:
         raise ValueError(f"{label}: the timeline stamps take the workspace, which only the "
                          f"whole-tile variants {WHOLE_TILE_VARIANTS} leave free; got {variant!r}")
@@ -438,6 +455,9 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
                                          unit_k)
     spec = DenseSpec(name, n, k, groups, row_tiles, epilogue, 1, variant, unit_k, ctas, stages,
                      swiglu_limit, timeline)
+    if spec.unrolled and spec.smem_bytes > STREAM_SMEM_BUDGET:     # xtw: 16 warps' partials
+        raise ValueError(f"{label}: variant {variant!r} needs {spec.smem_bytes} bytes of smem, "
+                         f"over the {STREAM_SMEM_BUDGET} that leave room for the next kernel")
     if spec.bulk and (stages < spec.units_per_cta or spec.tiles_per_cta > BULK_MBARRIERS
                       or unit_k % CHUNK_K):
         raise ValueError(f"{label}: variant 'stream_xtb' needs the CTA's whole slice in smem "
@@ -532,16 +552,19 @@ R8_TILE_LABELS = ("wqa_wkv", "wq_b", "wo_b", "grouped", "indexer_wq_b")
 
 
 def tile_candidates(label: str, n: int, k: int, groups: int = 1) -> list[str]:
-    """["stream_xtu"] where the layer is an R8_TILE_LABELS one, K % 128 == 0 (4-byte scale
-    copies) and the CTA's tiles fit the bulk ring, unless the step already uses it."""
-    if (label not in R8_TILE_LABELS or k % (4 * FP8_BLOCK)
-            or default_variant(label, 1) == "stream_xtu"):
+    """TILE_VARIANTS where the layer is an R8_TILE_LABELS one, K % 128 == 0 (4-byte scale
+    copies) and the CTA's tiles fit the bulk ring, but the step's own variant."""
+    if label not in R8_TILE_LABELS or k % (4 * FP8_BLOCK):
         return []
-    try:
-        make_spec(label, n, k, groups=groups, variant="stream_xtu")
-    except ValueError:
-        return []
-    return ["stream_xtu"]
+    out = []
+    for variant in TILE_VARIANTS:
+        try:
+            make_spec(label, n, k, groups=groups, variant=variant)
+        except ValueError:
+            continue
+        if variant != default_variant(label, 1):
+            out.append(variant)
+    return out
 
 
 def default_variant(label: str, row_tiles: int) -> str:

@@ -53,7 +53,6 @@ from kernels.dense_ref import (
     CHUNK_K,
     FP8_BLOCK,
     ROW_TILE,
-    STREAM_WARPS,
     TILE_N,
     TIMELINE_POINTS,
     TIMELINE_WORDS,
@@ -86,7 +85,6 @@ from kernels.ptx import (
     void,
 )
 
-CONSUMERS = STREAM_WARPS * WARP
 RED_THREADS = TILE_N * ROW_TILE          # one thread per accumulator of the 16 x 8 tile
 CONSUMER_BARRIER = 1                     # named barrier of the CTA's warps
 PIECE = 16                               # bytes per cp.async / ld.shared.v4
@@ -142,7 +140,8 @@ class DenseStreamSm90:
         self.unit_k, self.ksteps, self.units = spec.unit_k, spec.ksteps, spec.units
         self.ctas, self.stages, self.stage_bytes = spec.ctas, spec.stages, spec.stage_bytes
         self.chunks = spec.chunks
-        self.chunks_per_warp = -(-self.chunks // STREAM_WARPS)
+        self.warps, self.consumers = spec.warps, spec.warps * WARP
+        self.chunks_per_warp = -(-self.chunks // self.warps)
         self.window = -(-spec.scale_window() // 16) * 16
         # "swiglu": a tile's rows g / g+8 are gate / up rows (dense_ref.interleave_gate_up), with
         # scales in two runs: the gate rows' at smem 0, the up rows' at s_half (N/64 rows on).
@@ -184,7 +183,7 @@ class DenseStreamSm90:
         ring = smem.allocate_tensor(Uint8, cute.make_layout(
             self.ring_bytes + (8 * BULK_MBARRIERS if self.bulk else 0)), byte_alignment=128)
         sc = smem.allocate_tensor(Uint8, cute.make_layout(self.window), byte_alignment=16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((WARP, 4, STREAM_WARPS)),
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARP, 4, self.warps)),
                                    byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         ring_a, sc_a = smem_addr(ring), smem_addr(sc)
@@ -194,7 +193,7 @@ class DenseStreamSm90:
         # bytes: loaded after them (round 3) or before them (their latency then hides beneath).
         # stream_xts: the scale window by cp.async in the oldest commit group, so nothing between
         # issuing the weights and griddepcontrol.wait waits on a load that queued behind them.
-        sbytes = cute.make_rmem_tensor((-(-self.window // CONSUMERS),), Int32)
+        sbytes = cute.make_rmem_tensor((-(-self.window // self.consumers),), Int32)
         if cutlass.const_expr(self.async_scales):
             self._scale_copies(scales, sc_a, u_begin, n_units, tidx)
             cp_async_commit()
@@ -218,7 +217,7 @@ class DenseStreamSm90:
             if cutlass.const_expr(self.round3):
                 self._scale_loads(sbytes, scales, u_begin, n_units, tidx)
             self._scale_stores(sbytes, sc_a, u_begin, n_units, tidx)
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumers)
         self._stamp(workspace, cta, tidx, "before_wait")
         cute.arch.griddepcontrol_wait()          # x and residual come from earlier kernels
         self._stamp(workspace, cta, tidx, "after_wait")
@@ -342,7 +341,7 @@ class DenseStreamSm90:
         src = w_row + Int64(tile * TILE_N) * self.k + Int64((u % self.ksteps) * self.unit_k)
         stage = ring_a + slot * self.stage_bytes + lane * PIECE
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
-            ch = warp + STREAM_WARPS * cj
+            ch = warp + self.warps * cj
             if ch < self.chunks:
                 off, _ = self._chunk_k(warp, t, cj)
                 cp_async_16(stage + ch * CHUNK_SMEM, src + Int64(off))
@@ -362,7 +361,7 @@ class DenseStreamSm90:
         srow0, win = self._scale_window(u_begin, n_units)
         s_src = scales.toint() + Int64(srow0 * self.kg)
         for j in cutlass.range_constexpr(cute.size(sbytes)):
-            at = tidx + CONSUMERS * j
+            at = tidx + self.consumers * j
             end = win
             if cutlass.const_expr(self.swiglu):       # smem [s_half, ...) <- the up rows' run
                 up = Int32(at >= self.s_half)
@@ -396,8 +395,8 @@ class DenseStreamSm90:
         a multiple of 4: make_spec), the same placement as _scale_loads + _scale_stores."""
         srow0, win = self._scale_window(u_begin, n_units)
         s_src = scales.toint() + Int64(srow0 * self.kg)
-        for j in cutlass.range_constexpr(-(-self.window // (4 * CONSUMERS))):
-            at = 4 * (tidx + CONSUMERS * j)
+        for j in cutlass.range_constexpr(-(-self.window // (4 * self.consumers))):
+            at = 4 * (tidx + self.consumers * j)
             src, used = at, at < win
             if cutlass.const_expr(self.swiglu):       # smem [s_half, ...) <- the up rows' run
                 up = Int32(at >= self.s_half)
@@ -411,7 +410,7 @@ class DenseStreamSm90:
         """sbytes -> the smem scale window (the caller's barrier publishes it)."""
         _, win = self._scale_window(u_begin, n_units)
         for j in cutlass.range_constexpr(cute.size(sbytes)):
-            at = tidx + CONSUMERS * j
+            at = tidx + self.consumers * j
             used = at < win
             if cutlass.const_expr(self.swiglu):
                 used = (at < win) | ((at >= self.s_half) & (at - self.s_half < win))
@@ -421,7 +420,7 @@ class DenseStreamSm90:
     @cute.jit
     def _chunk_k(self, warp: Int32, t: Int32, cj: cutlass.Constexpr):
         """(offset of this thread's 16 bytes inside the unit, clamped; valid)."""
-        off = (warp + STREAM_WARPS * cj) * CHUNK_K + 16 * t
+        off = (warp + self.warps * cj) * CHUNK_K + 16 * t
         return cutlass.min(off, self.unit_k - 16), off < self.unit_k
 
     @cute.jit
@@ -458,7 +457,7 @@ class DenseStreamSm90:
             self._stamp_landed(workspace, cta, tidx, j, n_units, slot)
         s_row = sc_a + (tile // self.tps - srow0) * self.kg + kstep * (self.unit_k // FP8_BLOCK)
         for cj in cutlass.range_constexpr(self.chunks_per_warp):
-            ch = warp + STREAM_WARPS * cj
+            ch = warp + self.warps * cj
             off, valid = self._chunk_k(warp, t, cj)
             if ch < self.chunks:
                 a_lo = stage + ch * CHUNK_SMEM       # [chunk][row half][lane] x 16 B
@@ -502,21 +501,21 @@ class DenseStreamSm90:
             for a in cutlass.range_constexpr(1, self.accs):
                 part = part + acc[q, a]
             red[lane, q, warp] = part
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumers)
         q, ln = tidx // WARP, tidx % WARP
         total = Float32(0.0)
         if tidx < RED_THREADS:
             total = red[ln, q, 0]
-            for w in cutlass.range_constexpr(1, STREAM_WARPS):
+            for w in cutlass.range_constexpr(1, self.warps):
                 total = total + red[ln, q, w]
         up = Float32(0.0)
         # accumulator q + 2 is q's up row (g + 8); compile-time test, then the runtime one
         if cutlass.const_expr(self.swiglu):  # noqa: SIM102
             if tidx < RED_THREADS // 2:
                 up = red[ln, q + 2, 0]
-                for w in cutlass.range_constexpr(1, STREAM_WARPS):
+                for w in cutlass.range_constexpr(1, self.warps):
                     up = up + red[ln, q + 2, w]
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumers)
         self._stamp(workspace, cta, tidx, "epilogue")   # each tile's: the last one stays
         if cutlass.const_expr(self.swiglu):       # whole tiles (make_spec): no workspace
             if tidx < RED_THREADS // 2:
@@ -549,7 +548,7 @@ class DenseStreamSm90:
             # invalidation per CTA instead of 256 (the reads below bypass L1 anyway).
             if cutlass.const_expr(self.round3):
                 cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumers)
             counter = counters + tile
             if tidx == 0:
                 if cutlass.const_expr(not self.round3):
@@ -558,7 +557,7 @@ class DenseStreamSm90:
                 if cutlass.const_expr(not self.round3):
                     cute.arch.fence_acq_rel_gpu()     # acquire the others' for the CTA
                 flag[0] = Int32(old == c_hi - c_lo)
-            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumers)
             if flag[0] != 0:
                 if cutlass.const_expr(self.round3):
                     cute.arch.fence_acq_rel_gpu()
@@ -573,7 +572,7 @@ class DenseStreamSm90:
                     self._epilogue(total, q, ln, tile, rows, residual, out)
                 if tidx == 0:
                     cute.arch.store(counter.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
-            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMERS)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumers)
 
     @cute.jit
     def _epilogue(self, total: Float32, q: Int32, ln: Int32, tile: Int32, rows: Int32,

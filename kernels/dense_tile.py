@@ -25,7 +25,7 @@ import cutlass
 from cutlass import Int32, Int64, cute
 
 from kernels.dense import e4m3x4_to_bf16x2x2, prmt, scale_bf16x2
-from kernels.dense_ref import CHUNK_K, FP8_BLOCK, STREAM_WARPS, TILE_N, X_AHEAD, DenseSpec
+from kernels.dense_ref import CHUNK_K, FP8_BLOCK, TILE_N, DenseSpec
 from kernels.dense_stream import DenseStreamSm90
 from kernels.ptx import ld_v4_u32, lds_u8, lds_v4_u32, mma_bf16_16816_ordered
 
@@ -35,15 +35,15 @@ class DenseTileSm90(DenseStreamSm90):
 
     def __init__(self, spec: DenseSpec):
         if not spec.unrolled:
-            raise ValueError(f"{spec.name}: DenseTileSm90 needs variant 'stream_xtu', got "
+            raise ValueError(f"{spec.name}: DenseTileSm90 needs a tile variant (stream_xtu, xtw), got "
                              f"{spec.variant!r}")
         if spec.epilogue not in ("bf16", "f32", "residual"):
             raise ValueError(f"{spec.name}: stream_xtu has the bf16 / f32 / residual epilogues, "
                              f"got {spec.epilogue!r}")
         super().__init__(spec)
         self.k_chunks = spec.k // CHUNK_K                    # 64-K chunks of a tile
-        self.full_chunks = self.k_chunks // STREAM_WARPS     # chunks every warp owns
-        self.resident = spec.x_resident
+        self.full_chunks = self.k_chunks // self.warps     # chunks every warp owns
+        self.resident, self.x_ahead = spec.x_resident, spec.x_ahead
 
     @cute.jit
     def _tile_loop(self, acc, xbuf, x: cute.Pointer, w_row: Int64, out: cute.Pointer,
@@ -67,24 +67,24 @@ class DenseTileSm90(DenseStreamSm90):
             if i < n_units:                                   # one unit per tile
                 tile = u_begin + i
                 if cutlass.const_expr(not self.resident):
-                    for cj in cutlass.range_constexpr(min(X_AHEAD, cpw)):
+                    for cj in cutlass.range_constexpr(min(self.x_ahead, cpw)):
                         self._load_x_chunk(xr, cj, x, tile, row, warp, t)
                 # rows g and g + 8 of tile slot i as stored (bulk copies), this thread's 16 B
                 a_row = ring_a + i * self.tile_bytes + g * self.k + warp * CHUNK_K + 16 * t
                 s_row = sc_a + (tile // self.tps - srow0) * self.kg
                 sw = cute.make_rmem_tensor((cpw,), Int32)
                 for cj in cutlass.range_constexpr(cpw):
-                    ch = cutlass.min(warp + STREAM_WARPS * cj, self.k_chunks - 1)
+                    ch = cutlass.min(warp + self.warps * cj, self.k_chunks - 1)
                     sw[cj] = scale_bf16x2(lds_u8(s_row + ch * (CHUNK_K // FP8_BLOCK) + t // 2),
                                           True)
                 acc.fill(0.0)
                 for cj in cutlass.range_constexpr(cpw):
-                    if cutlass.const_expr(not self.resident and cj + X_AHEAD < cpw):
-                        self._load_x_chunk(xr, cj + X_AHEAD, x, tile, row, warp, t)
+                    if cutlass.const_expr(not self.resident and cj + self.x_ahead < cpw):
+                        self._load_x_chunk(xr, cj + self.x_ahead, x, tile, row, warp, t)
                     if cutlass.const_expr(cj < self.full_chunks):
                         self._chunk(acc, xr, cj, sw[cj], a_row)
                     else:                                     # the last chunk: some warps only
-                        if warp + STREAM_WARPS * cj < self.k_chunks:
+                        if warp + self.warps * cj < self.k_chunks:
                             self._chunk(acc, xr, cj, sw[cj], a_row)
                 self._finish_tile(acc, tile, out, residual, workspace, counters, rows, flag,
                                   red, cta, tidx, warp, lane)
@@ -94,7 +94,7 @@ class DenseTileSm90(DenseStreamSm90):
                       warp: Int32, t: Int32):
         """x[row, the 16 K of this thread in chunk cj] -> xr[:, cj] (two 16-byte loads; a warp
         without chunk cj reads the last chunk, unused)."""
-        ch = cutlass.min(warp + STREAM_WARPS * cj, self.k_chunks - 1)
+        ch = cutlass.min(warp + self.warps * cj, self.k_chunks - 1)
         grp = tile // self.tiles_per_group
         base = x.toint() + Int64((row * self.groups * self.k + grp * self.k + ch * CHUNK_K
                                   + 16 * t) * 2)
@@ -109,7 +109,7 @@ class DenseTileSm90(DenseStreamSm90):
     def _chunk(self, acc, xr, cj: cutlass.Constexpr, scale2: Int32, a_row: Int32):
         """acc += rows g / g+8 of this warp's chunk cj times x: 4 mma steps, alternating sets.
         a_row: row g of the tile slot at this warp's first chunk and this thread's 16 bytes."""
-        off = STREAM_WARPS * CHUNK_K * cj                   # an immediate offset
+        off = self.warps * CHUNK_K * cj                   # an immediate offset
         lo = lds_v4_u32(a_row + off)
         hi = lds_v4_u32(a_row + (TILE_N // 2) * self.k + off)
         for jj in cutlass.range_constexpr(4):

@@ -240,11 +240,23 @@ def test_split_k_fills_the_gpu_for_narrow_layers(v41):
 
 
 def _variants_for(n: int, k: int) -> tuple[str, ...]:
-    """The streamed variants a shape allows (stream_xts / xtb / xtu: scale rows of a multiple of
-    4 bytes; stream_xtb / xtu: the CTA's slice resident, i.e. not Engram wkv / main_proj)."""
+    """The streamed variants a shape allows (stream_xts / xtb / xtu / xtw: scale rows of a
+    multiple of 4 bytes; stream_xtb / xtu / xtw: the CTA's slice resident, i.e. not Engram wkv /
+    main_proj)."""
     return tuple(v for v in dr.STREAM_VARIANTS
-                 if (v not in ("stream_xts", "stream_xtb", "stream_xtu") or k % 128 == 0)
-                 and (v not in ("stream_xtb", "stream_xtu") or n * k <= 12 * 2**20))
+                 if (v not in ("stream_xts", "stream_xtb", *dr.TILE_VARIANTS) or k % 128 == 0)
+                 and (v not in ("stream_xtb", *dr.TILE_VARIANTS) or n * k <= 12 * 2**20)
+                 and (v != "stream_xtw" or n * k > 12 * 2**20 or _fits(n, k, v)))
+
+
+def _fits(n: int, k: int, variant: str) -> bool:
+    """stream_xtw's 16 warps' partials can take the CTA past the smem budget (wo_b)."""
+    try:
+        dr.make_spec("probe", n, k, variant=variant)
+    except ValueError as exc:
+        assert "leave room for the next kernel" in str(exc)
+        return False
+    return True
 
 
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
@@ -302,7 +314,8 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
     """stream_xt: x_slots units of x (8 words per chunk a warp owns) within
     STREAM_X_REGS, never more slots than the CTA has units (but 2, the ring's minimum), two
     accumulator sets only where a warp owns one chunk per unit; round 3's kernel unchanged;
-    stream_xtu: one unit per tile, two sets, x resident up to X_RESIDENT_WORDS."""
+    stream_xtu / xtw: one unit per tile, two sets, x resident up to X_RESIDENT_WORDS, xtw with
+    WIDE_WARPS warps."""
     cfg = ModelConfig.preset(config)
     for label, (n, k, _) in dr.dense_shapes(cfg, 4).items():
         for v in _variants_for(n, k):
@@ -311,9 +324,14 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
             if v == "stream":
                 assert (s.x_slots, s.accumulators) == (2, 1)
                 continue
-            if v == "stream_xtu":     # no x ring: resident (<= X_RESIDENT_WORDS) or X_AHEAD chunks
-                assert s.accumulators == 2 and s.ksteps == 1
-                assert s.x_resident == (s.groups == 1 and per_chunk <= dr.X_RESIDENT_WORDS)
+            if v in dr.TILE_VARIANTS:   # no x ring: resident (<= X_RESIDENT_WORDS) or x_ahead
+                wide = v == "stream_xtw"
+                assert s.accumulators == 2 and s.ksteps == 1 and s.unit_k == s.k
+                assert s.warps == (dr.WIDE_WARPS if wide else dr.STREAM_WARPS)
+                assert s.block == (32 * s.warps, 1, 1)
+                words = 8 * -(-s.chunks // s.warps)
+                assert s.x_resident == (s.groups == 1 and words <= dr.X_RESIDENT_WORDS)
+                assert s.x_ahead == (dr.X_AHEAD_WIDE if wide else dr.X_AHEAD)
                 continue
             assert 2 <= s.x_slots <= max(2, min(s.units_per_cta, dr.STREAM_X_SLOTS))
             assert s.x_slots == 2 or s.x_slots * per_chunk <= dr.STREAM_X_REGS
