@@ -441,7 +441,8 @@ def make_spec(label: str, n: int, k: int, *, groups: int = 1, row_tiles: int = 1
             raise ValueError(f"{label}: variant {variant!r} has one unit per tile (unit_k = "
                              f"K = {k}), got unit_k {unit_k}")
         unit_k = 0                          # no `_u` suffix: K is the variant's own unit
-    step_unit = step_unit_k(label, k) if row_tiles == 1 and variant == default else 0
+    step_unit = (step_unit_k(label, k) if row_tiles == 1 and variant == default
+                 and variant not in TILE_VARIANTS else 0)
     name += f"_u{unit_k}" if unit_k and unit_k != step_unit else ""
     unit_k = unit_k or step_unit or (k if variant in TILE_VARIANTS else 0)
     if timeline and variant not in WHOLE_TILE_VARIANTS:
