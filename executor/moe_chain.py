@@ -256,7 +256,7 @@ TIMELINE_ROWS = (1, 6)
 
 def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     """The step's chain at `rows` (as it is now inputs are uploaded) with its w13 / w2 timeline
-    builds: per-phase median / p10 / p90 across CTAs, the w13 -> w2 overlap, %globaltimer's
+    builds (from 3 rows also the polled pair's, label "polled"): per-phase median / p10 / p90 across CTAs, the w13 -> w2 overlap, %globaltimer's
     resolution as metrics; every raw record and the summary to moe-timeline-R<rows>.json in the
     report directory. One warm-up run, then L2
     flushed and one run of the chain (the records are that run's)."""
@@ -269,8 +269,12 @@ def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     ctas = mk.H200_NUM_SMS * 4
     bufs = [cp.zeros(ctas * mk.TIMELINE_RECORD_BYTES, dtype=cp.uint8) for _ in range(2)]
     dump = {}
+    stamps = (bufs[0].data.ptr, bufs[1].data.ptr)
     chains = [(f"moe timeline R={rows}", ml.timeline_launches(
-        chain.bundle, chain.shape, chain.ptrs, rows, (bufs[0].data.ptr, bufs[1].data.ptr)))]
+        chain.bundle, chain.shape, chain.ptrs, rows, stamps))]
+    if rows >= ml.SELFROUTED_FROM_ROWS and chain.has_polled():   # round 7: the step's pair
+        chains.append((f"moe timeline R={rows} polled", ml.timeline_launches(
+            chain.bundle, chain.shape, chain.ptrs, rows, stamps, polled=True)))
     for label, specs in chains:
         for _ in range(2):                   # the first run loads the modules: the second counts
             for buf in bufs:

@@ -235,8 +235,10 @@ class MoeSpec:
 TIMELINE_EVENTS = ("entry", "wait_begin", "wait_end", "first_landed", "last_landed", "epilogue",
                    "exit")
 TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
-# The bulk chain's w13 / w2 below 3 rows and the step's self-routed w13 / w2 from 3 rows.
-TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"))
+# The bulk chain's w13 / w2 below 3 rows; the self-routed w13 / w2 from 3 rows, and the polled
+# pair the step runs there (round 7).
+TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"),
+                    ("w13sr", "bulkf"), ("w2sr", "earlyp"))
 
 
 def timeline_event(name: str) -> int:
@@ -246,7 +248,7 @@ def timeline_event(name: str) -> int:
 def timeline_specs(shape: MoeShape) -> list[MoeSpec]:
     """The TIMELINE_KERNELS of this shape as timeline builds (name + "_tl")."""
     every = {(s.kind, s.variant): s for s in variant_specs(shape) + warp_routed_specs(shape)
-             + selfrouted_specs(shape)}
+             + selfrouted_specs(shape) + polled_specs(shape)}
     return [replace(every[key], name=every[key].name + "_tl", timeline=True)
             for key in TIMELINE_KERNELS if key in every]
 

@@ -82,9 +82,58 @@ class MoeW2PolledSm90(MoeW2EarlyRefillSm90):
 CLASSES = {("w13sr", "bulkf"): MoeW13SignalledSm90, ("w2sr", "earlyp"): MoeW2PolledSm90}
 
 
+# ---- timeline builds (mk.timeline_specs: `flags` then `stamps` before rows) ---------------------
+
+class MoeW13SignalledTimelineSm90(MoeW13SignalledSm90):
+    """moe_w13sr "bulkf" with stamps (kernels/moe_timeline.py)."""
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+                 codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+                 h: cute.Pointer, flags: cute.Pointer, stamps: cute.Pointer, rows: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, flags, stamps, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.launch_bound,
+            preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
+               codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
+               h: cute.Pointer, flags: cute.Pointer, stamps: cute.Pointer, rows: Int32):
+        self.run(_addr(topk_ids), (_addr(xq), _addr(xs), _addr(codes), _addr(offsets),
+                                   _addr(scales), _addr(h)), rows, _addr(stamps), _addr(flags))
+
+
+class MoeW2PolledTimelineSm90(MoeW2PolledSm90):
+    """moe_w2sr "earlyp" with stamps: wait_begin / wait_end bracket no wait; first_landed is
+    after its first item's poll and weights."""
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
+                 offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
+                 flags: cute.Pointer, stamps: cute.Pointer, rows: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(topk_ids, h, codes, offsets, scales, ye, flags, stamps, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
+               offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
+               flags: cute.Pointer, stamps: cute.Pointer, rows: Int32):
+        self.run(_addr(topk_ids), (_addr(h), _addr(codes), _addr(offsets), _addr(scales),
+                                   _addr(ye)), rows, _addr(stamps), _addr(flags))
+
+
+TIMELINE_CLASSES = {("w13sr", "bulkf"): MoeW13SignalledTimelineSm90,
+                    ("w2sr", "earlyp"): MoeW2PolledTimelineSm90}
+
+
 def kernel_class(spec: mk.MoeSpec):
-    """The class compiling a polled spec (mk.polled_specs)."""
+    """The class compiling a polled spec (mk.polled_specs, or its timeline build)."""
     key = (spec.kind, spec.variant)
-    if not spec.polled or key not in CLASSES:
-        raise ValueError(f"{spec.name}: not a polled-handoff kernel (have {sorted(CLASSES)})")
-    return CLASSES[key]
+    classes = TIMELINE_CLASSES if spec.timeline else CLASSES
+    if not spec.polled or key not in classes:
+        raise ValueError(f"{spec.name}: not a polled-handoff kernel (have {sorted(classes)})")
+    return classes[key]

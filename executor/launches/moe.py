@@ -313,14 +313,22 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
 
 
 def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                      stamps: tuple[int, int]) -> list[LaunchSpec]:
+                      stamps: tuple[int, int], polled: bool = False) -> list[LaunchSpec]:
     """The step's chain at `rows` (the bulk chain with w13w BULK_W13W and w2 "bulk" below
-    SELFROUTED_FROM_ROWS) with its w13 and w2 replaced by their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
+    SELFROUTED_FROM_ROWS; from there the self-routed one, or with `polled` the polled pair,
+    whose timeline builds take ptrs["flags"] too) with its w13 and w2 replaced by their
+    timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
     w2's) addresses, each at least grid x mk.TIMELINE_RECORD_BYTES."""
     available = available_specs(bundle, shape)
     timeline = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)
                 if s.name in set(bundle.names())}
-    if rows >= SELFROUTED_FROM_ROWS:
+    if polled:
+        if rows < SELFROUTED_FROM_ROWS:
+            raise ValueError(f"the polled timeline runs from {SELFROUTED_FROM_ROWS} rows, "
+                             f"not {rows}")
+        w13, w2 = ((kind, v) for kind, v, _ in mk.POLLED_VARIANTS)
+        chain = polled_launches(bundle, shape, ptrs, rows, available)
+    elif rows >= SELFROUTED_FROM_ROWS:
         w13, w2 = ("w13sr", STEP_SELFROUTED_W13), ("w2sr", SELFROUTED_EARLY)
         chain = selfrouted_launches(bundle, shape, ptrs, rows, w13[1], w2[1], available)
     else:

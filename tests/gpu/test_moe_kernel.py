@@ -226,10 +226,12 @@ def _check_polled(chain, stream, rows, shape, want, y_default, what):
         np.testing.assert_array_equal(y, y_default, err_msg=f"{label} vs the default chain")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6, 12])
-def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows):
-    """The timeline builds (kernels/moe_timeline.py) in the step's chain: y bitwise the plain
-    chain's (the stamps add stores, never arithmetic), and every CTA's record in order (entry <=
+@pytest.mark.parametrize(("rows", "polled"), [(1, False), (2, False), (6, False), (12, False),
+                                           (6, True), (12, True)])
+def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, polled):
+    """The timeline builds (kernels/moe_timeline.py) in the step's chain (from 6 rows also the
+    polled pair's, kernels/moe_polled.py): y bitwise the plain chain's, the polled counters
+    zero after it (the stamps add stores, never arithmetic), and every CTA's record in order (entry <=
     wait_begin <= wait_end <= first_landed <= last_landed <= epilogue <= exit where reached, the
     landed / epilogue events reached by every CTA with an item) on an SM id < the SM count."""
     from executor import moe_timeline as tl
@@ -245,13 +247,15 @@ def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows):
     ys = []
     for launches in (chain.step_launches(rows),
                      ml.timeline_launches(chain.bundle, shape, chain.ptrs, rows,
-                                          (bufs[0].data.ptr, bufs[1].data.ptr))):
+                                          (bufs[0].data.ptr, bufs[1].data.ptr), polled)):
         chain.poison_outputs()
         for spec in launches:
             spec.launch(stream)
         stream.synchronize()
         ys.append(chain.download("y", np.float32, (rows, shape.hidden)))
     np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"timeline chain y, R={rows}")
+    flags = chain.flags()          # the polled builds (round 7) count and reset as production
+    assert not flags.any(), f"polled counters / status left at {np.flatnonzero(flags).tolist()}"
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     for spec, buf in zip(launches[1:3], bufs):
         rec = tl.Records.parse(spec.kernel.name, cp.asnumpy(buf), spec.grid[0])
