@@ -31,7 +31,10 @@ What the slice keeps and what it cuts (each cut changes no value the test's step
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import glob
 import multiprocessing
 import os
 import re
@@ -227,6 +230,47 @@ def reference_model(cfg: ModelConfig, synth: SharedSynth, rank_workers: int = 1,
             lw.experts = _Experts(lw, lw.num_experts, unique)       # overrides the cached list
     return ReferenceModel(cfg, ranks, rank_workers=rank_workers,
                           float64_cache_bytes=float64_cache_bytes)
+
+
+@functools.lru_cache(maxsize=1)
+def _openblas():
+    """(get, set) of the thread count of numpy's own OpenBLAS (the wheel's numpy.libs copy, the
+    library numpy already loaded), or None where numpy's BLAS is another or not found there."""
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("openblas_", "")):
+            try:
+                get = getattr(lib, f"{prefix}get_num_threads{suffix}")
+                put = getattr(lib, f"{prefix}set_num_threads{suffix}")
+            except AttributeError:
+                continue
+            get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
+            return get, put
+    return None
+
+
+@contextlib.contextmanager
+def blas_threads(count: int):
+    """numpy's OpenBLAS on `count` threads inside the block, its previous count after; yields
+    that previous count (None: numpy's BLAS could not be set, the block runs as it is).
+
+    The reference runs the ranks' parts on rank_workers Python threads, each calling BLAS for
+    many small products (a W4A8 expert is 45 of them); an OpenBLAS pool of one thread per core
+    under each of them oversubscribes the cores, and its threads spin (on this CPU machine, one
+    reference round: 59 s with 2 BLAS threads, 13 s with 1). A dgemm's threads split its rows
+    and columns, never the sums, so the values do not depend on the count."""
+    blas = _openblas()
+    if blas is None:
+        yield None
+        return
+    get, put = blas
+    before = int(get())
+    put(count)
+    try:
+        yield before
+    finally:
+        put(before)
 
 
 # ---- the reference run, in its own process (overlapping the ranks' packing) ----------------------

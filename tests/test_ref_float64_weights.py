@@ -9,6 +9,8 @@ float64_weights.py, moe.py) must give exactly the bytes of the reference's own a
 - a real-width MoE partial (v41's D = 5120, I_l = 576: 40 activation groups for w13 and a short
   tail group for w2; the slice's synthetic experts) against moe_ref.moe_partial, W4A8 and exact,
   experts aliased onto shared shard objects as the real-dimension round test aliases them;
+- the reference's products at 1 and 2 OpenBLAS threads (real_slice.blas_threads, which the
+  real-dimension round test sets to 1): the same bytes;
 - the cache itself: 0 bytes keeps nothing, the bound evicts the least recently used copy, a copy
   is served only for the very weight object it was made from.
 No tolerance anywhere: every comparison is of bytes.
@@ -128,3 +130,18 @@ def test_cache_bound_eviction_and_identity():
         Float64Weights(-1)
     with pytest.raises(ValueError, match="weight is"):
         cache.matmul_t(x[:, :10], a)
+
+
+def test_blas_thread_count_changes_no_product():
+    rng = np.random.default_rng()
+    head = bf16_round(rng.standard_normal((4096, 5120)).astype(np.float32))
+    expert = bf16_round(rng.standard_normal((1152, 5120)).astype(np.float32))
+    x = bf16_round(rng.standard_normal((18, 5120)).astype(np.float32))
+    got = {}
+    for threads in (1, 2):
+        with rs.blas_threads(threads) as before:
+            if before is None:
+                pytest.skip("numpy's OpenBLAS thread count cannot be set here")
+            got[threads] = (moe_ref.matmul_t(x, head), moe_ref.w4a8_matmul(x, expert))
+        assert rs._openblas()[0]() == before                 # put back
+    assert all(_same(a, b) for a, b in zip(got[1], got[2]))

@@ -47,8 +47,11 @@ wkv, main_proj, the Markov head; attention's were kept already) and runs the ran
 heads on the rank threads as it did their MoE and head: the same bytes
 (tests/test_ref_float64_weights.py), and a round costs the products, not the conversions
 (measured on the CPU, one thread: the head 3.8-7.7 s -> 0.6-0.8 s a rank and forward, a layer's
-MoE partial 0.54 -> 0.36 s a rank). Predicted: ~69 s of setup, then ~7 s a round, ~180 s for
-16. The phases' times come out as a warning, so a passing log has them. BUDGET_S bounds the test
+MoE partial 0.54 -> 0.36 s a rank). And numpy's OpenBLAS runs one thread under each rank thread
+while the fixture lives (real_slice.blas_threads; the same values): its pool of a thread per
+core under each of 4 callers spins (on the CPU, one reference round of a smaller slice: 59 s
+with 2 BLAS threads on 2 cores, 13 s with 1). Predicted: ~69 s of setup, then ~6 s a round,
+~170 s for 16. The phases' times come out as a warning, so a passing log has them. BUDGET_S bounds the test
 for the suite's sake: a round that would start later fails it, saying how far it got.
 """
 from __future__ import annotations
@@ -110,30 +113,35 @@ def slice_round(dev, stream, bench_bundle):
     synth.set_vocab_map(_random_vocab_map(rng, cfg))
     timings = [f"synthetic draws {synth.prefetch(stage_ffn_few_experts.UNIQUE_EXPERTS):.1f} s"]
     caches = KVCaches.allocate(cfg, max_seqs=SEQS, max_context=rs.MAX_CONTEXT)
-    ranks = None
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(_reference, cfg, synth, caches,
-                                np.random.default_rng(rng.integers(2 ** 63)))
+    # One BLAS thread under each of the reference's rank threads (rs.blas_threads: the same
+    # values; an OpenBLAS pool per caller oversubscribes the cores and spins)
+    with rs.blas_threads(1) as blas_before:
+        timings.append(f"BLAS threads 1 (were {blas_before})")
+        ranks = None
+        with ThreadPoolExecutor(1) as pool:
+            reference = pool.submit(_reference, cfg, synth, caches,
+                                    np.random.default_rng(rng.integers(2 ** 63)))
+            try:
+                contents, pack_s = rs.pack_ranks(cfg, synth, MAX_ROWS, modules=rs.ROUND_MODULES)
+                timings.append(f"pack {pack_s:.1f} s")
+                t1 = time.perf_counter()
+                ranks = DeviceRanks(dev, None, bench_bundle, rs.TP, caches, stream, MAX_ROWS,
+                                    dspark=True, packed=PackedRanks(cfg, rs.ROUND_MODULES,
+                                                                    tuple(contents)))
+                del contents
+                timings.append(f"upload {time.perf_counter() - t1:.1f} s")
+                model, seqs = reference.result()
+                timings.append(f"reference ready {time.perf_counter() - t0:.1f} s after the start")
+                s = DeviceRound(model, caches, ranks, SEQS, SLOTS, scripted=SCRIPTED)
+            except BaseException:
+                if ranks is not None:
+                    ranks.close()
+                raise
         try:
-            contents, pack_s = rs.pack_ranks(cfg, synth, MAX_ROWS, modules=rs.ROUND_MODULES)
-            timings.append(f"pack {pack_s:.1f} s")
-            t1 = time.perf_counter()
-            ranks = DeviceRanks(dev, None, bench_bundle, rs.TP, caches, stream, MAX_ROWS, dspark=True,
-                                packed=PackedRanks(cfg, rs.ROUND_MODULES, tuple(contents)))
-            del contents
-            timings.append(f"upload {time.perf_counter() - t1:.1f} s")
-            model, seqs = reference.result()
-            timings.append(f"reference ready {time.perf_counter() - t0:.1f} s after the start")
-            s = DeviceRound(model, caches, ranks, SEQS, SLOTS, scripted=SCRIPTED)
-        except BaseException:
-            if ranks is not None:
-                ranks.close()
-            raise
-    try:
-        yield s, seqs, rng, timings, t0
-    finally:
-        ranks.close()
-        synth.release()
+            yield s, seqs, rng, timings, t0
+        finally:
+            ranks.close()
+            synth.release()
 
 
 def test_dspark_rounds_at_real_dimensions_accept_what_the_reference_accepts(slice_round):
