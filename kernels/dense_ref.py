@@ -71,13 +71,20 @@ ROW_TILE_CHOICES = (1, 4)           # 8 rows per pass (decode, DSpark), 32 rows 
 # (B fragments, loaded once per CTA) where K allows, else X_AHEAD chunks ahead, two accumulators.
 # "stream_xtw" is stream_xtu with WIDE_WARPS warps a CTA: the multiply is issue-bound with 2 warps
 # per SM sub-partition issuing ~60% of the cycles; 4 per sub-partition hide more of the latency.
-VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb", "stream_xtu", "stream_xtw")
+# "stream_xtup" / "stream_xtwp": the same with every weight row of a tile slot padded by ROW_PAD
+# bytes (one bulk copy a row): K % 128 == 0 puts rows g = 0..7 on the same banks, so a warp's
+# 16-byte read (a quarter warp = rows g, g+1 x 64 bytes) takes 8 wavefronts instead of 4; rows
+# 64 bytes apart mod 128 put g and g+1 on disjoint banks.
+VARIANTS = ("mma", "stream", "stream_xt", "stream_xts", "stream_xtb", "stream_xtu", "stream_xtw",
+            "stream_xtup", "stream_xtwp")
 STREAM_VARIANTS = VARIANTS[1:]
 VARIANT_TAGS = {"mma": "mma", "stream": "s", "stream_xt": "sxt", "stream_xts": "sxts",
                 "stream_xtb": "sxtb", "stream_xtu": "sxtu",
-                "stream_xtw": "sxtw"}
-WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb", "stream_xtu", "stream_xtw")
-TILE_VARIANTS = ("stream_xtu", "stream_xtw")     # one unit per tile, chunks unrolled
+                "stream_xtw": "sxtw", "stream_xtup": "sxtup", "stream_xtwp": "sxtwp"}
+TILE_VARIANTS = ("stream_xtu", "stream_xtw", "stream_xtup", "stream_xtwp")  # a unit per tile
+WIDE_VARIANTS = ("stream_xtw", "stream_xtwp")       # WIDE_WARPS warps
+PADDED_VARIANTS = ("stream_xtup", "stream_xtwp")    # rows ROW_PAD bytes apart in smem
+WHOLE_TILE_VARIANTS = ("stream_xt", "stream_xts", "stream_xtb", *TILE_VARIANTS)
 BULK_PIECE_MAX = 8192               # stream_xtb: bytes per cp.async.bulk (whole weight rows)
 BULK_MBARRIERS = 8                  # stream_xtb: mbarrier slots (one per tile of the CTA)
 X_RESIDENT_WORDS = 32               # stream_xtu: x of the whole K in registers up to this (K <= 2048)
@@ -86,6 +93,7 @@ X_AHEAD_WIDE = 2                    # stream_xtw (4 warps per sub-partition hide
                                     # wq_a|wkv took 70 registers, over the 64 of 2 CTAs a SM)
 STREAM_WARPS = 8                    # warps of the streamed kernel
 WIDE_WARPS = 16                     # ... of stream_xtw (2 CTAs a SM: <= 64 registers)
+ROW_PAD = 64                        # stream_xtup / xtwp: extra bytes after each weight row
 STREAM_X_REGS = 64                  # x ring registers per thread of stream_x / stream_xt ...
 STREAM_X_SLOTS = 6                  # ... and units (8 slots of 1 chunk took ptxas to 128 regs)
 STREAM_MAX_UNIT_K = 1024            # K bytes per streamed unit (16 rows x unit_k per stage)
@@ -138,7 +146,7 @@ class DenseSpec:
     @property
     def warps(self) -> int:
         """Warps of a streamed CTA: STREAM_WARPS, WIDE_WARPS for stream_xtw."""
-        return WIDE_WARPS if self.variant == "stream_xtw" else STREAM_WARPS
+        return WIDE_WARPS if self.variant in WIDE_VARIANTS else STREAM_WARPS
 
     @property
     def streamed(self) -> bool:
@@ -169,7 +177,12 @@ class DenseSpec:
     @property
     def x_ahead(self) -> int:
         """stream_xtu / xtw without resident x: chunks of x in flight ahead of the multiply."""
-        return X_AHEAD_WIDE if self.variant == "stream_xtw" else X_AHEAD
+        return X_AHEAD_WIDE if self.variant in WIDE_VARIANTS else X_AHEAD
+
+    @property
+    def row_stride(self) -> int:
+        """Bytes between a tile slot's weight rows in smem: K, or K + ROW_PAD (padded)."""
+        return self.k + (ROW_PAD if self.variant in PADDED_VARIANTS else 0)
 
     @property
     def x_resident(self) -> bool:
@@ -180,8 +193,11 @@ class DenseSpec:
 
     @property
     def bulk_rows(self) -> int:
-        """Weight rows per bulk copy: the largest power of two with rows * K <= BULK_PIECE_MAX."""
+        """Weight rows per bulk copy: the largest power of two with rows * K <= BULK_PIECE_MAX
+        (padded rows: one a copy)."""
         rows = 1
+        if self.variant in PADDED_VARIANTS:
+            return rows
         while rows * 2 <= TILE_N and rows * 2 * self.k <= BULK_PIECE_MAX:
             rows *= 2
         return rows
@@ -234,7 +250,10 @@ class DenseSpec:
 
     @property
     def stage_bytes(self) -> int:
-        """A unit in smem: per 64-byte chunk, [row half g / g+8][lane] x 16 B (1 KB)."""
+        """A unit in smem: per 64-byte chunk, [row half g / g+8][lane] x 16 B (1 KB); a tile
+        variant's unit is the tile slot, TILE_N rows of row_stride bytes."""
+        if self.unrolled:
+            return TILE_N * self.row_stride
         return self.chunks * TILE_N * CHUNK_K
 
     def unit_range(self, cta: int) -> tuple[int, int]:

@@ -153,6 +153,8 @@ class DenseStreamSm90:
         # bulk copies of bulk_rows rows on mbarrier i (after the ring)
         self.bulk, self.bulk_rows = spec.bulk, spec.bulk_rows
         self.tile_bytes = TILE_N * spec.k
+        self.row_stride = spec.row_stride                   # padded tile variants: K + ROW_PAD
+        self.slot_bytes = TILE_N * spec.row_stride          # a tile's slot in the ring
         self.ring_bytes = spec.stages * spec.stage_bytes
         self.kg = spec.k // FP8_BLOCK
         self.timeline = spec.timeline
@@ -385,8 +387,8 @@ class DenseStreamSm90:
                 mbar_arrive_expect_tx(mbars + 8 * i, self.tile_bytes)
                 src = weight.toint() + Int64(tile0 + i) * self.tile_bytes
                 for p in cutlass.range_constexpr(TILE_N // self.bulk_rows):
-                    bulk_copy_g2s(ring_a + i * self.tile_bytes + p * piece,
-                                  src + Int64(p * piece), piece, mbars + 8 * i)
+                    bulk_copy_g2s(ring_a + i * self.slot_bytes + p * self.bulk_rows
+                                  * self.row_stride, src + Int64(p * piece), piece, mbars + 8 * i)
 
     @cute.jit
     def _scale_copies(self, scales: cute.Pointer, sc_a: Int32, u_begin: Int32, n_units: Int32,

@@ -25,7 +25,7 @@ import cutlass
 from cutlass import Int32, Int64, cute
 
 from kernels.dense import e4m3x4_to_bf16x2x2, prmt, scale_bf16x2
-from kernels.dense_ref import CHUNK_K, FP8_BLOCK, TILE_N, DenseSpec
+from kernels.dense_ref import CHUNK_K, FP8_BLOCK, TILE_N, TILE_VARIANTS, DenseSpec
 from kernels.dense_stream import DenseStreamSm90
 from kernels.ptx import ld_v4_u32, lds_u8, lds_v4_u32, mma_bf16_16816_ordered
 
@@ -35,8 +35,8 @@ class DenseTileSm90(DenseStreamSm90):
 
     def __init__(self, spec: DenseSpec):
         if not spec.unrolled:
-            raise ValueError(f"{spec.name}: DenseTileSm90 needs a tile variant (stream_xtu, xtw), got "
-                             f"{spec.variant!r}")
+            raise ValueError(f"{spec.name}: DenseTileSm90 needs one of the tile variants "
+                             f"{TILE_VARIANTS}, got {spec.variant!r}")
         if spec.epilogue not in ("bf16", "f32", "residual"):
             raise ValueError(f"{spec.name}: stream_xtu has the bf16 / f32 / residual epilogues, "
                              f"got {spec.epilogue!r}")
@@ -70,7 +70,8 @@ class DenseTileSm90(DenseStreamSm90):
                     for cj in cutlass.range_constexpr(min(self.x_ahead, cpw)):
                         self._load_x_chunk(xr, cj, x, tile, row, warp, t)
                 # rows g and g + 8 of tile slot i as stored (bulk copies), this thread's 16 B
-                a_row = ring_a + i * self.tile_bytes + g * self.k + warp * CHUNK_K + 16 * t
+                a_row = (ring_a + i * self.slot_bytes + g * self.row_stride + warp * CHUNK_K
+                         + 16 * t)
                 s_row = sc_a + (tile // self.tps - srow0) * self.kg
                 sw = cute.make_rmem_tensor((cpw,), Int32)
                 for cj in cutlass.range_constexpr(cpw):
@@ -111,7 +112,7 @@ class DenseTileSm90(DenseStreamSm90):
         a_row: row g of the tile slot at this warp's first chunk and this thread's 16 bytes."""
         off = self.warps * CHUNK_K * cj                   # an immediate offset
         lo = lds_v4_u32(a_row + off)
-        hi = lds_v4_u32(a_row + (TILE_N // 2) * self.k + off)
+        hi = lds_v4_u32(a_row + (TILE_N // 2) * self.row_stride + off)
         for jj in cutlass.range_constexpr(4):
             ae0, ao0 = e4m3x4_to_bf16x2x2(lo[jj], scale2)
             ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale2)

@@ -246,11 +246,12 @@ def _variants_for(n: int, k: int) -> tuple[str, ...]:
     return tuple(v for v in dr.STREAM_VARIANTS
                  if (v not in ("stream_xts", "stream_xtb", *dr.TILE_VARIANTS) or k % 128 == 0)
                  and (v not in ("stream_xtb", *dr.TILE_VARIANTS) or n * k <= 12 * 2**20)
-                 and (v != "stream_xtw" or n * k > 12 * 2**20 or _fits(n, k, v)))
+                 and (v not in dr.TILE_VARIANTS or n * k > 12 * 2**20 or _fits(n, k, v)))
 
 
 def _fits(n: int, k: int, variant: str) -> bool:
-    """stream_xtw's 16 warps' partials can take the CTA past the smem budget (wo_b)."""
+    """stream_xtw's 16 warps' partials (or padded rows) can take the CTA past the smem budget
+    (wo_b)."""
     try:
         dr.make_spec("probe", n, k, variant=variant)
     except ValueError as exc:
@@ -277,7 +278,7 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
         assert (s.unit_k <= dr.STREAM_MAX_UNIT_K or f"_u{s.unit_k}" in s.name    # a candidate's
                 or s.unit_k == dr.step_unit_k(label, s.k)                       # or the step's
                 or (s.unrolled and s.unit_k == s.k))                            # xtu: a tile
-        assert s.stage_bytes == 16 * 64 * -(-s.unit_k // 64)
+        assert s.stage_bytes == (16 * s.row_stride if s.unrolled else 16 * 64 * -(-s.unit_k // 64))
         assert s.smem_bytes <= dr.STREAM_SMEM_BUDGET and 1 <= s.ctas <= 132
         owner = np.full(s.units, -1)
         for c in range(s.ctas):
@@ -304,7 +305,9 @@ def test_stream_layout_is_one_wave_that_covers_every_unit_once(config):
         else:
             assert s.stages >= 2
         if s.bulk:           # tile slot i = tile as stored, whole-row copies, one mbarrier each
-            assert s.ksteps * s.stage_bytes == 16 * s.k and s.stages == per_cta
+            assert s.ksteps * s.stage_bytes == 16 * s.row_stride and s.stages == per_cta
+            assert s.row_stride == s.k + (dr.ROW_PAD if s.variant in dr.PADDED_VARIANTS else 0)
+            assert s.variant not in dr.PADDED_VARIANTS or s.bulk_rows == 1    # a copy per row
             assert 16 % s.bulk_rows == 0 and s.bulk_rows * s.k <= dr.BULK_PIECE_MAX
             assert s.bulk_rows * s.k % 16 == 0 and s.tiles_per_cta <= dr.BULK_MBARRIERS
 
@@ -325,7 +328,7 @@ def test_stream_x_ring_and_accumulators_fit_two_ctas_per_sm(config):
                 assert (s.x_slots, s.accumulators) == (2, 1)
                 continue
             if v in dr.TILE_VARIANTS:   # no x ring: resident (<= X_RESIDENT_WORDS) or x_ahead
-                wide = v == "stream_xtw"
+                wide = v in dr.WIDE_VARIANTS
                 assert s.accumulators == 2 and s.ksteps == 1 and s.unit_k == s.k
                 assert s.warps == (dr.WIDE_WARPS if wide else dr.STREAM_WARPS)
                 assert s.block == (32 * s.warps, 1, 1)
@@ -516,3 +519,35 @@ def test_lm_head_stream_owns_whole_tiles_in_one_wave(config):
         assert all(a[1] == b[0] and a[1] > a[0] for a, b in itertools.pairwise(ranges))
         assert s.hidden % s.unit_k == 0 and s.unit_k % lr.CHUNK_K == 0
         assert s.stage_bytes == 16 * 2 * s.unit_k and s.smem_bytes <= 227 * 1024 and s.stages >= 1
+
+
+def _quarter_warp_wavefronts(offsets: list[int]) -> int:
+    """Wavefronts of one 16-byte shared load (LDS.128) under the quarter-warp model: each group
+    of 8 lanes is served alone; within it, lanes on the same bank at different 4-byte words
+    conflict (a broadcast of the same word does not)."""
+    total = 0
+    for q in range(4):
+        words_per_bank: dict[int, set[int]] = {}
+        for lane in range(8 * q, 8 * q + 8):
+            for w in range(4):
+                word = offsets[lane] // 4 + w
+                words_per_bank.setdefault(word % 32, set()).add(word)
+        total += max(len(v) for v in words_per_bank.values())
+    return total
+
+
+def test_padded_tile_rows_read_in_four_wavefronts(v41):
+    """A warp's weight read in the tile variants (lane 4g + t: row g at byte 16t of a chunk):
+    8 wavefronts with rows K bytes apart (K % 128 == 0), the minimum 4 with ROW_PAD."""
+    for label, (n, k, _) in dr.dense_shapes(v41, 4).items():
+        if k % 128 or n * k > 12 * 2**20:
+            continue
+        for v in ("stream_xtu", "stream_xtup"):
+            try:
+                s = dr.make_spec(label, n, k, variant=v)
+            except ValueError:
+                continue
+            for chunk in (0, 1, s.k // 64 - 1):
+                offs = [(lane // 4) * s.row_stride + 64 * chunk + 16 * (lane % 4)
+                        for lane in range(32)]
+                assert _quarter_warp_wavefronts(offs) == (4 if v == "stream_xtup" else 8), s.name
