@@ -19,7 +19,8 @@ def _shard(rng, scale=0.05):
 
 def _draw(rng, rows, experts):
     ids = np.stack([rng.choice(len(experts), TOPK, replace=False) for _ in range(rows)])
-    routing = moe_ref.RouterOutput(ids.astype(np.int64), rng.random((rows, TOPK)).astype(np.float32))
+    weights = rng.random((rows, TOPK)).astype(np.float32)
+    routing = moe_ref.RouterOutput(ids.astype(np.int64), weights)
     return moe_ref.round_bf16(rng.normal(0, 1, (rows, DIM))), routing
 
 

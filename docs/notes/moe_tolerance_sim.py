@@ -210,7 +210,8 @@ def main(argv):
             first = tuple(int(i) for i in over[0]) if len(over) else None
             worst = np.unravel_index(np.argmax(rat), rat.shape)
             fields.append(f"{model} max {rat.max():.3f} at {tuple(int(i) for i in worst)} "
-                          f"over {len(over)} first {first} diffs {diffs(inter, inter_ref).tolist()} "
+                          f"over {len(over)} first {first} "
+                          f"diffs {diffs(inter, inter_ref).tolist()} "
                           f"new h {h_margin:.3f} y {y_margin:.3f}")
         fields.append(f"{time.time() - t0:.1f}s")
         print(" | ".join(fields), flush=True)
