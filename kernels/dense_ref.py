@@ -568,7 +568,7 @@ R8_UNIT_CANDIDATES: dict[str, tuple[tuple[str, int], ...]] = {
 
 # Round 7: stream_xtu (kernels/dense_tile.py) beside the step's kernel of every layer whose step
 # kernel is stream_xtb / xts (bf16 epilogue; wo_b's f32 / residual take it only when switched).
-R8_TILE_LABELS = ("wqa_wkv", "wq_b", "wo_b", "grouped", "indexer_wq_b")
+R8_TILE_LABELS = ("wqa_wkv", "wq_b", "wo_b", "grouped", "indexer_wq_b", "shared_w13")
 
 
 def tile_candidates(label: str, n: int, k: int, groups: int = 1) -> list[str]:
@@ -634,13 +634,18 @@ def timeline_specs(shapes: dict) -> list[DenseSpec]:
 
 def dense_specs(cfg, tp: int) -> list[DenseSpec]:
     """8 rows per pass (R <= 8, the step's variant) and 32 (R > 8) for every layer, the
-    R <= 8 candidates (`candidate_specs`) and the timeline kernels (`timeline_specs`)."""
+    R <= 8 candidates (`candidate_specs`; a tile variant also with the layer's swiglu epilogue,
+    so the GPU tests cover it before the step takes it) and the timeline kernels."""
     shapes = dense_shapes(cfg, tp)
     return ([make_spec(label, n, k, row_tiles=rt, epilogue=epi,
                        swiglu_limit=cfg.swiglu_limit if epi == "swiglu" else 0.0)
              for label, (n, k, epis) in shapes.items()
              for epi in epis for rt in ROW_TILE_CHOICES]
             + [s for label, (n, k, _) in shapes.items() for s in candidate_specs(label, n, k)]
+            + [make_spec(label, n, k, epilogue="swiglu", swiglu_limit=cfg.swiglu_limit,
+                         variant=v)
+               for label, (n, k, epis) in shapes.items() if "swiglu" in epis
+               for v in tile_candidates(label, n, k)]
             + timeline_specs(shapes))
 
 

@@ -17,7 +17,8 @@ scales by cp.async, everything requested before the PDL wait) and changes the mu
 - two accumulator sets alternate over the mma steps (half the dependent HMMA chain).
 The arithmetic is kernels/dense.py's (exact e4m3 -> bf16 times the block scale, fp32 mma,
 the same K permutation); only the order of the fp32 sums differs (two accumulators, summed at
-the tile end), which the reference's fp32 bound covers. Epilogues: bf16, f32, residual.
+the tile end), which the reference's fp32 bound covers. Epilogues: bf16, f32, residual and
+swiglu (rows g / g+8 a gate / up pair with their own scale rows, as in stream_xt).
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ class DenseTileSm90(DenseStreamSm90):
         if not spec.unrolled:
             raise ValueError(f"{spec.name}: DenseTileSm90 needs one of the tile variants "
                              f"{TILE_VARIANTS}, got {spec.variant!r}")
-        if spec.epilogue not in ("bf16", "f32", "residual"):
-            raise ValueError(f"{spec.name}: stream_xtu has the bf16 / f32 / residual epilogues, "
-                             f"got {spec.epilogue!r}")
+        if spec.epilogue not in ("bf16", "f32", "residual", "swiglu"):
+            raise ValueError(f"{spec.name}: the tile variants have the bf16 / f32 / residual / "
+                             f"swiglu epilogues, got {spec.epilogue!r}")
         super().__init__(spec)
         self.k_chunks = spec.k // CHUNK_K                    # 64-K chunks of a tile
         self.full_chunks = self.k_chunks // self.warps     # chunks every warp owns
@@ -73,20 +74,24 @@ class DenseTileSm90(DenseStreamSm90):
                 a_row = (ring_a + i * self.slot_bytes + g * self.row_stride + warp * CHUNK_K
                          + 16 * t)
                 s_row = sc_a + (tile // self.tps - srow0) * self.kg
-                sw = cute.make_rmem_tensor((cpw,), Int32)
+                # scale words of rows g (and g + 8: the same block, but an up row's with swiglu)
+                sw = cute.make_rmem_tensor((2, cpw), Int32)
                 for cj in cutlass.range_constexpr(cpw):
                     ch = cutlass.min(warp + self.warps * cj, self.k_chunks - 1)
-                    sw[cj] = scale_bf16x2(lds_u8(s_row + ch * (CHUNK_K // FP8_BLOCK) + t // 2),
-                                          True)
+                    at = s_row + ch * (CHUNK_K // FP8_BLOCK) + t // 2
+                    sw[0, cj] = scale_bf16x2(lds_u8(at), True)
+                    sw[1, cj] = sw[0, cj]
+                    if cutlass.const_expr(self.swiglu):
+                        sw[1, cj] = scale_bf16x2(lds_u8(at + self.s_half), True)
                 acc.fill(0.0)
                 for cj in cutlass.range_constexpr(cpw):
                     if cutlass.const_expr(not self.resident and cj + self.x_ahead < cpw):
                         self._load_x_chunk(xr, cj + self.x_ahead, x, tile, row, warp, t)
                     if cutlass.const_expr(cj < self.full_chunks):
-                        self._chunk(acc, xr, cj, sw[cj], a_row)
+                        self._chunk(acc, xr, cj, sw[0, cj], sw[1, cj], a_row)
                     else:                                     # the last chunk: some warps only
                         if warp + self.warps * cj < self.k_chunks:
-                            self._chunk(acc, xr, cj, sw[cj], a_row)
+                            self._chunk(acc, xr, cj, sw[0, cj], sw[1, cj], a_row)
                 self._finish_tile(acc, tile, out, residual, workspace, counters, rows, flag,
                                   red, cta, tidx, warp, lane)
 
@@ -107,7 +112,8 @@ class DenseTileSm90(DenseStreamSm90):
         cute.arch.sync_warp()
 
     @cute.jit
-    def _chunk(self, acc, xr, cj: cutlass.Constexpr, scale2: Int32, a_row: Int32):
+    def _chunk(self, acc, xr, cj: cutlass.Constexpr, scale2: Int32, scale_hi: Int32,
+               a_row: Int32):
         """acc += rows g / g+8 of this warp's chunk cj times x: 4 mma steps, alternating sets.
         a_row: row g of the tile slot at this warp's first chunk and this thread's 16 bytes."""
         off = self.warps * CHUNK_K * cj                   # an immediate offset
@@ -115,7 +121,7 @@ class DenseTileSm90(DenseStreamSm90):
         hi = lds_v4_u32(a_row + (TILE_N // 2) * self.row_stride + off)
         for jj in cutlass.range_constexpr(4):
             ae0, ao0 = e4m3x4_to_bf16x2x2(lo[jj], scale2)
-            ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale2)
+            ae1, ao1 = e4m3x4_to_bf16x2x2(hi[jj], scale_hi)
             b = (xr[2 * jj, cj], xr[2 * jj + 1, cj])       # resident: permuted at load
             if cutlass.const_expr(not self.resident):
                 b = (prmt(xr[2 * jj, cj], xr[2 * jj + 1, cj], 0x5410),
