@@ -158,6 +158,10 @@ def routed_parts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard
     """F2 + combine for one rank, keeping every pair's h13, h and ye."""
     rows, topk = routing.experts.shape
     pairs = rows * topk
+    if pairs == 0:
+        empty = np.zeros((0, 0), np.float32)
+        return RoutedParts(empty, empty, np.zeros((0, x.shape[1]), np.float32),
+                           np.zeros((rows, x.shape[1]), np.float32))
     h13 = h = ye = None
     for shard, p in _pairs_by_shard(routing, experts):
         if h13 is None:
