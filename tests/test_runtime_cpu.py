@@ -324,6 +324,39 @@ def test_devicecheck_parses_junit_and_formats_the_table(tmp_path):
     assert table.endswith("overall: FAIL")
 
 
+def test_devicecheck_reruns_the_tests_after_a_sticky_fault(tmp_path, monkeypatch):
+    """A fault in one test poisons its process: the tests after it run again in a fresh one,
+    by node id, with the target's options kept; the report merges both passes."""
+    import executor.devicecheck as dc
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests/gpu").mkdir(parents=True)
+    for name in ("test_a.py", "test_b.py"):
+        (tmp_path / "tests/gpu" / name).write_text("")
+    fault = '<error message="CudaError: CUDA_ERROR_ILLEGAL_ADDRESS (700)">tb</error>'
+    passes = [("tests.gpu.test_a", "one[x-1]", ""), ("tests.gpu.test_a", "two", fault),
+              ("tests.gpu.test_a", "three", fault), ("tests.gpu.test_b", "four", fault)]
+    calls = []
+
+    def fake_pytest(targets, junit, env, timeout):
+        calls.append(list(targets))
+        rows = passes if len(calls) == 1 else [(c, n, "") for c, n, _ in passes[2:]]
+        junit.write_text("<testsuites><testsuite>" + "".join(
+            f'<testcase classname="{c}" name="{n}" time="0">{body}</testcase>'
+            for c, n, body in rows) + "</testsuite></testsuites>")
+        return "log\n", 1 if len(calls) == 1 else 0
+
+    monkeypatch.setattr(dc, "_pytest", fake_pytest)
+    result = dc.run_gpu_tests(tmp_path, {}, 100, ["tests", "--ignore=tests/gpu/x.py"])
+    assert calls == [["tests", "--ignore=tests/gpu/x.py"],
+                     ["--ignore=tests/gpu/x.py", "tests/gpu/test_a.py::three",
+                      "tests/gpu/test_b.py::four"]]
+    assert [(c["name"], c["outcome"]) for c in result["cases"]] == [
+        ("tests.gpu.test_a::one[x-1]", "passed"), ("tests.gpu.test_a::two", "errors"),
+        ("tests.gpu.test_a::three", "passed"), ("tests.gpu.test_b::four", "passed")]
+    assert (result["passed"], result["errors"], result["returncode"]) == (3, 1, 1)
+    assert "==== pass 2" in (tmp_path / "pytest.log").read_text()
+
+
 def test_nvtx_ranges_push_and_pop_with_the_package():
     pytest.importorskip("nvtx")
     from executor.nvtx_ranges import Ranges
