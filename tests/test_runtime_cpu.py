@@ -325,21 +325,22 @@ def test_devicecheck_parses_junit_and_formats_the_table(tmp_path):
 
 
 def test_devicecheck_reruns_the_tests_after_a_sticky_fault(tmp_path, monkeypatch):
-    """A fault in one test poisons its process: the tests after it run again in a fresh one,
-    by node id, with the target's options kept; the report merges both passes."""
+    """A fault in one test poisons its process: the test files after its module run again in a
+    fresh process, the target's options kept; the report merges both passes."""
     import executor.devicecheck as dc
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests/gpu").mkdir(parents=True)
-    for name in ("test_a.py", "test_b.py"):
+    for name in ("test_a.py", "test_b.py", "test_c.py"):
         (tmp_path / "tests/gpu" / name).write_text("")
     fault = '<error message="CudaError: CUDA_ERROR_ILLEGAL_ADDRESS (700)">tb</error>'
-    passes = [("tests.gpu.test_a", "one[x-1]", ""), ("tests.gpu.test_a", "two", fault),
-              ("tests.gpu.test_a", "three", fault), ("tests.gpu.test_b", "four", fault)]
+    first = [("tests.gpu.test_a", "one[x-1]", ""), ("tests.gpu.test_a", "two", fault),
+             ("tests.gpu.test_a", "three", fault), ("tests.gpu.test_b", "four", fault),
+             ("tests.gpu.test_c.TestC", "five", fault)]
     calls = []
 
     def fake_pytest(targets, junit, env, timeout):
         calls.append(list(targets))
-        rows = passes if len(calls) == 1 else [(c, n, "") for c, n, _ in passes[2:]]
+        rows = first if len(calls) == 1 else [(c, n, "") for c, n, _ in first[3:]]
         junit.write_text("<testsuites><testsuite>" + "".join(
             f'<testcase classname="{c}" name="{n}" time="0">{body}</testcase>'
             for c, n, body in rows) + "</testsuite></testsuites>")
@@ -348,12 +349,12 @@ def test_devicecheck_reruns_the_tests_after_a_sticky_fault(tmp_path, monkeypatch
     monkeypatch.setattr(dc, "_pytest", fake_pytest)
     result = dc.run_gpu_tests(tmp_path, {}, 100, ["tests", "--ignore=tests/gpu/x.py"])
     assert calls == [["tests", "--ignore=tests/gpu/x.py"],
-                     ["--ignore=tests/gpu/x.py", "tests/gpu/test_a.py::three",
-                      "tests/gpu/test_b.py::four"]]
+                     ["--ignore=tests/gpu/x.py", "tests/gpu/test_b.py", "tests/gpu/test_c.py"]]
     assert [(c["name"], c["outcome"]) for c in result["cases"]] == [
         ("tests.gpu.test_a::one[x-1]", "passed"), ("tests.gpu.test_a::two", "errors"),
-        ("tests.gpu.test_a::three", "passed"), ("tests.gpu.test_b::four", "passed")]
-    assert (result["passed"], result["errors"], result["returncode"]) == (3, 1, 1)
+        ("tests.gpu.test_a::three", "errors"), ("tests.gpu.test_b::four", "passed"),
+        ("tests.gpu.test_c.TestC::five", "passed")]
+    assert (result["passed"], result["errors"], result["returncode"]) == (3, 2, 1)
     assert "==== pass 2" in (tmp_path / "pytest.log").read_text()
 
 
