@@ -17,6 +17,9 @@ from executor.launch import LaunchSpec
 from executor.launches import moe as ml
 from kernels import moe_kernel_ref as mk
 
+# Run r7a: the polled pair faulted on the H200 (illegal address); the benchmark leaves it out
+# (a fault would end the whole benchmark process) until its GPU tests pass.
+BENCH_POLLED = False
 # anchors.md table 3a (Humming W4A8 on this H200): M -> (distinct experts, w13+w2 us, chain us).
 HUMMING_W4A8 = {1: (6.0, 26.92, 32.15), 2: (11.8, 37.51, 42.11), 4: (23.2, 53.98, 58.82),
                 6: (34.6, 63.09, 67.85), 8: (46.2, 76.91, 81.92), 16: (84.5, 125.12, 131.17),
@@ -217,7 +220,7 @@ def bench_moe_routed(ctx) -> None:
                 if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
                     chains.append((" bulk lean4", chain.launches_bulk(rows, "bulk",
                                                                       "bulkw_lean4")))
-            if chain.has_polled():          # round 7: w2 items start on per-expert counts
+            if BENCH_POLLED and chain.has_polled():    # round 7: w2 starts on per-expert counts
                 chains.append((" polled", chain.launches_polled(rows)))
             if chain.has_selfrouted():
                 for w13w in ("bulkw", "bulkw_lean4"):     # round 6: w13w in the self-routed chain
@@ -239,7 +242,7 @@ def bench_moe_routed(ctx) -> None:
                 row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}{label}", rows,
                                     us, mk.moe_bytes(shape, distinct, rows))
                 _report_targets(ctx, rows, us, row, shape, label)
-            if chain.has_polled():
+            if BENCH_POLLED and chain.has_polled():
                 status = int(chain.flags()[0])
                 ctx.metric(f"moe polled R={rows}: poll timeouts (flags[0], sticky)", status, "-",
                            "== 0", status == 0)
@@ -272,7 +275,7 @@ def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     stamps = (bufs[0].data.ptr, bufs[1].data.ptr)
     chains = [(f"moe timeline R={rows}", ml.timeline_launches(
         chain.bundle, chain.shape, chain.ptrs, rows, stamps))]
-    if rows >= ml.SELFROUTED_FROM_ROWS and chain.has_polled():   # round 7: the step's pair
+    if BENCH_POLLED and rows >= ml.SELFROUTED_FROM_ROWS and chain.has_polled():   # round 7
         chains.append((f"moe timeline R={rows} polled", ml.timeline_launches(
             chain.bundle, chain.shape, chain.ptrs, rows, stamps, polled=True)))
     for label, specs in chains:

@@ -103,8 +103,9 @@ STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 # Round 7 (moe-design.md): from SELFROUTED_FROM_ROWS the step runs the polled pair (w13sr
 # "bulkf" -> w2sr "earlyp": w2 items start as their expert's w13 items are counted, not after
 # all of w13) where the caller's pointers include "flags" (the moe.flags scratch, zero before the
-# first launch). Bitwise the same y (GPU test). Revert: STEP_POLLED = False.
-STEP_POLLED = True
+# first launch). Run r7a: the pair FAULTED on the H200 (illegal address, e128_k3 R = 1, the
+# first v41 case; the tiny cases passed): off until it passes its GPU tests.
+STEP_POLLED = False
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
