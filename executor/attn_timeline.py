@@ -1,8 +1,8 @@
 """Where a sparse MQA (and indexer) launch's time goes, per CTA: the `_timeline` builds' stamps.
 
 The timeline builds (kernels/sparse_mqa_ref.timeline_specs; the step's kernels plus a stamps
-pointer) have thread 0 of every CTA write a row of u64: word 0 %smid, then (%globaltimer ns,
-%clock64) per point of the kernel's POINTS. `bench_attn_timeline` (devicecheck family
+pointer) have thread 0 of every CTA write a row of u64: word 0 %smid, word 1 padding, then
+(%globaltimer ns, %clock64) per point of the kernel's POINTS (16-byte aligned pairs). `bench_attn_timeline` (devicecheck family
 "attn_timeline") runs them as the family benchmarks and the step do, at 4k and 64k context,
 R = 1 and 6:
 - "iso": one launch after an L2 flush (ISO_REPS times, CTAs pooled);
@@ -35,6 +35,8 @@ CHAIN = 6
 CHAIN_SHOWN = 3                 # the 4th launch of the chain (steady state)
 CHAIN_REPLAYS = 3
 JSON_NAME = "attn-timeline.json"
+HEAD = ref.TIMELINE_HEAD_WORDS  # %smid, padding: then (globaltimer, clock64) pairs
+assert HEAD == ik.TIMELINE_HEAD_WORDS
 
 
 # ---- stamps -> numbers (CPU) ---------------------------------------------------------------------
@@ -50,13 +52,14 @@ class Stamps:
 
     @classmethod
     def parse(cls, raw: np.ndarray, points: tuple[str, ...], name: str) -> Stamps:
-        """u64 [ctas, >= 1 + 2 * len(points)] as the kernel writes them into a zeroed buffer.
+        """u64 [ctas, >= HEAD + 2 * len(points)] as the kernel writes them into a zeroed buffer.
         Raises ValueError naming the first CTA and point that was never stamped."""
         p = len(points)
-        if raw.ndim != 2 or raw.shape[1] < 1 + 2 * p:
-            raise ValueError(f"{name}: stamps must be u64 [ctas, >= {1 + 2 * p}], got {raw.shape}")
+        if raw.ndim != 2 or raw.shape[1] < HEAD + 2 * p:
+            raise ValueError(f"{name}: stamps must be u64 [ctas, >= {HEAD + 2 * p}], got "
+                             f"{raw.shape}")
         raw = raw.astype(np.int64)
-        gt, clk = raw[:, 1:1 + 2 * p:2], raw[:, 2:2 + 2 * p:2]
+        gt, clk = raw[:, HEAD:HEAD + 2 * p:2], raw[:, HEAD + 1:HEAD + 1 + 2 * p:2]
         missing = np.argwhere((gt == 0) | (clk == 0))
         if missing.size:
             cta, point = missing[0]
@@ -159,7 +162,7 @@ def report(ctx, label: str, case: str, launches: list[Stamps], pairs, ghz: float
 
 
 def raw_rows(raw: np.ndarray, points: tuple[str, ...]) -> list[list[int]]:
-    return [[int(v) for v in row[:1 + 2 * len(points)]] for row in raw]
+    return [[int(v) for v in row[:HEAD + 2 * len(points)]] for row in raw]
 
 
 # ---- device: sparse MQA ----------------------------------------------------------------------------

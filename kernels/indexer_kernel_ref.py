@@ -155,8 +155,9 @@ TOPKC_PARAMS = (("scores", "u64"), ("positions", "u64"), ("seq_index", "u64"),
 
 # Timeline builds (name suffix "_timeline"; never launched by the step): the production kernel with
 # (u64 stamps) before its first 32-bit parameter. Thread 0 of CTA c (the linear block index:
-# x + grid_x * y) writes %smid into word 0 of row c of stamps (u64 [stamp_rows, TIMELINE_WORDS])
-# and (%globaltimer, %clock64) of point i into words 1 + 2i, 2 + 2i. Points, by kernel kind:
+# x + grid_x * y) writes %smid into word 0 of row c of stamps (u64 [stamp_rows, TIMELINE_WORDS];
+# word 1 padding) and (%globaltimer, %clock64) of point i into words 2 + 2i, 3 + 2i (16-byte
+# aligned, one st.global.v2.u64). Points, by kernel kind:
 # prep: the CTA's quantize items or the plan written ("work"). scores: "prologue" (the plan's
 # item count read, the first stages issued), "first_landed" (warp 0's first item in smem; at the
 # loop's end if it had none), "items" (warp 0's last item scored), "drained" (every copy waited).
@@ -173,6 +174,7 @@ TIMELINE_POINTS = {
               "exit"),
 }
 TIMELINE_WORDS = 32
+TIMELINE_HEAD_WORDS = 2            # %smid, padding
 
 
 def timeline_twin(spec: IndexerSpec) -> IndexerSpec:

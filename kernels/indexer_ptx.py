@@ -148,4 +148,4 @@ def mark(tl, points: tuple[str, ...], point: str, when=None):
     if tl is not None:
         row, writer = tl
         pred = writer if when is None else writer & when
-        stamp_time(row + 8 * (1 + 2 * points.index(point)), pred)
+        stamp_time(row + 16 * (1 + points.index(point)), pred)     # 16-B aligned (v2.u64)

@@ -110,7 +110,7 @@ def mark(tl, point: str):
     """Thread 0 writes (%globaltimer, %clock64) of `point`; nothing when tl is None."""
     if tl is not None:
         row, writer = tl
-        stamp_time(row + 8 * (1 + 2 * ref.TIMELINE_POINTS.index(point)), writer)
+        stamp_time(row + 16 * (1 + ref.TIMELINE_POINTS.index(point)), writer)   # 16-B aligned
 
 
 # ---- the kernel ----------------------------------------------------------------------------------

@@ -77,8 +77,9 @@ PARAMS = (("q", "u64"), ("out", "u64"), ("swa", "u64"), ("compressed", "u64"), (
           ("num_positions", "u32"))
 # Timeline builds (SparseMqaSpec.timeline, name suffix "_timeline", of the step's two kernels; never
 # launched by the step): the production kernel with (u64 stamps) before (u32 rows). Thread 0 of CTA
-# (s, r) writes %smid into word 0 of row r * cluster_ctas + s of stamps (u64 [ctas, TIMELINE_WORDS])
-# and (%globaltimer, %clock64) of point i into words 1 + 2i, 2 + 2i. The points follow the phases of
+# (s, r) writes %smid into word 0 of row r * cluster_ctas + s of stamps (u64 [ctas, TIMELINE_WORDS];
+# word 1 is padding) and (%globaltimer, %clock64) of point i into words 2 + 2i, 3 + 2i (one 16-byte
+# aligned st.global.v2.u64; run r7a's first layout at words 1 + 2i faulted as misaligned). The points follow the phases of
 # the module docstring: entry; before / after griddepcontrol.wait; addresses (the metadata, top-k id
 # and block-table loads done, CTA barrier); issued (thread 0's record copies issued); landed (every
 # record and q in smem, CTA barrier); qk (logits, CTA barrier); stats (thread 0's (max, sum) stored
@@ -87,7 +88,8 @@ PARAMS = (("q", "u64"), ("out", "u64"), ("swa", "u64"), ("compressed", "u64"), (
 # stored; the pull kernel: after its third cluster barrier).
 TIMELINE_POINTS = ("entry", "before_wait", "after_wait", "addresses", "issued", "landed", "qk",
                    "stats", "exchange1", "probs", "pv", "exchange2", "exit")
-TIMELINE_WORDS = 32                 # 1 + 2 * 13 used: a 256-byte row per CTA
+TIMELINE_WORDS = 32                 # 2 + 2 * 13 used: a 256-byte row per CTA
+TIMELINE_HEAD_WORDS = 2            # %smid, padding
 TIMELINE_PARAMS = PARAMS[:10] + (("stamps", "u64"),) + PARAMS[10:]
 
 

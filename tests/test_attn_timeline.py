@@ -29,8 +29,8 @@ def _raw(start_ns: np.ndarray, phase_ns: np.ndarray, ghz: float, smid: np.ndarra
                                              np.cumsum(phase_ns, axis=1)], axis=1)
     clk0 = RNG.integers(1 << 20, 1 << 40, ctas)[:, None]           # per-SM counters differ
     raw[:, 0] = smid
-    raw[:, 1:1 + 2 * len(POINTS):2] = at
-    raw[:, 2:2 + 2 * len(POINTS):2] = clk0 + np.round((at - start_ns[:, None]) * ghz)
+    raw[:, 2:2 + 2 * len(POINTS):2] = at
+    raw[:, 3:3 + 2 * len(POINTS):2] = clk0 + np.round((at - start_ns[:, None]) * ghz)
     return raw
 
 
@@ -91,14 +91,14 @@ def test_parse_names_a_missing_stamp_and_order_check_names_a_reversal():
     s, phase_ns, start = _launch(4, 5_000_000, 1.8)
     raw = _raw(start, phase_ns, 1.8, s.smid.astype(np.uint64))
     cta, point = int(RNG.integers(0, 4)), int(RNG.integers(0, len(POINTS)))
-    raw[cta, 1 + 2 * point] = 0
+    raw[cta, 2 + 2 * point] = 0
     with pytest.raises(ValueError, match=f"CTA {cta} never stamped '{POINTS[point]}'"):
         tl.Stamps.parse(raw, POINTS, "x")
     with pytest.raises(ValueError, match="stamps must be"):
         tl.Stamps.parse(np.zeros((4, 5), np.uint64), POINTS, "x")
     assert s.out_of_order() == []
     raw = _raw(start, phase_ns, 1.8, s.smid.astype(np.uint64))
-    raw[1, 2 + 2 * 5] = raw[1, 2 + 2 * 4] - np.uint64(1)       # clock64 of 'landed' < 'issued'
+    raw[1, 3 + 2 * 5] = raw[1, 3 + 2 * 4] - np.uint64(1)       # clock64 of 'landed' < 'issued'
     bad = tl.Stamps.parse(raw, POINTS, "x").out_of_order()
     assert any(b.startswith("CTA 1: clock64") for b in bad)
 
@@ -121,7 +121,7 @@ def test_timeline_specs_twin_the_step_kernels(preset):
         back = spec_of(twin.to_dict())
         assert back == twin and spec_of(prod.to_dict()) == prod
         assert "timeline" not in prod.to_dict()            # production manifests unchanged
-    assert 1 + 2 * len(POINTS) <= ref.TIMELINE_WORDS
+    assert tl.HEAD + 2 * len(POINTS) <= ref.TIMELINE_WORDS and tl.HEAD % 2 == 0
     with pytest.raises(ValueError, match="timeline build of an ablation"):
         ref.make_spec(16, 128, 5, 512, 256, split="fixed", exchange="push", skip=("qk",),
                       timeline=True)
@@ -174,7 +174,7 @@ def test_indexer_timeline_twins_insert_stamps_before_the_first_scalar():
         assert ik.TIMELINE_POINTS[prod.kind][0] == "entry"
         assert ik.TIMELINE_POINTS[prod.kind][-1] == "exit"
         assert "after_wait" in ik.TIMELINE_POINTS[prod.kind]
-        assert 1 + 2 * len(ik.TIMELINE_POINTS[prod.kind]) <= ik.TIMELINE_WORDS
+        assert tl.HEAD + 2 * len(ik.TIMELINE_POINTS[prod.kind]) <= ik.TIMELINE_WORDS
         with pytest.raises(ValueError, match="already a timeline build"):
             ik.timeline_twin(twin)
     with pytest.raises(ValueError, match="not an indexer"):
@@ -260,8 +260,8 @@ class _FakeIndexerRunner:
             start = np.full(8, 1_000_000 + 10_000 * i)
             at = start[:, None] + np.concatenate([np.zeros((8, 1), np.int64),
                                                   np.cumsum(phase_ns, axis=1)], axis=1)
-            raw[:, 1:1 + 2 * len(points):2] = at
-            raw[:, 2:2 + 2 * len(points):2] = np.round(at * 1.8)
+            raw[:, 2:2 + 2 * len(points):2] = at
+            raw[:, 3:3 + 2 * len(points):2] = np.round(at * 1.8)
             out.append(tl.Stamps.parse(raw, points, "fake"))
         return out, []
 

@@ -57,9 +57,10 @@ def _run(dev, stream, bundle, case, timeline: ref.SparseMqaSpec, production: ref
 
 def _check_stamps(raw: np.ndarray, spec: ref.SparseMqaSpec, rows: int, sm_count: int) -> None:
     used = spec.stamp_rows(rows)
-    words = 1 + 2 * len(ref.TIMELINE_POINTS)
+    words = ref.TIMELINE_HEAD_WORDS + 2 * len(ref.TIMELINE_POINTS)
     assert not raw[used:].any(), "stamps written past the launch's rows"
     assert not raw[:used, words:].any(), "stamps written past a row's used words"
+    assert not raw[:used, 1].any(), "the padding word was written"
     stamps = Stamps.parse(raw[:used], ref.TIMELINE_POINTS, spec.name)   # every point stamped
     stamps = stamps.reordered(ref.timeline_points(spec))                 # the order reached
     assert stamps.out_of_order() == []
