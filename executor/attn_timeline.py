@@ -324,7 +324,8 @@ class IndexerTimelineRunner:
         ratio, mode, topk_suffix = INDEXER_CHAINS[label]
         self.ctx, self.bundle, self.rows = ctx, bundle, rows
         pos, seq, seqs = layout_rows(rows, context)
-        shape = il.IndexerShape(32, ratio, mode, 512, 2048, 8, 64, rows, seqs, context)
+        ld = -(-context // 64) * 64             # the step's scores stride: the pages' reach
+        shape = il.IndexerShape(32, ratio, mode, 512, 2048, 8, 64, rows, seqs, ld)
         self.chain = IndexerChain(ctx.device, bundle, shape)
         keys = self.chain.arena.view("keys", np.uint8)
         chunk = random_key_records(rng, 8192).reshape(-1)
