@@ -487,6 +487,11 @@ def _summarise(ctx, doc: dict, tables: list) -> None:
     doc["clock_ghz"] = ghz
     ctx.metric("tl SM clock (clock64 / globaltimer per CTA)", ghz, "GHz")
     lines = [f"attn timeline: SM clock {ghz:.3f} GHz"]
+    compact = ["attn timeline, p50 us per phase (points in the order reached) | exit pitch:"]
     for label, case, launches, pairs in tables:        # metrics: the chain cases only
         lines += report(ctx, label, case, launches, pairs, ghz, metrics=" chain" in case)
-    print("\n".join(lines), flush=True)
+        stats, grid = phase_stats(launches, ghz), median_grid_times(pairs)
+        compact.append(f"  {label:22s} {case:18s} " + " ".join(
+            f"{k}={v['p50_us']:.2f}" for k, v in stats.items())
+            + (f" | pitch={grid['exit pitch']:.2f}" if "exit pitch" in grid else ""))
+    print("\n".join(lines + compact), flush=True)
