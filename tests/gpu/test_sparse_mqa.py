@@ -141,3 +141,23 @@ def test_push_exchange_equals_pull(dev, stream, setup, context_index):
         diff = np.argwhere(pull.view(np.uint16) != push.view(np.uint16))
         assert diff.size == 0, (f"{len(diff)} elements differ; first (row, head, dim) "
                                 f"{diff[0].tolist()}")
+
+
+@pytest.mark.parametrize("context_index", range(4))
+def test_early_equals_fixed_push_runs(dev, stream, setup, context_index):
+    """fixed_push_runs_early only moves the address chain and the record copies before the PDL
+    wait (q after it); everything after the records land is the same code, so the outputs are
+    bit-identical to fixed_push_runs (a record copied before its address was resolved, or q
+    read before it landed, shows here)."""
+    name, cfg, bundle = setup
+    specs = ref.candidate_specs(cfg, 4)
+    for blocks in (BLOCKS[1], BLOCKS[48]):
+        case = make_case(specs["fixed_push_runs"], RNG, CONTEXTS[name][context_index], blocks,
+                         pad_rows=1)
+        want = _run(dev, stream, bundle, case)
+        got = _run(dev, stream, bundle, dataclasses.replace(
+            case, spec=specs["fixed_push_runs_early"]))
+        assert not np.isnan(want.astype(np.float32)).any()
+        diff = np.argwhere(want.view(np.uint16) != got.view(np.uint16))
+        assert diff.size == 0, (f"{len(diff)} elements differ; first (row, head, dim) "
+                                f"{diff[0].tolist()}")
