@@ -2,7 +2,7 @@
 
 A timeline build is the step's kernel plus per-CTA stamps; it must compute exactly what the
 production kernel computes. Each case draws fresh inputs (executor.sparse_mqa_chain.make_case) and
-checks, on the step's SWA-only and top-k kernels:
+checks, on the step's SWA-only and top-k kernels and the early candidate:
 - the output equals the production kernel's bit for bit, and the reference within its bound
   (tests/sparse_mqa_cases.check_output: every element);
 - every CTA stamped every point (ref.TIMELINE_POINTS), clock64 and globaltimer never go back
@@ -68,14 +68,15 @@ def _check_stamps(raw: np.ndarray, spec: ref.SparseMqaSpec, rows: int, sm_count:
     assert (stamps.gt[:, -1] > stamps.gt[:, 0]).all()
 
 
-@pytest.mark.parametrize("which", ["swa", "topk"])
+@pytest.mark.parametrize("which", ["swa", "topk", "early"])
 @pytest.mark.parametrize("rows", sorted(BLOCKS))
 def test_timeline_build_matches_production(dev, stream, setup, which, rows):
     _, cfg, bundle = setup
-    index = 0 if which == "swa" else 1
-    production = ref.sparse_mqa_specs(cfg, 4)[index]
-    timeline = ref.timeline_specs(cfg, 4)[index]
-    assert timeline.name == production.name + "_timeline"
+    if which == "early":                # the round-7 candidate's twin (ref.TIMELINE_CANDIDATES)
+        production = ref.candidate_specs(cfg, 4)["fixed_push_runs_early"]
+    else:
+        production = ref.sparse_mqa_specs(cfg, 4)[0 if which == "swa" else 1]
+    timeline = {s.name: s for s in ref.timeline_specs(cfg, 4)}[production.name + "_timeline"]
     context = 3 * cfg.sliding_window + int(RNG.integers(0, 4 * cfg.index_topk))
     case = make_case(production, RNG, context, BLOCKS[rows], pad_rows=1)
     want, got, raw = _run(dev, stream, bundle, case, timeline, production)
