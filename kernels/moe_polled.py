@@ -10,8 +10,8 @@ the first experts. So here:
     w13sr "bulkf"  w13sr "bulk"; after an item's h is stored (the reduction's CTA barrier), the
                    last warp's lane 0: fence.acq_rel.gpu; red.relaxed.gpu produced[e] += 1
     w2sr "earlyp"  w2sr "early" without the griddepcontrol.wait before its items: each item's
-                   threads spin (relaxed loads, 128 ns naps) until produced[e] == tiles13, then
-                   fence.acq_rel.gpu, then load h as before. After the item's barriers one
+                   threads spin (GPU-scope acquire loads, 128 ns naps) until produced[e] ==
+                   tiles13, then load h as before. After the item's barriers one
                    thread adds 1 to consumed[e]; whoever takes it to the expert's last w2 item
                    zeroes produced[e] and consumed[e] for the next launch (tested an item later,
                    so the atomic's round trip never stalls). griddepcontrol.wait at the end:

@@ -248,25 +248,32 @@ def signal_produced(flags, e, signaller):
     _signal_produced(flags, e, signaller)
 
 
+def ld_acquire_u32(addr: Int64):
+    """The word at addr, GPU-scope acquire: this thread's later loads see what a release
+    (fence.acq_rel.gpu, then the write this load observes) made visible before it."""
+    return Int32(_asm(1, [Int64(addr)], "ld.acquire.gpu.global.u32 $0, [$1];",
+                      "=r,l,~{memory}", side_effects=True))
+
+
 @cute.jit
 def _await_produced(flags: Int64, e: Int32, target: Int32):
     addr = produced_at(flags, e)
     start = cute.arch.globaltimer()
-    seen = ld_relaxed_u32(addr, Int32(1))
+    seen = ld_acquire_u32(addr)
     while seen != target:
         nanosleep(mk.POLL_SLEEP_NS)
-        seen = ld_relaxed_u32(addr, Int32(1))
+        seen = ld_acquire_u32(addr)
         if (seen != target) & (cute.arch.globaltimer() - start > Int64(mk.POLL_TIMEOUT_NS)):
             st_one_gpu(flags)              # sticky: the host / the GPU tests read it
             seen = target
-    fence_acq_rel_gpu()
 
 
 def await_produced(flags, e, target):
-    """w2: every thread spins (relaxed loads, GPU scope) until produced[e] == target (all of
-    expert e's w13 items), then fence.acq_rel.gpu: its own later loads of h see what the
-    signalling fences released. After mk.POLL_TIMEOUT_NS it sets flags[0] and goes on (wrong
-    outputs, never a hang). Nothing when flags is None."""
+    """w2: every thread spins on GPU-scope acquire loads until produced[e] == target (all of
+    expert e's w13 items): its own later loads of h see what the signalling fences released.
+    Acquire loads rather than relaxed ones and a fence: a fence.acq_rel.gpu would also wait for
+    the previous item's ye stores to be performed. After mk.POLL_TIMEOUT_NS it sets flags[0]
+    and goes on (wrong outputs, never a hang). Nothing when flags is None."""
     if flags is None:
         return
     _await_produced(flags, e, target)
