@@ -81,7 +81,7 @@ MAX_ROWS = 192
 # it got, rather than hold its device call past the limit (the budget is ~240 s: docstring).
 BUDGET_S = 300
 ROUNDS = 16                 # issue 10's count, as the tiny test
-# The reference's float64 weight copies: ~20 GB at the slice (experts 4 per layer and stage x 4
+# The reference's float64 weight copies: ~18 GB at the slice (experts 4 per layer and stage x 4
 # ranks, the head, main_proj, Engram, Markov); the bound only guards the host's 128 GB.
 FLOAT64_CACHE_BYTES = 48 << 30
 PROMPTS = (6, 4, 5)         # one prefill block each (<= 6 rows): one reference forward each
