@@ -180,7 +180,8 @@ class SparseMqaSm90(SparseMqaGather, SparseMqaPush, SparseMqaQkRuns):
                                              pages_per_seq, page_size, num_positions)
             n_pad = Int32(self.E)
             mark(tl, "addresses")
-            self._load_records_by_record(base, tidx)
+            if cutlass.const_expr("gather" not in self.skip):
+                self._load_records_by_record(base, tidx)
             mark(tl, "issued")
         mark(tl, "before_wait")
         cute.arch.griddepcontrol_wait()     # q, caches, top-k and row metadata: earlier kernels
