@@ -27,6 +27,8 @@ two are needed for the next launch's CTAs to stream beside ours.
 """
 from __future__ import annotations
 
+import os
+
 from executor.arena import Arena
 from executor.benchmarks import MB, BenchContext, fill_random_bf16, fill_random_u32
 from executor.cuda import check, driver
@@ -36,6 +38,10 @@ from executor.launches.dense import dense_launch, lm_head_launch
 
 ROWS = (1, 5, 6, 8, 17, 48, 192)
 QUICK_ROWS = (1, 6, 8, 192)
+# Narrow run (a short device call): only these layers (comma-separated `_label`s, e.g.
+# "wqa_wkv,wq_b,wo_a"), at R = 1 and 6, in the PDL chain and isolated, no R = 1 diagnostics.
+LABELS_ENV = "HOPDEC_DENSE_LABELS"
+NARROW_ROWS = (1, 6)
 CHAIN = 16
 # anchors.md 3c: Humming W8A16 (and cuBLAS bf16 lm_head) CUDA-graph median µs per M.
 HUMMING_US = {
@@ -163,6 +169,17 @@ def _diagnose_chain(ctx: BenchContext, bundle, spec, launches: list[LaunchSpec],
                     _carveout(kernels, CARVEOUT_DEFAULT)
 
 
+def narrow(specs, labels: str) -> list:
+    """The specs of the comma-separated layer labels (LABELS_ENV); all of them when empty."""
+    only = [x for x in labels.split(",") if x]
+    if not only:
+        return list(specs)
+    out = [s for s in specs if _label(s) in only]
+    if not out:
+        raise LookupError(f"{LABELS_ENV}={labels!r} selects no dense kernel of the bundle")
+    return out
+
+
 def _dense_specs(bundle):
     from kernels import dense_ref as dr
     out = []
@@ -191,7 +208,9 @@ def bench_dense(ctx: BenchContext) -> None:
     bundle = ctx.bundle_with("dense_w8a16_")
     if bundle is None:
         raise LookupError("no bundle has dense_w8a16 kernels")
-    specs = _dense_specs(bundle)
+    only = os.environ.get(LABELS_ENV, "")
+    specs = narrow(_dense_specs(bundle), only)
+    row_set = NARROW_ROWS if only else (QUICK_ROWS if ctx.quick else ROWS)
     shapes = sorted({(s.groups, s.n, s.k) for s in specs})
     for groups, n, k in shapes:
         variants = [s for s in specs if (s.groups, s.n, s.k) == (groups, n, k)]
@@ -211,7 +230,7 @@ def bench_dense(ctx: BenchContext) -> None:
             fill_random_bf16(a, "x")
             fill_random_bf16(a, "res")                   # bf16 residual / f32 routed sum
             a.view("cnt", "uint32")[:] = 0
-            for rows in (QUICK_ROWS if ctx.quick else ROWS):
+            for rows in row_set:
                 def launch_ptrs(c):
                     return {"x": a.ptr("x"), "weight": a.ptr(f"w{c}"), "scales": a.ptr(f"s{c}"),
                             "residual": a.ptr("res"), "out": a.ptr("out"),
@@ -222,7 +241,7 @@ def bench_dense(ctx: BenchContext) -> None:
                     iso, chain = _time_both(ctx, launches, reps=30 if ctx.quick else 60)
                     _report(ctx, _shown_name(spec), _label(spec), rows, spec.bytes_moved(rows),
                             spec.weight_bytes(), iso, chain, 80.0)
-                    if rows == 1 and spec.streamed:
+                    if rows == 1 and spec.streamed and not only:
                         no_pdl = [dense_launch(bundle, spec, launch_ptrs(c), rows, pdl=False)
                                   for c in range(copies)]
                         try:                     # diagnostics must not cost the family table

@@ -226,3 +226,19 @@ def test_report_dir_prefers_the_environment_then_the_context(monkeypatch, tmp_pa
     assert dt.report_dir(SimpleNamespace(out_dir=tmp_path)) == tmp_path
     monkeypatch.setenv(dt.REPORT_DIR_ENV, str(tmp_path / "env"))
     assert dt.report_dir(SimpleNamespace(out_dir=tmp_path)) == tmp_path / "env"
+
+
+def test_the_dense_benchmark_narrows_to_the_named_layers():
+    """executor/bench_dense.narrow (HOPDEC_DENSE_LABELS): only the named layers' kernels, all of
+    them when unset, a clear error when a name selects nothing."""
+    from executor import bench_dense as bd
+    from kernels import wo_a_ref as wr
+    from loader.config import ModelConfig
+    cfg = ModelConfig.preset("tiny")
+    specs = dr.dense_specs(cfg, 4) + wr.wo_a_specs(cfg, 4)
+    assert bd.narrow(specs, "") == specs
+    picked = bd.narrow(specs, "wqa_wkv,wo_a")
+    assert picked and {bd._label(s) for s in picked} == {"wqa_wkv", "wo_a"}
+    assert len(picked) == sum(bd._label(s) in ("wqa_wkv", "wo_a") for s in specs)
+    with pytest.raises(LookupError, match="HOPDEC_DENSE_LABELS"):
+        bd.narrow(specs, "no_such_layer")
