@@ -8,10 +8,13 @@ CTAs its first round completes experts 0..5, the second 5..10, ...), and w2sr's 
 the first experts. So here:
 
     w13sr "bulkf"  w13sr "bulk"; after an item's h is stored (the reduction's CTA barrier), the
-                   last warp's lane 0: fence.acq_rel.gpu; red.relaxed.gpu produced[e] += 1
+                   last warp's lane 0: red.release.gpu produced[e] += 1
     w2sr "earlyp"  w2sr "early" without the griddepcontrol.wait before its items: each item's
-                   threads spin (GPU-scope acquire loads, 128 ns naps) until produced[e] ==
-                   tiles13, then load h as before. After the item's barriers one
+                   threads spin (GPU-scope relaxed loads, 128 ns naps) until produced[e] ==
+                   tiles13, then load h with GPU-scope relaxed loads (L2) issued after the count
+                   was seen. No acquire: on SM90 it invalidates L1 (CCTL.IVALL) while the
+                   CTA's 8-byte cp.async (L1-allocating) may be in flight; runs r7a / r7b
+                   faulted (illegal address) with it, w2sr "earlyp" even alone (moe-design.md). After the item's barriers one
                    thread adds 1 to consumed[e]; whoever takes it to the expert's last w2 item
                    zeroes produced[e] and consumed[e] for the next launch (tested an item later,
                    so the atomic's round trip never stalls). griddepcontrol.wait at the end:

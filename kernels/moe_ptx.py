@@ -35,6 +35,14 @@ def ld_v2(addr: Int64, pred: Int32):
     return [Int32(x) for x in v]
 
 
+def ld_v2_relaxed(addr: Int64, pred: Int32):
+    """`ld_v2` as a GPU-scope relaxed load: served by L2 (never a stale L1 line)."""
+    v = _asm(2, [Int64(addr), Int32(pred)],
+             "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;\n"
+             "@p ld.relaxed.gpu.global.v2.u32 {$0, $1}, [$2]; }", "=r,=r,l,r", side_effects=True)
+    return [Int32(x) for x in v]
+
+
 def ld_u32(addr: Int64, pred: Int32):
     return Int32(_asm(1, [Int64(addr), Int32(pred)],
                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
@@ -194,13 +202,11 @@ def popc(x: Int32):
 # done this launch), consumed[E] (w2 items of e that have passed their poll). Both kernels emit
 # nothing for these when flags is None, so the other cubins stay byte-identical.
 
-def fence_acq_rel_gpu():
-    void([], "fence.acq_rel.gpu;", "~{memory}")
-
-
-def red_add_gpu(addr: Int64):
-    """+1 at addr (relaxed, GPU scope; after a fence.acq_rel.gpu it releases what came before)."""
-    void([Int64(addr)], "red.relaxed.gpu.global.add.u32 [$0], 1;", "l,~{memory}")
+def red_add_release_gpu(addr: Int64):
+    """+1 at addr, a GPU-scope release: what this thread observed before it (through a CTA
+    barrier: the other warps' stores too) is visible before the new count. Emits a MEMBAR but
+    no L1 invalidation (an acquire would: see `await_produced`)."""
+    void([Int64(addr)], "red.release.gpu.global.add.u32 [$0], 1;", "l,~{memory}")
 
 
 def atom_add_gpu_if(addr: Int64, pred: Int32):
@@ -235,45 +241,40 @@ def consumed_at(flags: Int64, e: Int32, num_experts: int) -> Int64:
 @cute.jit
 def _signal_produced(flags: Int64, e: Int32, signaller: Int32):
     if signaller != 0:
-        fence_acq_rel_gpu()
-        red_add_gpu(produced_at(flags, e))
+        red_add_release_gpu(produced_at(flags, e))
 
 
 def signal_produced(flags, e, signaller):
     """w13: one item of expert e is in h. Call after a CTA barrier that follows the item's h
-    stores; the signalling thread's fence.acq_rel.gpu is cumulative over them (the barrier
-    orders them before it), then its relaxed +1 publishes. Nothing when flags is None."""
+    stores; the signalling thread's release +1 is cumulative over them (the barrier orders them
+    before it). Nothing when flags is None."""
     if flags is None:
         return
     _signal_produced(flags, e, signaller)
-
-
-def ld_acquire_u32(addr: Int64):
-    """The word at addr, GPU-scope acquire: this thread's later loads see what a release
-    (fence.acq_rel.gpu, then the write this load observes) made visible before it."""
-    return Int32(_asm(1, [Int64(addr)], "ld.acquire.gpu.global.u32 $0, [$1];",
-                      "=r,l,~{memory}", side_effects=True))
 
 
 @cute.jit
 def _await_produced(flags: Int64, e: Int32, target: Int32):
     addr = produced_at(flags, e)
     start = cute.arch.globaltimer()
-    seen = ld_acquire_u32(addr)
+    seen = ld_relaxed_u32(addr, Int32(1))
     while seen != target:
         nanosleep(mk.POLL_SLEEP_NS)
-        seen = ld_acquire_u32(addr)
+        seen = ld_relaxed_u32(addr, Int32(1))
         if (seen != target) & (cute.arch.globaltimer() - start > Int64(mk.POLL_TIMEOUT_NS)):
             st_one_gpu(flags)              # sticky: the host / the GPU tests read it
             seen = target
 
 
 def await_produced(flags, e, target):
-    """w2: every thread spins on GPU-scope acquire loads until produced[e] == target (all of
-    expert e's w13 items): its own later loads of h see what the signalling fences released.
-    Acquire loads rather than relaxed ones and a fence: a fence.acq_rel.gpu would also wait for
-    the previous item's ye stores to be performed. After mk.POLL_TIMEOUT_NS it sets flags[0]
-    and goes on (wrong outputs, never a hang). Nothing when flags is None."""
+    """w2: every thread spins on GPU-scope relaxed loads until produced[e] == target (all of
+    expert e's w13 items); the caller then reads h with GPU-scope relaxed loads (L2, never L1),
+    issued only once the count was seen (they depend on the loop's exit), i.e. after the release
+    that published it. No acquire: on SM90 an acquire (ld.acquire or fence.acq_rel) invalidates
+    the SM's L1 (CCTL.IVALL) while this CTA's 8-byte cp.async (L1-allocating) may be in flight,
+    the one new hazard of run r7a/r7b's faulting earlyp (an illegal address even alone, after a
+    completed w13). After mk.POLL_TIMEOUT_NS it sets flags[0] and goes on (wrong outputs, never
+    a hang). Nothing when flags is None."""
     if flags is None:
         return
     _await_produced(flags, e, target)

@@ -352,25 +352,27 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
 
     @cute.jit
     def quantize_chunk_smem(self, pair_list: Int32, h: Int64, left: Int32, chunk: Int32,
-                            sq: Int32, warp: Int32, lane: Int32):
+                            sq: Int32, warp: Int32, lane: Int32, at_l2: bool = False):
         """`quantize_chunk` with the pair id read from the shared-memory list and every group's
         h loaded before the first is quantized: one L2 round trip per chunk, not one per group
         (the loads and shuffles are volatile asm, so the compiler keeps them in source order)."""
         valid = Int32(1) if warp < left else Int32(0)
         pair = lds_u32_if(pair_list + 4 * (chunk + warp), valid)
-        self.quantize_pair(pair, valid, h, sq, warp, lane)
+        self.quantize_pair(pair, valid, h, sq, warp, lane, at_l2)
 
     @cute.jit
     def quantize_pair(self, pair: Int32, valid: Int32, h: Int64, sq: Int32, warp: Int32,
-                      lane: Int32):
-        """Token `warp` of the chunk (pair, or none where valid == 0): its five h groups loaded,
-        then quantized into sq (moe_w2's layout), its pair id stored (-1: no token)."""
+                      lane: Int32, at_l2: bool = False):
+        """Token `warp` of the chunk (pair, or none where valid == 0): its five h groups loaded
+        (at_l2: GPU-scope relaxed loads, which never hit L1: the polled handoff's), then
+        quantized into sq (moe_w2's layout), its pair id stored (-1: no token)."""
         inter, k_pad = self.shape.inter, self.shape.k2
+        load = mp.ld_v2_relaxed if at_l2 else mp.ld_v2
         loaded = []
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             inside = Int32(1) if k < inter else Int32(0)
-            loaded.append(mp.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside))
+            loaded.append(load(h + Int64(pair * inter + k) * 2, valid * inside))
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             w = loaded[grp]
@@ -437,7 +439,8 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
             pair_list = lists + self.routing.pairs_at + 4 * first
             chunk = Int32(0)
             while chunk < count:
-                self.quantize_chunk_smem(pair_list, h, count - chunk, chunk, sq, warp, lane)
+                self.quantize_chunk_smem(pair_list, h, count - chunk, chunk, sq, warp, lane,
+                                         flags is not None)
                 mp.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
                 cute.arch.sync_threads()
                 mp.mark(tl, "first_landed",

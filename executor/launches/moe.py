@@ -91,8 +91,11 @@ STEP_VARIANTS = {"w13": "", "w2": "g", "w2_one_row": "gr2x2", "w13w": "early"}
 STEP_BULK = True
 # Run r6a (us): bulkp chain R = 1 24.05 vs bulk 25.04, R = 2 36.85 vs 37.07 (r6e: 24.18 / 37.10
 # vs 24.88 / 36.90); the timeline put 2 us of list / scale / h round trips between w2's wait and
-# its first mma at R = 1, which bulkp's read-ahead shortens. Revert: STEP_BULK_W2 = "bulk".
-STEP_BULK_W2 = "bulkp"
+# its first mma at R = 1, which bulkp's read-ahead shortens. Run r7b (round 7): "bulkpd" (bulkp
+# with 3 of 5 groups of its first tile decoded before griddepcontrol.wait) with w13w lean4: R = 1
+# 22.26 vs 22.91 us, R = 2 35.28 vs 36.05; bitwise bulkp's in r7b's GPU tests. Revert:
+# STEP_BULK_W2 = "bulkp" (or "bulk").
+STEP_BULK_W2 = "bulkpd"
 BULK_W13W = "bulkw"
 # The bulk chain's w13w by rows where it is not BULK_W13W. Run r6e's timeline: at R = 1 w13 ends
 # at 11.8 us though a CTA's life is 7.2 us median: 432 items on 396 CTAs leave 36 with two.
