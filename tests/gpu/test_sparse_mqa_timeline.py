@@ -3,8 +3,11 @@
 A timeline build is the step's kernel plus per-CTA stamps; it must compute exactly what the
 production kernel computes. Each case draws fresh inputs (executor.sparse_mqa_chain.make_case) and
 checks, on the step's SWA-only and top-k kernels and the early candidate:
-- the output equals the production kernel's bit for bit, and the reference within its bound
-  (tests/sparse_mqa_cases.check_output: every element);
+- the output equals the production kernel's bit for bit (every element: the twin's point), and
+  the production output is within the reference's error bound everywhere, no NaN, padding rows
+  zero. Not the >= 98% bit-equal rule of tests/gpu/test_sparse_mqa.py: on this test's short tiny
+  rows (16 top-k, 16 SWA entries) that fraction is a coin with few flips (run r7b: 0.9797 at
+  tiny R = 6 for the measured step kernel itself); test_sparse_mqa.py keeps it at its shapes.
 - every CTA stamped every point (ref.TIMELINE_POINTS), clock64 and globaltimer never go back
   between consecutive points, %smid is below the GPU's SM count, and nothing is written past the
   used words of a stamp row or past the launch's stamp rows (the buffer is zeroed; one spare row).
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sparse_mqa_cases as cases
 
 from executor.attn_timeline import Stamps
 from executor.sparse_mqa_chain import SparseMqaBuffers, make_case
@@ -55,6 +57,18 @@ def _run(dev, stream, bundle, case, timeline: ref.SparseMqaSpec, production: ref
         bufs.close()
 
 
+def _within_bound(case, got: np.ndarray) -> None:
+    """Every element within sparse_mqa_ref.error_bound of the reference, no NaN, padding 0."""
+    want = case.reference()
+    g32 = got.view(want.dtype).astype(np.float32)
+    nan = np.argwhere(np.isnan(g32))
+    assert nan.size == 0, f"NaN at (row, head, dim) {nan[0].tolist()} ({len(nan)} elements)"
+    assert not g32[case.info[:, 3] < 0].any(), "a padding row was written with non-zero values"
+    bound = ref.error_bound(case.q, case.gathered(), case.sink, case.info, case.table.inv_freq)
+    bad = np.argwhere(np.abs(g32.astype(np.float64) - want.astype(np.float64)) > bound)
+    assert bad.size == 0, f"{len(bad)} elements beyond the bound; first {bad[0].tolist()}"
+
+
 def _check_stamps(raw: np.ndarray, spec: ref.SparseMqaSpec, rows: int, sm_count: int) -> None:
     used = spec.stamp_rows(rows)
     words = ref.TIMELINE_HEAD_WORDS + 2 * len(ref.TIMELINE_POINTS)
@@ -80,7 +94,7 @@ def test_timeline_build_matches_production(dev, stream, setup, which, rows):
     context = 3 * cfg.sliding_window + int(RNG.integers(0, 4 * cfg.index_topk))
     case = make_case(production, RNG, context, BLOCKS[rows], pad_rows=1)
     want, got, raw = _run(dev, stream, bundle, case, timeline, production)
-    cases.check_output(case, want)
+    _within_bound(case, want)
     diff = np.argwhere(want.view(np.uint16) != got.view(np.uint16))
     assert diff.size == 0, f"{len(diff)} elements differ; first (row, head, dim) {diff[0].tolist()}"
     _check_stamps(raw, timeline, case.rows, dev.sm_count)
