@@ -539,7 +539,13 @@ R8_VARIANT_ROUND4 = {"wqa_wkv": "stream_xt", "wq_b": "stream_xt", "wo_b": "strea
 # has the swiglu epilogue; xts was 0.07 faster with bf16, xtb 1 us slower at R = 6-8).
 R8_VARIANT_ROUND5 = {**R8_VARIANT_ROUND4, "wqa_wkv": "stream_xtb", "wo_b": "stream_xtb",
                      "grouped": "stream_xtb", "wq_b": "stream_xts", "indexer_wq_b": "stream_xts"}
-R8_VARIANT = R8_VARIANT_ROUND5          # revert: = R8_VARIANT_ROUND4 (round 3: _ROUND3)
+# Round 7, measured (run r7c, PDL chain, us at R = 1 / 6, step kernel -> stream_xtwp, the tile
+# kernel of kernels/dense_tile.py at 16 warps with padded rows): wq_a|wkv 5.39 / 5.92 -> 4.62 /
+# 4.90, shared w1|w3 (swiglu) 4.39 / 4.71 -> 3.28 / 3.92, wq_b 5.42 / 5.78 -> 5.07 / 5.10. wo_b
+# (xtu 4.90 vs 5.23) stays: its f32 / residual tile kernels have not run on the GPU.
+R8_VARIANT_ROUND7 = {**R8_VARIANT_ROUND5, "wqa_wkv": "stream_xtwp", "shared_w13": "stream_xtwp",
+                     "wq_b": "stream_xtwp"}
+R8_VARIANT = R8_VARIANT_ROUND7          # revert: = R8_VARIANT_ROUND5 (round 4: _ROUND4)
 # R <= 8 candidates compiled beside the step's kernel (bf16 epilogue), so the family benchmark
 # measures them side by side. Round 5: stream_xt / _xts / _xtb beside each other on the layers
 # round 4 gave stream_xt (the round-4
