@@ -10,6 +10,7 @@ and then the pair, each in its own process, so that a fault names the kernel.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from executor.launches import moe as ml
 from executor.moe_chain import MoeChain, _fill_random_weights
@@ -22,6 +23,16 @@ def shapes_of(bundle) -> list[mk.MoeShape]:
     """Every MoE shape the bundle holds (v41: the backbone's and the DSpark stages')."""
     return sorted({ml.shape_of(bundle.manifest.kernels[n].spec) for n in bundle.names()
                    if n.startswith("moe_w13_")}, key=lambda s: s.tag())
+
+
+@pytest.fixture(scope="module")
+def cases(dev, preset_bundle):
+    """A PolledCase per MoE shape of the preset's bundle (each test module imports this fixture)."""
+    _, bundle = preset_bundle
+    out = [PolledCase(dev, bundle, shape) for shape in shapes_of(bundle)]
+    yield out
+    for case in out:
+        case.close()
 
 
 class PolledCase:

@@ -6,24 +6,17 @@ timeline builds: the same y, the counters zero. Own module (after test_moe_polle
 run each kernel alone): a fault here is the concurrent handoff's."""
 from __future__ import annotations
 
+import moe_polled_cases
 import numpy as np
 import pytest
-from moe_polled_cases import ROWS, PolledCase, shapes_of
+from moe_polled_cases import ROWS
 
 from executor.launches import moe as ml
 from kernels import moe_kernel_ref as mk
 
 pytestmark = pytest.mark.gpu
+cases = moe_polled_cases.cases           # the shared module-scoped fixture
 cp = pytest.importorskip("cupy")
-
-
-@pytest.fixture(scope="module")
-def cases(dev, preset_bundle):
-    _, bundle = preset_bundle
-    out = [PolledCase(dev, bundle, shape) for shape in shapes_of(bundle)]
-    yield out
-    for case in out:
-        case.close()
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -3,21 +3,14 @@ bitwise w13sr "bulk"'s and it counts exactly tiles13 items for every listed expe
 others, no consumed count, no timeout status). Own module: a fault here names this kernel."""
 from __future__ import annotations
 
+import moe_polled_cases
 import numpy as np
 import pytest
-from moe_polled_cases import ROWS, PolledCase, shapes_of
+from moe_polled_cases import ROWS
 
 pytestmark = pytest.mark.gpu
+cases = moe_polled_cases.cases           # the shared module-scoped fixture
 pytest.importorskip("cupy")
-
-
-@pytest.fixture(scope="module")
-def cases(dev, preset_bundle):
-    _, bundle = preset_bundle
-    out = [PolledCase(dev, bundle, shape) for shape in shapes_of(bundle)]
-    yield out
-    for case in out:
-        case.close()
 
 
 @pytest.mark.parametrize("rows", ROWS)
