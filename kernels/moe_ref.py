@@ -76,35 +76,48 @@ def matmul_t(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return (x.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32)
 
 
-def w4a8_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def _matmul_t(x: np.ndarray, weight: np.ndarray, f64=None) -> np.ndarray:
+    """matmul_t, over `f64`'s cached float64 copy of weight where given (the same operands, so
+    the same bytes: executor/reference/float64_weights.py, tests/test_ref_float64_weights.py)."""
+    return matmul_t(x, weight) if f64 is None else f64.matmul_t(x, weight)
+
+
+def w4a8_matmul(x: np.ndarray, weight: np.ndarray, f64=None) -> np.ndarray:
     """SM90 W4A8 as loader.formats.w4a8_linear computes it, but batch-invariant.
 
     x is quantized per 128-group (loader.formats.quantize_act_fp8, short tail group allowed);
     each group's partial P_j = xq_j · W_jᵀ is one fp32 number (the WGMMA segment, summed here in
-    float64 and rounded once); y += as_j · P_j in fp32, groups in order.
+    float64 and rounded once); y += as_j · P_j in fp32, groups in order. `f64`: cached float64
+    copies of the weight's groups (a speed-only option of the reference, same bytes).
     """
     q, scales = quantize_act_fp8(x, ACT_GROUP)
     q = q.astype(np.float32)
     y = np.zeros((x.shape[0], weight.shape[0]), np.float32)
+    groups = None if f64 is None else f64.groups(weight, ACT_GROUP)
     for j, start in enumerate(range(0, x.shape[1], ACT_GROUP)):
-        part = matmul_t(q[:, start:start + ACT_GROUP], weight[:, start:start + ACT_GROUP])
+        qj = q[:, start:start + ACT_GROUP]
+        if groups is None:
+            part = matmul_t(qj, weight[:, start:start + ACT_GROUP])
+        else:
+            part = (qj.astype(np.float64) @ groups[j].T).astype(np.float32)
         y += scales[:, j:j + 1] * part
     return y
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, quantize_acts: bool) -> np.ndarray:
+def _linear(x: np.ndarray, weight: np.ndarray, quantize_acts: bool, f64=None) -> np.ndarray:
     """W4A8 (FP8 activations) or, in exact mode, the plain product; rounded to BF16 (c_dtype)."""
     if quantize_acts:
-        return round_bf16(w4a8_matmul(x, weight))
-    return round_bf16(matmul_t(x, weight))
+        return round_bf16(w4a8_matmul(x, weight, f64))
+    return round_bf16(_matmul_t(x, weight, f64))
 
 
-def expert_gate_up(x: np.ndarray, shard: ExpertShard, quantize_acts: bool) -> np.ndarray:
+def expert_gate_up(x: np.ndarray, shard: ExpertShard, quantize_acts: bool,
+                   f64=None) -> np.ndarray:
     """F2's first GEMM: x [r, D] BF16 values -> h13 = [gate | up] [r, 2·I_l] BF16 values."""
     if shard.w13.shape[0] != 2 * shard.w2.shape[1]:
         raise ValueError(f"expert w13 has {shard.w13.shape[0]} rows, w2 implies "
                          f"2·{shard.w2.shape[1]}")
-    return _linear(x, shard.w13, quantize_acts)
+    return _linear(x, shard.w13, quantize_acts, f64)
 
 
 def expert_hidden(h13: np.ndarray, swiglu_limit: float) -> np.ndarray:
@@ -114,10 +127,10 @@ def expert_hidden(h13: np.ndarray, swiglu_limit: float) -> np.ndarray:
 
 
 def expert_forward(x: np.ndarray, shard: ExpertShard, swiglu_limit: float,
-                   quantize_acts: bool) -> np.ndarray:
+                   quantize_acts: bool, f64=None) -> np.ndarray:
     """F2 for one expert: x [r, D] BF16 values -> y [r, D] BF16 values."""
-    h = expert_hidden(expert_gate_up(x, shard, quantize_acts), swiglu_limit)
-    return _linear(h, shard.w2, quantize_acts)
+    h = expert_hidden(expert_gate_up(x, shard, quantize_acts, f64), swiglu_limit)
+    return _linear(h, shard.w2, quantize_acts, f64)
 
 
 @dataclass(frozen=True)
@@ -154,8 +167,8 @@ def combine(weights: np.ndarray, ye: np.ndarray) -> np.ndarray:
 
 
 def routed_parts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard],
-                 swiglu_limit: float, quantize_acts: bool = True) -> RoutedParts:
-    """F2 + combine for one rank, keeping every pair's h13, h and ye."""
+                 swiglu_limit: float, quantize_acts: bool = True, f64=None) -> RoutedParts:
+    """F2 + combine for one rank, keeping every pair's h13, h and ye (`f64`: _matmul_t's)."""
     rows, topk = routing.experts.shape
     pairs = rows * topk
     if pairs == 0:
@@ -169,9 +182,9 @@ def routed_parts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard
             h13 = np.zeros((pairs, 2 * inter), np.float32)
             h = np.zeros((pairs, inter), np.float32)
             ye = np.zeros((pairs, x.shape[1]), np.float32)
-        h13[p] = expert_gate_up(x[p // topk], shard, quantize_acts)
+        h13[p] = expert_gate_up(x[p // topk], shard, quantize_acts, f64)
         h[p] = expert_hidden(h13[p], swiglu_limit)
-        ye[p] = _linear(h[p], shard.w2, quantize_acts)
+        ye[p] = _linear(h[p], shard.w2, quantize_acts, f64)
     return RoutedParts(h13, h, ye, combine(routing.weights, ye))
 
 
@@ -195,24 +208,28 @@ def routed_from_hidden(h: np.ndarray, routing: RouterOutput, experts: list[Exper
 
 
 def routed_experts(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard],
-                   swiglu_limit: float, quantize_acts: bool = True) -> np.ndarray:
+                   swiglu_limit: float, quantize_acts: bool = True, f64=None) -> np.ndarray:
     """F2 + combine for one rank: [R, D] -> fp32 [R, D] = Σ_k w_k · y_{e_k} (slot order)."""
-    return routed_parts(x, routing, experts, swiglu_limit, quantize_acts).y
+    return routed_parts(x, routing, experts, swiglu_limit, quantize_acts, f64).y
 
 
-def shared_expert(x: np.ndarray, shard: ExpertShard, swiglu_limit: float) -> np.ndarray:
+def shared_expert(x: np.ndarray, shard: ExpertShard, swiglu_limit: float,
+                  f64=None) -> np.ndarray:
     """F3, W8A16: [R, D] BF16 values -> this rank's partial [R, D] BF16 values."""
     inter = shard.w2.shape[1]
-    h13 = round_bf16(matmul_t(x, shard.w13))
+    h13 = round_bf16(_matmul_t(x, shard.w13, f64))
     h = round_bf16(swiglu_clamped(h13[:, :inter], h13[:, inter:], swiglu_limit))
-    return round_bf16(matmul_t(h, shard.w2))
+    return round_bf16(_matmul_t(h, shard.w2, f64))
 
 
 def moe_partial(x: np.ndarray, routing: RouterOutput, experts: list[ExpertShard],
-                shared: ExpertShard, swiglu_limit: float, quantize_acts: bool = True) -> np.ndarray:
-    """F4: this rank's MoE partial bf16(routed + shared), to be summed over ranks (AR-2)."""
-    routed = routed_experts(x, routing, experts, swiglu_limit, quantize_acts)
-    return round_bf16(routed + shared_expert(x, shared, swiglu_limit))
+                shared: ExpertShard, swiglu_limit: float, quantize_acts: bool = True,
+                f64=None) -> np.ndarray:
+    """F4: this rank's MoE partial bf16(routed + shared), to be summed over ranks (AR-2).
+    `f64` (executor/reference/float64_weights.Float64Weights or None): cached float64 weight
+    copies for the products instead of a conversion per call; the same bytes either way."""
+    routed = routed_experts(x, routing, experts, swiglu_limit, quantize_acts, f64)
+    return round_bf16(routed + shared_expert(x, shared, swiglu_limit, f64))
 
 
 # ---- bounds of the device tests (docs/notes/moe-tolerance.md) --------------------------------

@@ -1,13 +1,14 @@
 """The reference's float64 weight cache and rank threads change its time, never a byte.
 
 `ReferenceModel(float64_cache_bytes=..., rank_workers=...)` (executor/reference/
-float64_weights.py, moe.py) must give exactly the bytes of the reference's own arithmetic
+float64_weights.py, kernels.moe_ref's `f64=`) must give exactly the bytes of the reference's own arithmetic
 (kernels.moe_ref's MoE, head_ref's head, a fresh float64 conversion per product, serial ranks):
 - whole DSpark rounds on tiny at TP 4: prefills, batched drafts (U), Markov drafts, verify
   forwards (logits, hidden, aux), acceptance, every cache array; the baseline runs the pre-cache
   functions themselves (moe_ref.moe_partial, moe_ref.matmul_t, serial attention);
 - a real-width MoE partial (v41's D = 5120, I_l = 576: 40 activation groups for w13 and a short
-  tail group for w2; the slice's synthetic experts) against moe_ref.moe_partial, W4A8 and exact,
+  tail group for w2; the slice's synthetic experts) over the copies against
+  moe_ref.moe_partial without them, W4A8 and exact,
   experts aliased onto shared shard objects as the real-dimension round test aliases them;
 - the reference's products at 1 and 2 OpenBLAS threads (real_slice.blas_threads, which the
   real-dimension round test sets to 1): the same bytes;
@@ -22,7 +23,7 @@ import pytest
 import real_slice as rs
 from ref_model import caches_equal, new_caches, random_prompt, tiny_model
 
-from executor.reference import dspark, moe, step
+from executor.reference import dspark, step
 from executor.reference.float64_weights import Float64Weights
 from kernels import moe_ref
 from loader.formats import bf16_round
@@ -36,9 +37,11 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _pre_cache_arithmetic(monkeypatch) -> None:
-    """The reference as it was before the cache: moe_ref's MoE, a conversion per product."""
-    monkeypatch.setattr(moe, "moe_partial", lambda x, routing, experts, shared, limit, q, f64:
-                        moe_ref.moe_partial(x, routing, experts, shared, limit, quantize_acts=q))
+    """The reference as it was before the cache: moe_ref's MoE with no copies (f64=None), a
+    conversion per product."""
+    partial = moe_ref.moe_partial
+    monkeypatch.setattr(moe_ref, "moe_partial", lambda x, routing, experts, shared, limit, q, f64:
+                        partial(x, routing, experts, shared, limit, quantize_acts=q))
     monkeypatch.setattr(Float64Weights, "matmul_t", lambda self, x, w: moe_ref.matmul_t(x, w))
 
 
@@ -100,8 +103,8 @@ def test_real_width_moe_partial_equals_moe_ref(slice_layer, quantize_acts):
                                quantize_acts=quantize_acts)
     f64 = Float64Weights(1 << 30)
     for _ in range(2):                      # the second call runs on the cached copies
-        got = moe.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
-                              quantize_acts, f64)
+        got = moe_ref.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
+                                  quantize_acts, f64)
         assert _same(got, want)
     assert f64.held_bytes > 0
 

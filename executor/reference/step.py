@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.reference import attention
-from executor.reference import moe as reference_moe
 from executor.reference.float64_weights import Float64Weights
 from executor.reference.rows import RowBatch
 from executor.reference.weights import LayerWeights, RankWeights
@@ -202,8 +201,8 @@ def moe_sublayer(model: ReferenceModel, layer: int, x: np.ndarray) -> np.ndarray
     routing = moe_ref.route(x, lw0.vector("ffn.gate.weight"), lw0.vector("ffn.gate.bias"), lw0.topk,
                             cfg.routed_scaling_factor)
     partials = model.map_ranks(
-        lambda lw: reference_moe.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
-                                             not model.exact, model.float64), lws)
+        lambda lw: moe_ref.moe_partial(x, routing, lw.experts, lw.shared, cfg.swiglu_limit,
+                                       not model.exact, model.float64), lws)
     return all_reduce(partials)
 
 
