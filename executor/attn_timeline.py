@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
 
 import numpy as np
 
+from executor import timeline
 from kernels import indexer_kernel_ref as ik
 from kernels import sparse_mqa_ref as ref
 
@@ -37,52 +37,21 @@ CHAIN_REPLAYS = 3
 JSON_NAME = "attn-timeline.json"
 HEAD = ref.TIMELINE_HEAD_WORDS  # %smid, padding: then (globaltimer, clock64) pairs
 assert HEAD == ik.TIMELINE_HEAD_WORDS
+LAYOUT = timeline.Layout(smid_word=0, pairs_word=HEAD, smid_bits=32)
+GRID_KEY_WIDTH = 34             # the grid facts' names column (longer names than dense's)
 
 
 # ---- stamps -> numbers (CPU) ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Stamps:
-    """One launch's stamps: smid [C], globaltimer ns [C, P], clock64 cycles [C, P] (int64)."""
-
-    points: tuple[str, ...]
-    smid: np.ndarray
-    gt: np.ndarray
-    clk: np.ndarray
+class Stamps(timeline.Stamps):
+    """One launch's stamps at the points a build names (raw row: %smid, padding, then
+    (globaltimer, clock64) per point)."""
 
     @classmethod
     def parse(cls, raw: np.ndarray, points: tuple[str, ...], name: str) -> Stamps:
         """u64 [ctas, >= HEAD + 2 * len(points)] as the kernel writes them into a zeroed buffer.
         Raises ValueError naming the first CTA and point that was never stamped."""
-        p = len(points)
-        if raw.ndim != 2 or raw.shape[1] < HEAD + 2 * p:
-            raise ValueError(f"{name}: stamps must be u64 [ctas, >= {HEAD + 2 * p}], got "
-                             f"{raw.shape}")
-        raw = raw.astype(np.int64)
-        gt, clk = raw[:, HEAD:HEAD + 2 * p:2], raw[:, HEAD + 1:HEAD + 1 + 2 * p:2]
-        missing = np.argwhere((gt == 0) | (clk == 0))
-        if missing.size:
-            cta, point = missing[0]
-            raise ValueError(f"{name}: CTA {cta} never stamped '{points[point]}' "
-                             f"({len(missing)} stamps missing)")
-        return cls(tuple(points), raw[:, 0] & 0xFFFFFFFF, gt, clk)
-
-    def col(self, point: str) -> int:
-        return self.points.index(point)
-
-    def reordered(self, points: tuple[str, ...]) -> Stamps:
-        """The same stamps with the points in another order (the order a build reaches them in,
-        where that differs from the order of its stamp words)."""
-        cols = [self.col(p) for p in points]
-        return Stamps(tuple(points), self.smid, self.gt[:, cols], self.clk[:, cols])
-
-    def out_of_order(self) -> list[str]:
-        """'CTA c: a > b' for every CTA whose clock64 or globaltimer goes back between points."""
-        bad = []
-        for name, t in (("clock64", self.clk), ("globaltimer", self.gt)):
-            for cta, point in np.argwhere(np.diff(t, axis=1) < 0):
-                bad.append(f"CTA {cta}: {name} {self.points[point]} > {self.points[point + 1]}")
-        return bad
+        return cls.decode(LAYOUT, raw, points, name)
 
 
 def phases(points: tuple[str, ...]) -> list[tuple[str, str, str]]:
@@ -105,14 +74,9 @@ def clock_ghz(launches: list[Stamps], min_span_ns: int = 1000) -> float:
 
 
 def phase_stats(launches: list[Stamps], ghz: float) -> dict[str, dict[str, float]]:
-    """Per phase: p10 / p50 / p90 across the pooled CTAs, in cycles and in us."""
-    out = {}
-    for phase, a, b in phases(launches[0].points):
-        cyc = np.concatenate([s.clk[:, s.col(b)] - s.clk[:, s.col(a)] for s in launches])
-        q = np.percentile(cyc, (10, 50, 90))
-        out[phase] = {f"p{p}_{unit}": v / (ghz * 1e3 if unit == "us" else 1.0)
-                      for p, v in zip((10, 50, 90), q) for unit in ("cyc", "us")}
-    return out
+    """Per phase of the launches' points: p10 / p50 / p90 across the pooled CTAs, in cycles
+    and in us."""
+    return timeline.phase_stats(launches, phases(launches[0].points), ghz)
 
 
 def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
@@ -124,28 +88,12 @@ def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
            "last exit after first entry": (x.max() - e.min()) / 1e3,
            "last exit after last wait return": (x.max() - w.max()) / 1e3}
     if prev is not None:
-        prev_exit = prev.gt[:, -1].max()
-        out |= {"first entry after prev exit": (e.min() - prev_exit) / 1e3,
-                "last entry after prev exit": (e.max() - prev_exit) / 1e3,
-                "first wait return after prev exit": (w.min() - prev_exit) / 1e3,
-                "last wait return after prev exit": (w.max() - prev_exit) / 1e3,
-                "exit pitch": (x.max() - prev_exit) / 1e3}
+        out |= timeline.after_prev_exit(e, w, x, prev.gt[:, -1].max())
     return out
 
 
 def median_grid_times(pairs: list[tuple[Stamps, Stamps | None]]) -> dict[str, float]:
-    each = [grid_times(cur, prev) for cur, prev in pairs]
-    return {key: float(np.median([d[key] for d in each])) for key in each[0]}
-
-
-def format_case(title: str, stats: dict, grid: dict) -> list[str]:
-    head = (f"  {'phase':12s} {'p10 us':>8s} {'p50 us':>8s} {'p90 us':>8s} "
-            f"{'p10 cyc':>9s} {'p50 cyc':>9s} {'p90 cyc':>9s}")
-    lines = [title, head]
-    for phase, s in stats.items():
-        lines.append(f"  {phase:12s} {s['p10_us']:8.3f} {s['p50_us']:8.3f} {s['p90_us']:8.3f} "
-                     f"{s['p10_cyc']:9.0f} {s['p50_cyc']:9.0f} {s['p90_cyc']:9.0f}")
-    return lines + [f"  {key:34s} {value:8.3f} us (globaltimer)" for key, value in grid.items()]
+    return timeline.medians([grid_times(cur, prev) for cur, prev in pairs])
 
 
 def report(ctx, label: str, case: str, launches: list[Stamps], pairs, ghz: float,
@@ -153,16 +101,13 @@ def report(ctx, label: str, case: str, launches: list[Stamps], pairs, ghz: float
     """The case's table lines; with `metrics`, the p50 of each phase and the grid facts too."""
     stats, grid = phase_stats(launches, ghz), median_grid_times(pairs)
     if metrics:
-        for phase, s in stats.items():
-            ctx.metric(f"tl {label} {case} {phase}: p10/p90 {s['p10_us']:.2f}/{s['p90_us']:.2f} "
-                       f"us, p50 {s['p50_cyc']:.0f} cyc", s["p50_us"], "us")
-        for key, value in grid.items():
-            ctx.metric(f"tl {label} {case} {key}", value, "us")
-    return format_case(f"{label} {case} ({len(launches)} launches pooled)", stats, grid)
+        timeline.case_metrics(ctx, label, case, stats, grid)
+    return timeline.format_case(f"{label} {case} ({len(launches)} launches pooled)", stats, grid,
+                                GRID_KEY_WIDTH)
 
 
 def raw_rows(raw: np.ndarray, points: tuple[str, ...]) -> list[list[int]]:
-    return [[int(v) for v in row[:HEAD + 2 * len(points)]] for row in raw]
+    return LAYOUT.rows(raw, len(points))
 
 
 # ---- device: sparse MQA ----------------------------------------------------------------------------
@@ -207,34 +152,14 @@ class MqaTimelineRunner:
         return out, [raw_rows(raw[i], ref.TIMELINE_POINTS) for i in range(slots)]
 
     def isolated(self) -> tuple[list[Stamps], list]:
-        runs, raws = [], []
-        for rep in range(ISO_REPS):
-            self.clear()
-            self.ctx.flusher.flush(self.ctx.stream)
-            self.launch(rep % CHAIN, 0).launch(self.ctx.stream)
-            got, raw = self.stamps(1)
-            runs += got
-            raws += raw
-        return runs, raws
+        return timeline.isolated_runs(self.ctx, ISO_REPS, self.clear,
+                                      lambda rep: self.launch(rep % CHAIN, 0),
+                                      lambda: self.stamps(1))
 
     def chain(self) -> tuple[list[list[Stamps]], list]:
-        from executor.graphs import Graph
         launches = [self.launch(i, i) for i in range(CHAIN)]
-        with Graph.capture(self.ctx.stream) as g:
-            for x in launches:
-                x.launch(self.ctx.stream)
-        replays, raws = [], []
-        try:
-            g.launch(self.ctx.stream)                     # warm-up (code, TLB, clocks)
-            for _ in range(CHAIN_REPLAYS):
-                self.clear()
-                g.launch(self.ctx.stream)
-                got, raw = self.stamps(CHAIN)
-                replays.append(got)
-                raws.append(raw)
-        finally:
-            g.close()
-        return replays, raws
+        return timeline.chain_replays(self.ctx, launches, CHAIN_REPLAYS, self.clear,
+                                      lambda: self.stamps(CHAIN))
 
     def matches_production(self) -> bool:
         """The timeline build's output on case 0 equals the production kernel's bit for bit."""
@@ -452,7 +377,6 @@ def _indexer_cases(ctx, bundle, label: str, doc: dict, tables: list) -> None:
 def bench_attn_timeline(ctx) -> None:
     """The sparse MQA and indexer timeline kernels: per-phase tables (printed) and metrics, raw
     JSON."""
-    from executor.dense_timeline import report_dir
     bundle = ctx.bundle_with("sparse_mqa_")
     specs = _mqa_timeline_specs(bundle) if bundle is not None else []
     if not specs:
@@ -473,7 +397,7 @@ def bench_attn_timeline(ctx) -> None:
     try:
         _summarise(ctx, doc, tables)
     finally:
-        out = report_dir(ctx)
+        out = timeline.report_dir(ctx)
         if out is not None and out.is_dir():
             (out / JSON_NAME).write_text(json.dumps(doc))
             ctx.metric(f"tl raw stamps written to {out / JSON_NAME}", 1, "")

@@ -18,13 +18,12 @@ devicecheck report dir (`report_dir`).
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from executor import timeline
+from executor.timeline import REPORT_DIR_ENV, format_case, report_dir  # noqa: F401 - re-exported
 from kernels import dense_ref as dr
 
 POINTS = dr.TIMELINE_POINTS
@@ -42,47 +41,27 @@ CHAIN = 8
 CHAIN_SHOWN = 3                 # the 4th launch of the chain (steady state)
 CHAIN_REPLAYS = 3
 JSON_NAME = "dense-timeline.json"
-REPORT_DIR_ENV = "HOPDEC_REPORT_DIR"
+LAYOUT = timeline.Layout(smid_word=2 * len(POINTS), pairs_word=0)   # pairs, then %smid
 
 
 # ---- stamps -> numbers (CPU; tests/test_dense_timeline.py) ---------------------------------------
 
 @dataclass(frozen=True)
-class Stamps:
-    """One launch's stamps: smid [C], globaltimer ns [C, P], clock64 cycles [C, P] (raw row:
-    (globaltimer, clock64) per point, then %smid: dense_ref.TIMELINE_POINTS)."""
+class Stamps(timeline.Stamps):
+    """One launch's stamps at dense_ref.TIMELINE_POINTS (raw row: (globaltimer, clock64) per
+    point, then %smid)."""
 
-    smid: np.ndarray
-    gt: np.ndarray
-    clk: np.ndarray
+    points: tuple[str, ...] = POINTS
 
     @classmethod
     def parse(cls, raw: np.ndarray, name: str) -> Stamps:
         """u64 [ctas, TIMELINE_WORDS] as the kernel writes them (zeroed before the launch)."""
-        p = len(POINTS)
-        if raw.ndim != 2 or raw.shape[1] < 1 + 2 * p:
-            raise ValueError(f"{name}: stamps must be u64 [ctas, >= {1 + 2 * p}], got {raw.shape}")
-        raw = raw.astype(np.int64)
-        gt, clk = raw[:, 0:2 * p:2], raw[:, 1:2 * p:2]
-        missing = np.argwhere((gt == 0) | (clk == 0))
-        if missing.size:
-            cta, point = missing[0]
-            raise ValueError(f"{name}: CTA {cta} never stamped '{POINTS[point]}' "
-                             f"({len(missing)} stamps missing)")
-        return cls(raw[:, 2 * p], gt, clk)
-
-    def col(self, point: str) -> int:
-        return POINTS.index(point)
+        return cls.decode(LAYOUT, raw, POINTS, name)
 
 
 def timer_resolution_ns(launches: list[Stamps]) -> tuple[int, int]:
-    """The globaltimer's tick as (gcd of every stamp's distance to the earliest, smallest step
-    between distinct stamps); they agree for a timer that advances in whole ticks. (0, 0): all
-    stamps equal."""
-    values = np.unique(np.concatenate([s.gt.ravel() for s in launches]))
-    if values.size < 2:
-        return 0, 0
-    return int(np.gcd.reduce(values - values[0])), int(np.diff(values).min())
+    """The globaltimer's tick (timeline.timer_ticks) of all stamps; (0, 0): all stamps equal."""
+    return timeline.timer_ticks(np.concatenate([s.gt.ravel() for s in launches])) or (0, 0)
 
 
 def clock_ghz(groups: list[list[Stamps]], min_span_ns: int = 2000) -> float:
@@ -105,15 +84,8 @@ def clock_ghz(groups: list[list[Stamps]], min_span_ns: int = 2000) -> float:
 
 
 def phase_stats(launches: list[Stamps], ghz: float) -> dict[str, dict[str, float]]:
-    """Per phase: p10 / p50 / p90 across the pooled CTAs, in cycles and in us."""
-    out = {}
-    for phase, a, b in PHASES:
-        cyc = np.concatenate([s.clk[:, s.col(b)] - s.clk[:, s.col(a)] for s in launches])
-        q = np.percentile(cyc, (10, 50, 90))
-        out[phase] = {"p10_cyc": q[0], "p50_cyc": q[1], "p90_cyc": q[2],
-                      "p10_us": q[0] / ghz / 1e3, "p50_us": q[1] / ghz / 1e3,
-                      "p90_us": q[2] / ghz / 1e3}
-    return out
+    """Per phase of PHASES: p10 / p50 / p90 across the pooled CTAs, in cycles and in us."""
+    return timeline.phase_stats(launches, PHASES, ghz)
 
 
 def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
@@ -126,50 +98,17 @@ def grid_times(cur: Stamps, prev: Stamps | None) -> dict[str, float]:
            "last landed": (cur.gt[:, cur.col("last_landed")].max() - e.min()) / 1e3,
            "last exit": (x.max() - e.min()) / 1e3}
     if prev is not None:
-        prev_exit = prev.gt[:, prev.col("exit")].max()
-        out |= {"first entry after prev exit": (e.min() - prev_exit) / 1e3,
-                "last entry after prev exit": (e.max() - prev_exit) / 1e3,
-                "first wait return after prev exit": (w.min() - prev_exit) / 1e3,
-                "last wait return after prev exit": (w.max() - prev_exit) / 1e3,
-                "exit pitch": (x.max() - prev_exit) / 1e3}
+        out |= timeline.after_prev_exit(e, w, x, prev.gt[:, prev.col("exit")].max())
     return out
 
 
 def median_grid_times(pairs: list[tuple[Stamps, Stamps | None]]) -> dict[str, float]:
     """grid_times per (launch, its predecessor), the median of each over the repetitions."""
-    each = [grid_times(cur, prev) for cur, prev in pairs]
-    return {key: float(np.median([d[key] for d in each])) for key in each[0]}
-
-
-def format_case(title: str, stats: dict, grid: dict) -> list[str]:
-    head = (f"  {'phase':12s} {'p10 us':>8s} {'p50 us':>8s} {'p90 us':>8s} "
-            f"{'p10 cyc':>9s} {'p50 cyc':>9s} {'p90 cyc':>9s}")
-    lines = [title, head]
-    for phase, s in stats.items():
-        lines.append(f"  {phase:12s} {s['p10_us']:8.3f} {s['p50_us']:8.3f} {s['p90_us']:8.3f} "
-                     f"{s['p10_cyc']:9.0f} {s['p50_cyc']:9.0f} {s['p90_cyc']:9.0f}")
-    lines += [f"  {key:28s} {value:8.3f} us (globaltimer)" for key, value in grid.items()]
-    return lines
-
-
-def report_dir(ctx=None) -> Path | None:
-    """$HOPDEC_REPORT_DIR, else the devicecheck context's report dir, else the `--out` of the
-    devicecheck command line, else None."""
-    if os.environ.get(REPORT_DIR_ENV):
-        return Path(os.environ[REPORT_DIR_ENV])
-    if getattr(ctx, "out_dir", None):
-        return Path(ctx.out_dir)
-    argv = sys.argv
-    for i, arg in enumerate(argv):
-        if arg == "--out" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--out="):
-            return Path(arg.split("=", 1)[1])
-    return None
+    return timeline.medians([grid_times(cur, prev) for cur, prev in pairs])
 
 
 def raw_json(raw: np.ndarray) -> list[list[int]]:
-    return [[int(v) for v in row[:1 + 2 * len(POINTS)]] for row in raw]
+    return LAYOUT.rows(raw, len(POINTS))
 
 
 # ---- device ------------------------------------------------------------------------------------
@@ -220,46 +159,25 @@ class TimelineRunner:
         self.arena.fill("stamps", 0)
         self.arena.synchronize()
 
+    def collect(self, slots: int) -> tuple[list[Stamps], list]:
+        """The first `slots` slots' stamps and raw rows."""
+        stamps = self.stamps(slots)
+        return stamps, [raw_json(r) for r in self.last_raw]
+
     def isolated(self, rows: int) -> tuple[list[Stamps], list]:
         """ISO_REPS single launches, each after an L2 flush, each on another weight copy."""
-        runs, raws = [], []
-        for rep in range(ISO_REPS):
-            self.clear()
-            self.ctx.flusher.flush(self.ctx.stream)
-            self.launch(rep % self.copies, 0, rows).launch(self.ctx.stream)
-            runs += self.stamps(1)
-            raws.append(raw_json(self.last_raw[0]))
-        return runs, raws
+        return timeline.isolated_runs(self.ctx, ISO_REPS, self.clear,
+                                      lambda rep: self.launch(rep % self.copies, 0, rows),
+                                      lambda: self.collect(1))
 
     def chain(self, rows: int, l2: bool) -> tuple[list[list[Stamps]], list]:
         """CHAIN_REPLAYS replays of a CHAIN-launch PDL graph (each launch its own stamp rows)."""
-        from executor.graphs import Graph
         launches = [self.launch(0 if l2 else i, i, rows) for i in range(CHAIN)]
-        with Graph.capture(self.ctx.stream) as g:
-            for launch in launches:
-                launch.launch(self.ctx.stream)
-        replays, raws = [], []
-        try:
-            g.launch(self.ctx.stream)                     # warm-up (code, TLB, clocks)
-            for _ in range(CHAIN_REPLAYS):
-                self.clear()
-                g.launch(self.ctx.stream)
-                replays.append(self.stamps(CHAIN))
-                raws.append([raw_json(r) for r in self.last_raw])
-        finally:
-            g.close()
-        return replays, raws
+        return timeline.chain_replays(self.ctx, launches, CHAIN_REPLAYS, self.clear,
+                                      lambda: self.collect(CHAIN))
 
     def close(self) -> None:
         self.arena.close()
-
-
-def _metrics(ctx, label: str, case: str, stats: dict, grid: dict) -> None:
-    for phase, s in stats.items():
-        ctx.metric(f"tl {label} {case} {phase}: p10/p90 {s['p10_us']:.2f}/{s['p90_us']:.2f} us, "
-                   f"p50 {s['p50_cyc']:.0f} cyc", s["p50_us"], "us")
-    for key, value in grid.items():
-        ctx.metric(f"tl {label} {case} {key}", value, "us")
 
 
 def _label(spec: dr.DenseSpec) -> str:
@@ -330,5 +248,5 @@ def _summarise(ctx, doc: dict, cases: list, every: list, groups: list) -> None:
         stats, grid = phase_stats(launches, ghz), median_grid_times(pairs)
         lines += format_case(f"{label} {case} ({len(launches)} launches pooled)", stats, grid)
         if case.endswith((" iso", f" #{CHAIN_SHOWN + 1}")):     # the table: iso and the 4th
-            _metrics(ctx, label, case, stats, grid)
+            timeline.case_metrics(ctx, label, case, stats, grid)
     print("\n".join(lines), flush=True)

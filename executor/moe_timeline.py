@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from executor import timeline
 from kernels import moe_kernel_ref as mk
 
 EVENTS = mk.TIMELINE_EVENTS
+LAYOUT = timeline.Layout(smid_word=0, pairs_word=2, smid_bits=32)   # [smid u32, pad], pairs
+assert LAYOUT.words(len(EVENTS)) == mk.TIMELINE_RECORD_BYTES // 8
 # Phases: (name, from event, to event).
 PHASES = (("prologue", "entry", "wait_begin"), ("wait", "wait_begin", "wait_end"),
           ("first_load", "wait_end", "first_landed"), ("stream", "first_landed", "last_landed"),
@@ -42,9 +45,7 @@ class Records:
             raise ValueError(f"{name}: {raw.size} bytes of stamps, need {ctas} records of "
                              f"{mk.TIMELINE_RECORD_BYTES} B = {need}")
         words = raw[:need].view(np.int64).reshape(ctas, mk.TIMELINE_RECORD_BYTES // 8)
-        smid = (words[:, 0] & 0xFFFFFFFF).astype(np.int64)
-        pairs = words[:, 2:].reshape(ctas, len(EVENTS), 2)
-        return cls(name, smid, pairs[:, :, 0].copy(), pairs[:, :, 1].copy())
+        return cls(name, *LAYOUT.decode(words, EVENTS, name, complete=False))
 
     def event(self, name: str) -> np.ndarray:
         """ns of `name` per CTA, NaN where not reached."""
@@ -77,8 +78,8 @@ def _extent(values) -> dict:
 def timer_resolution_ns(kernels) -> float:
     """The smallest positive step between distinct %globaltimer values of all stamps (its
     update period when enough stamps fall in successive ticks; NaN with < 2 distinct)."""
-    t = np.unique(np.concatenate([k.ns[k.ns > 0].reshape(-1) for k in kernels]))
-    return float(np.diff(t).min()) if t.size > 1 else float("nan")
+    ticks = timeline.timer_ticks(np.concatenate([k.ns[k.ns > 0].reshape(-1) for k in kernels]))
+    return float(ticks[1]) if ticks else float("nan")
 
 
 def summarise(w13: Records, w2: Records) -> dict:
