@@ -17,9 +17,6 @@ from executor.launch import LaunchSpec
 from executor.launches import moe as ml
 from kernels import moe_kernel_ref as mk
 
-# Run r7a: the polled pair faulted on the H200 (illegal address); the benchmark leaves it out
-# (a fault would end the whole benchmark process) until its GPU tests pass.
-BENCH_POLLED = False
 # anchors.md table 3a (Humming W4A8 on this H200): M -> (distinct experts, w13+w2 us, chain us).
 HUMMING_W4A8 = {1: (6.0, 26.92, 32.15), 2: (11.8, 37.51, 42.11), 4: (23.2, 53.98, 58.82),
                 6: (34.6, 63.09, 67.85), 8: (46.2, 76.91, 81.92), 16: (84.5, 125.12, 131.17),
@@ -50,7 +47,6 @@ class MoeChain:
         self.per_expert = {"codes13": c13, "offsets13": o13, "codes2": c2, "offsets2": o2}
         self.arena = Arena(device, ml.weight_requests(shape) + ml.requests(shape, mk.MAX_ROWS))
         self.ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}
-        self.zero_flags()
 
     def close(self) -> None:
         self.arena.close()
@@ -89,25 +85,6 @@ class MoeChain:
             self.arena.view(name, np.uint8)[...] = 0xFF
         self.arena.view("meta", np.int32)[...] = -7
         cp.cuda.Device().synchronize()
-
-    def zero_flags(self) -> None:
-        """The polled pair's counters to 0 (as the step's arena starts; each polled chain leaves
-        them 0 again)."""
-        import cupy as cp
-        self.arena.view("flags", np.uint32)[...] = 0
-        cp.cuda.Device().synchronize()
-
-    def flags(self) -> np.ndarray:
-        """(timeout status, produced[E], consumed[E]) of the polled pair, from the device."""
-        return self.download("flags", np.uint32, (mk.flags_words(self.shape.num_experts),))
-
-    def has_polled(self) -> bool:
-        return ml.has_polled(self.available)
-
-    def launches_polled(self, rows: int) -> list[LaunchSpec]:
-        """xquant -> w13sr "bulkf" -> w2sr "earlyp" -> combine (launches/moe.py
-        `polled_launches`)."""
-        return ml.polled_launches(self.bundle, self.shape, self.ptrs, rows, self.available)
 
     def variant_names(self, kind: str) -> list[str]:
         """"" (the default) and the candidate variants of kind the bundle holds."""
@@ -179,9 +156,8 @@ def _fill_random_weights(chain: MoeChain) -> None:
 def bench_moe_routed(ctx) -> None:
     """The routed-MoE chain (prep + w13 + w2 + combine) at R = 1..192, uniform top-k routing over
     every expert, L2 flushed before each rep; the self-routed chain (xquant + w13sr + w2sr +
-    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants) and the
-    polled pair (rows "polled": w13sr "bulkf" -> w2sr "earlyp", its timeout status a metric)
-    beside it; Humming's stock numbers (anchors.md)."""
+    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants) beside
+    it; Humming's stock numbers (anchors.md)."""
     from executor.benchmarks import fill_random_bf16
     bundle = ctx.bundle_with("moe_w13_")
     if bundle is None:
@@ -220,8 +196,6 @@ def bench_moe_routed(ctx) -> None:
                 if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
                     chains.append((" bulk lean4", chain.launches_bulk(rows, "bulk",
                                                                       "bulkw_lean4")))
-            if BENCH_POLLED and chain.has_polled():    # round 7: w2 starts on per-expert counts
-                chains.append((" polled", chain.launches_polled(rows)))
             if chain.has_selfrouted():
                 for w13w in ("bulkw", "bulkw_lean4"):     # round 6: w13w in the self-routed chain
                     if ml.warp_routed_fits(chain.available, shape, rows, w13w):
@@ -242,10 +216,6 @@ def bench_moe_routed(ctx) -> None:
                 row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}{label}", rows,
                                     us, mk.moe_bytes(shape, distinct, rows))
                 _report_targets(ctx, rows, us, row, shape, label)
-            if BENCH_POLLED and chain.has_polled():
-                status = int(chain.flags()[0])
-                ctx.metric(f"moe polled R={rows}: poll timeouts (flags[0], sticky)", status, "-",
-                           "== 0", status == 0)
             if rows <= 8:
                 _report_prefixes(ctx, chain, rows)
             if rows in TIMELINE_ROWS:
@@ -259,7 +229,7 @@ TIMELINE_ROWS = (1, 6)
 
 def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     """The step's chain at `rows` (as it is now inputs are uploaded) with its w13 / w2 timeline
-    builds (from 3 rows also the polled pair's, label "polled"): per-phase median / p10 / p90 across CTAs, the w13 -> w2 overlap, %globaltimer's
+    builds: per-phase median / p10 / p90 across CTAs, the w13 -> w2 overlap, %globaltimer's
     resolution as metrics; every raw record and the summary to moe-timeline-R<rows>.json in the
     report directory. One warm-up run, then L2
     flushed and one run of the chain (the records are that run's)."""
@@ -275,9 +245,6 @@ def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     stamps = (bufs[0].data.ptr, bufs[1].data.ptr)
     chains = [(f"moe timeline R={rows}", ml.timeline_launches(
         chain.bundle, chain.shape, chain.ptrs, rows, stamps))]
-    if BENCH_POLLED and rows >= ml.SELFROUTED_FROM_ROWS and chain.has_polled():   # round 7
-        chains.append((f"moe timeline R={rows} polled", ml.timeline_launches(
-            chain.bundle, chain.shape, chain.ptrs, rows, stamps, polled=True)))
     for label, specs in chains:
         for _ in range(2):                   # the first run loads the modules: the second counts
             for buf in bufs:
@@ -311,7 +278,6 @@ def _report_prefixes(ctx, chain: MoeChain, rows: int) -> None:
                 s.launch(ctx.stream)
         us = ctx.cold_median_us(run, reps=20 if ctx.quick else 50)
         ctx.metric(f"moe step chain R={rows}: {' + '.join(names[:n])}", us, "us")
-        chain.zero_flags()         # a polled w13 without its w2 leaves its experts counted
 
 
 def _report_targets(ctx, rows: int, us: float, row, shape: mk.MoeShape, label: str) -> None:

@@ -471,9 +471,6 @@ def _kernel_class(spec: mk.MoeSpec):
     if spec.timeline:                        # diagnostic builds with per-CTA stamps
         from kernels import moe_timeline
         return moe_timeline.kernel_class(spec)
-    if spec.polled:                          # the polled w13 -> w2 handoff (round 7)
-        from kernels import moe_polled
-        return moe_polled.kernel_class(spec)
     if spec.variant.startswith("bulk"):      # w13w / w13sr / w2 fed by bulk copies
         from kernels import moe_bulk
         return moe_bulk.kernel_class(spec)
@@ -495,13 +492,13 @@ def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     """The four kernels of the routed MoE at this config's rank shape, then the candidate
     w13 / w2 variants (`mk.variant_specs`: the step launches some, launches/moe.py
     STEP_VARIANTS) and the self-routed chain (`mk.selfrouted_specs`); the same for the DSpark
-    stages' shape when it differs; the polled w13 -> w2 pair (`mk.polled_specs`); the step's
-    w13 / w2 as timeline builds of each shape (`mk.timeline_specs`)."""
+    stages' shape when it differs; the step's w13 / w2 as timeline builds of each shape
+    (`mk.timeline_specs`)."""
     shape, *others = mk.moe_shapes(cfg, tp)
     out = []
     for one in (shape, *others):
         out += (mk.make_specs(one) + mk.variant_specs(one) + mk.warp_routed_specs(one)
-                + mk.selfrouted_specs(one) + mk.polled_specs(one) + mk.timeline_specs(one))
+                + mk.selfrouted_specs(one) + mk.timeline_specs(one))
     return out
 
 

@@ -46,7 +46,6 @@ from kernels.moe_ptx import (
     mbar_init,
     mbar_init_fence,
     mbar_wait,
-    signal_produced,
     syncwarp,
     timeline_of,
 )
@@ -149,10 +148,9 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                                    _addr(scales), _addr(h)), rows)
 
     @cute.jit
-    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None, flags=None):
+    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None):
         """The kernel's body (moe_w13sr "bulk" too: `route` and `next_expert` differ); stamps:
-        the timeline build's record array, flags: the polled handoff's counters (each None
-        where the build has none)."""
+        the timeline build's record array (None in production)."""
         tidx, bidx, gdim, warp, lane, ring = self.enter()
         tl = timeline_of(stamps, bidx, tidx)
         mark(tl, "entry")
@@ -165,7 +163,7 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
         cute.arch.griddepcontrol_wait()          # xq, xs come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()
         mark(tl, "wait_end")
-        self.stream_items(ring, red, state, item, gdim, total, ptrs, warp, lane, tidx, tl, flags)
+        self.stream_items(ring, red, state, item, gdim, total, ptrs, warp, lane, tidx, tl)
         mark(tl, "exit")
 
     @cute.jit
@@ -193,13 +191,10 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
 
     @cute.jit
     def stream_items(self, ring: Int32, red: Int32, state, item: Int32, gdim: Int32,
-                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32, tl=None,
-                     flags=None):
+                     total: Int32, ptrs, warp: Int32, lane: Int32, tidx: Int32, tl=None):
         """The CTA's items from `item` on (the first already issued): each token chunk's slice
         math, then the cross-warp sum and SwiGLU; the next item refilled part by part in the
-        last chunk. Item n of the CTA completes phase n of every barrier. With flags, the
-        item's expert is counted as one item further once its h is stored (the last warp's
-        lane 0 signals, so warp 0, which runs the next cross-warp sum, never waits on it)."""
+        last chunk. Item n of the CTA completes phase n of every barrier."""
         xq, xs, codes, offsets, scales, h = ptrs
         phase = Int32(0)
         while item < total:
@@ -220,8 +215,6 @@ class MoeW13BulkSm90(MoeW13WarpRoutedSm90):
                 self.reduce_and_store(acc, h, tile, scale, red, warp, lane, tidx, p0, p1, v0,
                                       v1)
                 chunk += mk.CHUNK_TOKENS
-            # reduce_and_store ended with a CTA barrier after warp 0's h stores.
-            signal_produced(flags, e, Int32(tidx == self.threads - mk.LANES))
             item = nxt
             phase = phase ^ 1
 

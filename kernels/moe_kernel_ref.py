@@ -171,9 +171,6 @@ class MoeSpec:
     timeline: bool = False
     # The launch bound's CTAs per SM where it differs from the grid's (0: ctas_per_sm).
     launch_bound_ctas: int = 0
-    # The polled w13 -> w2 handoff (kernels/moe_polled.py): one more pointer, `flags`, before
-    # rows (before `stamps` in a timeline build).
-    polled: bool = False
 
     @property
     def launch_bound(self) -> int:
@@ -182,9 +179,9 @@ class MoeSpec:
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
-        extra = ((("flags", "u64"),) if self.polled else ()) + (
-            (("stamps", "u64"),) if self.timeline else ())
-        return (*PARAMS[self.kind][:-1], *extra, PARAMS[self.kind][-1])
+        if self.timeline:
+            return (*PARAMS[self.kind][:-1], ("stamps", "u64"), PARAMS[self.kind][-1])
+        return PARAMS[self.kind]
 
     def work_items(self, rows: int) -> int:
         """Upper bound of the CTAs with work (distinct experts <= min(rows * k, E))."""
@@ -223,7 +220,6 @@ class MoeSpec:
                 "group_commits": self.group_commits,
                 "layout_source_sha256": _SOURCE_SHA} | ({"timeline": True} if self.timeline
                                                         else {}) | (
-            {"polled": True} if self.polled else {}) | (
             {"launch_bound_ctas": self.launch_bound_ctas} if self.launch_bound_ctas else {})
 
 
@@ -235,10 +231,8 @@ class MoeSpec:
 TIMELINE_EVENTS = ("entry", "wait_begin", "wait_end", "first_landed", "last_landed", "epilogue",
                    "exit")
 TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
-# The bulk chain's w13 / w2 below 3 rows; the self-routed w13 / w2 from 3 rows, and the polled
-# pair the step runs there (round 7).
-TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"),
-                    ("w13sr", "bulkf"), ("w2sr", "earlyp"))
+# The bulk chain's w13 / w2 below 3 rows and the step's self-routed w13 / w2 from 3 rows.
+TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"))
 
 
 def timeline_event(name: str) -> int:
@@ -248,7 +242,7 @@ def timeline_event(name: str) -> int:
 def timeline_specs(shape: MoeShape) -> list[MoeSpec]:
     """The TIMELINE_KERNELS of this shape as timeline builds (name + "_tl")."""
     every = {(s.kind, s.variant): s for s in variant_specs(shape) + warp_routed_specs(shape)
-             + selfrouted_specs(shape) + polled_specs(shape)}
+             + selfrouted_specs(shape)}
     return [replace(every[key], name=every[key].name + "_tl", timeline=True)
             for key in TIMELINE_KERNELS if key in every]
 
@@ -429,29 +423,6 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3))
 W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
-
-
-# The polled handoff (round 7, kernels/moe_polled.py): w13sr "bulkf" counts each expert's finished
-# items in `flags`; w2sr "earlyp" starts an expert's items once all of its w13 items are counted
-# instead of waiting for all of w13 (griddepcontrol.wait only at its end). Always as a pair: the
-# last w2 item of an expert zeroes its counters for the next launch.
-POLLED_VARIANTS = (("w13sr", "bulkf", "bulk"), ("w2sr", "earlyp", "early"))   # (kind, v, base)
-FLAGS_HEADER = 4             # [0] sticky timeout status, [1..3] unused
-POLL_TIMEOUT_NS = 2_000_000  # a w2 poll gives up (status set, wrong outputs, never a hang)
-POLL_SLEEP_NS = 128          # between two polls of a counter that is not there yet
-
-
-def flags_words(num_experts: int) -> int:
-    """u32 words of the handoff's flags: header, produced[E], consumed[E]."""
-    return FLAGS_HEADER + 2 * num_experts
-
-
-def polled_specs(shape: MoeShape) -> list[MoeSpec]:
-    """The polled pair: its base variant's spec (block, ring, occupancy) with `flags`."""
-    every = {(s.kind, s.variant): s for s in selfrouted_specs(shape)}
-    tag = shape.tag()
-    return [replace(every[(kind, base)], name=f"moe_{kind}_{tag}_{variant}", variant=variant,
-                    polled=True) for kind, variant, base in POLLED_VARIANTS]
 
 
 def routing_scratch_bytes(shape: MoeShape) -> int:

@@ -35,14 +35,6 @@ def ld_v2(addr: Int64, pred: Int32):
     return [Int32(x) for x in v]
 
 
-def ld_v2_relaxed(addr: Int64, pred: Int32):
-    """`ld_v2` as a GPU-scope relaxed load: served by L2 (never a stale L1 line)."""
-    v = _asm(2, [Int64(addr), Int32(pred)],
-             "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;\n"
-             "@p ld.relaxed.gpu.global.v2.u32 {$0, $1}, [$2]; }", "=r,=r,l,r", side_effects=True)
-    return [Int32(x) for x in v]
-
-
 def ld_u32(addr: Int64, pred: Int32):
     return Int32(_asm(1, [Int64(addr), Int32(pred)],
                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
@@ -193,110 +185,6 @@ def ctz(x: Int32):
 
 def popc(x: Int32):
     return Int32(_asm(1, [Int32(x)], "popc.b32 $0, $1;", "=r,r"))
-
-
-
-
-# ---- the polled w13 -> w2 handoff (kernels/moe_polled.py; None in every other kernel) ----------
-# flags (u32, mk.flags_words): [0] sticky timeout status, then produced[E] (w13 items of expert e
-# done this launch), consumed[E] (w2 items of e that have passed their poll). Both kernels emit
-# nothing for these when flags is None, so the other cubins stay byte-identical.
-
-def red_add_release_gpu(addr: Int64):
-    """+1 at addr, a GPU-scope release: what this thread observed before it (through a CTA
-    barrier: the other warps' stores too) is visible before the new count. Emits a MEMBAR but
-    no L1 invalidation (an acquire would: see `await_produced`)."""
-    void([Int64(addr)], "red.release.gpu.global.add.u32 [$0], 1;", "l,~{memory}")
-
-
-def atom_add_gpu_if(addr: Int64, pred: Int32):
-    """Where pred != 0: the word at addr before +1 (relaxed, GPU scope); else -1."""
-    return Int32(_asm(1, [Int64(addr), Int32(pred)],
-                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, -1;\n"
-                      "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }", "=r,l,r,~{memory}",
-                      side_effects=True))
-
-
-def st_zero_gpu_if(addr: Int64, pred: Int32):
-    void([Int64(addr), Int32(pred)], "{ .reg .pred p; setp.ne.s32 p, $1, 0;\n"
-         "@p st.relaxed.gpu.global.u32 [$0], 0; }", "l,r,~{memory}")
-
-
-def st_one_gpu(addr: Int64):
-    void([Int64(addr)], "st.relaxed.gpu.global.u32 [$0], 1;", "l,~{memory}")
-
-
-def nanosleep(ns: int):
-    void([], f"nanosleep.u32 {ns};", "~{memory}")
-
-
-def produced_at(flags: Int64, e: Int32) -> Int64:
-    return flags + Int64(mk.FLAGS_HEADER + e) * 4
-
-
-def consumed_at(flags: Int64, e: Int32, num_experts: int) -> Int64:
-    return flags + Int64(mk.FLAGS_HEADER + num_experts + e) * 4
-
-
-@cute.jit
-def _signal_produced(flags: Int64, e: Int32, signaller: Int32):
-    if signaller != 0:
-        red_add_release_gpu(produced_at(flags, e))
-
-
-def signal_produced(flags, e, signaller):
-    """w13: one item of expert e is in h. Call after a CTA barrier that follows the item's h
-    stores; the signalling thread's release +1 is cumulative over them (the barrier orders them
-    before it). Nothing when flags is None."""
-    if flags is None:
-        return
-    _signal_produced(flags, e, signaller)
-
-
-@cute.jit
-def _await_produced(flags: Int64, e: Int32, target: Int32):
-    addr = produced_at(flags, e)
-    start = cute.arch.globaltimer()
-    seen = ld_relaxed_u32(addr, Int32(1))
-    while seen != target:
-        nanosleep(mk.POLL_SLEEP_NS)
-        seen = ld_relaxed_u32(addr, Int32(1))
-        if (seen != target) & (cute.arch.globaltimer() - start > Int64(mk.POLL_TIMEOUT_NS)):
-            st_one_gpu(flags)              # sticky: the host / the GPU tests read it
-            seen = target
-
-
-def await_produced(flags, e, target):
-    """w2: every thread spins on GPU-scope relaxed loads until produced[e] == target (all of
-    expert e's w13 items); the caller then reads h with GPU-scope relaxed loads (L2, never L1),
-    issued only once the count was seen (they depend on the loop's exit), i.e. after the release
-    that published it. No acquire: on SM90 an acquire (ld.acquire or fence.acq_rel) invalidates
-    the SM's L1 (CCTL.IVALL) while this CTA's 8-byte cp.async (L1-allocating) may be in flight,
-    the one new hazard of run r7a/r7b's faulting earlyp (an illegal address even alone, after a
-    completed w13). After mk.POLL_TIMEOUT_NS it sets flags[0] and goes on (wrong outputs, never
-    a hang). Nothing when flags is None."""
-    if flags is None:
-        return
-    _await_produced(flags, e, target)
-
-
-def claim_consumed(flags, e, claimer, num_experts: int):
-    """w2: after a CTA barrier that follows every warp's poll of expert e: +1 on consumed[e] by
-    the claimer thread; its old value (-1 elsewhere), which `release_expert` tests an item
-    later so that the atomic's latency never stalls. None when flags is None."""
-    if flags is None:
-        return None
-    return atom_add_gpu_if(consumed_at(flags, e, num_experts), claimer)
-
-
-def release_expert(flags, e, old, items: int, num_experts: int):
-    """w2: the claimer whose +1 was expert e's last (old == items - 1, every item of e has
-    passed its poll) zeroes produced[e] and consumed[e] for the next launch."""
-    if flags is None:
-        return
-    last = Int32(old == items - 1)
-    st_zero_gpu_if(produced_at(flags, e), last)
-    st_zero_gpu_if(consumed_at(flags, e, num_experts), last)
 
 
 def _addr(ptr: cute.Pointer) -> Int64:

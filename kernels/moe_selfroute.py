@@ -352,27 +352,25 @@ class MoeW2SelfRoutedSm90(mo.MoeW2Sm90):
 
     @cute.jit
     def quantize_chunk_smem(self, pair_list: Int32, h: Int64, left: Int32, chunk: Int32,
-                            sq: Int32, warp: Int32, lane: Int32, at_l2: bool = False):
+                            sq: Int32, warp: Int32, lane: Int32):
         """`quantize_chunk` with the pair id read from the shared-memory list and every group's
         h loaded before the first is quantized: one L2 round trip per chunk, not one per group
         (the loads and shuffles are volatile asm, so the compiler keeps them in source order)."""
         valid = Int32(1) if warp < left else Int32(0)
         pair = lds_u32_if(pair_list + 4 * (chunk + warp), valid)
-        self.quantize_pair(pair, valid, h, sq, warp, lane, at_l2)
+        self.quantize_pair(pair, valid, h, sq, warp, lane)
 
     @cute.jit
     def quantize_pair(self, pair: Int32, valid: Int32, h: Int64, sq: Int32, warp: Int32,
-                      lane: Int32, at_l2: bool = False):
-        """Token `warp` of the chunk (pair, or none where valid == 0): its five h groups loaded
-        (at_l2: GPU-scope relaxed loads, which never hit L1: the polled handoff's), then
-        quantized into sq (moe_w2's layout), its pair id stored (-1: no token)."""
+                      lane: Int32):
+        """Token `warp` of the chunk (pair, or none where valid == 0): its five h groups loaded,
+        then quantized into sq (moe_w2's layout), its pair id stored (-1: no token)."""
         inter, k_pad = self.shape.inter, self.shape.k2
-        load = mp.ld_v2_relaxed if at_l2 else mp.ld_v2
         loaded = []
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             inside = Int32(1) if k < inter else Int32(0)
-            loaded.append(load(h + Int64(pair * inter + k) * 2, valid * inside))
+            loaded.append(mp.ld_v2(h + Int64(pair * inter + k) * 2, valid * inside))
         for grp in cutlass.range_constexpr(self.groups):
             k = grp * mk.ACT_GROUP + 4 * lane
             w = loaded[grp]
@@ -397,12 +395,8 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
                                       mp._addr(scales), mp._addr(ye)), rows)
 
     @cute.jit
-    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None, flags=None):
-        """The kernel's body; stamps: the timeline build's record array, flags: the polled
-        handoff's counters (kernels/moe_polled.py; each None where the build has none). With
-        flags an item starts once its expert's w13 items are all counted, not after w13's
-        end: griddepcontrol.wait moves to the kernel's end, so that this grid completes only
-        after moe_w13sr (what runs after it may rely on both)."""
+    def run(self, topk_ids: Int64, ptrs, rows: Int32, stamps=None):
+        """The kernel's body; stamps: the timeline build's record array (None in production)."""
         h, codes, offsets, scales, ye = ptrs
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -420,16 +414,12 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
         self.issue(ring, self.routing.expert_of_item(lists, bidx, self.blocks, total),
                    codes, offsets, bidx, total, warp, lane, tidx)
         mp.mark(tl, "wait_begin")
-        if cutlass.const_expr(flags is None):
-            cute.arch.griddepcontrol_wait()      # h comes from moe_w13sr
+        cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr
         cute.arch.griddepcontrol_launch_dependents()
         mp.mark(tl, "wait_end")
-        claimer = Int32(tidx == self.threads - mk.LANES)
-        e_claimed, claimed = Int32(0), Int32(-1)
         item = bidx
         while item < total:
             e, first, count = self.routing.entry(lists, item // self.blocks)
-            mp.await_produced(flags, e, Int32(self.shape.tiles13))
             scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
             tile = (item % self.blocks) * mk.W2_WARPS + warp
             nxt = item + gdim
@@ -439,8 +429,7 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
             pair_list = lists + self.routing.pairs_at + 4 * first
             chunk = Int32(0)
             while chunk < count:
-                self.quantize_chunk_smem(pair_list, h, count - chunk, chunk, sq, warp, lane,
-                                         flags is not None)
+                self.quantize_chunk_smem(pair_list, h, count - chunk, chunk, sq, warp, lane)
                 mp.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
                 cute.arch.sync_threads()
                 mp.mark(tl, "first_landed",
@@ -451,16 +440,7 @@ class MoeW2EarlyRefillSm90(MoeW2SelfRoutedSm90):
                 self.chunk_mma_refill(ring, ye, tile, scale, sq, lane, tidx, refill, more * last)
                 cute.arch.sync_threads()
                 chunk += mk.CHUNK_TOKENS
-            if cutlass.const_expr(flags is not None):
-                # The chunk loop's barriers follow every warp's poll of e. The previous item's
-                # claim is tested now, an item after its atomic was issued.
-                mp.release_expert(flags, e_claimed, claimed, self.blocks, self.shape.num_experts)
-                claimed = mp.claim_consumed(flags, e, claimer, self.shape.num_experts)
-                e_claimed = e
             item += gdim
-        if cutlass.const_expr(flags is not None):
-            mp.release_expert(flags, e_claimed, claimed, self.blocks, self.shape.num_experts)
-            cute.arch.griddepcontrol_wait()      # complete only after moe_w13sr
         mp.mark(tl, "exit")
 
     @cute.jit

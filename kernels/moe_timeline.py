@@ -90,10 +90,7 @@ class MoeW2EarlyRefillTimelineSm90(MoeW2EarlyRefillSm90):
 
 
 def kernel_class(spec: mk.MoeSpec):
-    """The timeline class of a mk.timeline_specs spec (the polled pair's: kernels/moe_polled.py)."""
-    if spec.polled:
-        from kernels import moe_polled  # builds on the kernels this module imports
-        return moe_polled.kernel_class(spec)
+    """The timeline class of a mk.timeline_specs spec."""
     if spec.kind == "w13w" and mk.bulk_scheme(spec.variant).startswith("bulk"):
         return MoeW13BulkTimelineSm90
     if spec.kind == "w13sr" and mk.bulk_scheme(spec.variant).startswith("bulk"):

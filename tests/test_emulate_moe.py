@@ -211,32 +211,6 @@ def test_selfrouted_w13w_chain_equals_the_reference(setup, rows):
         ml.selfrouted_w13w_launches(s.bundle, s.shape, s.ptrs, too_many, "bulkw_lean4")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 16])
-def test_polled_chain_equals_the_reference_and_leaves_its_counters_zero(setup, rows):
-    """Round 7: xquant -> w13sr "bulkf" -> w2sr "earlyp" -> combine, twice: the reference's y,
-    flags all zero after each launch (the last w2 item of an expert zeroes its counts); w2sr
-    "earlyp" after a w13sr that counted nothing raises (on the GPU its polls would time out);
-    the pair is refused by selfrouted_launches."""
-    s = setup
-    x, _, want = s.inputs("uniform", rows)
-    flags = s.arena.view("flags", np.uint32)
-    flags[...] = 0
-    launches = ml.polled_launches(s.bundle, s.shape, s.ptrs, rows)
-    assert [(spec.kernel.name.split("_")[1], spec.args[-2]) for spec in launches[1:3]] == [
-        (kind, s.ptrs["flags"]) for kind, _, _ in mk.POLLED_VARIANTS]
-    for launch in range(2):
-        what = f"polled chain (R={rows}, launch {launch})"
-        y_full = s.run(launches)
-        _check_y(y_full, want, what)
-        _check_xq(s, x, what)
-        assert (flags == 0).all(), f"{what}: counters left {np.flatnonzero(flags)}"
-    xquant, _, w2, _ = launches
-    with pytest.raises(ValueError, match=r"moe_w2sr_.*earlyp.*produced\["):
-        s.run([xquant, w2])
-    with pytest.raises(KeyError, match="polled_launches"):
-        ml.selfrouted_launches(s.bundle, s.shape, s.ptrs, rows, "bulkf", "earlyp")
-
-
 @pytest.mark.parametrize("rows", ROWS)
 def test_step_launches_pick_the_measured_winners(setup, rows):
     s = setup
@@ -245,10 +219,7 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
     names = [spec.kernel.name for spec in specs]
     tag = s.shape.tag()
     w13w, w13sr = ml.step_w13_variants(rows)
-    if rows >= ml.SELFROUTED_FROM_ROWS and ml.STEP_POLLED:     # s.ptrs has "flags"
-        expect = [f"moe_xquant_{tag}"] + [f"moe_{kind}_{tag}_{v}"
-                                          for kind, v, _ in mk.POLLED_VARIANTS]
-    elif rows >= ml.SELFROUTED_FROM_ROWS:
+    if rows >= ml.SELFROUTED_FROM_ROWS:
         expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{w13sr}", f"moe_w2sr_{tag}_early"]
     elif ml.STEP_BULK:
         w13 = (f"w13w_{tag}_{w13w}" if rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
@@ -318,8 +289,7 @@ def test_bad_input_and_unknown_variants_raise(setup):
 def test_requests_match_the_pointer_keys_and_the_abi(setup):
     s = setup
     names = {n for n, _, _ in ml.weight_requests(s.shape) + ml.requests(s.shape, 8)}
-    # + the polled pair's flags (the one pointer beyond its kind's, mk.MoeSpec.polled)
-    assert names == {key for keys in ml.POINTER_KEYS.values() for key in keys} | {"flags"}
+    assert names == {key for keys in ml.POINTER_KEYS.values() for key in keys}
     for kind, keys in ml.POINTER_KEYS.items():
         params = [n for n, _ in mk.PARAMS[kind]]
         assert params[-1] == "rows" and len(params) == len(keys) + 1, kind
@@ -389,4 +359,4 @@ def test_scratch_buffers_are_the_requests_of_the_rank_shape(config):
     shape = mk.moe_shape(cfg, 4)
     want = {n: b for n, b, _ in ml.requests(shape, 48)}
     got = {buf.name.removeprefix("moe."): buf.nbytes for buf in ml.scratch_buffers(cfg, 4, 48)}
-    assert got == {n: want[n] for n in ("meta", "pairs", "xq", "xs", "h", "ye", "y", "flags")}
+    assert got == {n: want[n] for n in ("meta", "pairs", "xq", "xs", "h", "ye", "y")}

@@ -1,7 +1,5 @@
 """kernels/moe_kernel_ref: repack round trips, kernel-order decode, routing lists, specs and ABI,
 the chain's exact reference against kernels/moe_ref, and the GPU test's tolerance."""
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
@@ -417,29 +415,3 @@ def test_lean_w13w_runs_at_a_128_register_bound(config, variant, ctas):
     assert ctas * (lean.smem_bytes + 1024) <= 228 * 1024
     groups = shape.k13 // mk.COL_K // (lean.block[0] // mk.LANES) // 2     # per warp slice
     assert mk.LEAN_B_WINDOW >= 1 and (groups == 1 or mk.LEAN_B_WINDOW < groups)  # v41: 4 of 10
-
-
-@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
-def test_polled_pair_is_its_base_kernels_with_one_flags_pointer(config):
-    """Round 7: w13sr "bulkf" / w2sr "earlyp" are w13sr "bulk" / w2sr "early" (same block, shared
-    memory, ring, occupancy and grid at every R) with `flags` before rows; flags holds the
-    header, produced[E] and consumed[E]; the pair is in the family's specs (both shapes)."""
-    from kernels import moe
-    cfg = ModelConfig.preset(config)
-    shape = mk.moe_shape(cfg, 4)
-    base = {(s.kind, s.variant): s for s in mk.selfrouted_specs(shape)}
-    polled = mk.polled_specs(shape)
-    assert [(s.kind, s.variant) for s in polled] == [(k, v) for k, v, _ in mk.POLLED_VARIANTS]
-    for spec, (kind, _, base_variant) in zip(polled, mk.POLLED_VARIANTS):
-        plain = base[(kind, base_variant)]
-        assert spec.polled and not plain.polled and spec.name != plain.name
-        assert spec.params == (*plain.params[:-1], ("flags", "u64"), ("rows", "u32"))
-        assert (spec.block, spec.smem_bytes, spec.stages, spec.ctas_per_sm) == (
-            plain.block, plain.smem_bytes, plain.stages, plain.ctas_per_sm)
-        assert all(spec.grid(r) == plain.grid(r) for r in (1, 3, 6, 48, 192))
-        assert spec.to_dict()["polled"] is True and "polled" not in plain.to_dict()
-        assert replace(spec, polled=False, name=plain.name, variant=plain.variant) == plain
-    assert mk.flags_words(shape.num_experts) == mk.FLAGS_HEADER + 2 * shape.num_experts
-    names = {s.name for s in moe.specs(cfg, 4)}
-    assert all(s.name in names for other in mk.moe_shapes(cfg, 4)
-               for s in mk.polled_specs(other))

@@ -91,7 +91,7 @@ def test_timeline_specs_add_stamps_before_rows(config):
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     specs = mk.timeline_specs(shape)
     every = {(s.kind, s.variant): s for s in mk.variant_specs(shape)
-             + mk.warp_routed_specs(shape) + mk.selfrouted_specs(shape) + mk.polled_specs(shape)}
+             + mk.warp_routed_specs(shape) + mk.selfrouted_specs(shape)}
     assert [(s.kind, s.variant) for s in specs] == [
         key for key in mk.TIMELINE_KERNELS if key in every]
     for spec in specs:
@@ -104,23 +104,21 @@ def test_timeline_specs_add_stamps_before_rows(config):
         assert spec.grid(1)[0] * mk.TIMELINE_RECORD_BYTES <= 132 * 4 * mk.TIMELINE_RECORD_BYTES
 
 
-@pytest.mark.parametrize(("rows", "polled"), [(1, False), (2, False), (6, False), (6, True)])
-def test_timeline_launches_swap_in_the_stamped_w13_and_w2(tiny_bundle_dir, rows, polled):
-    """The step's chain (or the polled pair) with its w13 / w2 replaced by their timeline builds:
-    the same kernels around them, each stamped kernel's stamps address right before rows (after
-    flags in the polled pair's), the grid of the kernel it replaces."""
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_timeline_launches_swap_in_the_stamped_w13_and_w2(tiny_bundle_dir, rows):
+    """The step's chain with its w13 / w2 replaced by their timeline builds: the same kernels
+    around them, each stamped kernel's stamps address right before rows, the grid of the kernel
+    it replaces."""
     from executor.hostmem import ManifestBundle
     from executor.launches import moe as ml
 
     bundle = ManifestBundle(tiny_bundle_dir)
     shape = ml.shape_from_bundle(bundle)
     ptrs = {key: 4096 * (i + 1) for i, key in enumerate(
-        sorted({k for keys in ml.POINTER_KEYS.values() for k in keys} | {"flags"}))}
+        sorted({k for keys in ml.POINTER_KEYS.values() for k in keys}))}
     stamps = (1 << 40, 1 << 41)
-    got = ml.timeline_launches(bundle, shape, ptrs, rows, stamps, polled)
-    if polled:
-        plain = ml.polled_launches(bundle, shape, ptrs, rows)
-    elif rows >= ml.SELFROUTED_FROM_ROWS:
+    got = ml.timeline_launches(bundle, shape, ptrs, rows, stamps)
+    if rows >= ml.SELFROUTED_FROM_ROWS:
         plain = ml.selfrouted_launches(bundle, shape, ptrs, rows, ml.STEP_SELFROUTED_W13,
                                        ml.SELFROUTED_EARLY)
     else:

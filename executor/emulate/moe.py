@@ -8,8 +8,6 @@ What each kind reads and writes (R = rows, k = top-k; buffers as executor/launch
   w13      meta, pairs, xq, xs, w13 weights -> h rows of the listed pairs
   w13sr    ids (its own lists), xq, xs, w13 weights -> h rows of every pair (w13w the same)
   w2, w2sr as w13 / w13sr with h and the w2 weights -> ye rows
-  polled   w13sr "bulkf" also counts tiles13 items per listed expert in flags; w2sr "earlyp"
-           requires those counts (its polls would time out otherwise) and zeroes them
   combine  route_weights, ye -> y [R, D] f32
 Weights are decoded from the packed bytes at the experts' addresses (mk.effective_weights: the
 kernel's prmt arithmetic). The GEMMs are moe_ref's W4A8 (per-128-group partials), so an emulated
@@ -34,8 +32,6 @@ KNOWN_VARIANTS = {
     "w13sr": tuple(v[0] for v in mk.W13SR_VARIANTS), "w13w": mk.W13W_VARIANTS,
     "w2sr": tuple(v[0] for v in mk.W2SR_VARIANTS),
 }
-for _kind, _variant, _ in mk.POLLED_VARIANTS:
-    KNOWN_VARIANTS[_kind] += (_variant,)
 
 
 def emulate(record, grid, args, space) -> None:
@@ -65,11 +61,7 @@ def emulate(record, grid, args, space) -> None:
     elif kind in ("w13sr", "w2sr", "w13w"):
         lists = _lists_from_ids(name, shape, space, args["topk_ids"], rows)
         experts = _by_expert(lists)
-        if spec.get("polled") and kind == "w2sr":
-            _await_counts(name, shape, space, args["flags"], experts)
         (_w2 if kind == "w2sr" else _w13)(name, shape, space, args, rows, experts)
-        if spec.get("polled") and kind == "w13sr":
-            _count_produced(shape, space, args["flags"], experts)
     else:
         _combine(shape, space, args, rows)
 
@@ -122,34 +114,6 @@ def _lists_from_meta(name, shape: mk.MoeShape, space, args, rows: int):
                              f"{count} pairs) does not fit {e} experts and {n} pairs")
         out.append((expert, listed.copy()))
     return out
-
-
-# ---- the polled handoff's counters (kernels/moe_polled.py) ------------------------------------
-
-def _flags(shape: mk.MoeShape, space, ptr: int) -> np.ndarray:
-    return space.array(ptr, np.uint32, (mk.flags_words(shape.num_experts),))
-
-
-def _count_produced(shape: mk.MoeShape, space, ptr: int, experts) -> None:
-    """w13sr "bulkf": every listed expert's tiles13 items counted in produced[e]."""
-    flags = _flags(shape, space, ptr)
-    for e, _ in experts:
-        flags[mk.FLAGS_HEADER + e] += shape.tiles13
-
-
-def _await_counts(name, shape: mk.MoeShape, space, ptr: int, experts) -> None:
-    """w2sr "earlyp": each listed expert's count must be whole (else the kernel's polls would time
-    out: raised here), and consumed[e] zero; both left zero, as its last item of e leaves them."""
-    flags = _flags(shape, space, ptr)
-    e_count = shape.num_experts
-    for e, _ in experts:
-        produced, consumed = (int(flags[mk.FLAGS_HEADER + e]),
-                              int(flags[mk.FLAGS_HEADER + e_count + e]))
-        if (produced, consumed) != (shape.tiles13, 0):
-            raise ValueError(f"{name}: flags at {space.name_of(ptr)} hold produced[{e}] = "
-                             f"{produced}, consumed[{e}] = {consumed}, expected {shape.tiles13}, 0 "
-                             "(not after its w13sr 'bulkf', or counters left from a launch before)")
-        flags[mk.FLAGS_HEADER + e] = 0
 
 
 # ---- activations --------------------------------------------------------------------------------

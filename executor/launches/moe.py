@@ -21,9 +21,6 @@ intermediate, E = experts; every activation buffer holds at least R rows):
            ye     bf16  [R*k, D]   expert output per pair
   output   y      f32   [R, D]     sum over slots of route_weights * ye: the rank's routed
                                    partial (fp32, for the all-reduce epilogue)
-  handoff  flags  u32   [4 + 2E]   the polled pair's counters (kernels/moe_polled.py): status,
-                                   produced[E], consumed[E]; zero before the first launch and
-                                   zero again after every polled chain
 
 Chains (each kernel waits on its predecessor with griddepcontrol):
   default      prep(ids, x -> meta, pairs, xq, xs) -> w13(meta, pairs, xq, xs, w13 -> h)
@@ -33,8 +30,6 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
   warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
   bulk         prep -> w13w "bulk" (rows * k <= 64) or w13sr "bulk" -> w2 "bulk" -> combine
                (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK)
-  polled       xquant -> w13sr "bulkf" -> w2sr "earlyp" -> combine: w2 items start on
-               per-expert counts in flags (kernels/moe_polled.py; STEP_POLLED from 3 rows)
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -103,12 +98,6 @@ BULK_W13W = "bulkw"
 # r6e measured neutral at R = 1 and slower from R = 2). Run r6a (bulk chain, us): R = 1 lean4
 # 23.78 vs bulkw 25.04, R = 2 36.69 vs 37.07. Revert: STEP_W13W_BY_ROWS = {}.
 STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
-# Round 7 (moe-design.md): from SELFROUTED_FROM_ROWS the step runs the polled pair (w13sr
-# "bulkf" -> w2sr "earlyp": w2 items start as their expert's w13 items are counted, not after
-# all of w13) where the caller's pointers include "flags" (the moe.flags scratch, zero before the
-# first launch). Run r7a: the pair FAULTED on the H200 (illegal address, e128_k3 R = 1, the
-# first v41 case; the tiny cases passed): off until it passes its GPU tests.
-STEP_POLLED = False
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
@@ -134,18 +123,13 @@ def available_specs(bundle, shape: mk.MoeShape) -> dict[tuple[str, str], mk.MoeS
     """(kind, variant) -> spec of every MoE kernel of this shape the bundle holds."""
     names = set(bundle.names())
     every = (mk.make_specs(shape) + mk.variant_specs(shape) + mk.warp_routed_specs(shape)
-             + mk.selfrouted_specs(shape) + mk.polled_specs(shape))
+             + mk.selfrouted_specs(shape))
     return {(s.kind, s.variant): s for s in every if s.name in names}
 
 
 def variant_names(available, kind: str) -> list[str]:
-    """The variants of kind in `available` ("" = the default), in mk's spec order; not the
-    polled pair, which runs only as a pair (`polled_launches`)."""
-    return [v for (k, v), spec in available.items() if k == kind and not spec.polled]
-
-
-def has_polled(available) -> bool:
-    return all((kind, v) in available for kind, v, _ in mk.POLLED_VARIANTS)
+    """The variants of kind in `available` ("" = the default), in mk's spec order."""
+    return [v for (k, v) in available if k == kind]
 
 
 def has_selfrouted(available) -> bool:
@@ -153,8 +137,7 @@ def has_selfrouted(available) -> bool:
 
 
 def _launch(bundle, spec: mk.MoeSpec, ptrs: Mapping[str, int], rows: int) -> LaunchSpec:
-    keys = (POINTER_KEYS[spec.kind] + (("flags",) if spec.polled else ())
-            + (("stamps",) if spec.timeline else ()))
+    keys = POINTER_KEYS[spec.kind] + (("stamps",) if spec.timeline else ())
     missing = [key for key in keys if key not in ptrs]
     if missing:
         raise KeyError(f"{spec.name}: no address for {missing} (it takes {list(keys)})")
@@ -198,28 +181,11 @@ def selfrouted_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], row
         single = ("w2sr", mk.W2SR_SINGLE_ROW_VARIANT)
         w2 = single[1] if rows == 1 and single in available else ""
     for key in (("w13sr", w13), ("w2sr", w2)):
-        if key not in available or available[key].polled:
+        if key not in available:
             raise KeyError(f"no {key[0]} variant {key[1]!r} in the bundle "
-                           f"(have {variant_names(available, key[0])}; the polled pair runs "
-                           "through polled_launches)")
+                           f"(have {variant_names(available, key[0])})")
     keys = [("xquant", ""), ("w13sr", w13), ("w2sr", w2), ("combine", "")]
     return [_launch(bundle, available[key], ptrs, rows) for key in keys]
-
-
-def polled_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                    available=None) -> list[LaunchSpec]:
-    """xquant -> w13sr "bulkf" -> w2sr "earlyp" -> combine: the self-routed chain whose w2
-    items start on per-expert counts in `flags` (kernels/moe_polled.py); always the pair, so
-    that the counters are zero again after it."""
-    available = available_specs(bundle, shape) if available is None else available
-    if not has_polled(available):
-        raise KeyError(f"the bundle has no polled MoE pair of {shape.tag()} "
-                       f"({[f'{k} {v}' for k, v, _ in mk.POLLED_VARIANTS]})")
-    xquant, _, _, combine = selfrouted_launches(bundle, shape, ptrs, rows, "bulk",
-                                                SELFROUTED_EARLY, available)
-    w13, w2 = (_launch(bundle, available[(kind, v)], ptrs, rows)
-               for kind, v, _ in mk.POLLED_VARIANTS)
-    return [xquant, w13, w2, combine]
 
 
 def selfrouted_w13w_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
@@ -299,9 +265,6 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
     pairs."""
     available = available_specs(bundle, shape)
     w13w, w13sr = step_w13_variants(rows)
-    if (STEP_POLLED and rows >= SELFROUTED_FROM_ROWS and "flags" in ptrs
-            and has_polled(available)):
-        return polled_launches(bundle, shape, ptrs, rows, available)
     chosen = {("w13sr", w13sr), ("w2sr", SELFROUTED_EARLY)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and chosen <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, w13sr, SELFROUTED_EARLY,
@@ -317,22 +280,15 @@ def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
 
 
 def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                      stamps: tuple[int, int], polled: bool = False) -> list[LaunchSpec]:
+                      stamps: tuple[int, int]) -> list[LaunchSpec]:
     """The step's chain at `rows` (the bulk chain with w13w BULK_W13W and w2 "bulk" below
-    SELFROUTED_FROM_ROWS; from there the self-routed one, or with `polled` the polled pair,
-    whose timeline builds take ptrs["flags"] too) with its w13 and w2 replaced by their
-    timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
+    SELFROUTED_FROM_ROWS; from there the self-routed one) with its w13 and w2 replaced by
+    their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
     w2's) addresses, each at least grid x mk.TIMELINE_RECORD_BYTES."""
     available = available_specs(bundle, shape)
     timeline = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)
                 if s.name in set(bundle.names())}
-    if polled:
-        if rows < SELFROUTED_FROM_ROWS:
-            raise ValueError(f"the polled timeline runs from {SELFROUTED_FROM_ROWS} rows, "
-                             f"not {rows}")
-        w13, w2 = ((kind, v) for kind, v, _ in mk.POLLED_VARIANTS)
-        chain = polled_launches(bundle, shape, ptrs, rows, available)
-    elif rows >= SELFROUTED_FROM_ROWS:
+    if rows >= SELFROUTED_FROM_ROWS:
         w13, w2 = ("w13sr", STEP_SELFROUTED_W13), ("w2sr", SELFROUTED_EARLY)
         chain = selfrouted_launches(bundle, shape, ptrs, rows, w13[1], w2[1], available)
     else:
@@ -382,9 +338,7 @@ def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str,
             ("xs", 4 * r * g, f"f32 [{r}, {g}] x group scales"),
             ("h", 2 * r * k * i, f"bf16 [{r * k}, {i}] SwiGLU per pair"),
             ("ye", 2 * r * k * d, f"bf16 [{r * k}, {d}] expert output per pair"),
-            ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial"),
-            ("flags", 4 * mk.flags_words(shape.num_experts),
-             f"u32 [{mk.flags_words(shape.num_experts)}] polled handoff counters")]
+            ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial")]
 
 
 def scratch_buffers(cfg, tp: int, max_rows: int):
@@ -403,7 +357,4 @@ def scratch_buffers(cfg, tp: int, max_rows: int):
             Buffer("moe.xs", np.float32, (r, g), "x group scales"),
             Buffer("moe.h", BF16, (r * k, inter), "SwiGLU per pair"),
             Buffer("moe.ye", BF16, (r * k, shape.hidden), "expert output per pair"),
-            Buffer("moe.y", np.float32, (r, shape.hidden), "routed partial"),
-            Buffer("moe.flags", np.uint32,
-                   (max(mk.flags_words(s.num_experts) for s in shapes),),
-                   "polled w13 -> w2 handoff counters: zero before the first launch")]
+            Buffer("moe.y", np.float32, (r, shape.hidden), "routed partial")]

@@ -14,8 +14,7 @@ chain the step runs (prep, w13w or w13sr "bulk", w2 "bulk" / "bulkp" / "bulkpd" 
 first tile decoded before the wait), combine) and its w13w "bulkw_lean4" form; all bitwise equal
 to each other), and two replays bitwise equal; then the self-routed chain
 (kernels/moe_selfroute.py, every w13sr and w2sr variant) from poisoned buffers: h and y bitwise
-the default chain's, its quantized x bitwise. The polled pair (kernels/moe_polled.py) has its own
-modules (test_moe_polled_*.py: a fault there costs only that module).
+the default chain's, its quantized x bitwise.
 At the real shape only a pool of experts (at random ids among 384) holds weights; the others are
 zero, so a kernel reading a wrong expert is caught. Every failure label carries the draws' seeds
 (weight pool, inputs), so a failure can be replayed on the CPU.
