@@ -178,12 +178,12 @@ class SparseMqaSpec:
     # two accumulator chains. The logits' fp32 summation order differs from the plain order.
     qk_runs: bool = False
     timeline: bool = False             # per-CTA stamps (TIMELINE_POINTS); params TIMELINE_PARAMS
-    # Round 7 candidate: resolve the addresses and issue every record copy BEFORE
-    # griddepcontrol.wait, q after it. Valid only where everything but q was written by kernels
-    # that completed before this one started: the step's wiring guarantees it when the kernel
-    # launched right before (attn.rope_swa_insert: kernels/rope.py) triggers its dependents
-    # after its own wait (so wq_b, the indexer, the compressor, the SWA insert and rows_prep have
-    # completed). Needs split="fixed" and the push exchange.
+    # Round 7 candidate, the step's kernel since round 8: resolve the addresses and issue every
+    # record copy BEFORE griddepcontrol.wait, q after it. Valid only where everything but q was
+    # written by kernels that completed before this one started: the step's wiring guarantees it
+    # when the kernel launched right before (attn.rope_swa_insert: kernels/rope.py) triggers its
+    # dependents after its own wait (so wq_b, the indexer, the compressor, the SWA insert and
+    # rows_prep have completed). Needs split="fixed" and the push exchange.
     early: bool = False
 
     @property
@@ -286,9 +286,16 @@ TOPK_VARIANTS = {"balanced": {}, "fixed": {"split": "fixed"},
                  "fixed_push_runs": {"split": "fixed", "exchange": "push", "qk_runs": True},
                  "fixed_push_runs_early": {"split": "fixed", "exchange": "push", "qk_runs": True,
                                            "early": True}}
-# The top-k kernel the step runs. One-line revert: TOPK_VARIANTS["fixed_push"], or "fixed" (the
-# best measured in session 1, 12.7 us at R = 1).
-STEP_TOPK_VARIANT = TOPK_VARIANTS["fixed_push_runs"]
+# The top-k kernel the step runs. Round 8: fixed_push_runs_early (addresses and record copies
+# before griddepcontrol.wait), bitwise equal to fixed_push_runs; run r7c, attn_timeline family PDL
+# chain, exit pitch us at 4k R = 1 / 6, 64k R = 1 / 6: 11.07 / 11.01 / 10.82 / 11.07 ->
+# 9.73 / 9.63 / 9.41 / 9.60 (-1.3 us a launch; predicted -0.3 to -0.8 in the step, where the
+# window before the wait is only the RoPE kernel's tail). Its premise (the kernel launched right
+# before it triggers after its own wait) is tests/test_sparse_mqa_early_contract.py.
+# One-line revert: STEP_TOPK_VARIANT = STEP_TOPK_VARIANT_ROUND7 (still built: candidate_specs);
+# older: TOPK_VARIANTS["fixed_push"], or "fixed" (the best measured in session 1, 12.7 us at R = 1).
+STEP_TOPK_VARIANT_ROUND7 = TOPK_VARIANTS["fixed_push_runs"]
+STEP_TOPK_VARIANT = TOPK_VARIANTS["fixed_push_runs_early"]
 
 
 def _topk_spec(cfg, tp: int, max_block_rows: int, **variant) -> SparseMqaSpec:
@@ -323,8 +330,9 @@ def variant_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):
                      for skip in PUSH_ABLATIONS]
 
 
-# Candidates whose timeline twin is built beside the step kernels' (round 7).
-TIMELINE_CANDIDATES = ("fixed_push_runs_early",)
+# Candidates whose timeline twin is built beside the step kernels' (round 7: the early one; round
+# 8, the step's now: the round-7 step kernel, so either side of the switch has its twin).
+TIMELINE_CANDIDATES = ("fixed_push_runs", "fixed_push_runs_early")
 
 
 def timeline_specs(cfg, tp: int, max_block_rows: int = DEFAULT_MAX_BLOCK_ROWS):

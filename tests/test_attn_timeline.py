@@ -201,7 +201,7 @@ def test_early_build_reaches_its_points_in_another_order():
     order = ref.timeline_points(early)
     assert sorted(order) == sorted(POINTS) and order != POINTS
     assert order.index("issued") < order.index("before_wait") < order.index("landed")
-    assert ref.timeline_points(ref.sparse_mqa_specs(cfg, 4)[1]) == POINTS
+    assert ref.timeline_points(ref.candidate_specs(cfg, 4)["fixed_push_runs"]) == POINTS
     s, _, _ = _launch(4, 1_000_000, 1.8)                   # word order -> reached order
     r = s.reordered(order)
     for p in POINTS:

@@ -2,7 +2,8 @@
 
 A timeline build is the step's kernel plus per-CTA stamps; it must compute exactly what the
 production kernel computes. Each case draws fresh inputs (executor.sparse_mqa_chain.make_case) and
-checks, on the step's SWA-only and top-k kernels and the early candidate:
+checks, on the step's SWA-only and top-k kernels (top-k: `fixed_push_runs_early` since round 8)
+and the other TIMELINE_CANDIDATES (the round-7 step kernel `fixed_push_runs`):
 - the output equals the production kernel's bit for bit (every element: the twin's point), and
   the production output is within the reference's error bound everywhere, no NaN, padding rows
   zero. Not the >= 98% bit-equal rule of tests/gpu/test_sparse_mqa.py: on this test's short tiny
@@ -82,12 +83,17 @@ def _check_stamps(raw: np.ndarray, spec: ref.SparseMqaSpec, rows: int, sm_count:
     assert (stamps.gt[:, -1] > stamps.gt[:, 0]).all()
 
 
-@pytest.mark.parametrize("which", ["swa", "topk", "early"])
+# The TIMELINE_CANDIDATES whose twin is not the step's (round 8: the round-7 step kernel).
+CANDIDATES = [k for k in ref.TIMELINE_CANDIDATES
+              if ref.TOPK_VARIANTS[k] != ref.STEP_TOPK_VARIANT]
+
+
+@pytest.mark.parametrize("which", ["swa", "topk", *CANDIDATES])
 @pytest.mark.parametrize("rows", sorted(BLOCKS))
 def test_timeline_build_matches_production(dev, stream, setup, which, rows):
     _, cfg, bundle = setup
-    if which == "early":                # the round-7 candidate's twin (ref.TIMELINE_CANDIDATES)
-        production = ref.candidate_specs(cfg, 4)["fixed_push_runs_early"]
+    if which in CANDIDATES:             # a candidate's twin (ref.TIMELINE_CANDIDATES)
+        production = ref.candidate_specs(cfg, 4)[which]
     else:
         production = ref.sparse_mqa_specs(cfg, 4)[0 if which == "swa" else 1]
     timeline = {s.name: s for s in ref.timeline_specs(cfg, 4)}[production.name + "_timeline"]
