@@ -545,7 +545,15 @@ R8_VARIANT_ROUND5 = {**R8_VARIANT_ROUND4, "wqa_wkv": "stream_xtb", "wo_b": "stre
 # (xtu 4.90 vs 5.23) stays: its f32 / residual tile kernels have not run on the GPU.
 R8_VARIANT_ROUND7 = {**R8_VARIANT_ROUND5, "wqa_wkv": "stream_xtwp", "shared_w13": "stream_xtwp",
                      "wq_b": "stream_xtwp"}
-R8_VARIANT = R8_VARIANT_ROUND7          # revert: = R8_VARIANT_ROUND5 (round 4: _ROUND4)
+# Round 8: wo_b -> stream_xtu (run r7c, family PDL chain, us at R = 1 / 6, bf16: step kernel xtb
+# unit 2048 5.23 / 5.61 -> xtu 4.90 / 5.11; xtup 4.90 / 5.09, a tie, so the unpadded one; xtw /
+# xtwp do not build for wo_b: 16 warps' partials exceed STREAM_SMEM_BUDGET). The step's wo_b
+# takes the bf16 epilogue (attn_proj, also the DSpark stages); its f32 / residual kernels are
+# tile kernels now too, never run before: GPU-tested first by tests/gpu/test_dense_tile_epilogues
+# .py, then by test_dense with every kernel. The xtb unit-2048 kernel stays built as the candidate
+# `_sxtb_u2048` (R8_UNIT_CANDIDATES).
+R8_VARIANT_ROUND8 = {**R8_VARIANT_ROUND7, "wo_b": "stream_xtu"}
+R8_VARIANT = R8_VARIANT_ROUND8          # revert: = R8_VARIANT_ROUND7 (round 5: _ROUND5)
 # R <= 8 candidates compiled beside the step's kernel (bf16 epilogue), so the family benchmark
 # measures them side by side. Round 5: stream_xt / _xts / _xtb beside each other on the layers
 # round 4 gave stream_xt (the round-4

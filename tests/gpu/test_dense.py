@@ -3,7 +3,8 @@
 Every shape the bundles hold (tiny: HOPDEC_BUNDLE, V4.1-Flash TP4: HOPDEC_BUNDLE_V41), rows in
 {1, 5, 6, 8, 17, 48, 192}, fresh random inputs, outputs poisoned with NaN before each launch, every
 element checked, rows past `rows` checked untouched, and a second launch compared bitwise (the
-split-K / argmax counters must be back at zero for it to be right).
+split-K / argmax counters must be back at zero for it to be right). The dense cases (weights,
+launch, check) are tests/gpu/dense_cases.py, shared with test_dense_tile_epilogues.
 
 Tolerances (kernels/dense_ref.dense_tolerance, lm_head_ref.logits_tolerance): the kernel sums in
 fp32 in another order than NumPy, so it is compared with the float64 product within the fp32
@@ -20,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dense_cases import DenseCase, dense_spec_of, records
 
 from executor.runtime import Arena, Bundle, LaunchSpec
 from kernels import dense_ref as dr
 from kernels import lm_head_ref as lr
 from kernels.common_ref import BF16
-from loader.formats import fp8_block_dequantize
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -45,93 +46,6 @@ def bundle(request, dev):
     b.close()
 
 
-def _records(bundle, family: str):
-    return [bundle.manifest.kernels[n] for n in bundle.names()
-            if bundle.manifest.kernels[n].family == family]
-
-
-def _dense_spec(rec) -> dr.DenseSpec:
-    s = rec.spec
-    spec = dr.DenseSpec.from_dict(s)
-    assert spec.to_dict() == s, f"{rec.name}: manifest spec differs from DenseSpec"
-    return spec
-
-
-def _nan(dtype: str) -> int:
-    return 0x7FC0 if dtype == "bf16" else 0x7FC00000
-
-
-class DenseCase:
-    """One shape's weights on host and device, float64 products for 192 rows (sliced per R)."""
-
-    def __init__(self, dev, specs: list[dr.DenseSpec], rng):
-        spec = specs[0]
-        g, n, k = spec.groups, spec.n, spec.k
-        self.w = dr.random_e4m3(rng, (g, n, k))
-        self.s = rng.integers(112, 125, size=(g, n // 32, k // 32)).astype(np.uint8)
-        self.x = rng.standard_normal((dr.MAX_ROWS, g * k)).astype(BF16)
-        self.res = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(BF16)
-        self.res_f32 = rng.standard_normal((dr.MAX_ROWS, g * n)).astype(np.float32)
-        self.exact, self.acc_bound = self._products(self.w)
-        self.swiglu_products = None         # the same bytes read as interleave_gate_up'd rows
-        ws = max([s.workspace_bytes() for s in specs] + [4])
-        cnt = max([s.counters_bytes() for s in specs] + [4])
-        self.arena = Arena(dev, [("x", self.x.nbytes), ("w", self.w.nbytes), ("s", self.s.nbytes),
-                                 ("res", self.res.nbytes), ("resf", self.res_f32.nbytes),
-                                 ("out", dr.MAX_ROWS * g * n * 4), ("ws", ws), ("cnt", cnt)])
-        for name, host in (("x", self.x), ("w", self.w), ("s", self.s), ("res", self.res),
-                           ("resf", self.res_f32)):
-            self.arena.view(name, np.uint8)[:host.nbytes] = cp.asarray(host.view(np.uint8).ravel())
-        self.arena.view("cnt", np.uint32)[:] = 0
-        cp.cuda.Device().synchronize()
-
-    def _products(self, w):
-        """float64 x·Wᵀ and the fp32 summation bound 2*(K-1)*2^-24*sum|x*w|, [192, G*N]."""
-        g, n, k = w.shape
-        xf = self.x.astype(np.float64)
-        exact, acc_bound = np.empty((dr.MAX_ROWS, g * n)), np.empty((dr.MAX_ROWS, g * n))
-        for gi in range(g):
-            wf = fp8_block_dequantize(w[gi], self.s[gi]).astype(np.float64)
-            xg = xf[:, gi * k:(gi + 1) * k]
-            exact[:, gi * n:(gi + 1) * n] = xg @ wf.T
-            acc_bound[:, gi * n:(gi + 1) * n] = (2.0 * (k - 1) * 2.0**-24
-                                                 * (np.abs(xg) @ np.abs(wf).T))
-        return exact, acc_bound
-
-    def run(self, bundle, spec: dr.DenseSpec, rows: int, stream) -> np.ndarray:
-        out_t = np.uint16 if spec.out_dtype == "bf16" else np.uint32
-        out = self.arena.view("out", out_t, (dr.MAX_ROWS, spec.out_width))
-        out[:] = _nan(spec.out_dtype)
-        cp.cuda.Device().synchronize()
-        a = self.arena
-        LaunchSpec(bundle.kernel(spec.name), spec.grid(rows),
-                   (a.ptr("x"), a.ptr("w"), a.ptr("s"),
-                    a.ptr("resf" if spec.epilogue == "add_f32" else "res"), a.ptr("out"),
-                    a.ptr("ws"), a.ptr("cnt"), rows)).launch(stream)
-        stream.synchronize()
-        return cp.asnumpy(out)
-
-    def check(self, spec: dr.DenseSpec, rows: int, raw: np.ndarray) -> None:
-        assert np.all(raw[rows:] == _nan(spec.out_dtype)), f"{spec.name}: wrote past row {rows}"
-        got = raw[:rows].view(BF16 if spec.out_dtype == "bf16" else np.float32)
-        got = got.astype(np.float64)
-        exact, acc = self.exact, self.acc_bound
-        if spec.epilogue == "swiglu":
-            if self.swiglu_products is None:
-                self.swiglu_products = self._products(dr.deinterleave_gate_up(self.w))
-            exact, acc = self.swiglu_products
-        res = self.res_f32 if spec.epilogue == "add_f32" else self.res
-        exact, bound = dr.epilogue_expectation(spec, exact[:rows], acc[:rows], res[:rows])
-        assert np.isfinite(got).all(), f"{spec.name} R={rows}: NaN left in the output"
-        bad = np.argwhere(np.abs(got - exact) > bound)
-        assert bad.size == 0, (f"{spec.name} R={rows}: {len(bad)} elements out of bound, first "
-                               f"{tuple(bad[0])}: got {got[tuple(bad[0])]}, exact "
-                               f"{exact[tuple(bad[0])]}, bound {bound[tuple(bad[0])]}")
-
-    def close(self):
-        self.arena.close()
-
-
 def _rows_for(spec: dr.DenseSpec) -> tuple[int, ...]:
     """Main variants (r8: R <= 8, r32: R > 8) at every R; the other variant and the extra
     epilogues at a few R (every kernel still runs a multi-pass R)."""
@@ -146,12 +60,12 @@ def _rows_for(spec: dr.DenseSpec) -> tuple[int, ...]:
 
 
 def test_dense_and_wo_a_kernels_match_the_reference(bundle, dev, stream):
-    recs = _records(bundle, "kernels.dense") + _records(bundle, "kernels.wo_a")
+    recs = records(bundle, "kernels.dense") + records(bundle, "kernels.wo_a")
     assert recs, "bundle has no dense kernels"
     rng = np.random.default_rng()
     by_shape: dict = {}
     for rec in recs:
-        spec = _dense_spec(rec)
+        spec = dense_spec_of(rec)
         by_shape.setdefault((spec.groups, spec.n, spec.k), []).append(spec)
     for specs in by_shape.values():
         case = DenseCase(dev, specs, rng)
@@ -171,7 +85,7 @@ def test_dense_timeline_kernels_stamp_every_point_in_order(bundle, dev, stream):
     row of the workspace all (globaltimer, clock64) stamps, non-decreasing in program order, on
     a real SM, nothing written past the row's used words (executor/dense_timeline.py)."""
     from executor.dense_timeline import Stamps
-    specs = [s for s in map(_dense_spec, _records(bundle, "kernels.dense")) if s.timeline]
+    specs = [s for s in map(dense_spec_of, records(bundle, "kernels.dense")) if s.timeline]
     assert specs, "bundle has no dense timeline kernels"
     rng = np.random.default_rng()
     used = 2 * len(dr.TIMELINE_POINTS) + 1
@@ -214,7 +128,7 @@ def _head_case(vocab: int, hidden: int, seed: int):
 
 
 def test_lm_head_logits_and_split_vocab_argmax(bundle, dev, stream):
-    recs = _records(bundle, "kernels.lm_head")
+    recs = records(bundle, "kernels.lm_head")
     assert recs, "bundle has no lm_head kernels"
     vocab, hidden = recs[0].spec["vocab"], recs[0].spec["hidden"]
     x, head, winners = _head_case(vocab, hidden, int(np.random.default_rng().integers(1 << 30)))
