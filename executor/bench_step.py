@@ -28,9 +28,11 @@ from a real TP4 step, and why:
   sees distinct scores); every sequence has its own pages; block tables, slots and context
   lengths are consistent (RowBatch validates them).
 
-Timed per (bucket, context): graph replay (CUDA events, median of GRAPH_REPS), the same graph
-captured without PDL, the same launches eagerly with and without PDL (host-bound: Python issues
-~4 us per launch), and per stage role a graph of that role's launches over all layers (the
+Timed per (bucket, context): graph replay (CUDA events, median of GRAPH_REPS; the plan's side
+stages beside the chain, executor/branches.py), the same graph captured without PDL, the graphs
+of the STEP_VARIANTS (HOPDEC_STEP_VARIANTS; the step re-wired with a switch at its previous
+choice, e.g. "serial": no side branches), the same launches eagerly on one stream with and
+without PDL (host-bound: Python issues ~4 us per launch), and per stage role a graph of that role's launches over all layers (the
 per-family breakdown, with launches per step and us per launch; replayed alone, so boundaries
 with the neighbours are not in it: the whole graph minus the sum of the roles is their cost). No L2
 flush: a step reads ~4-10 GB, 70-170x the 60 MB L2. Bytes that must be read: the dense weights
@@ -40,15 +42,19 @@ KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 m
 from __future__ import annotations
 
 import bisect
+import contextlib
+import importlib
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from executor.bench_step_pack import pack_parallel, pack_workers, repeats
 from executor.bind import CacheGeometry, binding_rules
+from executor.branches import SideStream
 from executor.plan import decode_plan
 from executor.reference.kvcache import next_pow2
 from executor.reference.rows import RowBatch, RowBlock
@@ -330,10 +336,57 @@ def role_groups(built) -> dict[str, list]:
 
 
 def without_pdl(specs) -> list:
+    return [no_pdl(s) for s in specs]
+
+
+def no_pdl(spec):
     from executor.launch import LaunchSpec
 
-    return [LaunchSpec(s.kernel, s.grid, s.args, pdl=False, smem=s.smem, cluster=s.cluster)
-            for s in specs]
+    return LaunchSpec(spec.kernel, spec.grid, spec.args, pdl=False, smem=spec.smem,
+                      cluster=spec.cluster)
+
+
+# Variants the step benchmark times beside the step's own wiring (HOPDEC_STEP_VARIANTS, e.g.
+# "serial"; "none" for none): each re-wires the plan with module constants set as listed, so
+# one run compares them on the same weights, caches and GPU (the kernels must be in the bundle).
+# A variant is the previous choice of a switch, kept until the switch has been measured.
+STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
+    "serial": lambda: {("executor.plan", "STEP_BRANCHES"): False},
+    "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
+                           _constant("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT_ROUND7")},
+}
+VARIANTS_ENV = "HOPDEC_STEP_VARIANTS"
+
+
+def _constant(module: str, attr: str):
+    return getattr(importlib.import_module(module), attr)
+
+
+def selected_variants() -> list[str]:
+    raw = os.environ.get(VARIANTS_ENV, ",".join(STEP_VARIANTS))
+    names = [] if raw.strip() == "none" else [v.strip() for v in raw.split(",") if v.strip()]
+    unknown = [v for v in names if v not in STEP_VARIANTS]
+    if unknown:
+        raise ValueError(f"{VARIANTS_ENV}: unknown variant(s) {unknown}; known: "
+                         f"{sorted(STEP_VARIANTS)} or 'none'")
+    return names
+
+
+@contextlib.contextmanager
+def overrides(settings: dict[tuple[str, str], object]):
+    """Module constants set for the body, restored after (also on error)."""
+    saved = []
+    try:
+        for (module, attr), value in settings.items():
+            mod = importlib.import_module(module)
+            if not hasattr(mod, attr):
+                raise AttributeError(f"step variant: {module} has no {attr}")
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
 
 
 # ---- the benchmark (GPU) --------------------------------------------------------------------------
@@ -370,6 +423,7 @@ class DeviceStep:
         from executor.runtime import Arena
 
         self.cp, self.cfg, self.stream, self.dspark = cp, cfg, ctx.stream, dspark
+        self.side = SideStream.create(ctx.device)         # the plan's side branches
         self.modules, self.rank = tuple(modules), rank
         self.pack_workers = pack_workers()
         requests, uploads, self.pack_s = host_contents(cfg, workers=self.pack_workers,
@@ -410,8 +464,23 @@ class DeviceStep:
 
     def wire_plans(self, step) -> None:
         """The decode step on the benchmark's stage modules (BENCH_MODULES unless given)."""
+        self.step = step
         self.plan = wire(decode_plan(self.cfg), step, self.modules)
         self.plan.require_complete()
+
+    def capture(self, plan, rows: int, relaunch=None):
+        """A graph of `plan`'s step for `rows`: side stages beside the chain (executor/branches)."""
+        from executor.graphs import Graph
+
+        with Graph.capture(self.stream) as graph:
+            plan.record(self.stream, rows, side=self.side, relaunch=relaunch)
+        return graph
+
+    def variant_graph(self, name: str, rows: int):
+        """The step re-wired under STEP_VARIANTS[name], captured (constants restored after)."""
+        with overrides(STEP_VARIANTS[name]()):
+            plan = wire(decode_plan(self.cfg), self.step, self.modules)
+            return self.capture(plan, rows)
 
     def load(self, case: Case, context: int, seed: int = SEED) -> None:
         from executor.emulate.ranks import fill_caller_tensors
@@ -507,7 +576,10 @@ def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
     ctx.metric(f"step R={case.rows}: dense weight bytes (the slices its launches read)",
                weights.dense / 1e9, "GB")
     plain = without_pdl(specs)
-    graphs = {"pdl": _capture(dev.stream, specs), "plain": _capture(dev.stream, plain)}
+    graphs = {"pdl": dev.capture(dev.plan, case.rows),
+              "plain": dev.capture(dev.plan, case.rows, relaunch=no_pdl)}
+    variants = selected_variants()
+    graphs.update({f"variant {name}": dev.variant_graph(name, case.rows) for name in variants})
     groups = {role: group for role, group in role_groups(built).items() if group}
     roles = {role: _capture(dev.stream, group) for role, group in groups.items()}
     timer, lines = ctx.timer, []
@@ -532,6 +604,10 @@ def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
                        f"<= {target * 1e3:.0f}" if target else "",
                        with_ar <= target * 1e3 if target else None)
             ctx.metric(f"{tag}: graph without PDL", times["plain"], "us")
+            for name in variants:
+                us = times[f"variant {name}"]
+                ctx.metric(f"{tag}: graph of variant {name} (the step's wiring: "
+                           f"{times['pdl']:.1f} us, {us - times['pdl']:+.1f} us)", us, "us")
             ctx.metric(f"{tag}: eager with PDL", times["eager"], "us")
             ctx.metric(f"{tag}: eager without PDL", times["eager_plain"], "us")
             floor = nbytes / HBM_BYTES_PER_S * 1e6

@@ -55,6 +55,7 @@ from executor.bind import (
     cuda_device,
     validate_binding,
 )
+from executor.branches import SideStream
 from executor.graphs import BUCKETS, GraphSet, bucket_table
 from executor.plan import Plan, decode_plan, draft_plan
 from executor.reasons import SUPPORTED_FEATURES, StepFeature, StepResult
@@ -185,10 +186,12 @@ class Executor:
             for p in self._plans():
                 p.require_complete()
             stream = self.device.stream() if stream is None else stream
-            graphs.append(self._capture_plan(self.plan, stream, self._step_buckets))
+            side = (SideStream.create(self.device)
+                    if any(p.has_branches for p in self._plans()) else None)
+            graphs.append(self._capture_plan(self.plan, stream, side, self._step_buckets))
             if self.dspark:
                 k = self.config.dspark_block_size
-                graphs.append(self._capture_plan(self.draft_plan, stream,
+                graphs.append(self._capture_plan(self.draft_plan, stream, side,
                                                  tuple(s * k for s in self.round_slots)))
         except BaseException:
             for g in graphs:
@@ -204,9 +207,9 @@ class Executor:
     def _plans(self) -> list[Plan]:
         return [self.plan] + ([self.draft_plan] if self.dspark else [])
 
-    def _capture_plan(self, plan: Plan, stream, buckets) -> GraphSet:
+    def _capture_plan(self, plan: Plan, stream, side, buckets) -> GraphSet:
         def record(rows: int) -> None:
-            plan.record(stream, rows, self._ranges)
+            plan.record(stream, rows, self._ranges, side=side)
         return self._capture_graphs(stream, record, buckets)
 
     def _wire(self) -> None:

@@ -14,12 +14,27 @@ until `executor.wiring.wire` builds it. A missing stage is of one of two kinds:
 - NOT_WIRED: the family exists in kernels/ and its pointer-level launch builder in
   executor/launches/, but no stage module (executor/stages/) builds the stage yet.
 `Plan.wire(name, build)` replaces one missing stage by its launches as that work lands.
+
+Side branches (executor/branches.py): a stage marked `side` runs on a second stream, forked from
+the main one where the branch's first side stage stands; the main stream waits for the branch
+before the next stage marked `joins` of the same layer. `decode_plan` / `draft_plan` mark the
+roles of SIDE_ROLES and JOIN_ROLES while STEP_BRANCHES. Every serial order of a plan (its stage
+order, or each branch moved to its join: `launches(rows, side_last=True)`) computes the same bytes;
+tests/test_plan_branches.py checks that on the emulated tiny step.
 """
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+
+# The layer's work that feeds nothing the main chain runs next (executor/branches.py): the
+# shared expert's w1|w3 (read by its w2 after the routed experts) and the compressor and
+# indexer (read by sparse MQA after wq_b and the q RoPE) run beside the chain.
+# Revert: STEP_BRANCHES = False (one stream, the stages in plan order).
+STEP_BRANCHES = True
+SIDE_ROLES = frozenset({"attn.compressor", "attn.indexer", "ffn.shared_w13"})
+JOIN_ROLES = frozenset({"attn.sparse_mqa", "ffn.shared_expert"})
 
 NO_KERNEL = "no kernel"
 NOT_WIRED = "kernel exists, not wired to the executor's buffers"
@@ -34,10 +49,14 @@ class Stage:
     layer: int | None = None        # None for head and tail stages
     build: Callable[[int], Sequence] | None = None
     missing: str = ""               # NO_KERNEL or NOT_WIRED when build is None
+    side: bool = False              # runs on the side stream (executor/branches.py)
+    joins: bool = False             # the main stream waits for the open branch before this stage
 
     def __post_init__(self):
         if (self.build is None) == (not self.missing):
             raise ValueError(f"stage {self.name!r}: give exactly one of build or missing")
+        if self.side and self.joins:
+            raise ValueError(f"stage {self.name!r}: a side stage cannot join its own branch")
 
     @property
     def range_name(self) -> str:
@@ -56,6 +75,25 @@ class Plan:
             raise ValueError(f"plan: stage names used twice: {dup}")
         if not self.stages:
             raise ValueError("plan: no stages")
+        self._check_branches()
+
+    def _check_branches(self) -> None:
+        """Every branch (side stages) joins before a `joins` stage of its own layer."""
+        open_at = None
+        for s in self.stages:
+            if open_at is not None and s.layer != open_at.layer:
+                raise ValueError(f"plan: the branch opened by {open_at.name!r} never joins (no "
+                                 f"joins stage before {s.name!r})")
+            if s.side and open_at is None:
+                open_at = s
+            elif s.joins:
+                open_at = None
+        if open_at is not None:
+            raise ValueError(f"plan: the branch opened by {open_at.name!r} never joins")
+
+    @property
+    def has_branches(self) -> bool:
+        return any(s.side for s in self.stages)
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:
@@ -98,19 +136,36 @@ class Plan:
             f"the step plan is incomplete: {len(missing)} of {len(self.stages)} stages have no "
             f"launches, so no graph is captured and no step is served. " + "; ".join(parts))
 
-    def launches(self, rows: int) -> list[tuple[Stage, list]]:
-        """Every stage's launches for a bucket of `rows` (built before anything is enqueued)."""
+    def launches(self, rows: int, side_last: bool = False) -> list[tuple[Stage, list]]:
+        """Every stage's launches for a bucket of `rows` (built before anything is enqueued), in
+        stage order; side_last: each branch's side stages just before the stage it joins at
+        (the other serial order its graph allows)."""
         self.require_complete()
-        return [(s, list(s.build(rows))) for s in self.stages]
+        built = [(s, list(s.build(rows))) for s in self.stages]
+        if not side_last:
+            return built
+        out, branch = [], []
+        for stage, specs in built:
+            if stage.side:
+                branch.append((stage, specs))
+                continue
+            if stage.joins:
+                out += branch
+                branch = []
+            out.append((stage, specs))
+        return out
 
-    def record(self, stream, rows: int, ranges=None) -> int:
+    def record(self, stream, rows: int, ranges=None, side=None, relaunch=None) -> int:
         """Enqueue the step for `rows` on `stream`; returns the number of launches.
 
-        NVTX (when `ranges` is given): one range per layer, one per stage inside it. Around a
-        capture they mark the recording; around eager launches, the kernels.
+        `side`: a branches.SideStream: side stages run on it, forked and joined as marked
+        (None: every stage on `stream`, in order). `relaunch(spec) -> spec` (e.g. without the
+        PDL attribute) is applied to every launch. NVTX (when `ranges` is given): one range per
+        layer, one per stage inside it. Around a capture they mark the recording; around eager
+        launches, the kernels.
         """
         built = self.launches(rows)
-        count, open_layer = 0, None
+        count, open_layer, branch_open = 0, None, False
         for stage, specs in built:
             if ranges is not None and stage.layer != open_layer:
                 if open_layer is not None:
@@ -120,8 +175,17 @@ class Plan:
                 open_layer = stage.layer
             if ranges is not None:
                 ranges.push(stage.range_name)
+            target = stream
+            if side is not None and stage.joins and branch_open:
+                side.join(stream)
+                branch_open = False
+            if side is not None and stage.side:
+                if not branch_open:
+                    side.fork(stream)
+                    branch_open = True
+                target = side.stream
             for spec in specs:
-                spec.launch(stream)
+                (spec if relaunch is None else relaunch(spec)).launch(target)
                 count += 1
             if ranges is not None:
                 ranges.pop()
@@ -167,6 +231,7 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
             ("attn.allreduce", "collectives.oneshot", NOT_WIRED),
             ("ffn.mhc_pre", "kernels.mhc", NOT_WIRED),
             ("ffn.norm", "kernels.norm", NOT_WIRED),
+            ("ffn.shared_w13", "kernels.dense", NOT_WIRED),
             ("ffn.router", "kernels.router", NOT_WIRED),
             ("ffn.moe_routed", "kernels.moe", NOT_WIRED),
             ("ffn.shared_expert", "kernels.dense", NOT_WIRED),
@@ -174,7 +239,14 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
     return out
 
 
-def decode_plan(cfg, dspark: bool = False, sync_free: bool = False) -> Plan:
+def _layer_stage(name: str, role: str, family: str, layer: int, missing: str,
+                 branches: bool) -> Stage:
+    return Stage(name, family, layer, missing=missing, side=branches and role in SIDE_ROLES,
+                 joins=branches and role in JOIN_ROLES)
+
+
+def decode_plan(cfg, dspark: bool = False, sync_free: bool = False,
+                branches: bool | None = None) -> Plan:
     """The V4.1 decode step of one rank (backbone layers only: DSpark stages are a draft step).
 
     dspark=True: the verify step of a DSpark round (executor/stages/dspark.py): the aux states
@@ -183,7 +255,9 @@ def decode_plan(cfg, dspark: bool = False, sync_free: bool = False) -> Plan:
     sync_free=True (with dspark): last, the draft rows' Engram lookback (dspark.history_draft,
     Engram models) and the row advance that makes the bound rows the draft step's
     (dspark.advance_draft), so the draft graph can follow with no host write.
+    branches (default STEP_BRANCHES): mark the side stages and their joins.
     """
+    branches = STEP_BRANCHES if branches is None else branches
     if dspark and not cfg.dspark_target_layer_ids:
         raise ValueError("decode_plan(dspark=True): the config has no DSpark target layers")
     if sync_free and not dspark:
@@ -199,8 +273,8 @@ def decode_plan(cfg, dspark: bool = False, sync_free: bool = False) -> Plan:
         if spec.is_dspark:
             continue
         for role, family, missing in _layer_stages(spec):
-            stages.append(Stage(f"layer{spec.index:02d}.{role}", family, spec.index,
-                                missing=missing))
+            stages.append(_layer_stage(f"layer{spec.index:02d}.{role}", role, family,
+                                       spec.index, missing, branches))
             if dspark and role == "attn.mhc_pre" and spec.index in cfg.dspark_target_layer_ids:
                 stages.append(Stage(f"layer{spec.index:02d}.dspark.aux", "kernels.dspark",
                                     spec.index, missing=NOT_WIRED))
@@ -228,7 +302,7 @@ def _accept_stages(cfg) -> list[Stage]:
                      for spec in cfg.layers if spec.is_dspark]
 
 
-def draft_plan(cfg, sync_free: bool = False) -> Plan:
+def draft_plan(cfg, sync_free: bool = False, branches: bool | None = None) -> Plan:
     """The draft step of a DSpark round on one rank (model doc §4, executor/reference/dspark.py).
 
     Rows: k = dspark_block_size per sequence, [bonus, noise x (k - 1)], kind "draft". The head
@@ -241,6 +315,7 @@ def draft_plan(cfg, sync_free: bool = False) -> Plan:
     executor/stages/draft.py maps each to the backbone builder of the same role, which names the
     stage's weights `mtp.{s}.` (wiring.weight_prefix).
     """
+    branches = STEP_BRANCHES if branches is None else branches
     stage_layers = [spec for spec in cfg.layers if spec.is_dspark]
     if not stage_layers or not cfg.dspark_target_layer_ids:
         raise ValueError("draft_plan: the config has no DSpark stages")
@@ -248,8 +323,9 @@ def draft_plan(cfg, sync_free: bool = False) -> Plan:
               Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
               Stage("head.embed_allreduce", "collectives.oneshot", missing=NOT_WIRED)]
     for spec in stage_layers:
-        stages += [Stage(f"layer{spec.index:02d}.draft.{role}", family, spec.index,
-                         missing=missing) for role, family, missing in _layer_stages(spec)]
+        stages += [_layer_stage(f"layer{spec.index:02d}.draft.{role}", role, family, spec.index,
+                                missing, branches)
+                   for role, family, missing in _layer_stages(spec)]
     stages += [Stage("draft.mhc_post_collapse", "kernels.mhc", missing=NOT_WIRED),
                Stage("draft.norm", "kernels.norm", missing=NOT_WIRED),
                Stage("draft.lm_head_logits", "kernels.lm_head", missing=NOT_WIRED)]

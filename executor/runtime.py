@@ -31,6 +31,7 @@ __all__ = [
     "CudaError",
     "Device",
     "DeviceInfo",
+    "Event",
     "EventTimer",
     "Graph",
     "GraphSet",
@@ -85,6 +86,26 @@ class Stream:
         self.cu_handle = None
 
 
+class Event:
+    """A CUDA event without timing, for ordering streams (executor.branches): `record(stream)`
+    marks the work enqueued on `stream` so far; `wait(stream)` makes `stream` wait for that mark.
+    Under a graph capture the pair becomes a dependency edge of the graph."""
+
+    def __init__(self, cu_handle):
+        self.cu_handle = cu_handle
+
+    def record(self, stream: Stream) -> None:
+        check(driver().cuEventRecord(self.cu_handle, stream.cu_handle))
+
+    def wait(self, stream: Stream) -> None:
+        check(driver().cuStreamWaitEvent(stream.cu_handle, self.cu_handle, 0))
+
+    def close(self) -> None:
+        if self.cu_handle is not None:
+            check(driver().cuEventDestroy(self.cu_handle))
+        self.cu_handle = None
+
+
 class Device:
     """One GPU: its retained primary context (current on this thread) and what it created."""
 
@@ -98,6 +119,7 @@ class Device:
         self.handle = check(cu.cuDeviceGet(ordinal))
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle))
         self._streams: list[Stream] = []
+        self._events: list[Event] = []
         try:
             check(cu.cuCtxSetCurrent(self.context))
             self.info = self._query_info()
@@ -140,6 +162,13 @@ class Device:
         self._streams.append(s)
         return s
 
+    def event(self) -> Event:
+        """A new event without timing (ordering only), destroyed with the device."""
+        cu = driver()
+        e = Event(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+        self._events.append(e)
+        return e
+
     def mem_free_bytes(self) -> int:
         free, _total = check(driver().cuMemGetInfo())
         return int(free)
@@ -149,7 +178,9 @@ class Device:
         check(driver().cuCtxSynchronize())
 
     def close(self) -> None:
-        """Destroy this device's streams and release the primary context (idempotent)."""
+        """Destroy this device's events and streams, release the primary context (idempotent)."""
+        while self._events:
+            self._events.pop().close()
         while self._streams:
             self._streams.pop().close()
         if self.context is not None:

@@ -102,10 +102,23 @@ def host_tensors(rules) -> dict:
 
 
 class FakeDevice:
+    """Streams are names; events only order them, so they do nothing here."""
+
     ordinal = 0
 
     def stream(self):
         return "own-stream"
+
+    def event(self):
+        return FakeEvent()
+
+
+class FakeEvent:
+    def record(self, stream) -> None:
+        pass
+
+    def wait(self, stream) -> None:
+        pass
 
 
 class FakeGraph:
@@ -164,7 +177,7 @@ class _Capturing:
         self.recorder, self.name = recorder, name
 
     def launch(self, stream) -> None:
-        if stream == "capture-stream":
+        if stream in ("capture-stream", "own-stream"):      # the capture's stream or its side
             self.recorder.recording.append(FakeSpec(self.name, self.recorder.kernel_launches))
         else:
             raise AssertionError("launched outside a graph")

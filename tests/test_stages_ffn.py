@@ -38,7 +38,7 @@ from kernels.swiglu_ref import swiglu_ref
 from loader.checkpoint import Checkpoint
 
 TP = 4
-ROLES = {"ffn.router", "ffn.moe_routed", "ffn.shared_expert"}
+ROLES = {"ffn.shared_w13", "ffn.router", "ffn.moe_routed", "ffn.shared_expert"}
 # router; MoE chain; w1|w3 + SwiGLU, w2 + routed sum (reverted: w1|w3, SwiGLU, w2, add)
 SHARED_LAUNCHES = 2 if ffn.SHARED_EXPERT_FUSED else 4
 LAUNCHES_PER_RANK = 1 + 4 + SHARED_LAUNCHES
@@ -204,7 +204,7 @@ def test_launch_lists_follow_the_bucket(setup, rows, dense, moe_first):
     assert names("ffn.router") == [f"router_e{s.cfg.n_routed_experts}_d{s.d}_k{s.k}{tile}"]
     moe = names("ffn.moe_routed")
     assert moe[0].startswith(moe_first) and moe[-1].startswith("moe_combine_") and len(moe) == 4
-    shared = names("ffn.shared_expert")
+    shared = names("ffn.shared_w13") + names("ffn.shared_expert")
     assert len(shared) == SHARED_LAUNCHES
     if ffn.SHARED_EXPERT_FUSED:
         assert shared[0].startswith("dense_w8a16_shared_w13_")

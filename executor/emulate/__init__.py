@@ -101,10 +101,11 @@ def bind_host(space, tensors: dict, prefix: str = "") -> dict[str, int]:
     return {name: space.add(prefix + name, array) for name, array in tensors.items()}
 
 
-def run_lockstep(plans, rows: int, space) -> int:
+def run_lockstep(plans, rows: int, space, side_last: bool = False) -> int:
     """Every rank's step, stage by stage: all ranks finish stage i before any starts stage i + 1,
-    which is all an all-reduce's emulator needs to see every rank's input. Returns launches run."""
-    built = [plan.launches(rows) for plan in plans]
+    which is all an all-reduce's emulator needs to see every rank's input. Returns launches run.
+    side_last: each side branch runs just before its join (Plan.launches), not where it forks."""
+    built = [plan.launches(rows, side_last) for plan in plans]
     names = [[stage.name for stage, _ in b] for b in built]
     if any(n != names[0] for n in names):
         raise ValueError("run_lockstep: the ranks' plans differ in their stages")

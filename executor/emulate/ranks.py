@@ -14,6 +14,8 @@ restricted to some roles and layers (a sublayer test fills its inputs, runs its 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from collectives.oneshot import CollectiveState
@@ -116,17 +118,18 @@ class EmulatedRanks:
     def subplan(self, plan: Plan, roles=None, layers=None) -> Plan:
         """The wired stages of `plan` whose role is in `roles` and layer in `layers` (None: any;
         head/tail stages have layer None and are kept only when `layers` is None)."""
-        keep = [s for s in plan.stages if s.build is not None
+        keep = [replace(s, side=False, joins=False) for s in plan.stages if s.build is not None
                 and (roles is None or s.range_name in roles)
                 and (layers is None or s.layer in layers)]
         if not keep:
             raise ValueError(f"no wired stage matches roles={roles} layers={layers}")
-        return Plan(keep)
+        return Plan(keep)          # in stage order, no branches (a subset may lack their joins)
 
-    def run(self, rows: int, roles=None, layers=None) -> int:
-        """Emulate the wired stages (all of them, or those matching roles/layers) on every rank."""
+    def run(self, rows: int, roles=None, layers=None, side_last: bool = False) -> int:
+        """Emulate the wired stages (all of them, or those matching roles/layers) on every rank;
+        side_last: the whole plan's other serial order (Plan.launches)."""
         if roles is None and layers is None:
-            return run_lockstep(self.plans, rows, self.space)
+            return run_lockstep(self.plans, rows, self.space, side_last)
         return run_lockstep([self.subplan(p, roles, layers) for p in self.plans], rows,
                             self.space)
 

@@ -10,9 +10,10 @@ rank's partial, which the FFN all-reduce sums over ranks in fp32):
                                      order; executor/launches/moe.py `step_launches`: below 3
                                      rows prep, w13w "bulkw_lean4", w2 "bulkp", combine;
                                      from 3 xquant, w13sr "bulk", w2sr "early", combine)
-  ffn.shared_expert  dense w1|w3 +   xn -> ffn.shared_h bf16 [R, I]      (bf16(SwiGLU(bf16(x·W13ᵀ))))
-                     swiglu epilogue
-                     dense w2 +      ffn.shared_h, ffn.moe.y -> ffn.partial
+  ffn.shared_w13     dense w1|w3 +   xn -> ffn.shared_h bf16 [R, I]      (bf16(SwiGLU(bf16(x·W13ᵀ))))
+                     swiglu epilogue (a side stage: beside the router and the routed experts,
+                                     executor/branches.py)
+  ffn.shared_expert  dense w2 +      ffn.shared_h, ffn.moe.y -> ffn.partial (joins the branch)
                      add_f32 epil.   (bf16(routed + bf16(h·W2ᵀ)): F4's rounding)
 
 Two launches for the shared expert (SHARED_EXPERT_FUSED), each rounding where
@@ -26,8 +27,9 @@ in a bucket) run like any row: the FFN writes no cache, and rows >= the bucket a
 
 Scratch is shared by every layer (layers run one after another; each launch reads its
 predecessor's output only after griddepcontrol.wait). The split-K dense workspace and counters
-are shared by the two shared-expert linears, which never overlap: the SwiGLU between them waits
-for w1|w3 to finish before w2 can pass its own wait. `ffn.router_counters` and
+are shared by the two shared-expert linears, which never overlap: w2 starts after the branch
+joins, so after w1|w3 has finished (the router and the routed experts, which run beside w1|w3,
+touch neither). `ffn.router_counters` and
 `ffn.dense_counters` must be ZERO before the first launch (every launch leaves them zero): the
 HostArena is zeroed at creation; on the GPU the Executor must zero the arena (cuMemAlloc does
 not) before the first step.
@@ -288,12 +290,19 @@ def _dense_by_row_tiles(ctx, label: str, epilogue: str = "bf16") -> dict[int, dr
     return out
 
 
+def _shared_w13(ctx, layer):
+    return _shared_expert_fused(ctx, layer)[0] if SHARED_EXPERT_FUSED else \
+        _shared_expert_4(ctx, layer)[0]
+
+
 def _shared_expert(ctx, layer):
-    return _shared_expert_fused(ctx, layer) if SHARED_EXPERT_FUSED else _shared_expert_4(ctx, layer)
+    return _shared_expert_fused(ctx, layer)[1] if SHARED_EXPERT_FUSED else \
+        _shared_expert_4(ctx, layer)[1]
 
 
 def _shared_expert_fused(ctx, layer):
-    """w1|w3 with the SwiGLU epilogue -> ffn.shared_h; w2 with the routed sum -> ffn.partial."""
+    """(w1|w3 with the SwiGLU epilogue -> ffn.shared_h, w2 with the routed sum -> ffn.partial):
+    the builders of ffn.shared_w13 and ffn.shared_expert."""
     base = _prefix(ctx.cfg, layer) + "shared_experts."
     w13 = _dense_by_row_tiles(ctx, "shared_w13", "swiglu")
     w2 = _dense_by_row_tiles(ctx, "shared_w2", "add_f32")
@@ -305,15 +314,16 @@ def _shared_expert_fused(ctx, layer):
           "scales": ctx.ptr(base + "w2.scale"), "residual": ctx.ptr("ffn.moe.y"),
           "out": ctx.ptr("ffn.partial"), **scratch}
 
-    def build(rows):
-        tiles = dl.row_tiles_for(rows)
-        return [dl.dense_launch(ctx.bundle, w13[tiles], p13, rows),
-                dl.dense_launch(ctx.bundle, w2[tiles], p2, rows)]
-    return build
+    def build_w13(rows):
+        return [dl.dense_launch(ctx.bundle, w13[dl.row_tiles_for(rows)], p13, rows)]
+
+    def build_w2(rows):
+        return [dl.dense_launch(ctx.bundle, w2[dl.row_tiles_for(rows)], p2, rows)]
+    return build_w13, build_w2
 
 
 def _shared_expert_4(ctx, layer):
-    """Round 4's four launches: w1|w3, swiglu, w2, the f32 + bf16 residual add."""
+    """Round 4's four launches: ([w1|w3], [swiglu, w2, the f32 + bf16 residual add])."""
     cfg = ctx.cfg
     base = _prefix(cfg, layer) + "shared_experts."
     act = swiglu_ref.make_spec(ctx.shapes.shared_inter, cfg.swiglu_limit)
@@ -331,14 +341,16 @@ def _shared_expert_4(ctx, layer):
     p_add = {"a": ctx.ptr("ffn.moe.y"), "b": ctx.ptr("ffn.shared_out"),
              "out": ctx.ptr("ffn.partial")}
 
-    def build(rows):
+    def build_w13(rows):
+        return [dl.dense_launch(ctx.bundle, w13[dl.row_tiles_for(rows)], p13, rows)]
+
+    def build_rest(rows):
         tiles = dl.row_tiles_for(rows)
-        return [dl.dense_launch(ctx.bundle, w13[tiles], p13, rows),
-                swiglu_launch(ctx.bundle, act, p_act, rows),
+        return [swiglu_launch(ctx.bundle, act, p_act, rows),
                 dl.dense_launch(ctx.bundle, w2[tiles], p2, rows),
                 *residual_add_launches(ctx.bundle, add, p_add, rows)]
-    return build
+    return build_w13, build_rest
 
 
 BUILDERS = {"ffn.router": _router, "ffn.moe_routed": _moe_routed,
-            "ffn.shared_expert": _shared_expert}
+            "ffn.shared_w13": _shared_w13, "ffn.shared_expert": _shared_expert}
