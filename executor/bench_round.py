@@ -22,7 +22,8 @@ the executor's). Each Markov step's cross-rank pick is wired on a stand-in state
 (no peer would ever answer); its latency is added with the all-reduces' in the "+ AR" column
 (one-shot latency at one row per pick: 8 bytes a row, latency-bound).
 
-Timed per (sequences, context), one graph per plan captured at the case's rows, CUDA-event
+Timed per (sequences, context), one graph per plan captured at the case's rows as the Executor
+captures it (Plan.record, the side stages on a second stream: executor/branches.py), CUDA-event
 medians:
 - the round = verify + draft, each replayed alone on rows the host loaded with random tokens
   (rank 0's vocabulary shard, as the step benchmark: ~uniform routing), which neither rewrites:
@@ -302,7 +303,8 @@ class DeviceRound(bs.DeviceStep):
 
     def distinct_experts(self, built, rows: int) -> list[int]:
         """Run `built` eagerly; after each router (backbone or draft stage), the distinct
-        experts it picked for the `rows` rows (a host read: this pass is not timed)."""
+        experts it picked for the `rows` rows (a host read: this pass is not timed, so it runs
+        serial on one stream)."""
         out = []
         for stage, specs in built:
             for spec in specs:
@@ -403,9 +405,23 @@ class PlanCase:
     weights: dict
 
 
-def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> list[str]:
-    rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows,
+def plan_rows(case: RoundCase) -> dict[str, int]:
+    """Rows each plan of wire_round is captured and timed at for `case`."""
+    return {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows,
             "verify_sf": case.verify.rows, "draft_sf": case.draft_rows}
+
+
+def capture_plans(dev, rows: dict[str, int], graphs: dict) -> dict:
+    """Into `graphs` (its caller closes them, also when a later capture fails): one graph per
+    plan of dev.plans at its rows, captured as the Executor does (Plan.record, the side stages
+    on dev.side: executor/branches.py)."""
+    for name, count in rows.items():
+        graphs[name] = dev.capture(dev.plans[name], count)
+    return graphs
+
+
+def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> list[str]:
+    rows = plan_rows(case)
     built = {name: dev.plans[name].launches(rows[name]) for name in rows}
     specs = {name: [s for _, group in built[name] for s in group] for name in rows}
     halves = ("verify", "draft")
@@ -413,9 +429,9 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
                      {n: count_collectives(dev.wired[n], rows[n]) for n in halves},
                      {n: plan_weights(cfg, dev.upload_bytes, touched_slices(specs[n], dev.arena))
                       for n in halves})
-    graphs = {name: bs._capture(dev.stream, specs[name]) for name in rows}
-    lines = []
+    graphs, lines = {}, []
     try:
+        capture_plans(dev, rows, graphs)
         for context in contexts:
             times, distinct = _time_halves(ctx, dev, case, context, graphs, built)
             # back to back, sync-free: the rows walk themselves, but with the local picks every
@@ -433,8 +449,7 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
                 _draft_roles(ctx, dev, built["draft"], f"round {case.label} draft",
                              times["draft"])
     finally:
-        for graph in graphs.values():
-            graph.close()
+        bs.close_graphs(graphs)
     return lines
 
 
@@ -456,9 +471,10 @@ def _time_halves(ctx, dev, case: RoundCase, context: int, graphs, built):
 
 
 def _draft_roles(ctx, dev, built, tag: str, graph_us: float) -> None:
-    """The draft's roles, each alone in a graph (bench_step's breakdown), but those that
-    rewrite the bound rows (ROW_WRITERS: replayed alone they would walk the rows away); their
-    time is in the graph minus the sum. Run after a round: the rows are the draft's."""
+    """The draft's roles, each alone in a graph (bench_step's breakdown; serial, one stream),
+    but those that rewrite the bound rows (ROW_WRITERS: replayed alone they would walk the rows
+    away); their time is in the graph minus the sum. Run after a round: the rows are the
+    draft's."""
     groups = {role: group for role, group in bs.role_groups(built).items()
               if group and not role.startswith(ROW_WRITERS)}
     graphs = {}

@@ -496,7 +496,8 @@ class DeviceStep:
 
     def distinct_experts(self, built, rows: int) -> list[int]:
         """Run the step eagerly stage by stage; after each router, the distinct experts it
-        picked for the `rows` rows (a host read: this pass is not timed)."""
+        picked for the `rows` rows (a host read: this pass is not timed, so it runs serial on
+        one stream, side stages in their plan place)."""
         k = self.cfg.num_experts_per_tok
         out = []
         for stage, specs in built:
@@ -525,12 +526,84 @@ class DeviceStep:
 
 
 def _capture(stream, specs):
+    """A graph of `specs` in order on `stream` alone (serial): for the role-alone graphs, whose
+    launches are one role's; whole steps go through `DeviceStep.capture` (side branches)."""
     from executor.graphs import Graph
 
     with Graph.capture(stream) as graph:
         for spec in specs:
             spec.launch(stream)
     return graph
+
+
+# ---- a case's whole-step graphs, timed (also executor/bench_tp.py, one rank of four) ------------
+
+# name -> the relaunch the step graph is captured with (Plan.record): the step's own launches, the
+# same without the PDL attribute
+STEP_RELAUNCHES = {"pdl": None, "plain": no_pdl}
+
+
+@dataclass(frozen=True)
+class CaseLaunches:
+    """The step's launches for one bucket, built before anything is captured or timed."""
+
+    built: list             # [(Stage, [LaunchSpec])] in stage order
+    specs: list             # the same, flat
+    weights: WeightBytes
+
+
+def case_launches(cfg, dev, rows: int) -> CaseLaunches:
+    built = dev.plan.launches(rows)
+    specs = [s for _, group in built for s in group]
+    return CaseLaunches(built, specs, step_weights(cfg, dev, specs))
+
+
+def capture_step(dev, rows: int, relaunches: dict, graphs: dict) -> dict:
+    """Into `graphs` (its caller closes them, also when a later capture fails): dev.plan's step
+    graph per relaunch of `relaunches` (name -> relaunch, None for the launches as built)."""
+    for name, relaunch in relaunches.items():
+        graphs[name] = dev.capture(dev.plan, rows, relaunch=relaunch)
+    return graphs
+
+
+def close_graphs(graphs: dict) -> None:
+    while graphs:
+        graphs.popitem()[1].close()
+
+
+@dataclass(frozen=True)
+class ContextRun:
+    """One (bucket, context) of the step: graph medians, distinct experts per router, bytes."""
+
+    times: dict             # graph name -> median us
+    distinct: list          # distinct experts per layer
+    nbytes: int             # bytes that must be read (step_bytes)
+
+
+def _no_sync() -> None:
+    pass
+
+
+def run_context(dev, timer, case: Case, context: int, launches: CaseLaunches, graphs: dict,
+                sync=_no_sync) -> ContextRun:
+    """Load the case's rows at `context`, count the routers' distinct experts in an eager pass
+    (serial, untimed), then the median of GRAPH_REPS replays of each graph, queued back to back.
+    `sync()` runs after the load and before each graph's timing (bench_tp: a barrier of the
+    ranks, which meet at every collective)."""
+    dev.load(case, context)
+    sync()
+    distinct = dev.distinct_experts(launches.built, case.rows)
+    times = {}
+    for name, graph in graphs.items():
+        sync()
+        times[name] = timer.median_us(lambda g=graph: g.launch(dev.stream), reps=GRAPH_REPS)
+    return ContextRun(times, distinct,
+                      step_bytes(dev.cfg, launches.weights, case, context, distinct))
+
+
+def case_tag(prefix: str, rows: int, context: int) -> str:
+    """The metric prefix of one (bucket, context): "step R=6 ctx=64k"."""
+    return f"{prefix} R={rows} ctx={_context_label(context)}"
 
 
 def _measured_allreduce(ctx) -> dict[int, float] | None:
@@ -570,31 +643,29 @@ def bench_step(ctx) -> None:
 
 
 def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
-    built = dev.plan.launches(case.rows)
-    specs = [s for _, group in built for s in group]
-    weights = step_weights(cfg, dev, specs)
+    launches = case_launches(cfg, dev, case.rows)
+    specs = launches.specs
     ctx.metric(f"step R={case.rows}: dense weight bytes (the slices its launches read)",
-               weights.dense / 1e9, "GB")
+               launches.weights.dense / 1e9, "GB")
     plain = without_pdl(specs)
-    graphs = {"pdl": dev.capture(dev.plan, case.rows),
-              "plain": dev.capture(dev.plan, case.rows, relaunch=no_pdl)}
     variants = selected_variants()
-    graphs.update({f"variant {name}": dev.variant_graph(name, case.rows) for name in variants})
-    groups = {role: group for role, group in role_groups(built).items() if group}
-    roles = {role: _capture(dev.stream, group) for role, group in groups.items()}
-    timer, lines = ctx.timer, []
+    graphs, roles, lines = {}, {}, []
     try:
+        capture_step(dev, case.rows, STEP_RELAUNCHES, graphs)
+        for name in variants:
+            graphs[f"variant {name}"] = dev.variant_graph(name, case.rows)
+        groups = {role: group for role, group in role_groups(launches.built).items() if group}
+        for role, group in groups.items():            # each role alone: serial, one stream
+            roles[role] = _capture(dev.stream, group)
         for context in contexts:
-            dev.load(case, context)
-            distinct = dev.distinct_experts(built, case.rows)
-            times = {name: timer.median_us(lambda g=g: g.launch(dev.stream), reps=GRAPH_REPS)
-                     for name, g in graphs.items()}
+            run = run_context(dev, ctx.timer, case, context, launches, graphs)
+            times, distinct, nbytes = run.times, run.distinct, run.nbytes
+            # eager: the launches on one stream in stage order (no side branches), host-bound
             for name, group in (("eager", specs), ("eager_plain", plain)):
-                times[name] = timer.median_us(lambda group=group: _eager(group, dev.stream),
-                                              reps=EAGER_REPS, warmup=1)
+                times[name] = ctx.timer.median_us(lambda group=group: _eager(group, dev.stream),
+                                                  reps=EAGER_REPS, warmup=1)
             label = _context_label(context)
-            tag = f"step R={case.rows} ctx={label}"
-            nbytes = step_bytes(cfg, weights, case, context, distinct)
+            tag = case_tag("step", case.rows, context)
             row = ctx.bandwidth("step graph (rank 0 of TP4)", f"R{case.rows} {label}",
                                 case.rows, times["pdl"], nbytes)
             with_ar = times["pdl"] + ALLREDUCES * allreduce_us(case.rows, ar_table)
@@ -625,8 +696,8 @@ def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
                          f"{f'{doc * 1e3:.0f}' if doc else '-':>9s} "
                          f"{statistics.mean(distinct):>7.1f}")
     finally:
-        for graph in [*graphs.values(), *roles.values()]:
-            graph.close()
+        close_graphs(graphs)
+        close_graphs(roles)
     return lines
 
 

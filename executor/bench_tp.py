@@ -13,12 +13,16 @@ the collectives and the ranks' skew, which the one-GPU benchmarks' "+ AR" column
 
 Per rank, case and context, after a barrier (ranks wait on each other at every collective, so
 their medians differ only by the tail; the table gives the slowest rank's):
-- step: the step graph with PDL and without, CUDA-event medians of bs.GRAPH_REPS replays
-  queued back to back, after an eager pass counting the routers' distinct experts;
+- step: the step graph with PDL and without (and without it into or out of the cross-rank
+  launches), CUDA-event medians of bs.GRAPH_REPS replays queued back to back, after an eager
+  pass counting the routers' distinct experts (bs.run_context, as the one-GPU step benchmark);
 - round: the draft and verify graphs each alone on host-loaded rows (as bench_round), and
   br.ROUND_REPS sync-free rounds back to back (draft_sf then verify_sf): with the real picks the
   rows walk at whatever acceptance the synthetic weights give (reported), so this is the round
   an engine replays.
+Every whole step, verify and draft graph is captured as the Executor captures it: through
+`Plan.record` with the plan's side stages on the rank's second stream (executor/branches.py,
+`DeviceStep.capture`); the PDL variants are relaunches applied as record enqueues.
 Checked: every rank holds the same tokens (the pick's contract), no non-finite hidden state, no
 collective timed out. Run alone (`--only step_tp`): each rank holds ~85 GB of its GPU.
 """
@@ -54,16 +58,31 @@ def skip_reason(devices: tuple[int, ...]) -> str | None:
     return None
 
 
-def pdl_variants(specs) -> dict[str, list]:
-    """The step's launches four ways: PDL on every edge ("pdl"), on none ("plain"), on every
-    edge but into the cross-rank launches ("ar_plain": an all-reduce starts only when the
-    kernel before it has finished) or but out of them ("after_ar_plain")."""
-    cross = [br.is_cross_rank(s) for s in specs]
-    plain = bs.without_pdl(specs)
-    return {"pdl": list(specs), "plain": plain,
-            "ar_plain": [p if c else s for s, p, c in zip(specs, plain, cross)],
-            "after_ar_plain": [p if i and cross[i - 1] else s
-                               for i, (s, p) in enumerate(zip(specs, plain))]}
+class _NoPdlAfterCrossRank:
+    """relaunch: the launch recorded right after a cross-rank launch loses its PDL attribute.
+    Plan.record enqueues in stage order (side stages on their own stream, but none follows a
+    cross-rank stage), so "after" is the next launch of the flat list. Stateful: one per capture."""
+
+    def __init__(self):
+        self.after_cross = False
+
+    def __call__(self, spec):
+        out = bs.no_pdl(spec) if self.after_cross else spec
+        self.after_cross = br.is_cross_rank(spec)
+        return out
+
+
+def _no_pdl_into_cross_rank(spec):
+    return bs.no_pdl(spec) if br.is_cross_rank(spec) else spec
+
+
+def pdl_relaunches() -> dict:
+    """The step graph four ways, as relaunches for Plan.record (fresh ones for each case's
+    captures): PDL on every edge ("pdl"), on none ("plain"), on every edge but into the
+    cross-rank launches ("ar_plain": an all-reduce starts only when the kernel before it has
+    finished) or but out of them ("after_ar_plain")."""
+    return {**bs.STEP_RELAUNCHES, "ar_plain": _no_pdl_into_cross_rank,
+            "after_ar_plain": _NoPdlAfterCrossRank()}
 
 
 # ---- one rank (a spawned process) -------------------------------------------------------------
@@ -107,30 +126,20 @@ def _step_cases(ctx, site, cfg, bundle, ar, cases) -> list[dict]:
     results = []
     try:
         for case, contexts in cases:
-            built = dev.plan.launches(case.rows)
-            specs = [s for _, group in built for s in group]
-            weights = bs.step_weights(cfg, dev, specs)
-            graphs = {name: bs._capture(site.stream, variant)
-                      for name, variant in pdl_variants(specs).items()}
+            launches = bs.case_launches(cfg, dev, case.rows)
+            graphs = {}
             try:
+                bs.capture_step(dev, case.rows, pdl_relaunches(), graphs)
                 for context in contexts:
-                    dev.load(case, context)
-                    ctx.barrier()
-                    distinct = dev.distinct_experts(built, case.rows)
-                    times = {}
-                    for name, graph in graphs.items():
-                        ctx.barrier()
-                        times[name] = site.timer.median_us(lambda g=graph: g.launch(site.stream),
-                                                           reps=bs.GRAPH_REPS)
+                    run = bs.run_context(dev, site.timer, case, context, launches, graphs,
+                                         sync=ctx.barrier)
                     results.append({
-                        "rows": case.rows, "context": context, "us": times,
-                        "distinct": statistics.mean(distinct),
-                        "bytes": bs.step_bytes(cfg, weights, case, context, distinct),
+                        "rows": case.rows, "context": context, "us": run.times,
+                        "distinct": statistics.mean(run.distinct), "bytes": run.nbytes,
                         "nonfinite": dev.nonfinite(case.rows),
                         "tokens": dev.tensors["tokens"][:case.rows].get().tolist()})
             finally:
-                for graph in graphs.values():
-                    graph.close()
+                bs.close_graphs(graphs)
     finally:
         dev.close()
     results.append({"wall_s": time.perf_counter() - t0, "pack_s": dev.pack_s})
@@ -143,12 +152,11 @@ def _round_cases(ctx, site, cfg, bundle, ar, rounds) -> list[dict]:
     results = []
     try:
         for case, contexts in rounds:
-            rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows,
-                    "verify_sf": case.verify.rows, "draft_sf": case.draft_rows}
+            rows = br.plan_rows(case)
             built = {name: dev.plans[name].launches(rows[name]) for name in rows}
-            graphs = {name: bs._capture(site.stream, [s for _, group in built[name]
-                                                      for s in group]) for name in rows}
+            graphs = {}
             try:
+                br.capture_plans(dev, rows, graphs)
                 for context in contexts:
                     ctx.barrier()
                     times, distinct = br._time_halves(site, dev, case, context, graphs, built)
@@ -165,8 +173,7 @@ def _round_cases(ctx, site, cfg, bundle, ar, rounds) -> list[dict]:
                         "distinct": {n: statistics.mean(v) for n, v in distinct.items()},
                         "tokens": dev.tensors["tokens"][:case.verify.rows].get().tolist()})
             finally:
-                for graph in graphs.values():
-                    graph.close()
+                bs.close_graphs(graphs)
     finally:
         dev.close()
     return results
@@ -260,7 +267,7 @@ def bench_step_tp(ctx) -> None:
                time.perf_counter() - t0, "s")
     steps, round_rows = aggregate(values, "step"), aggregate(values, "round")
     for r in steps:
-        tag = f"step_tp R={r['rows']} ctx={bs._context_label(r['context'])}"
+        tag = bs.case_tag("step_tp", r["rows"], r["context"])
         target = bs.TARGET_MS.get(r["rows"])
         ctx.bandwidth("step graph (TP4, 4 GPUs)", tag.removeprefix("step_tp "), r["rows"],
                       r["us"]["pdl"], r["bytes"])

@@ -4,10 +4,13 @@ Case parsing; tokens per second; the packing with the DSpark stages' tiled FFNs 
 arena_contents, byte for byte); both round plans wired on the benchmark's modules with every
 cross-rank call counted and the Markov picks left out; the bytes each plan must read, from the
 slices its launches point into; and two emulated rounds on one rank with the local stand-ins,
-which accept every draft (the module docstring's claim) and advance the rows k + 1 positions.
+which accept every draft (the module docstring's claim) and advance the rows k + 1 positions;
+a case run on capture doubles (tests/bench_fakes.py): every plan's graph is captured through
+Plan.record with its side branches, the draft's role graphs serial.
 """
 from __future__ import annotations
 
+import bench_fakes as fakes
 import numpy as np
 import pytest
 
@@ -304,3 +307,48 @@ def test_draft_batch_rows(tiny):
     pos = np.asarray(rows.positions).reshape(case.seqs, k)
     assert (pos == np.arange(CONTEXT - k, CONTEXT)).all()
     assert history.shape[0] == case.draft_rows
+
+
+def test_bench_case_captures_every_plan_with_its_branches(tiny_round, monkeypatch, capsys):
+    """_bench_case on capture doubles: the five plans' graphs (verify, draft, step, the
+    sync-free pair) through Plan.record with the side stream, the draft's role graphs on the
+    main stream alone, every graph closed; one table line per context."""
+    from executor.benchmarks import BenchContext
+
+    tr = tiny_round
+    log = fakes.CaptureLog().install(monkeypatch)
+
+    class Round(br.DeviceRound):
+        def __init__(self):
+            self.cfg, self.stream, self.side = tr.cfg, log.main, log.side_stream()
+            self.plans, self.wired, self.arena = tr.plans, tr.wired, tr.arena
+            self.upload_bytes = tr.upload_bytes
+
+        def load(self, case, context):
+            pass
+
+        def load_draft(self, case, context):
+            pass
+
+        def distinct_experts(self, built, rows):
+            return [2 for stage, _ in built if stage.range_name.endswith("ffn.router")]
+
+        def nonfinite(self, name, dtype, shape):
+            return 0
+
+    def time_round(stream, graphs, reps, warmup):
+        graphs["draft"].launch(stream)
+        graphs["verify"].launch(stream)
+        return {"draft": 1.0, "verify": 2.0, "round": 3.0}
+
+    monkeypatch.setattr(br, "_time_round", time_round)
+    ctx = BenchContext(device=None, stream=None, bundles={}, _timer=fakes.Timer())
+    dev, case = Round(), tr.case
+    lines = br._bench_case(ctx, dev, tr.cfg, case, (CONTEXT,), None, [])
+    assert len(lines) == 1 and all(g.closed for g in log.graphs)
+    rows = br.plan_rows(case)
+    plans, roles = log.graphs[:len(rows)], log.graphs[len(rows):]
+    for (name, count), graph in zip(rows.items(), plans):
+        fakes.assert_branched(graph, dev.plans[name], count)
+    assert roles and all(not g.on("side") and g.launches == g.events for g in roles)
+    capsys.readouterr()

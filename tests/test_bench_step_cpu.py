@@ -4,13 +4,16 @@ Synthetic weights without a file equal a synthesized checkpoint's; representativ
 once give the same arena bytes as every layer packed; the tiled experts equal packing an aliasing
 fetch; the local collectives wire and copy; every bucket's launch list builds against the tiny
 manifest (LaunchSpec validates each launch against its kernel's ABI), and the one-rank step with
-the stand-ins runs under the emulator with a finite result.
+the stand-ins runs under the emulator with a finite result; a case run on capture doubles
+(tests/bench_fakes.py) captures the step, its no-PDL twin and the variants through Plan.record
+with the side stream (the "serial" variant without one), the role graphs and eager runs serial.
 """
 from __future__ import annotations
 
 import re
 import types
 
+import bench_fakes as fakes
 import numpy as np
 import pytest
 
@@ -389,3 +392,53 @@ def test_role_breakdown_per_launch_and_against_the_graph(capsys):
     assert metrics["step R=1: graph minus the sum of the roles (boundaries, overlap)"] == 100.0
     table = capsys.readouterr().out
     assert "attn.mhc_pre" in table and "16.25" in table and "1000.0" in table
+
+
+def test_bench_case_captures_the_step_with_its_branches(tiny_rank, monkeypatch, capsys):
+    """_bench_case on capture doubles: "pdl" and "plain" (no PDL attribute anywhere) hold the
+    step's launches with its side stages on the side stream between fork and join; the variant
+    "serial" the same launches on the main stream alone, "mqa_round7" branched as the step; the
+    role graphs and the eager runs launch nothing on the side stream; every graph closed, the
+    constants restored."""
+    from executor import plan as plan_mod
+    from executor.benchmarks import BenchContext
+
+    tr = tiny_rank
+    log = fakes.CaptureLog().install(monkeypatch)
+
+    class Step(bs.DeviceStep):
+        def __init__(self):
+            self.cfg, self.stream, self.side = tr.cfg, log.main, log.side_stream()
+            self.plan, self.step, self.modules = tr.plan, tr.ctx, bs.BENCH_MODULES
+            self.arena, self.weights = tr.arena, bs.weight_bytes(tr.cfg, tr.uploads)
+            self.upload_bytes = {n: a.nbytes for n, a in tr.uploads}
+
+        def load(self, case, context):
+            pass
+
+        def distinct_experts(self, built, rows):
+            return [2] * tr.cfg.num_hidden_layers
+
+        def nonfinite(self, rows):
+            return 0
+
+    monkeypatch.setenv(bs.VARIANTS_ENV, "serial,mqa_round7")
+    ctx = BenchContext(device=None, stream=None, bundles={}, _timer=fakes.Timer())
+    dev, case = Step(), bs.Case(6, 1, "verify")
+    lines = bs._bench_case(ctx, dev, case, (300,), tr.cfg, None)
+    assert len(lines) == 1 and all(g.closed for g in log.graphs)
+    assert plan_mod.STEP_BRANCHES and dev.plan.has_branches
+    pdl, plain, serial, mqa_round7, *roles = log.graphs
+    for graph, flag in ((pdl, True), (plain, False)):
+        fakes.assert_branched(graph, dev.plan, case.rows)
+        assert all(e.pdl is flag for e in graph.launches)
+    assert not serial.on("side") and serial.launches == serial.events
+    assert [e.kernel for e in serial.launches] == [e.kernel for e in pdl.launches]
+    assert len(mqa_round7.on("side")) == len(pdl.on("side"))      # a switch, still branched
+    assert roles and all(not g.on("side") and g.launches == g.events for g in roles)
+    side = [e for e in log.events if isinstance(e, fakes.Launch) and e.stream == "side"]
+    assert len(side) == 3 * fakes.side_launches(dev.plan, case.rows)   # not eager, not serial
+    metrics = {r.metric for r in ctx.metric_rows}
+    assert "step R=6 ctx=300: graph replay" in metrics
+    assert any(m.startswith("step R=6 ctx=300: graph of variant serial") for m in metrics)
+    capsys.readouterr()

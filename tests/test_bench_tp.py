@@ -2,11 +2,17 @@
 
 The real cross-rank stage modules replace the local stand-ins; the step and round plans wire
 complete on them at tiny scale (a HostArena, a collective state by address) with every
-all-reduce, all-gather and pick a launch of the one-shot family; the ranks' results aggregate
-to the slowest rank and flag ranks that hold different tokens; the tables print.
+all-reduce, all-gather and pick a launch of the one-shot family; one rank's step and round cases
+run on capture doubles (tests/bench_fakes.py) and capture every whole graph through Plan.record
+with its side branches, the PDL variants as relaunches; the ranks' results aggregate to the
+slowest rank and flag ranks that hold different tokens; the tables print.
 """
 from __future__ import annotations
 
+import types
+
+import bench_fakes as fakes
+import numpy as np
 import pytest
 
 from collectives.oneshot import CollectiveState
@@ -66,7 +72,8 @@ def test_step_and_round_wire_on_the_one_shot_collectives(tiny_rank):
     # embedding + 2 per layer all-reduces, one all-gather per Engram layer, one pick
     assert len(cross) == 1 + 2 * layers + len(cfg.engram_layer_ids) + 1
     specs = [s for _, group in step.launches(6) for s in group]
-    variants = bt.pdl_variants(specs)
+    variants = {name: [s if r is None else r(s) for s in specs]      # in record order
+                for name, r in bt.pdl_relaunches().items()}
     pdl = {name: [s.pdl for s in v] for name, v in variants.items()}
     assert all(len(v) == len(specs) for v in variants.values())
     assert sum(pdl["pdl"]) - sum(pdl["ar_plain"]) == sum(s.pdl for s in cross)
@@ -81,6 +88,120 @@ def test_step_and_round_wire_on_the_one_shot_collectives(tiny_rank):
         got = [s for _, g in plans[name].launches(case.verify.rows) for s in g
                if br.is_cross_rank(s)]
         assert len(got) == len(cross)
+
+
+def _rank_site(log):
+    barriers = []
+    ctx = types.SimpleNamespace(rank=1, barrier=lambda: barriers.append(len(log.replays)))
+    site = types.SimpleNamespace(stream=log.main, timer=fakes.Timer(), device=None)
+    return ctx, site, types.SimpleNamespace(state=lambda: None), barriers
+
+
+def test_step_cases_capture_the_branched_step_four_ways(tiny_rank, monkeypatch):
+    """_step_cases on one rank: each case's four graphs go through Plan.record with the side
+    stream (fork, side launches, join), with the PDL attribute as the flat lists had it
+    (pdl / plain / none into / none out of the cross-rank launches); a barrier before each
+    graph's timing; every graph closed."""
+    cfg, _, context = tiny_rank
+    log = fakes.CaptureLog().install(monkeypatch)
+    made = []
+
+    class Step(bs.DeviceStep):
+        def __init__(self, site, cfg, bundle, modules, rank, collectives):
+            self.cfg, self.stream, self.side = cfg, site.stream, log.side_stream()
+            self.plan = wire(decode_plan(cfg), context(), modules)
+            self.tensors = {"tokens": fakes.HostArray(np.arange(bs.MAX_ROWS) % 7)}
+            self.pack_s, self.closed = 0.5, False
+            made.append(self)
+
+        def load(self, case, context):
+            log.events.append(("load", case.rows, context))
+
+        def distinct_experts(self, built, rows):
+            return [3] * cfg.num_hidden_layers
+
+        def nonfinite(self, rows):
+            return 0
+
+        def close(self):
+            self.closed = True
+
+    weights = bs.WeightBytes(10**6, 10**3, 64)
+    monkeypatch.setattr(bs, "DeviceStep", Step)
+    monkeypatch.setattr(bs, "step_weights", lambda cfg, dev, specs: weights)
+    ctx, site, ar, barriers = _rank_site(log)
+    case = bs.Case(6, 1, "verify")
+    results = bt._step_cases(ctx, site, cfg, None, ar, [(case, (300, 40))])
+    dev = made[0]
+    assert dev.closed and len(log.graphs) == 4 and all(g.closed for g in log.graphs)
+    names = list(bt.pdl_relaunches())
+    assert names == ["pdl", "plain", "ar_plain", "after_ar_plain"]
+    specs = [s for _, group in dev.plan.launches(case.rows) for s in group]
+    cross = [br.is_cross_rank(s) for s in specs]
+    want = {"pdl": [s.pdl for s in specs], "plain": [False] * len(specs),
+            "ar_plain": [s.pdl and not c for s, c in zip(specs, cross)],
+            "after_ar_plain": [s.pdl and not (i and cross[i - 1]) for i, s in enumerate(specs)]}
+    for name, graph in zip(names, log.graphs):
+        fakes.assert_branched(graph, dev.plan, case.rows)
+        assert [e.pdl for e in graph.launches] == want[name], name
+    assert all(s.pdl for s in specs) and any(cross)
+    # per context: a barrier after the load, then one before each graph's replays
+    assert log.replays == log.graphs * 2
+    assert barriers == [0, 0, 1, 2, 3, 4, 4, 5, 6, 7]
+    assert [r["context"] for r in results[:2]] == [300, 40] and "wall_s" in results[2]
+    for r in results[:2]:
+        assert list(r["us"]) == names and r["distinct"] == 3 and r["nonfinite"] == 0
+        assert r["bytes"] == bs.step_bytes(cfg, weights, case, r["context"],
+                                           [3] * cfg.num_hidden_layers)
+        assert r["tokens"] == [i % 7 for i in range(case.rows)]
+
+
+def test_round_cases_capture_every_plan_with_its_branches(tiny_rank, monkeypatch):
+    """_round_cases on one rank: the five plans' graphs (verify, draft, step and the sync-free
+    pair, cross-rank picks in) go through Plan.record with the side stream; every one closed."""
+    cfg, case, context = tiny_rank
+    log = fakes.CaptureLog().install(monkeypatch)
+    made = []
+
+    class Round(br.DeviceRound):
+        def __init__(self, site, cfg, bundle, rounds, modules, rank, collectives):
+            self.cfg, self.stream, self.side = cfg, site.stream, log.side_stream()
+            self.plans = br.wire_round(cfg, context(), modules)
+            self.tensors = {"accepted": fakes.HostArray(np.full(8, 5, np.int32)),
+                            "tokens": fakes.HostArray(np.zeros(bs.MAX_ROWS, np.int64))}
+            self.closed = False
+            made.append(self)
+
+        def load(self, case, context):
+            pass
+
+        def load_draft(self, case, context):
+            pass
+
+        def distinct_experts(self, built, rows):
+            return [2]
+
+        def close(self):
+            self.closed = True
+
+    def time_round(stream, graphs, reps, warmup):
+        graphs["draft"].launch(stream)
+        graphs["verify"].launch(stream)
+        return {"draft": 1.0, "verify": 2.0, "round": 3.0}
+
+    monkeypatch.setattr(br, "DeviceRound", Round)
+    monkeypatch.setattr(br, "_time_round", time_round)
+    ctx, site, ar, _ = _rank_site(log)
+    results = bt._round_cases(ctx, site, cfg, None, ar, [(case, (300,))])
+    dev, rows = made[0], br.plan_rows(case)
+    assert dev.closed and len(log.graphs) == len(rows) == 5
+    assert all(g.closed for g in log.graphs)
+    for (name, count), graph in zip(rows.items(), log.graphs):
+        fakes.assert_branched(graph, dev.plans[name], count)
+    assert any(br.is_cross_rank(s) for _, g in dev.plans["draft"].launches(case.draft_rows)
+               for s in g)
+    assert len(results) == 1 and results[0]["b2b"]["round"] == 3.0
+    assert results[0]["accepted"] == [5] * case.seqs
 
 
 def _rank_value(scale: float, tokens=(5, 7)) -> dict:
