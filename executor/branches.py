@@ -9,17 +9,21 @@ a launch costs nothing when it runs beside the chain instead of in it.
 A plan marks those stages `side` and the stage its branch joins before `joins`
 (executor.plan.Stage); `Plan.record(stream, rows, side=SideStream)` enqueues them:
 
-    side.fork(main)     # the side stream waits for everything enqueued on main so far
-    ... side stages' launches on side.stream, main stages' on main ...
+    side.fork(main)     # before each side stage: the side stream waits for main's work so far
+    ... the side stage's launches on side.stream, main stages' on main ...
     side.join(main)     # main waits for everything enqueued on the side stream so far
+
+A side stage thus starts once both its side predecessors and the main stages placed before it in
+the plan are done: the compressor (placed after the attention norm) runs beside wq_a|wkv, the
+indexer (after q_kv_norm, whose attn.qr it reads) beside wq_b.
 
 Under a graph capture the fork and the join become the graph's edges (no event stays in the
 graph); eagerly they are an event record and a stream wait. Every kernel still calls
 griddepcontrol.wait before reading its inputs, so a launch with the PDL attribute and two
 predecessors (the join) starts its prologue early and waits for both.
 
-One SideStream serves a whole plan: branches never nest and each joins before the next forks
-(Plan checks this), so its two events are reused in stream order.
+One SideStream serves a whole plan: branches never nest and each joins within its layer (Plan
+checks this), so its two events are reused in stream order.
 """
 from __future__ import annotations
 

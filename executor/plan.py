@@ -15,9 +15,9 @@ until `executor.wiring.wire` builds it. A missing stage is of one of two kinds:
   executor/launches/, but no stage module (executor/stages/) builds the stage yet.
 `Plan.wire(name, build)` replaces one missing stage by its launches as that work lands.
 
-Side branches (executor/branches.py): a stage marked `side` runs on a second stream, forked from
-the main one where the branch's first side stage stands; the main stream waits for the branch
-before the next stage marked `joins` of the same layer. `decode_plan` / `draft_plan` mark the
+Side branches (executor/branches.py): a stage marked `side` runs on a second stream, after the
+side stream's earlier work and after the main stream's work up to the stage's place in the plan;
+the main stream waits for the branch before the next stage marked `joins` of the same layer. `decode_plan` / `draft_plan` mark the
 roles of SIDE_ROLES and JOIN_ROLES while STEP_BRANCHES. Every serial order of a plan (its stage
 order, or each branch moved to its join: `launches(rows, side_last=True)`) computes the same bytes;
 tests/test_plan_branches.py checks that on the emulated tiny step.
@@ -179,11 +179,9 @@ class Plan:
             if side is not None and stage.joins and branch_open:
                 side.join(stream)
                 branch_open = False
-            if side is not None and stage.side:
-                if not branch_open:
-                    side.fork(stream)
-                    branch_open = True
-                target = side.stream
+            if side is not None and stage.side:      # waits for the main stream's work so far
+                side.fork(stream)
+                branch_open, target = True, side.stream
             for spec in specs:
                 (spec if relaunch is None else relaunch(spec)).launch(target)
                 count += 1
@@ -216,12 +214,12 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
                 ("engram.wkv", "kernels.dense", NOT_WIRED),
                 ("engram.gate", "kernels.engram", NOT_WIRED)]
     out += [("attn.mhc_pre", "kernels.mhc", NOT_WIRED),        # pending FFN post + mixes + collapse
-            ("attn.norm", "kernels.norm", NOT_WIRED),
-            ("attn.wq_a_wkv", "kernels.dense", NOT_WIRED),
-            ("attn.q_kv_norm", "kernels.norm", NOT_WIRED)]
-    if spec.owns_compressor:
+            ("attn.norm", "kernels.norm", NOT_WIRED)]
+    if spec.owns_compressor:            # reads xn only: beside wq_a|wkv .. the q RoPE
         out.append(("attn.compressor", "kernels.compressor", NOT_WIRED))
-    if spec.has_indexer:
+    out += [("attn.wq_a_wkv", "kernels.dense", NOT_WIRED),
+            ("attn.q_kv_norm", "kernels.norm", NOT_WIRED)]
+    if spec.has_indexer:                # reads attn.qr: beside wq_b and the q RoPE
         out.append(("attn.indexer", "kernels.indexer", NOT_WIRED))
     out += [("attn.wq_b", "kernels.dense", NOT_WIRED),
             ("attn.rope_swa_insert", "kernels.kv_publish", NOT_WIRED),
