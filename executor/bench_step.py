@@ -42,6 +42,7 @@ KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 m
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import contextlib
 import importlib
 import os
@@ -70,6 +71,7 @@ BENCH_MODULES = ("executor.stages.mhc", "executor.stages.attn_proj", "executor.s
 CONTEXTS = (4096, 65536)
 CASES_ENV = "HOPDEC_STEP_CASES"        # "1x4k,6x64k": those (rows x context) only
 GRAPH_REPS, EAGER_REPS = 30, 8
+TIMING_ROUNDS = 5                      # each graph's time: the median of 5 round-robin medians
 HBM_BYTES_PER_S = 4.8e12
 DOC_FLOOR_MS = {1: 0.85, 6: 1.97}              # model doc §3
 TARGET_MS = {1: 1.1, 6: 2.4}                   # issue 8
@@ -352,6 +354,9 @@ def no_pdl(spec):
 # A variant is the previous choice of a switch, kept until the switch has been measured.
 STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "serial": lambda: {("executor.plan", "STEP_BRANCHES"): False},
+    "attn_branch_only": lambda: {("executor.plan", "SIDE_ROLES"):
+                                 frozenset({"attn.compressor", "attn.indexer"})},
+    "ffn_branch_only": lambda: {("executor.plan", "SIDE_ROLES"): frozenset({"ffn.shared_w13"})},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
                            _constant("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT_ROUND7")},
 }
@@ -575,9 +580,10 @@ def close_graphs(graphs: dict) -> None:
 class ContextRun:
     """One (bucket, context) of the step: graph medians, distinct experts per router, bytes."""
 
-    times: dict             # graph name -> median us
+    times: dict             # graph name -> median us (of the round medians)
     distinct: list          # distinct experts per layer
     nbytes: int             # bytes that must be read (step_bytes)
+    rounds: dict = dataclasses.field(default_factory=dict)   # graph name -> each round's median
 
 
 def _no_sync() -> None:
@@ -593,12 +599,20 @@ def run_context(dev, timer, case: Case, context: int, launches: CaseLaunches, gr
     dev.load(case, context)
     sync()
     distinct = dev.distinct_experts(launches.built, case.rows)
-    times = {}
-    for name, graph in graphs.items():
-        sync()
-        times[name] = timer.median_us(lambda g=graph: g.launch(dev.stream), reps=GRAPH_REPS)
+    rounds: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(TIMING_ROUNDS):            # round-robin: drift (clocks, heat) hits every graph
+        for name, graph in graphs.items():
+            sync()
+            rounds[name].append(timer.median_us(lambda g=graph: g.launch(dev.stream),
+                                                reps=GRAPH_REPS))
+    times = {name: statistics.median(values) for name, values in rounds.items()}
     return ContextRun(times, distinct,
-                      step_bytes(dev.cfg, launches.weights, case, context, distinct))
+                      step_bytes(dev.cfg, launches.weights, case, context, distinct), rounds)
+
+
+def _spread(rounds: dict[str, list[float]], name: str) -> str:
+    values = rounds.get(name) or []
+    return f"[{min(values):.1f}..{max(values):.1f}]" if values else ""
 
 
 def case_tag(prefix: str, rows: int, context: int) -> str:
@@ -684,9 +698,10 @@ def _bench_case(ctx, dev, case: Case, contexts, cfg, ar_table) -> list[str]:
                        with_ar <= target * 1e3 if target else None)
             ctx.metric(f"{tag}: graph without PDL", times["plain"], "us")
             for name in variants:
-                us = times[f"variant {name}"]
+                us, spread = times[f"variant {name}"], _spread(run.rounds, f"variant {name}")
                 ctx.metric(f"{tag}: graph of variant {name} (the step's wiring: "
-                           f"{times['pdl']:.1f} us, {us - times['pdl']:+.1f} us)", us, "us")
+                           f"{times['pdl']:.1f} us {_spread(run.rounds, 'pdl')}, "
+                           f"{us - times['pdl']:+.1f} us; rounds {spread})", us, "us")
             ctx.metric(f"{tag}: eager with PDL", times["eager"], "us")
             ctx.metric(f"{tag}: eager without PDL", times["eager_plain"], "us")
             floor = nbytes / HBM_BYTES_PER_S * 1e6

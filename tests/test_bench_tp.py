@@ -104,6 +104,7 @@ def test_step_cases_capture_the_branched_step_four_ways(tiny_rank, monkeypatch):
     graph's timing; every graph closed."""
     cfg, _, context = tiny_rank
     log = fakes.CaptureLog().install(monkeypatch)
+    monkeypatch.setattr(bs, "TIMING_ROUNDS", 1)
     made = []
 
     class Step(bs.DeviceStep):
@@ -146,6 +147,7 @@ def test_step_cases_capture_the_branched_step_four_ways(tiny_rank, monkeypatch):
         assert [e.pdl for e in graph.launches] == want[name], name
     assert all(s.pdl for s in specs) and any(cross)
     # per context: a barrier after the load, then one before each graph's replays
+    # (TIMING_ROUNDS = 1 here: one round-robin round)
     assert log.replays == log.graphs * 2
     assert barriers == [0, 0, 1, 2, 3, 4, 4, 5, 6, 7]
     assert [r["context"] for r in results[:2]] == [300, 40] and "wall_s" in results[2]

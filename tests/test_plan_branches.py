@@ -176,6 +176,6 @@ def test_bench_step_variants_name_existing_constants():
         before = {key: bs._constant(*key) for key in settings()}
         with bs.overrides(settings()):
             for (module, attr), value in settings().items():
-                assert bs._constant(module, attr) is value, name
+                assert bs._constant(module, attr) == value, name
         assert {key: bs._constant(*key) for key in settings()} == before
     assert bs.selected_variants() == list(bs.STEP_VARIANTS)
