@@ -593,9 +593,9 @@ def _no_sync() -> None:
 def run_context(dev, timer, case: Case, context: int, launches: CaseLaunches, graphs: dict,
                 sync=_no_sync) -> ContextRun:
     """Load the case's rows at `context`, count the routers' distinct experts in an eager pass
-    (serial, untimed), then the median of GRAPH_REPS replays of each graph, queued back to back.
-    `sync()` runs after the load and before each graph's timing (bench_tp: a barrier of the
-    ranks, which meet at every collective)."""
+    (serial, untimed), then each graph's time: the median over TIMING_ROUNDS round-robin rounds
+    of the median of GRAPH_REPS replays queued back to back. `sync()` runs after the load and
+    before each timing (bench_tp: a barrier of the ranks, which meet at every collective)."""
     dev.load(case, context)
     sync()
     distinct = dev.distinct_experts(launches.built, case.rows)
