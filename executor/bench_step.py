@@ -356,7 +356,10 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "serial": lambda: {("executor.plan", "STEP_BRANCHES"): False},
     "attn_branch_only": lambda: {("executor.plan", "SIDE_ROLES"):
                                  frozenset({"attn.compressor", "attn.indexer"})},
-    "ffn_branch_only": lambda: {("executor.plan", "SIDE_ROLES"): frozenset({"ffn.shared_w13"})},
+    "ffn_branch_only": lambda: {("executor.plan", "SIDE_ROLES"):
+                                frozenset({"ffn.shared_w13", "ffn.shared_expert"})},
+    # round 8's revert: the shared w2 ("add_f32") on the main chain after the plain combine
+    "shared_w2_main": lambda: {("executor.plan", "SHARED_ON_SIDE"): False},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
                            _constant("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT_ROUND7")},
 }

@@ -9,7 +9,8 @@ a launch costs nothing when it runs beside the chain instead of in it.
 A plan marks those stages `side` and the stage its branch joins before `joins`
 (executor.plan.Stage); `Plan.record(stream, rows, side=SideStream)` enqueues them:
 
-    side.fork(main)     # before each side stage: the side stream waits for main's work so far
+    side.fork(main)     # before a side stage: the side stream waits for main's work so far
+                        # (not again before the next side stage if main enqueued nothing since)
     ... the side stage's launches on side.stream, main stages' on main ...
     side.join(main)     # main waits for everything enqueued on the side stream so far
 

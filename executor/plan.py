@@ -29,12 +29,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 # The layer's work that feeds nothing the main chain runs next (executor/branches.py): the
-# shared expert's w1|w3 (read by its w2 after the routed experts) and the compressor and
-# indexer (read by sparse MQA after wq_b and the q RoPE) run beside the chain.
-# Revert: STEP_BRANCHES = False (one stream, the stages in plan order).
+# whole shared expert (w1|w3, then w2 -> ffn.shared_out, read by the MoE combine, which adds it)
+# and the compressor and indexer (read by sparse MQA after wq_b and the q RoPE) run beside the
+# chain. Revert: STEP_BRANCHES = False (one stream, the stages in plan order).
 STEP_BRANCHES = True
-SIDE_ROLES = frozenset({"attn.compressor", "attn.indexer", "ffn.shared_w13"})
-JOIN_ROLES = frozenset({"attn.sparse_mqa", "ffn.shared_expert"})
+SIDE_ROLES = frozenset({"attn.compressor", "attn.indexer", "ffn.shared_w13", "ffn.shared_expert"})
+JOIN_ROLES = frozenset({"attn.sparse_mqa", "ffn.moe_combine"})
+# Round 8: the shared expert's w2 on the side too (bf16 -> ffn.shared_out), the combine adding
+# it (moe_combine_<tag>_shared, executor/stages/ffn.py). Revert: SHARED_ON_SIDE = False, the
+# 62f9948 arrangement: w2 ("add_f32": + the routed sum -> ffn.partial) after the plain combine,
+# joining the branch; `branch_roles` then moves ffn.shared_expert from SIDE_ROLES to the joins.
+SHARED_ON_SIDE = True
 
 NO_KERNEL = "no kernel"
 NOT_WIRED = "kernel exists, not wired to the executor's buffers"
@@ -166,6 +171,7 @@ class Plan:
         """
         built = self.launches(rows)
         count, open_layer, branch_open = 0, None, False
+        main_since_fork = True          # main launches since the last fork (none: no new fork)
         for stage, specs in built:
             if ranges is not None and stage.layer != open_layer:
                 if open_layer is not None:
@@ -180,11 +186,13 @@ class Plan:
                 side.join(stream)
                 branch_open = False
             if side is not None and stage.side:      # waits for the main stream's work so far
-                side.fork(stream)
-                branch_open, target = True, side.stream
+                if main_since_fork:     # else the side stream already waits for all of it
+                    side.fork(stream)
+                branch_open, target, main_since_fork = True, side.stream, False
             for spec in specs:
                 (spec if relaunch is None else relaunch(spec)).launch(target)
                 count += 1
+            main_since_fork = main_since_fork or (target is stream and bool(specs))
             if ranges is not None:
                 ranges.pop()
         if ranges is not None and open_layer is not None:
@@ -228,19 +236,34 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
             ("attn.wo_b", "kernels.dense", NOT_WIRED),
             ("attn.allreduce", "collectives.oneshot", NOT_WIRED),
             ("ffn.mhc_pre", "kernels.mhc", NOT_WIRED),
-            ("ffn.norm", "kernels.norm", NOT_WIRED),
-            ("ffn.shared_w13", "kernels.dense", NOT_WIRED),
-            ("ffn.router", "kernels.router", NOT_WIRED),
-            ("ffn.moe_routed", "kernels.moe", NOT_WIRED),
-            ("ffn.shared_expert", "kernels.dense", NOT_WIRED),
-            ("ffn.allreduce", "collectives.oneshot", NOT_WIRED)]
+            ("ffn.norm", "kernels.norm", NOT_WIRED)]
+    shared = [("ffn.shared_w13", "kernels.dense", NOT_WIRED),
+              ("ffn.shared_expert", "kernels.dense", NOT_WIRED)]
+    routed = [("ffn.router", "kernels.router", NOT_WIRED),
+              ("ffn.moe_routed", "kernels.moe", NOT_WIRED),      # prep / xquant .. w2
+              ("ffn.moe_combine", "kernels.moe", NOT_WIRED)]
+    if SHARED_ON_SIDE:                  # the whole shared expert, then the routed chain
+        out += shared + routed
+    else:                               # 62f9948: w2 adds the routed sum after the combine
+        out += shared[:1] + routed + shared[1:]
+    out.append(("ffn.allreduce", "collectives.oneshot", NOT_WIRED))
     return out
+
+
+def branch_roles() -> tuple[frozenset, frozenset]:
+    """(side roles, join roles) of the plans built now: SIDE_ROLES / JOIN_ROLES, with
+    ffn.shared_expert joining instead of on the side where not SHARED_ON_SIDE."""
+    if SHARED_ON_SIDE:
+        return SIDE_ROLES, JOIN_ROLES
+    return (SIDE_ROLES - {"ffn.shared_expert"},
+            (JOIN_ROLES - {"ffn.moe_combine"}) | {"ffn.shared_expert"})
 
 
 def _layer_stage(name: str, role: str, family: str, layer: int, missing: str,
                  branches: bool) -> Stage:
-    return Stage(name, family, layer, missing=missing, side=branches and role in SIDE_ROLES,
-                 joins=branches and role in JOIN_ROLES)
+    side, joins = branch_roles()
+    return Stage(name, family, layer, missing=missing, side=branches and role in side,
+                 joins=branches and role in joins)
 
 
 def decode_plan(cfg, dspark: bool = False, sync_free: bool = False,

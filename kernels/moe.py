@@ -45,6 +45,7 @@ from kernels.moe_ptx import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
+    fadd_rn,
     fmul_add,
     fragment_position,
     group_mma,
@@ -61,8 +62,10 @@ from kernels.ptx import (
     lds_f32,
     lds_u32,
     lds_v4_u32,
+    pack_bf16x2,
     round_bf16,
     st_bf16,
+    st_v2_b32,
     st_v4_f32,
     sts_f32,
     sts_u32,
@@ -460,8 +463,57 @@ class MoeCombineSm90:
             idx += gdim * mk.COMBINE_THREADS
 
 
+class MoeCombineSharedSm90:
+    """moe_combine_<tag>_shared: out[r, n..n+3] = bf16(y + f32(shared[r, n..n+3])), y the plain
+    combine's sum (same loads, same fmul_add per slot in slot order), then one add.rn and one
+    cvt.rn per element (mk.combine_shared_reference: bitwise the shared w2's old "add_f32"
+    epilogue over the routed sum). `shared` (bf16, the shared expert's w2 on the side stream) is
+    read after the wait: the step joins the side branch before this launch."""
+
+    def __init__(self, spec: mk.MoeSpec):
+        self.spec = spec
+        self.shape = spec.shape
+        self.quads = spec.shape.hidden // mk.COMBINE_VEC
+
+    @cute.jit
+    def __call__(self, route_weights: cute.Pointer, ye: cute.Pointer, shared: cute.Pointer,
+                 out: cute.Pointer, rows: Int32, stream: cuda.CUstream):
+        self.kernel(route_weights, ye, shared, out, rows).launch(
+            grid=[2, 1, 1], block=list(self.spec.block), stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, route_weights: cute.Pointer, ye: cute.Pointer, shared: cute.Pointer,
+               out: cute.Pointer, rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        cute.arch.griddepcontrol_wait()          # ye comes from moe_w2, shared from the branch
+        cute.arch.griddepcontrol_launch_dependents()
+        topk, hidden = self.shape.topk, self.shape.hidden
+        idx = bidx * mk.COMBINE_THREADS + tidx
+        while idx < rows * self.quads:
+            row = idx // self.quads
+            n = (idx % self.quads) * mk.COMBINE_VEC
+            acc = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(topk):
+                w = ld_f32_if(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
+                v = ld_v2(_addr(ye) + Int64((row * topk + s) * hidden + n) * 2, Int32(1))
+                x0, x1 = bf16_pair(v[0])
+                x2, x3 = bf16_pair(v[1])
+                acc = [fmul_add(acc[0], w, x0), fmul_add(acc[1], w, x1),
+                       fmul_add(acc[2], w, x2), fmul_add(acc[3], w, x3)]
+            at = Int64(row * hidden + n) * 2
+            h = ld_v2(_addr(shared) + at, Int32(1))
+            s0, s1 = bf16_pair(h[0])
+            s2, s3 = bf16_pair(h[1])
+            st_v2_b32(_addr(out) + at,
+                      pack_bf16x2(fadd_rn(acc[0], s0), fadd_rn(acc[1], s1)),
+                      pack_bf16x2(fadd_rn(acc[2], s2), fadd_rn(acc[3], s3)))
+            idx += gdim * mk.COMBINE_THREADS
+
+
 _KERNEL_CLASSES = {"prep": MoePrepSm90, "w13": MoeW13Sm90, "w2": MoeW2Sm90,
-                   "combine": MoeCombineSm90}
+                   "combine": MoeCombineSm90, "combine_shared": MoeCombineSharedSm90}
 
 
 def _kernel_class(spec: mk.MoeSpec):
@@ -497,8 +549,9 @@ def specs(cfg, tp: int) -> list[mk.MoeSpec]:
     shape, *others = mk.moe_shapes(cfg, tp)
     out = []
     for one in (shape, *others):
-        out += (mk.make_specs(one) + mk.variant_specs(one) + mk.warp_routed_specs(one)
-                + mk.selfrouted_specs(one) + mk.timeline_specs(one))
+        out += (mk.make_specs(one) + [mk.combine_shared_spec(one)] + mk.variant_specs(one)
+                + mk.warp_routed_specs(one) + mk.selfrouted_specs(one)
+                + mk.timeline_specs(one))
     return out
 
 

@@ -12,6 +12,8 @@ Four kernels chained with PDL (`kernels/moe.py`), all on device data, no host ro
                64-wide tail of I = 576 is its own group), mma over K = I -> ye [R*k, D] bf16.
   moe_combine  y [R, D] f32 = sum over slots, in slot order, of w[r, s] * ye[r*k + s] (fp32 mul
                then add, as moe_ref): the rank's routed partial, fp32 for the all-reduce epilogue.
+               moe_combine_<tag>_shared (round 8, the step's): the same y plus the shared expert's
+               bf16 output, rounded once -> bf16 [R, D] (`combine_shared_reference`).
 
 Weight layout (load-time repack of the fused-E8M0 MXFP4 weights; the only copy). A sublayer
 [N, K] of one expert is cut in tiles of 16 rows x 64 K ("columns"); each column is 32 lanes x 16
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.common_ref import H200_NUM_SMS, ceil_div, check_rows, params_dict
+from kernels.common_ref import BF16, H200_NUM_SMS, ceil_div, check_rows, params_dict
 from kernels.moe_pack_ref import (  # noqa: F401 (re-exported: callers use mk.<name>)
     E4M3,
     PackedExperts,
@@ -110,6 +112,10 @@ PARAMS = {
     "w2": (("meta", "u64"), ("pairs", "u64"), ("h", "u64"), ("codes", "u64"), ("offsets", "u64"),
            ("scales", "u64"), ("ye", "u64"), ("rows", "u32")),
     "combine": (("route_weights", "u64"), ("ye", "u64"), ("y", "u64"), ("rows", "u32")),
+    # Round 8: the combine that adds the shared expert's bf16 output and rounds, so the shared
+    # expert's w2 can run beside the routed chain (`combine_shared_reference`).
+    "combine_shared": (("route_weights", "u64"), ("ye", "u64"), ("shared", "u64"),
+                       ("out", "u64"), ("rows", "u32")),
     # The self-routed chain (kernels/moe_selfroute.py): x quantized alone, w13 / w2 rebuild the
     # routing lists from the ids in shared memory.
     "xquant": (("x", "u64"), ("xq", "u64"), ("xs", "u64"), ("rows", "u32")),
@@ -195,7 +201,7 @@ class MoeSpec:
             return distinct * s.tiles13
         if self.kind in ("w2", "w2sr"):
             return distinct * ceil_div(s.tiles2, W2_WARPS)
-        return ceil_div(rows * s.hidden, COMBINE_THREADS * COMBINE_VEC)
+        return ceil_div(rows * s.hidden, COMBINE_THREADS * COMBINE_VEC)   # either combine
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -205,7 +211,7 @@ class MoeSpec:
             raise ValueError(f"{self.name}: rows={rows} gives more than {WARP_ROUTED_MAX_PAIRS} "
                              "(row, slot) pairs, which one warp routes")
         cap = H200_NUM_SMS * self.ctas_per_sm
-        if self.kind == "combine":
+        if self.kind in ("combine", "combine_shared"):
             cap = self.work_items(MAX_ROWS)
         return (max(1, min(self.work_items(rows), cap)), 1, 1)
 
@@ -318,6 +324,33 @@ def make_specs(shape: MoeShape) -> list[MoeSpec]:
         _w2_spec(shape, *W2_VARIANTS[0]),
         MoeSpec(f"moe_combine_{tag}", "combine", shape, (COMBINE_THREADS, 1, 1)),
     ]
+
+
+def combine_shared_spec(shape: MoeShape) -> MoeSpec:
+    """moe_combine_<tag>_shared: the combine's threads and work split, plus the shared expert's
+    bf16 output added before one bf16 rounding (`combine_shared_reference`)."""
+    return MoeSpec(f"moe_combine_{shape.tag()}_shared", "combine_shared", shape,
+                   (COMBINE_THREADS, 1, 1))
+
+
+def combine_shared_reference(route_weights: np.ndarray, ye: np.ndarray,
+                             shared: np.ndarray) -> np.ndarray:
+    """What moe_combine_<tag>_shared writes, bit for bit: bf16 [R, D] =
+    bf16_rn(y + f32(shared)), y = the plain combine's fp32 sum over slots in slot order of
+    w * ye (mul.rn then add.rn per slot, moe_ref.combine), shared bf16 [R, D], one fp32 add.rn.
+
+    This equals the round-7 step's ffn.partial bit for bit: the shared w2's "add_f32" epilogue
+    wrote bf16_rn(f32(bf16_rn(t)) + y) (kernels/dense.py / dense_stream.py: st_bf16(round_bf16(t)
+    + routed), one add.rn; dense_ref.dense_ref the same), and its "bf16" epilogue writes
+    bf16_rn(t) of the same fp32 total t (a spec's split and order do not depend on its epilogue:
+    dense_ref.make_spec), which is `shared` here; fp32 addition commutes. moe_ref.moe_partial's
+    round_bf16(routed + shared_expert(...)) is the same formula."""
+    from kernels.moe_ref import combine
+    rows, topk = route_weights.shape
+    y = combine(np.asarray(route_weights, np.float32),
+                np.asarray(ye).astype(np.float32).reshape(rows * topk, -1))
+    total = (y + np.asarray(shared).astype(np.float32)).astype(np.float32)
+    return total.astype(BF16)                       # ml_dtypes: round to nearest even
 
 
 def warp_routed_specs(shape: MoeShape) -> list[MoeSpec]:

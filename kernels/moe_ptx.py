@@ -178,6 +178,12 @@ def fmul_add(acc: Float32, a: Float32, b: Float32):
                         "=f,f,f,f", kind=T.f32()))
 
 
+def fadd_rn(a: Float32, b: Float32):
+    """a + b with one rounding (add.rn: never contracted into an fma), as NumPy's `a + b`."""
+    return Float32(_asm(1, [Float32(a), Float32(b)], "add.rn.f32 $0, $1, $2;", "=f,f,f",
+                        kind=T.f32()))
+
+
 def ctz(x: Int32):
     return Int32(_asm(1, [Int32(x)], "{ .reg .b32 t; brev.b32 t, $1; clz.b32 $0, t; }",
                       "=r,r"))

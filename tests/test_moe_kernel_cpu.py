@@ -5,6 +5,7 @@ import pytest
 
 from kernels import moe_kernel_ref as mk
 from kernels import moe_ref
+from kernels.common_ref import BF16
 from loader import formats as f
 from loader.config import ModelConfig
 
@@ -415,3 +416,84 @@ def test_lean_w13w_runs_at_a_128_register_bound(config, variant, ctas):
     assert ctas * (lean.smem_bytes + 1024) <= 228 * 1024
     groups = shape.k13 // mk.COL_K // (lean.block[0] // mk.LANES) // 2     # per warp slice
     assert mk.LEAN_B_WINDOW >= 1 and (groups == 1 or mk.LEAN_B_WINDOW < groups)  # v41: 4 of 10
+
+
+# ---- round 8: the combine that adds the shared expert (moe_combine_<tag>_shared) ---------------
+
+def _bf16_rne_bits(total: np.ndarray) -> np.ndarray:
+    """f32 -> bf16 bits, round to nearest even by integer arithmetic (no ml_dtypes; finite)."""
+    bits = total.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 48])
+def test_combine_shared_reference_is_the_add_f32_arithmetic_bitwise(rows):
+    """mk.combine_shared_reference == bf16_rn(f32 add.rn(y, f32(shared))), y the plain combine's
+    fp32 slot-order sum, == the shared w2's old "add_f32" epilogue bf16(f32(bf16(t)) + y) with
+    shared = bf16(t) (the "bf16" epilogue of the same total t), == round 4's f32 + bf16 residual
+    add; bitwise, on random data with a third of the elements pushed onto or next to a bf16
+    rounding tie of y + shared (exact f32 ties among them, checked, so round-to-even is
+    exercised)."""
+    from kernels.dense_ref import to_bf16 as dense_to_bf16
+    from kernels.elementwise_ref import residual_add_ref
+
+    rng = np.random.default_rng(rows)
+    k, d = 6, 256
+    w = (rng.random((rows, k)) * 0.5).astype(np.float32)
+    w[:, 0] = 1.0
+    ye = rng.standard_normal((rows * k, d)).astype(BF16)
+    t = (rng.standard_normal((rows, d)) * 0.3).astype(np.float32)
+    shared = t.astype(BF16)
+    # Ties: where picked, y = ye of slot 0 (a bf16 value a: the other slots' ye are 0) and
+    # shared = (1, 3, 1 + 2^-7 or 1 - 2^-8) x half an ulp of a, either sign: a + shared is a
+    # bf16 rounding tie (exact in f32) or next to one.
+    pick = rng.random((rows, d)) < 1 / 3
+    grid = ye.reshape(rows, k, d)
+    grid[:, 1:][np.broadcast_to(pick[:, None], (rows, k - 1, d))] = 0
+    a = grid[:, 0].astype(np.float32)
+    half = np.ldexp(np.float32(1), np.frexp(a)[1] - 9).astype(np.float32)
+    factor = rng.choice(np.float32([1, 3, 1 + 2.0**-7, 1 - 2.0**-8]), (rows, d))
+    sign = rng.choice(np.float32([-1, 1]), (rows, d))
+    shared = np.where(pick & (a != 0), (sign * factor * half).astype(BF16), shared)
+    y = moe_ref.combine(w, ye.astype(np.float32))
+    got = mk.combine_shared_reference(w, ye, shared)
+    assert got.dtype == BF16 and got.shape == (rows, d)
+    total = (y + shared.astype(np.float32)).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint16), _bf16_rne_bits(total))
+    add_f32 = dense_to_bf16(dense_to_bf16(t).astype(np.float32) + y)          # old epilogue
+    np.testing.assert_array_equal(mk.combine_shared_reference(w, ye, t.astype(BF16))
+                                  .view(np.uint16), add_f32.view(np.uint16))
+    np.testing.assert_array_equal(got.view(np.uint16),
+                                  residual_add_ref(y, shared).view(np.uint16))
+    low = _bf16_rne_bits(total).astype(np.uint32) << 16           # the ties were exercised
+    ties = (total.view(np.uint32) & 0xFFFF) == 0x8000
+    assert ties.sum() >= pick.sum() // 8, (int(ties.sum()), int(pick.sum()))
+    assert (low.view(np.float32)[ties] != total[ties]).all()
+
+
+def test_combine_shared_spec_and_bundle_list():
+    """Its ABI is the combine's plus shared / out, its grid the combine's; kernels/moe.py builds
+    it for every MoE shape (the step's and the revert's combine both in the bundle)."""
+    for shape in (mk.MoeShape(16, 6, 256, 96, 10.0), mk.MoeShape(384, 6, 5120, 768, 10.0)):
+        plain, shared = mk.make_specs(shape)[-1], mk.combine_shared_spec(shape)
+        assert shared.name == plain.name + "_shared" and shared.block == plain.block
+        assert [p for p, _ in shared.params] == ["route_weights", "ye", "shared", "out", "rows"]
+        for rows in (1, 2, 3, 5, 6, 8, 12, 16, 48, 96, 192):
+            assert shared.grid(rows) == plain.grid(rows)
+
+
+def test_shared_w2_bf16_and_add_f32_kernels_share_their_sum():
+    """The bitwise argument's premise: the shared w2's "bf16" and "add_f32" kernels have the
+    same variant, split and unit layout at every row tiling (the fp32 total t is the same
+    bits; only the epilogue differs)."""
+    from kernels import dense_ref as dr
+    from loader.config import ModelConfig
+
+    for preset in ("tiny", "v41-flash"):
+        n, k, epilogues = dr.dense_shapes(ModelConfig.preset(preset), 4)["shared_w2"]
+        assert {"bf16", "add_f32"} <= set(epilogues)
+        for rt in dr.ROW_TILE_CHOICES:
+            a = dr.make_spec("shared_w2", n, k, row_tiles=rt, epilogue="bf16").to_dict()
+            b = dr.make_spec("shared_w2", n, k, row_tiles=rt, epilogue="add_f32").to_dict()
+            diff = {key for key in a if a[key] != b[key]}
+            assert diff <= {"name", "epilogue"}, (preset, rt, diff)

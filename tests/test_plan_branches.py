@@ -44,14 +44,37 @@ def test_decode_plan_marks_one_branch_per_sublayer(preset):
             continue
         attn = [r for r, has in (("attn.compressor", spec.owns_compressor),
                                  ("attn.indexer", spec.has_indexer)) if has]
-        want = ([(attn, "attn.sparse_mqa")] if attn else []) + [(["ffn.shared_w13"],
-                                                                 "ffn.shared_expert")]
+        want = ([(attn, "attn.sparse_mqa")] if attn else []) + [
+            (["ffn.shared_w13", "ffn.shared_expert"], "ffn.moe_combine")]
         assert by_layer[spec.index] == want, spec.index
     assert not decode_plan(cfg, branches=False).has_branches
     if cfg.dspark_target_layer_ids:
         draft = _branches(draft_plan(cfg))
-        assert [(s[0].split(".", 1)[1], j.split(".", 1)[1]) for s, j in draft] == \
-            [("draft.ffn.shared_w13", "draft.ffn.shared_expert")] * len(draft) and draft
+        assert [([n.split(".", 1)[1] for n in s], j.split(".", 1)[1]) for s, j in draft] == \
+            [(["draft.ffn.shared_w13", "draft.ffn.shared_expert"],
+              "draft.ffn.moe_combine")] * len(draft) and draft
+
+
+@pytest.mark.parametrize("on_side", [True, False])
+def test_ffn_stage_order_follows_shared_on_side(monkeypatch, on_side):
+    """plan.SHARED_ON_SIDE: the shared expert's two stages beside router .. w2, the combine
+    joining; False (62f9948): w2 after the combine, joining."""
+    monkeypatch.setattr(plan_mod, "SHARED_ON_SIDE", on_side)
+    cfg = ModelConfig.preset("tiny")
+    for plan in (decode_plan(cfg), draft_plan(cfg)):
+        layer = next(st.layer for st in plan.stages if st.layer is not None)
+        roles = [(role, st.side, st.joins) for st in plan.stages if st.layer == layer
+                 for role in [st.range_name.removeprefix("draft.")] if role.startswith("ffn.")]
+        if on_side:
+            assert roles == [("ffn.mhc_pre", False, False), ("ffn.norm", False, False),
+                             ("ffn.shared_w13", True, False), ("ffn.shared_expert", True, False),
+                             ("ffn.router", False, False), ("ffn.moe_routed", False, False),
+                             ("ffn.moe_combine", False, True), ("ffn.allreduce", False, False)]
+        else:
+            assert roles == [("ffn.mhc_pre", False, False), ("ffn.norm", False, False),
+                             ("ffn.shared_w13", True, False), ("ffn.router", False, False),
+                             ("ffn.moe_routed", False, False), ("ffn.moe_combine", False, False),
+                             ("ffn.shared_expert", False, True), ("ffn.allreduce", False, False)]
 
 
 def test_plan_refuses_a_branch_that_never_joins():
@@ -107,25 +130,30 @@ def test_record_forks_launches_beside_and_joins():
 
     plan = Plan([st("head.a", None), st("layer00.m1", 0), st("layer00.s1", 0, side=True),
                  st("layer00.s2", 0, 2, side=True), st("layer00.m2", 0),
-                 st("layer00.j", 0, joins=True), st("layer01.j", 1, joins=True)])
+                 st("layer00.s3", 0, side=True), st("layer00.j", 0, joins=True),
+                 st("layer01.j", 1, joins=True)])
     side = SideStream(_Stream("side"), _Event(log, "fork"), _Event(log, "join"))
     main = _Stream("main")
-    assert plan.record(main, 1, side=side) == 8
+    assert plan.record(main, 1, side=side) == 9
+    # s2 follows s1 with no main launch between: the side stream already waits for main's
+    # work, so no second fork (its launch stays right behind s1's: PDL on the side stream);
+    # s3 follows m2: forked again.
     assert log.events == [
         "head.a#0 on main", "layer00.m1#0 on main",
         "record fork on main", "side waits fork", "layer00.s1#0 on side",
-        "record fork on main", "side waits fork", "layer00.s2#0 on side", "layer00.s2#1 on side",
+        "layer00.s2#0 on side", "layer00.s2#1 on side",
         "layer00.m2#0 on main",
+        "record fork on main", "side waits fork", "layer00.s3#0 on side",
         "record join on side", "main waits join",
         "layer00.j#0 on main", "layer01.j#0 on main"]
     log.events.clear()
-    assert plan.record(main, 1, relaunch=lambda s: _Spec(log, s.name, pdl=False)) == 8
+    assert plan.record(main, 1, relaunch=lambda s: _Spec(log, s.name, pdl=False)) == 9
     assert log.events == [f"{n}/plain on main" for n in (
         "head.a#0", "layer00.m1#0", "layer00.s1#0", "layer00.s2#0", "layer00.s2#1",
-        "layer00.m2#0", "layer00.j#0", "layer01.j#0")]
+        "layer00.m2#0", "layer00.s3#0", "layer00.j#0", "layer01.j#0")]
     order = [s.name for s, _ in plan.launches(1, side_last=True)]
     assert order == ["head.a", "layer00.m1", "layer00.m2", "layer00.s1", "layer00.s2",
-                     "layer00.j", "layer01.j"]
+                     "layer00.s3", "layer00.j", "layer01.j"]
 
 
 def _state(ranks) -> list[bytes]:

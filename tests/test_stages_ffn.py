@@ -8,8 +8,11 @@ Per case (fresh random bf16 xn; rows 1, 6 (a verify block's size), 13 real rows 
 - routed sum `ffn.moe.y`: bitwise `moe_ref.routed_experts` on the reference's dequantized expert
   slices (so the fused-E8M0 packing of every expert decodes to the reference's weights);
 - shared expert, stage by stage on the emulator's own inputs. Two launches (ffn.SHARED_EXPERT_FUSED):
-  h within `dense_ref.epilogue_expectation`'s "swiglu" bound of SwiGLU of the float64 x·W13ᵀ,
-  ffn.partial within its "add_f32" bound of h·W2ᵀ + y (fp32 summation order, then each rounding).
+  h within `dense_ref.epilogue_expectation`'s "swiglu" bound of SwiGLU of the float64 x·W13ᵀ;
+  with plan.SHARED_ON_SIDE (round 8) ffn.shared_out within the "bf16" bound of h·W2ᵀ and
+  ffn.partial bitwise bf16(routed + shared_out) (the shared combine; the routed sum is
+  moe_ref's bits, no longer stored), else ffn.partial within the "add_f32" bound of h·W2ᵀ + y
+  (fp32 summation order, then each rounding); and the two arrangements bitwise equal;
   Four launches (reverted): h13 and the w2 output within 2 x `dense_tolerance` of bf16(x·Wᵀ)
   (both sides are within one such bound of the exact product: fp32 summation order + one bf16
   rounding), h bitwise `swiglu_ref`, ffn.partial bitwise bf16(y + shared) (the f32 + bf16 add);
@@ -26,6 +29,8 @@ import pytest
 from stage_checks import within_bound
 from tiny_checkpoint import tiny_checkpoint
 
+from executor import plan as plan_mod
+from executor.bench_step import overrides
 from executor.emulate.ranks import EmulatedRanks
 from executor.reference.kvcache import KVCaches
 from executor.reference.weights import rank_weights_from_checkpoint
@@ -38,9 +43,11 @@ from kernels.swiglu_ref import swiglu_ref
 from loader.checkpoint import Checkpoint
 
 TP = 4
-ROLES = {"ffn.shared_w13", "ffn.router", "ffn.moe_routed", "ffn.shared_expert"}
-# router; MoE chain; w1|w3 + SwiGLU, w2 + routed sum (reverted: w1|w3, SwiGLU, w2, add)
-SHARED_LAUNCHES = 2 if ffn.SHARED_EXPERT_FUSED else 4
+ROLES = {"ffn.shared_w13", "ffn.router", "ffn.moe_routed", "ffn.moe_combine",
+         "ffn.shared_expert"}
+# router; MoE chain + combine; w1|w3 + SwiGLU, w2 (reverted: w1|w3, SwiGLU, w2, and the add
+# where the combine does not add: not plan.SHARED_ON_SIDE)
+SHARED_LAUNCHES = 2 if ffn.SHARED_EXPERT_FUSED else 3 + (not plan_mod.SHARED_ON_SIDE)
 LAUNCHES_PER_RANK = 1 + 4 + SHARED_LAUNCHES
 CASES = [(1, 1), (6, 6), (13, 16), (48, 48)]          # (real rows, bucket)
 POISONED = ("ffn.partial", "ffn.router_logits", "ffn.topk_ids", "ffn.topk_weights",
@@ -64,19 +71,31 @@ class Setup:
     def read(self, rank, name, dtype, rows, width):
         return self.ranks.read(rank, name, dtype, (rows, width))
 
-    def run(self, x: np.ndarray, layer: int) -> None:
-        for arena in self.ranks.arenas:
+    def run(self, x: np.ndarray, layer: int, ranks=None,
+            launches: int = LAUNCHES_PER_RANK) -> None:
+        ranks = self.ranks if ranks is None else ranks
+        for arena in ranks.arenas:
             for name in POISONED:
                 arena.fill(name, 0xFF)
-        self.ranks.write("xn", x)
-        launched = self.ranks.run(x.shape[0], roles=ROLES, layers={layer})
-        assert launched == TP * LAUNCHES_PER_RANK
+        ranks.write("xn", x)
+        launched = ranks.run(x.shape[0], roles=ROLES, layers={layer})
+        assert launched == TP * launches
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_bundle_dir):
     with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
         yield Setup(ckpt, tiny_bundle_dir)
+
+
+@pytest.fixture(scope="module")
+def setup_w2_main(tiny_bundle_dir):
+    """The 62f9948 arrangement (plan.SHARED_ON_SIDE = False), wired under the override (the
+    builders keep the arrangement they were wired with; the override ends before the tests)."""
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+        with overrides({("executor.plan", "SHARED_ON_SIDE"): False}):
+            st = Setup(ckpt, tiny_bundle_dir)
+        yield st
 
 
 def _xn(rng, real: int, bucket: int, d: int) -> np.ndarray:
@@ -130,7 +149,9 @@ def _check_fused(x, h, y, partial, w13, w2, limit: float, what: str):
     want, bound = dr.epilogue_expectation(
         spec2, h.astype(np.float64) @ w2.astype(np.float64).T,
         dr.dense_tolerance(h, w2, "f32"), y)
-    errs["partial_stage"] = within_bound(partial, want, bound, f"{what}: ffn.partial (w2 + routed)")
+    if partial is not None:             # None: w2 writes shared_out (plan.SHARED_ON_SIDE)
+        errs["partial_stage"] = within_bound(partial, want, bound,
+                                             f"{what}: ffn.partial (w2 + routed)")
     return errs, moe_ref.round_bf16(moe_ref.matmul_t(h.astype(np.float32), w2))
 
 
@@ -138,15 +159,30 @@ def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
     lw, cfg, d = s.refs[r].layer(layer), s.cfg, s.d
     x32, limit = x.astype(np.float32), cfg.swiglu_limit
     inter = lw.shared.w2.shape[1]
-    y = s.read(r, "ffn.moe.y", np.float32, bucket, d)
-    np.testing.assert_array_equal(
-        y, moe_ref.routed_experts(x32, routing, lw.experts, limit, True),
-        err_msg=f"rank {r} layer {layer}: routed sum is not moe_ref's bits")
+    y_ref = moe_ref.routed_experts(x32, routing, lw.experts, limit, True)
     w13, w2 = lw.shared.w13, lw.shared.w2
     h13_ref = moe_ref.round_bf16(moe_ref.matmul_t(x32, w13))
     h = s.read(r, "ffn.shared_h", BF16, bucket, inter)
     partial = s.read(r, "ffn.partial", BF16, bucket, d)
-    if ffn.SHARED_EXPERT_FUSED:
+    if plan_mod.SHARED_ON_SIDE:         # the combine adds shared_out: y never stored
+        y = y_ref
+        shared = s.read(r, "ffn.shared_out", BF16, bucket, d)
+        np.testing.assert_array_equal(
+            partial, (y_ref + shared.astype(np.float32)).astype(BF16),
+            err_msg=f"rank {r} layer {layer}: partial is not bf16(moe_ref's routed sum + "
+                    "shared_out)")
+    else:
+        y = s.read(r, "ffn.moe.y", np.float32, bucket, d)
+        np.testing.assert_array_equal(
+            y, y_ref, err_msg=f"rank {r} layer {layer}: routed sum is not moe_ref's bits")
+    if ffn.SHARED_EXPERT_FUSED and plan_mod.SHARED_ON_SIDE:
+        errs, _ = _check_fused(x, h, y, None, w13, w2, limit, f"rank {r} layer {layer}")
+        spec2 = dr.make_spec("shared_w2", d, inter, epilogue="bf16")
+        want, bound = dr.epilogue_expectation(
+            spec2, h.astype(np.float64) @ w2.astype(np.float64).T,
+            dr.dense_tolerance(h, w2, "f32"))
+        errs["shared"] = within_bound(shared, want, bound, f"rank {r}: shared_out (w2 bf16)")
+    elif ffn.SHARED_EXPERT_FUSED:
         errs, shared = _check_fused(x, h, y, partial, w13, w2, limit, f"rank {r} layer {layer}")
     else:
         h13 = s.read(r, "ffn.shared_h13", BF16, bucket, 2 * inter)
@@ -157,6 +193,7 @@ def _check_rank(s: Setup, r: int, x, routing, layer: int, bucket: int) -> dict:
                                       2 * dr.dense_tolerance(h, w2, "bf16"), "shared w2")
         np.testing.assert_array_equal(partial, residual_add_ref(y, shared),
                                       err_msg=f"rank {r}: partial is not bf16(y + shared)")
+        shared = shared.astype(np.float32)
     # End to end: the reference's own shared-expert path, then moe_partial itself.
     h_ref = moe_ref.round_bf16(moe_ref.swiglu_clamped(h13_ref[:, :inter], h13_ref[:, inter:],
                                                       limit))
@@ -203,19 +240,46 @@ def test_launch_lists_follow_the_bucket(setup, rows, dense, moe_first):
     tile = ("_tile8" + "p" * ffn.ROUTER_TILE_POLLED) if rows <= ffn.ROUTER_TILE_MAX_ROWS else ""
     assert names("ffn.router") == [f"router_e{s.cfg.n_routed_experts}_d{s.d}_k{s.k}{tile}"]
     moe = names("ffn.moe_routed")
-    assert moe[0].startswith(moe_first) and moe[-1].startswith("moe_combine_") and len(moe) == 4
+    assert moe[0].startswith(moe_first) and len(moe) == 3
+    assert not any(n.startswith("moe_combine_") for n in moe)
+    tag = f"e{s.cfg.n_routed_experts}_k{s.k}"
+    combine = names("ffn.moe_combine")
+    assert len(combine) == 1 and combine[0].startswith(f"moe_combine_{tag}")
+    assert combine[0].endswith("_shared") == plan_mod.SHARED_ON_SIDE
     shared = names("ffn.shared_w13") + names("ffn.shared_expert")
     assert len(shared) == SHARED_LAUNCHES
+    w2_epilogue = "bf16" if plan_mod.SHARED_ON_SIDE else "add_f32"
     if ffn.SHARED_EXPERT_FUSED:
         assert shared[0].startswith("dense_w8a16_shared_w13_")
         assert shared[0].endswith(f"_{dense}_swiglu")
         assert shared[1].startswith("dense_w8a16_shared_w2_")
-        assert shared[1].endswith(f"_{dense}_add_f32")
+        assert shared[1].endswith(f"_{dense}_{w2_epilogue}")
         return
     assert shared[0].startswith("dense_w8a16_shared_w13_") and shared[0].endswith(f"_{dense}_bf16")
     assert shared[1].startswith("swiglu_bf16_i")
     assert shared[2].startswith("dense_w8a16_shared_w2_") and shared[2].endswith(f"_{dense}_bf16")
-    assert shared[3] == f"residual_add_f32_bf16_d{s.d}"
+    assert shared[3:] == ([] if plan_mod.SHARED_ON_SIDE else [f"residual_add_f32_bf16_d{s.d}"])
+
+
+@pytest.mark.parametrize("rows", [1, 6, 48])
+def test_shared_on_side_matches_the_w2_main_arrangement_bitwise(setup, setup_w2_main, rows):
+    """plan.SHARED_ON_SIDE (w2 bf16 -> shared_out, the shared combine adds it) and the 62f9948
+    arrangement (w2's add_f32 epilogue over the plain combine's y) write the same ffn.partial
+    bytes on every rank (mk.combine_shared_reference's argument, on the emulated step)."""
+    s, rng = setup, np.random.default_rng()
+    assert plan_mod.SHARED_ON_SIDE, "this test compares the round-8 default with its revert"
+    names = [st.name for st in setup_w2_main.ranks.plans[0].stages
+             if st.name.startswith("layer00.ffn.")]
+    assert names.index("layer00.ffn.shared_expert") > names.index("layer00.ffn.moe_combine")
+    x = _xn(rng, rows, rows, s.d)
+    layer = s.layers[0]
+    w2_main = 1 + 4 + (2 if ffn.SHARED_EXPERT_FUSED else 4)
+    outs = []
+    for ranks, launches in ((s.ranks, LAUNCHES_PER_RANK), (setup_w2_main.ranks, w2_main)):
+        s.run(x, layer, ranks, launches)
+        outs.append([ranks.read(r, "ffn.partial", np.uint16, (rows, s.d)) for r in range(TP)])
+    for r in range(TP):
+        np.testing.assert_array_equal(outs[0][r], outs[1][r], err_msg=f"rank {r}")
 
 
 def test_buffers_and_weights_declared(setup):

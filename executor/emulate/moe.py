@@ -9,6 +9,7 @@ What each kind reads and writes (R = rows, k = top-k; buffers as executor/launch
   w13sr    ids (its own lists), xq, xs, w13 weights -> h rows of every pair (w13w the same)
   w2, w2sr as w13 / w13sr with h and the w2 weights -> ye rows
   combine  route_weights, ye -> y [R, D] f32
+  combine_shared  route_weights, ye, shared bf16 -> out [R, D] bf16 (mk.combine_shared_reference)
 Weights are decoded from the packed bytes at the experts' addresses (mk.effective_weights: the
 kernel's prmt arithmetic). The GEMMs are moe_ref's W4A8 (per-128-group partials), so an emulated
 chain equals moe_ref.routed_experts on the dequantized checkpoint weights bit for bit; the kernels
@@ -27,7 +28,7 @@ from kernels import moe_ref
 from kernels.common_ref import BF16, check_rows
 
 KNOWN_VARIANTS = {
-    "prep": ("",), "combine": ("",), "xquant": ("",),
+    "prep": ("",), "combine": ("",), "combine_shared": ("",), "xquant": ("",),
     "w13": tuple(v[0] for v in mk.W13_VARIANTS), "w2": (*(v[0] for v in mk.W2_VARIANTS), *mk.W2_BULK_VARIANTS),
     "w13sr": tuple(v[0] for v in mk.W13SR_VARIANTS), "w13w": mk.W13W_VARIANTS,
     "w2sr": tuple(v[0] for v in mk.W2SR_VARIANTS),
@@ -62,6 +63,8 @@ def emulate(record, grid, args, space) -> None:
         lists = _lists_from_ids(name, shape, space, args["topk_ids"], rows)
         experts = _by_expert(lists)
         (_w2 if kind == "w2sr" else _w13)(name, shape, space, args, rows, experts)
+    elif kind == "combine_shared":
+        _combine_shared(shape, space, args, rows)
     else:
         _combine(shape, space, args, rows)
 
@@ -210,3 +213,13 @@ def _combine(shape: mk.MoeShape, space, args, rows: int) -> None:
     for slot in range(k):
         y += weights[:, slot:slot + 1] * ye[:, slot]
     space.array(args["y"], np.float32, (rows, d))[...] = y
+
+
+def _combine_shared(shape: mk.MoeShape, space, args, rows: int) -> None:
+    """The combine plus the shared expert's bf16 output, one bf16 rounding."""
+    k, d = shape.topk, shape.hidden
+    weights = space.array(args["route_weights"], np.float32, (rows, k)).copy()
+    ye = space.array(args["ye"], BF16, (rows * k, d)).copy()
+    shared = space.array(args["shared"], BF16, (rows, d)).copy()
+    space.array(args["out"], BF16, (rows, d))[...] = mk.combine_shared_reference(weights, ye,
+                                                                                 shared)

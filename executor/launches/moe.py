@@ -21,6 +21,9 @@ intermediate, E = experts; every activation buffer holds at least R rows):
            ye     bf16  [R*k, D]   expert output per pair
   output   y      f32   [R, D]     sum over slots of route_weights * ye: the rank's routed
                                    partial (fp32, for the all-reduce epilogue)
+  or (moe_combine_<tag>_shared, `combine_launch(shared=True)`):
+           shared bf16  [R, D]     the shared expert's output (input)
+           out    bf16  [R, D]     bf16(y + shared): the rank's FFN partial
 
 Chains (each kernel waits on its predecessor with griddepcontrol):
   default      prep(ids, x -> meta, pairs, xq, xs) -> w13(meta, pairs, xq, xs, w13 -> h)
@@ -54,6 +57,7 @@ POINTER_KEYS = {
     "w13": ("meta", "pairs", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
     "w2": ("meta", "pairs", "h", "codes2", "offsets2", "scales2", "ye"),
     "combine": ("route_weights", "ye", "y"),
+    "combine_shared": ("route_weights", "ye", "shared", "out"),
     "xquant": ("x", "xq", "xs"),
     "w13sr": ("ids", "xq", "xs", "codes13", "offsets13", "scales13", "h"),
     "w2sr": ("ids", "h", "codes2", "offsets2", "scales2", "ye"),
@@ -122,8 +126,8 @@ def shape_from_bundle(bundle) -> mk.MoeShape:
 def available_specs(bundle, shape: mk.MoeShape) -> dict[tuple[str, str], mk.MoeSpec]:
     """(kind, variant) -> spec of every MoE kernel of this shape the bundle holds."""
     names = set(bundle.names())
-    every = (mk.make_specs(shape) + mk.variant_specs(shape) + mk.warp_routed_specs(shape)
-             + mk.selfrouted_specs(shape))
+    every = (mk.make_specs(shape) + [mk.combine_shared_spec(shape)] + mk.variant_specs(shape)
+             + mk.warp_routed_specs(shape) + mk.selfrouted_specs(shape))
     return {(s.kind, s.variant): s for s in every if s.name in names}
 
 
@@ -256,13 +260,30 @@ def step_variants(available, rows: int) -> tuple[str, str | None]:
 
 
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
-                  rows: int) -> list[LaunchSpec]:
+                  rows: int, combine: bool = True) -> list[LaunchSpec]:
     """What the decode step runs for `rows`: from SELFROUTED_FROM_ROWS rows on the self-routed
     chain (w13sr from `step_w13_variants`, w2sr early) when the bundle has it; below, with
     STEP_BULK, the bulk-copy chain (`bulk_launches`, its w13w from `step_w13_variants`); else
     the default chain with `step_variants` (its w13 moe_w13w where that fits). All write the same
     y (bitwise, tests/gpu/test_moe_kernel.py); only the default and bulk ones write meta /
-    pairs."""
+    pairs. combine=False: without the chain's last launch, the combine (every chain ends with
+    it; the step launches it as its own stage, `combine_launch`)."""
+    chain = _step_chain(bundle, shape, ptrs, rows)
+    return chain if combine else chain[:-1]
+
+
+def combine_launch(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
+                   shared: bool = False) -> LaunchSpec:
+    """The combine after the step's chain: moe_combine (route_weights, ye -> y f32) or, shared,
+    moe_combine_<tag>_shared (route_weights, ye, shared bf16 -> out bf16 = bf16(y + shared))."""
+    spec = mk.combine_shared_spec(shape) if shared else mk.make_specs(shape)[-1]
+    if spec.name not in set(bundle.names()):
+        raise KeyError(f"the bundle has no {spec.name} (rebuild it: kernels/moe.py specs)")
+    return _launch(bundle, spec, ptrs, rows)
+
+
+def _step_chain(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
+                rows: int) -> list[LaunchSpec]:
     available = available_specs(bundle, shape)
     w13w, w13sr = step_w13_variants(rows)
     chosen = {("w13sr", w13sr), ("w2sr", SELFROUTED_EARLY)}

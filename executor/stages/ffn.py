@@ -4,32 +4,45 @@ Model doc §2.2 F1-F4 with `kernels/moe_ref.py`'s roundings (`route`, `moe_parti
 boundary buffer `xn` (bf16 [R, D], the normed FFN input) to `ffn.partial` (bf16 [R, D], this
 rank's partial, which the FFN all-reduce sums over ranks in fp32):
 
-  ffn.router         router          xn -> ffn.router_logits, ffn.topk_ids, ffn.topk_weights
-                                     (replicated: every rank computes the same bits)
-  ffn.moe_routed     moe chain       xn, ids, weights -> ffn.moe.y f32 (the routed sum, slot
-                                     order; executor/launches/moe.py `step_launches`: below 3
-                                     rows prep, w13w "bulkw_lean4", w2 "bulkp", combine;
-                                     from 3 xquant, w13sr "bulk", w2sr "early", combine)
   ffn.shared_w13     dense w1|w3 +   xn -> ffn.shared_h bf16 [R, I]      (bf16(SwiGLU(bf16(x·W13ᵀ))))
                      swiglu epilogue (a side stage: beside the router and the routed experts,
                                      executor/branches.py)
-  ffn.shared_expert  dense w2 +      ffn.shared_h, ffn.moe.y -> ffn.partial (joins the branch)
-                     add_f32 epil.   (bf16(routed + bf16(h·W2ᵀ)): F4's rounding)
+  ffn.shared_expert  dense w2, bf16  ffn.shared_h -> ffn.shared_out bf16 [R, D]  (bf16(h·W2ᵀ);
+                     epilogue        side, after w1|w3 on the side stream)
+  ffn.router         router          xn -> ffn.router_logits, ffn.topk_ids, ffn.topk_weights
+                                     (replicated: every rank computes the same bits)
+  ffn.moe_routed     moe chain       xn, ids, weights -> ffn.moe.ye (executor/launches/moe.py
+                                     `step_launches` without its combine: below 3 rows prep,
+                                     w13w "bulkw_lean4", w2 "bulkp"; from 3 xquant, w13sr
+                                     "bulk", w2sr "early")
+  ffn.moe_combine    combine +       weights, ffn.moe.ye, ffn.shared_out -> ffn.partial (joins
+                     shared          the branch; moe_combine_<tag>_shared: bf16(y + shared), y
+                                     the routed sum in slot order: F4's rounding)
+
+Round 8 (executor.plan.SHARED_ON_SIDE): the whole shared expert beside the routed chain; the
+combine adds its output. Bitwise what the 62f9948 arrangement computed (ffn.shared_expert =
+w2 with the "add_f32" epilogue after the plain combine: bf16(f32(bf16(t)) + y), one add.rn;
+the "bf16" epilogue writes bf16(t) of the same total t, and the combine adds it with one add.rn:
+mk.combine_shared_reference says why). Revert: SHARED_ON_SIDE = False: ffn.moe_combine is the
+plain combine (-> ffn.moe.y f32) and ffn.shared_expert, after it, the "add_f32" w2 joining the
+branch.
 
 Two launches for the shared expert (SHARED_EXPERT_FUSED), each rounding where
 `moe_ref.shared_expert` / `moe_partial` round: the w1|w3 kernel's "swiglu" epilogue (its weight
 rows interleaved by 8, dense_ref.interleave_gate_up, so one thread holds a gate and its up) and
-the w2 kernel's "add_f32" epilogue. Revert: SHARED_EXPERT_FUSED = False gives the four launches
-of round 4 (w1|w3 -> ffn.shared_h13, swiglu, w2 -> ffn.shared_out, the f32 + bf16 residual add
-of kernels/elementwise.py) and the checkpoint's [w1; w3] row order. The dense launches pick
+the w2 kernel's. Revert: SHARED_EXPERT_FUSED = False gives the four launches
+of round 4 (w1|w3 -> ffn.shared_h13, swiglu, w2 -> ffn.shared_out, and the sum: with
+SHARED_ON_SIDE the shared combine (the same bf16(y + f32(shared_out)) as round 4's f32 + bf16
+residual add of kernels/elementwise.py), else that residual add) and the checkpoint's [w1; w3]
+row order. The dense launches pick
 their kernel by rows (8 rows per pass up to 8 rows, 32 above). Padding rows (past the real ones
 in a bucket) run like any row: the FFN writes no cache, and rows >= the bucket are never touched.
 
 Scratch is shared by every layer (layers run one after another; each launch reads its
 predecessor's output only after griddepcontrol.wait). The split-K dense workspace and counters
-are shared by the two shared-expert linears, which never overlap: w2 starts after the branch
-joins, so after w1|w3 has finished (the router and the routed experts, which run beside w1|w3,
-touch neither). `ffn.router_counters` and
+are shared by the two shared-expert linears, which never overlap: both run in order on the side
+stream (SHARED_ON_SIDE), or w2 starts after the branch joins, so after w1|w3 has finished (the
+router and the routed experts, which run beside them, touch neither). `ffn.router_counters` and
 `ffn.dense_counters` must be ZERO before the first launch (every launch leaves them zero): the
 HostArena is zeroed at creation; on the GPU the Executor must zero the arena (cuMemAlloc does
 not) before the first step.
@@ -57,6 +70,7 @@ import dataclasses
 
 import numpy as np
 
+from executor import plan
 from executor.launches import dense as dl
 from executor.launches import moe as ml
 from executor.launches.mhc import router_launch
@@ -86,6 +100,12 @@ SHARED_LABELS = ("shared_w13", "shared_w2")
 SHARED_EXPERT_FUSED = True
 SHARED_EPILOGUES = ({"shared_w13": "swiglu", "shared_w2": "add_f32"} if SHARED_EXPERT_FUSED
                     else {"shared_w13": "bf16", "shared_w2": "bf16"})
+
+
+def _w2_epilogue() -> str:
+    """The shared w2's epilogue in the plans built now: bf16 into ffn.shared_out where the
+    combine adds it (plan.SHARED_ON_SIDE), else SHARED_EPILOGUES's."""
+    return "bf16" if plan.SHARED_ON_SIDE else SHARED_EPILOGUES["shared_w2"]
 EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
 
 
@@ -119,10 +139,10 @@ def _router_scratch_bytes(cfg, rows: int, experts: int) -> int:
 def _shared_dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
     """Every shared-expert linear the step may launch (SHARED_EPILOGUES, both row tilings)."""
     shapes = dr.dense_shapes(cfg, tp)
-    epi = SHARED_EPILOGUES
-    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt, epilogue=epi[label],
-                         swiglu_limit=cfg.swiglu_limit if epi[label] == "swiglu" else 0.0)
-            for label in SHARED_LABELS for rt in dr.ROW_TILE_CHOICES]
+    pairs = [(label, SHARED_EPILOGUES[label]) for label in SHARED_LABELS] + [("shared_w2", "bf16")]
+    return [dr.make_spec(label, *shapes[label][:2], row_tiles=rt, epilogue=epi,
+                         swiglu_limit=cfg.swiglu_limit if epi == "swiglu" else 0.0)
+            for label, epi in dict.fromkeys(pairs) for rt in dr.ROW_TILE_CHOICES]
 
 
 def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
@@ -261,18 +281,36 @@ def _router(ctx, layer):
     return build
 
 
-def _moe_routed(ctx, layer):
+def _moe_ptrs(ctx, layer):
     shape = _shape(ctx.cfg, ctx.tp, layer)
     if not ml.available_specs(ctx.bundle, shape):
         raise LookupError(f"the bundle has no MoE kernels of shape {shape.tag()}")
     base = _prefix(ctx.cfg, layer) + "experts."
-    ptrs = {"ids": ctx.ptr("ffn.topk_ids"), "route_weights": ctx.ptr("ffn.topk_weights"),
-            "x": ctx.ptr("xn"), **{key: ctx.ptr(base + key) for key in EXPERT_KEYS},
-            **{key: ctx.ptr("ffn.moe." + key)
-               for key in ("meta", "pairs", "xq", "xs", "h", "ye", "y")}}
+    return shape, {"ids": ctx.ptr("ffn.topk_ids"), "route_weights": ctx.ptr("ffn.topk_weights"),
+                   "x": ctx.ptr("xn"), **{key: ctx.ptr(base + key) for key in EXPERT_KEYS},
+                   **{key: ctx.ptr("ffn.moe." + key)
+                      for key in ("meta", "pairs", "xq", "xs", "h", "ye", "y")},
+                   "shared": ctx.ptr("ffn.shared_out"), "out": ctx.ptr("ffn.partial")}
+
+
+def _moe_routed(ctx, layer):
+    """The step's MoE chain up to its w2 (-> ffn.moe.ye); the combine is ffn.moe_combine."""
+    shape, ptrs = _moe_ptrs(ctx, layer)
 
     def build(rows):
-        return ml.step_launches(ctx.bundle, shape, ptrs, rows)
+        return ml.step_launches(ctx.bundle, shape, ptrs, rows, combine=False)
+    return build
+
+
+def _moe_combine(ctx, layer):
+    """SHARED_ON_SIDE: moe_combine_<tag>_shared (+ ffn.shared_out -> ffn.partial), else the
+    plain combine (-> ffn.moe.y, which the shared w2's "add_f32" epilogue reads)."""
+    shape, ptrs = _moe_ptrs(ctx, layer)
+    shared = plan.SHARED_ON_SIDE
+    ml.combine_launch(ctx.bundle, shape, ptrs, 1, shared)      # in the bundle: fail at wiring
+
+    def build(rows):
+        return [ml.combine_launch(ctx.bundle, shape, ptrs, rows, shared)]
     return build
 
 
@@ -304,15 +342,17 @@ def _shared_expert_fused(ctx, layer):
     """(w1|w3 with the SwiGLU epilogue -> ffn.shared_h, w2 with the routed sum -> ffn.partial):
     the builders of ffn.shared_w13 and ffn.shared_expert."""
     base = _prefix(ctx.cfg, layer) + "shared_experts."
+    epilogue = _w2_epilogue()                   # bf16 -> shared_out, or add_f32 -> partial
     w13 = _dense_by_row_tiles(ctx, "shared_w13", "swiglu")
-    w2 = _dense_by_row_tiles(ctx, "shared_w2", "add_f32")
+    w2 = _dense_by_row_tiles(ctx, "shared_w2", epilogue)
     scratch = {"workspace": ctx.ptr("ffn.dense_workspace"),
                "counters": ctx.ptr("ffn.dense_counters")}
     p13 = {"x": ctx.ptr("xn"), "weight": ctx.ptr(base + "w13.weight"),
            "scales": ctx.ptr(base + "w13.scale"), "out": ctx.ptr("ffn.shared_h"), **scratch}
     p2 = {"x": ctx.ptr("ffn.shared_h"), "weight": ctx.ptr(base + "w2.weight"),
-          "scales": ctx.ptr(base + "w2.scale"), "residual": ctx.ptr("ffn.moe.y"),
-          "out": ctx.ptr("ffn.partial"), **scratch}
+          "scales": ctx.ptr(base + "w2.scale"), **scratch,
+          **({"residual": ctx.ptr("ffn.moe.y"), "out": ctx.ptr("ffn.partial")}
+             if epilogue == "add_f32" else {"out": ctx.ptr("ffn.shared_out")})}
 
     def build_w13(rows):
         return [dl.dense_launch(ctx.bundle, w13[dl.row_tiles_for(rows)], p13, rows)]
@@ -323,7 +363,8 @@ def _shared_expert_fused(ctx, layer):
 
 
 def _shared_expert_4(ctx, layer):
-    """Round 4's four launches: ([w1|w3], [swiglu, w2, the f32 + bf16 residual add])."""
+    """Round 4's four launches: ([w1|w3], [swiglu, w2, the f32 + bf16 residual add]); with
+    SHARED_ON_SIDE ([w1|w3], [swiglu, w2]): the shared combine adds ffn.shared_out."""
     cfg = ctx.cfg
     base = _prefix(cfg, layer) + "shared_experts."
     act = swiglu_ref.make_spec(ctx.shapes.shared_inter, cfg.swiglu_limit)
@@ -344,13 +385,16 @@ def _shared_expert_4(ctx, layer):
     def build_w13(rows):
         return [dl.dense_launch(ctx.bundle, w13[dl.row_tiles_for(rows)], p13, rows)]
 
+    on_side = plan.SHARED_ON_SIDE
+
     def build_rest(rows):
         tiles = dl.row_tiles_for(rows)
         return [swiglu_launch(ctx.bundle, act, p_act, rows),
                 dl.dense_launch(ctx.bundle, w2[tiles], p2, rows),
-                *residual_add_launches(ctx.bundle, add, p_add, rows)]
+                *([] if on_side else residual_add_launches(ctx.bundle, add, p_add, rows))]
     return build_w13, build_rest
 
 
 BUILDERS = {"ffn.router": _router, "ffn.moe_routed": _moe_routed,
-            "ffn.shared_w13": _shared_w13, "ffn.shared_expert": _shared_expert}
+            "ffn.moe_combine": _moe_combine, "ffn.shared_w13": _shared_w13,
+            "ffn.shared_expert": _shared_expert}
