@@ -344,7 +344,8 @@ def weight_requests(shape: mk.MoeShape) -> list[tuple[str, int, str]]:
 
 def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str, int, str]]:
     """Inputs, scratch and output of either chain at up to `max_rows` rows (keys = pointer
-    keys; meta and pairs only the default chain uses)."""
+    keys; meta and pairs only the default chain uses; shared and out only the shared
+    combine)."""
     if not 1 <= max_rows <= mk.MAX_ROWS:
         raise ValueError(f"MoE max_rows {max_rows} must be in [1, {mk.MAX_ROWS}]")
     r, k, d, i = max_rows, shape.topk, shape.hidden, shape.inter
@@ -359,7 +360,9 @@ def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str,
             ("xs", 4 * r * g, f"f32 [{r}, {g}] x group scales"),
             ("h", 2 * r * k * i, f"bf16 [{r * k}, {i}] SwiGLU per pair"),
             ("ye", 2 * r * k * d, f"bf16 [{r * k}, {d}] expert output per pair"),
-            ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial")]
+            ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial"),
+            ("shared", 2 * r * d, f"bf16 [{r}, {d}] shared expert output (shared combine)"),
+            ("out", 2 * r * d, f"bf16 [{r}, {d}] y + shared (shared combine)")]
 
 
 def scratch_buffers(cfg, tp: int, max_rows: int):
