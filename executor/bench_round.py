@@ -59,6 +59,7 @@ from executor.bench_step import PlanWeights, plan_weights, touched_slices
 from executor.plan import Plan, decode_plan, draft_plan
 from executor.stages import draft as draft_stages
 from executor.stages import local_collectives
+from executor.stages.collectives import kv_gather_chunks
 from executor.wiring import builders
 from kernels.kvrecord_ref import KV_RECORD_BYTES
 
@@ -229,8 +230,9 @@ class Collectives:
                 + self.picks * bs.allreduce_us(1, table))
 
 
-def count_collectives(plan: Plan, rows: int) -> Collectives:
-    """From the wired (not local) plan: stages of the cross-rank roles and the picks inside the
+def count_collectives(plan: Plan, rows: int, cfg) -> Collectives:
+    """From the wired (not local) plan: the calls of the cross-rank roles (one a stage, but
+    engram.kv_allgather's row chunks: two above 96 rows at TP 4) and the picks inside the
     Markov stages."""
     counts = {"allreduce": 0, "allgather": 0, "pick": 0}
     for stage, specs in plan.launches(rows):
@@ -240,7 +242,8 @@ def count_collectives(plan: Plan, rows: int) -> Collectives:
             if kind is None:
                 raise ValueError(f"{stage.name}: a cross-rank role that is no all-reduce, "
                                  f"all-gather or pick")
-            counts[kind] += 1
+            counts[kind] += (len(kv_gather_chunks(cfg, bs.TP, rows))
+                             if role == "engram.kv_allgather" else 1)
         else:
             counts["pick"] += sum(is_cross_rank(s) for s in specs)
     return Collectives(counts["allreduce"], counts["allgather"], counts["pick"])
@@ -426,7 +429,7 @@ def _bench_case(ctx, dev, cfg, case: RoundCase, contexts, ar_table, speeds) -> l
     specs = {name: [s for _, group in built[name] for s in group] for name in rows}
     halves = ("verify", "draft")
     known = PlanCase(rows, {n: len(specs[n]) for n in rows},
-                     {n: count_collectives(dev.wired[n], rows[n]) for n in halves},
+                     {n: count_collectives(dev.wired[n], rows[n], cfg) for n in halves},
                      {n: plan_weights(cfg, dev.upload_bytes, touched_slices(specs[n], dev.arena))
                       for n in halves})
     graphs, lines = {}, []

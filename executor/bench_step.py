@@ -23,7 +23,9 @@ from a real TP4 step, and why:
   once per layer and are copied on the device (`upload_all`).
 - Cross-rank stages: `stages.local_collectives` (a copy per all-reduce, no-op gather and pick);
   the one-shot all-reduce's own latency (collectives benchmark: peers pre-arrived, one GPU) is
-  added in the "+ AR" column, 81 calls (embedding + 2 per layer).
+  added in the "+ AR" column, 81 calls (embedding + 2 per layer). Not added: the Engram
+  all-gathers (heads and, since round 8, the column-sharded wkv's output: 4 calls a step at
+  R <= 96, 6 above) and the pick; the four-GPU step (executor/bench_tp.py) runs them all.
 - KV caches: zero records (valid: they decode to zeros) and random finite index keys (so top-k
   sees distinct scores); every sequence has its own pages; block tables, slots and context
   lengths are consistent (RowBatch validates them).

@@ -219,7 +219,8 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
     if spec.has_engram:
         out += [("engram.lookup", "kernels.engram", NOT_WIRED),
                 ("engram.heads_allgather", "kernels.allreduce", NOT_WIRED),
-                ("engram.wkv", "kernels.dense", NOT_WIRED),
+                ("engram.wkv", "kernels.dense", NOT_WIRED),        # this rank's columns
+                ("engram.kv_allgather", "kernels.allreduce", NOT_WIRED),
                 ("engram.gate", "kernels.engram", NOT_WIRED)]
     out += [("attn.mhc_pre", "kernels.mhc", NOT_WIRED),        # pending FFN post + mixes + collapse
             ("attn.norm", "kernels.norm", NOT_WIRED)]

@@ -76,7 +76,11 @@ def boundary_buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
         heads = cfg.engram_num_hash_cols * cfg.engram_head_dim
         engram = [Buffer("engram.local_heads", BF16, (r, heads // tp),
                          "this rank's looked-up Engram heads"),
-                  Buffer("engram.heads", BF16, (r, heads), "every rank's heads (all-gathered)")]
+                  Buffer("engram.heads", BF16, (r, heads), "every rank's heads (all-gathered)"),
+                  Buffer("engram.kv_local", BF16, (r, (s + 1) * d // tp),
+                         "this rank's wkv output columns (engram_kernel_ref.kv_rank_rows)"),
+                  Buffer("engram.kv", BF16, (r, (s + 1) * d),
+                         "wkv output (all-gathered): n keys, then v")]
     return engram + [
         Buffer("streams", BF16, (r, s, d), "residual streams X"),
         Buffer("coeff.attn", np.float32, (r, MHC_COEFFS), "attention sublayer's mHC pre|post|comb"),

@@ -18,6 +18,7 @@ import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, cute
 
+from kernels import engram_kernel_ref
 from kernels.allreduce_ref import (
     CTA_THREADS,
     MAX_CTAS,
@@ -453,15 +454,16 @@ def kernel_function(spec: OneShotSpec | PickSpec | GatherSpec):
 
 def specs(cfg, tp: int) -> list[OneShotSpec | PickSpec | GatherSpec]:
     """Plain and residual-fused one-shot all-reduce at the hidden width for this TP degree, the
-    cross-rank pick on the same buffers, and (Engram models) the all-gather of a rank's
-    looked-up heads."""
+    cross-rank pick on the same buffers, and (Engram models) the all-gathers of a rank's
+    looked-up heads and of its wkv output pieces."""
     if tp not in WORLD_SIZES:
         return []                       # TP1 needs no all-reduce
     out = [make_spec(tp, cfg.hidden_size, epilogue) for epilogue in ("none", "residual")]
     out.append(make_pick_spec(tp, cfg.hidden_size))
     if cfg.engram_layer_ids:
         cols = cfg.rank_shapes(tp).engram_hash_cols * cfg.engram_head_dim
-        out.append(make_gather_spec(tp, cfg.hidden_size, cols))
+        kv_cols = engram_kernel_ref.kv_pieces(cfg, tp)[1]      # the sharded wkv's pieces
+        out += [make_gather_spec(tp, cfg.hidden_size, c) for c in sorted({cols, kv_cols})]
     return out
 
 

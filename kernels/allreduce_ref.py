@@ -320,3 +320,39 @@ def gather_ref(inputs) -> np.ndarray:
     """Exactly what every rank writes: the sanitized inputs side by side, [rows, world * C]."""
     xs = _check_inputs(inputs, "gather_ref")
     return np.concatenate([sanitize_ref(x) for x in xs], axis=1)
+
+
+# ---- a rank block wider than a slot: the gather of `pieces` row-interleaved blocks -------------
+#
+# A rank's [rows, P * C] block whose P * C exceeds the slot width (Engram's sharded wkv output:
+# 6400 lanes a rank at D = 5120) is gathered as [P * rows, C] (the same bytes, each row read as P
+# rows of C): out[P * r + h, s * C + c] = x_s[r, h * C + c], which in the [rows, P * world * C]
+# view is column h * world * C + s * C + c. A rank that computes the output columns
+# {h * world * C + rank * C + c} as its local columns h * C + c therefore gathers the
+# unsharded output in its own column order. P * rows rows must fit the spec's max_rows: at more
+# rows the caller launches the gather on row chunks (each chunk a call of its own).
+
+
+def gather_pieces(width: int, cols: int, granule: int = BF16_PER_VECTOR) -> int:
+    """The fewest P such that a rank's `cols` lanes split into P blocks of at most `width`
+    lanes, each a multiple of `granule` (itself a multiple of BF16_PER_VECTOR)."""
+    if granule <= 0 or granule % BF16_PER_VECTOR:
+        raise ValueError(f"gather_pieces: granule {granule} is not a positive multiple of "
+                         f"{BF16_PER_VECTOR}")
+    for pieces in range(1, cols // granule + 1):
+        piece = cols // pieces
+        if cols % pieces == 0 and piece % granule == 0 and piece <= width:
+            return pieces
+    raise ValueError(f"gather_pieces: {cols} lanes do not split into blocks of whole {granule}-"
+                     f"lane units of at most {width} lanes")
+
+
+def gather_pieces_ref(inputs, pieces: int) -> np.ndarray:
+    """What every rank writes when each rank's bf16 [rows, P * C] block is gathered as
+    [P * rows, C]: [rows, world * P * C] (see above)."""
+    xs = _check_inputs(inputs, "gather_pieces_ref")
+    rows, cols = xs[0].shape
+    if cols % pieces:
+        raise ValueError(f"gather_pieces_ref: {cols} lanes are not {pieces} equal blocks")
+    out = gather_ref([x.reshape(rows * pieces, cols // pieces) for x in xs])
+    return out.reshape(rows, len(xs) * cols)

@@ -491,7 +491,8 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
 
     Model doc §2.2: fused wq_a|wkv (replicated), wq_b (column parallel), wo_b (row parallel: fp32
     partials for the all-reduce), the shared expert's fused w1|w3 and w2 (row parallel), the
-    indexer's wq_b (replicated), Engram wkv (replicated), DSpark main_proj (replicated).
+    indexer's wq_b (replicated), Engram wkv (column parallel since round 8: its output columns
+    in row-interleaved pieces, engram_kernel_ref.kv_rank_rows), DSpark main_proj (replicated).
     The compressor projections are fp32/bf16 in the checkpoint (schema UNCERTAIN), not FP8.
     """
     rs = cfg.rank_shapes(tp)
@@ -504,8 +505,8 @@ def dense_shapes(cfg, tp: int) -> dict[str, tuple[int, int, tuple[str, ...]]]:
         "shared_w13": (2 * rs.shared_inter, d, ("bf16", "swiglu")),
         "shared_w2": (d, rs.shared_inter, row_parallel + ("add_f32",)),
         "indexer_wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, ("bf16",)),
-        "engram_wkv": ((cfg.hc_mult + 1) * d, cfg.engram_num_hash_cols * cfg.engram_head_dim,
-                       ("bf16",)),
+        "engram_wkv": ((cfg.hc_mult + 1) * d // tp,
+                       cfg.engram_num_hash_cols * cfg.engram_head_dim, ("bf16",)),
         "main_proj": (d, len(cfg.dspark_target_layer_ids) * d, ("bf16",)),
     }
     if rs.dspark_moe_inter != rs.shared_inter:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import engram_ref
+from kernels.allreduce_ref import gather_pieces
 from kernels.common_ref import (
     H200_NUM_SMS,
     ceil_div,
@@ -51,6 +52,7 @@ CODES_PER_THREAD = 16              # one 16-byte load of FP8 codes -> two 16-byt
 MAX_SCALE_BYTE = 134               # 2^(s-7) must be a normal bf16 (the exact conversion trick)
 GATE_SUMS = 3                      # Σx², Σk², Σ(x·q_w)(k·k_w) per stream
 SQRT_CLAMP = 1e-6
+FP8_BLOCK_ROWS = 32                 # the wkv's 32x32 scale blocks: a rank's pieces are whole ones
 HASH_PARAMS = (("tokens", "u64"), ("positions", "u64"), ("vocab_map", "u64"), ("ids", "u64"),
                ("rows", "u32"))
 HASH_READS_MAP = True              # False: the round-4 hash (raw ids; revert switch, same ABI)
@@ -229,6 +231,50 @@ def engram_specs(cfg, tp: int) -> list:
 
 
 # ---- byte formulas -------------------------------------------------------------------------------
+
+# ---- the wkv output, column-sharded over TP (round 8) --------------------------------------------
+#
+# Each rank computes (n + 1) D / tp of the wkv's output columns (its weight rows and their 32x32
+# scale rows) and the all-gather `engram.kv_allgather` puts every rank's columns in place. A rank's
+# block is wider than the all-reduce's slot (6400 > D = 5120 at TP 4), so it is gathered as P
+# row-interleaved pieces (allreduce_ref.gather_pieces): rank s owns the output columns
+# h * (N / P) + s * C + [0, C) for h < P (C = N / (P * tp)), whole 32-row FP8 blocks, and the
+# gathered [R, N] is the replicated wkv's output column for column. Each bf16 output column is
+# one fp32 dot product rounded once, whichever rank computes it: sharding N changes no rounding.
+
+
+def kv_pieces(cfg, tp: int) -> tuple[int, int]:
+    """(P, C): a rank's wkv output columns as P pieces of C columns (C <= D, whole FP8 blocks)."""
+    n = (cfg.hc_mult + 1) * cfg.hidden_size
+    if n % tp:
+        raise ValueError(f"Engram wkv: {n} output columns do not split over tp={tp}")
+    pieces = gather_pieces(cfg.hidden_size, n // tp, FP8_BLOCK_ROWS) if tp > 1 else 1
+    return pieces, n // tp // pieces
+
+
+def kv_rank_rows(cfg, tp: int, rank: int) -> np.ndarray:
+    """The wkv weight rows (= output columns) rank `rank` computes, in its local order: piece h's
+    C rows h * (N / P) + rank * C + [0, C), pieces in order."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside 0..{tp - 1}")
+    pieces, c = kv_pieces(cfg, tp)
+    stride = tp * c
+    return np.concatenate([np.arange(h * stride + rank * c, h * stride + (rank + 1) * c)
+                           for h in range(pieces)])
+
+
+def kv_rank_weight(cfg, tp: int, rank: int, weight: np.ndarray, scale: np.ndarray):
+    """The rank's wkv weight [N / tp, K] and scale [N / (32 tp), K / 32] rows (copies) of the
+    replicated checkpoint pair, in the order of `kv_rank_rows`."""
+    rows = kv_rank_rows(cfg, tp, rank)
+    weight, scale = np.asarray(weight), np.asarray(scale)
+    n = (cfg.hc_mult + 1) * cfg.hidden_size
+    if weight.shape[0] != n or scale.shape[0] * FP8_BLOCK_ROWS != n:
+        raise ValueError(f"Engram wkv: weight {weight.shape} / scale {scale.shape}, expected "
+                         f"{n} rows (the replicated checkpoint tensor)")
+    return (np.ascontiguousarray(weight[rows]),
+            np.ascontiguousarray(scale[rows[::FP8_BLOCK_ROWS] // FP8_BLOCK_ROWS]))
+
 
 def lookup_bytes(rows: int, cols: int, head_dim: int) -> int:
     """Ids read, FP8 codes and UE8M0 scales read, BF16 values written."""

@@ -146,9 +146,10 @@ def test_round_plans_count_their_cross_rank_calls(tiny_round):
     layers, stages = cfg.num_hidden_layers, sum(s.is_dspark for s in cfg.layers)
     rows = {"verify": case.verify.rows, "draft": case.draft_rows, "step": case.verify.rows,
             "verify_sf": case.verify.rows, "draft_sf": case.draft_rows}
-    calls = {n: br.count_collectives(tiny_round.wired[n], rows[n]) for n in rows}
+    calls = {n: br.count_collectives(tiny_round.wired[n], rows[n], tiny_round.cfg) for n in rows}
     assert calls["verify_sf"] == calls["verify"] and calls["draft_sf"] == calls["draft"]
-    assert calls["verify"] == br.Collectives(1 + 2 * layers, len(cfg.engram_layer_ids), 1)
+    # all-gathers: each Engram layer's heads and (one row chunk at these rows) wkv output
+    assert calls["verify"] == br.Collectives(1 + 2 * layers, 2 * len(cfg.engram_layer_ids), 1)
     assert calls["step"] == calls["verify"]
     assert calls["draft"] == br.Collectives(1 + 2 * stages, 0, case.k)
     for name, plan in tiny_round.plans.items():
@@ -249,7 +250,8 @@ def test_report_metrics_and_tables(tiny_round, capsys):
     halves = ("verify", "draft")
     specs = {n: [s for _, g in tiny_round.plans[n].launches(rows[n]) for s in g] for n in rows}
     known = br.PlanCase(rows, {n: len(specs[n]) for n in rows},
-                        {n: br.count_collectives(tiny_round.wired[n], rows[n]) for n in halves},
+                        {n: br.count_collectives(tiny_round.wired[n], rows[n], tiny_round.cfg)
+                         for n in halves},
                         {n: bs.plan_weights(cfg, tiny_round.upload_bytes,
                                             bs.touched_slices(specs[n], tiny_round.arena))
                          for n in halves})

@@ -198,6 +198,7 @@ def test_every_bucket_builds_its_launches(tiny_rank):
         groups = bs.role_groups(built)
         assert sum(len(g) for g in groups.values()) == len(specs)
         assert groups["engram.heads_allgather"] == [] and groups["tail.argmax_pick"] == []
+        assert groups["engram.kv_allgather"] == []
         counts[case.rows] = len(specs)
     assert min(counts.values()) > 10 * tiny_rank.cfg.num_hidden_layers
     lm_head = [s for s, _ in built if s.name == "tail.lm_head_argmax"]

@@ -69,8 +69,9 @@ def test_step_and_round_wire_on_the_one_shot_collectives(tiny_rank):
     step = wire(decode_plan(cfg), context(), bt.STEP_MODULES)
     step.require_complete()
     cross = [s for _, group in step.launches(6) for s in group if br.is_cross_rank(s)]
-    # embedding + 2 per layer all-reduces, one all-gather per Engram layer, one pick
-    assert len(cross) == 1 + 2 * layers + len(cfg.engram_layer_ids) + 1
+    # embedding + 2 per layer all-reduces, two all-gathers per Engram layer (heads, wkv output:
+    # one row chunk at 6 rows), one pick
+    assert len(cross) == 1 + 2 * layers + 2 * len(cfg.engram_layer_ids) + 1
     specs = [s for _, group in step.launches(6) for s in group]
     variants = {name: [s if r is None else r(s) for s in specs]      # in record order
                 for name, r in bt.pdl_relaunches().items()}

@@ -93,7 +93,8 @@ def test_family_specs_follow_tp_and_width():
     cfg = ModelConfig.preset("v41-flash")
     assert [s.name for s in allreduce.specs(cfg, 4)] == [
         make_spec(4, 5120).name, make_spec(4, 5120, "residual").name,
-        make_pick_spec(4, 5120).name, make_gather_spec(4, 5120, 6 * 256).name]
+        make_pick_spec(4, 5120).name, make_gather_spec(4, 5120, 6 * 256).name,
+        make_gather_spec(4, 5120, 3200).name]      # the sharded wkv's 2 pieces of 3200 a rank
     assert allreduce.specs(cfg, 1) == []
 
 

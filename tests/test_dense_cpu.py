@@ -201,7 +201,7 @@ def test_dense_shapes_at_tp4_match_the_model_doc(v41):
     assert shapes["shared_w13"][:2] == (1152, 5120)
     assert shapes["shared_w2"][:2] == (5120, 576)
     assert shapes["indexer_wq_b"][:2] == (4096, 1280)
-    assert shapes["engram_wkv"][:2] == (25600, 6144)
+    assert shapes["engram_wkv"][:2] == (6400, 6144)      # column-sharded (round 8), was 25600
     assert shapes["main_proj"][:2] == (5120, 15360)
     assert wr.wo_a_shape(v41, 4) == (2, 1024, 4096)
     assert lr.lm_head_specs(v41, 4)[0].vocab == 32320

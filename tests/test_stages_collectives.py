@@ -84,3 +84,70 @@ def test_engram_heads_allgather_puts_rank_r_at_column_block_r(tiny_bundle_dir, r
     for r in range(4):
         got = ranks.read(r, "engram.heads", np.uint16, (192, 4 * cols))
         assert np.array_equal(got[:rows], want) and (got[rows:] == 0xFFFF).all()
+
+
+@pytest.mark.parametrize("preset, tp", [("tiny", 2), ("tiny", 4), ("v41-flash", 2),
+                                        ("v41-flash", 4)])
+def test_kv_rank_rows_gather_back_to_the_replicated_column_order(preset, tp):
+    """Every wkv output column on exactly one rank, in whole 32-row FP8 blocks, pieces no wider
+    than a slot; gather_pieces_ref of the ranks' columns is the unsharded output itself."""
+    from kernels import engram_kernel_ref as ek
+    from kernels.allreduce_ref import gather_pieces_ref
+    from loader.config import ModelConfig
+    cfg = ModelConfig.preset(preset)
+    n = (cfg.hc_mult + 1) * cfg.hidden_size
+    pieces, cols = ek.kv_pieces(cfg, tp)
+    assert cols <= cfg.hidden_size and cols % 32 == 0 and pieces * cols * tp == n
+    rows = [ek.kv_rank_rows(cfg, tp, r) for r in range(tp)]
+    assert np.array_equal(np.sort(np.concatenate(rows)), np.arange(n))
+    for r in rows:
+        blocks = r.reshape(-1, 32)
+        assert (blocks[:, 0] % 32 == 0).all() and (np.diff(blocks, axis=1) == 1).all()
+    full = (np.arange(3 * n) % 251).reshape(3, n).astype(BF16)      # integers < 256: exact
+    assert np.array_equal(gather_pieces_ref([full[:, r] for r in rows], pieces), full)
+
+
+def test_kv_rank_weight_cuts_scale_rows_with_their_weight_rows():
+    """A rank's scale rows are the blocks of its weight rows (block b of the rank = rows
+    32b..32b+31 of its weight)."""
+    from kernels import engram_kernel_ref as ek
+    from loader.config import ModelConfig
+    cfg = ModelConfig.preset("tiny")
+    n, k = (cfg.hc_mult + 1) * cfg.hidden_size, 64
+    weight = np.repeat(np.arange(n, dtype=np.int64)[:, None], k, axis=1)
+    scale = np.repeat(np.arange(n // 32, dtype=np.int64)[:, None], k // 32, axis=1)
+    for rank in range(4):
+        w, s = ek.kv_rank_weight(cfg, 4, rank, weight, scale)
+        assert w.shape == (n // 4, k) and s.shape == (n // 128, k // 32)
+        assert np.array_equal(w[:, 0], ek.kv_rank_rows(cfg, 4, rank))
+        assert np.array_equal(s[:, 0], w[::32, 0] // 32)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 96, 97, 192])
+def test_engram_kv_allgather_is_the_replicated_wkv_output(tiny_bundle_dir, rows):
+    """Each rank's wkv columns (kv_rank_rows) in engram.kv_local -> every rank's engram.kv is
+    the unsharded output, bitwise (-0.0 sent as +0.0); rows past `rows` untouched. Above
+    max_rows / P rows the gather runs on two row chunks (two launches a rank)."""
+    from kernels import engram_kernel_ref as ek
+    from kernels.allreduce_ref import sanitize_ref
+    with Checkpoint.open(tiny_checkpoint(), progress=False) as ckpt:
+        caches = KVCaches.allocate(ckpt.config, max_seqs=2, max_context=64, page_size=16)
+        ranks = EmulatedRanks(ckpt, tiny_bundle_dir, 4, caches,
+                              modules=MODULES + ("executor.stages.mhc",))
+    cfg = ranks.cfg
+    layer = cfg.engram_layer_ids[0]
+    n = (cfg.hc_mult + 1) * cfg.hidden_size
+    pieces, _ = ek.kv_pieces(cfg, 4)
+    rng = np.random.default_rng()
+    full = rng.standard_normal((rows, n)).astype(BF16)
+    full[-1, 5:9] = -0.0
+    for r in range(4):
+        ranks.write("engram.kv_local", full[:, ek.kv_rank_rows(cfg, 4, r)], ranks=[r])
+        ranks.write("engram.kv", np.full((192, n), 0xFFFF, np.uint16), ranks=[r])
+    chunks = -(-rows * pieces // 192)
+    assert ranks.run(rows, roles={"engram.kv_allgather"}, layers={layer}) == 4 * chunks
+    want = sanitize_ref(full).view(np.uint16)
+    assert (want[-1, 5:9] == 0).all()
+    for r in range(4):
+        got = ranks.read(r, "engram.kv", np.uint16, (192, n))
+        assert np.array_equal(got[:rows], want) and (got[rows:] == 0xFFFF).all()

@@ -9,9 +9,11 @@ the two sum in different orders (the 1-stream broadcast mixes vs hc_mixes_broadc
 wkv, the Engram gate) the bound is the one the arithmetic gives, stated at the assertion.
 Padding rows (bucket > real rows) are computed like any row and nothing past the bucket is
 written (no stage of this group touches a KV cache); every rank's replicated outputs are bitwise
-equal. Two collectives of the lead's group have no emulated stage here and are done on the host in
-their place: the embedding all-reduce (rank-order fp32 sum, as step.all_reduce) and the Engram
-heads all-gather (each rank's `engram.local_heads` side by side into every rank's `engram.heads`).
+equal. Three collectives of the lead's group have no emulated stage here and are done on the host
+in their place: the embedding all-reduce (rank-order fp32 sum, as step.all_reduce), the Engram
+heads all-gather (each rank's `engram.local_heads` side by side into every rank's `engram.heads`)
+and the wkv output all-gather (each rank's `engram.kv_local` pieces into `engram.kv`,
+allreduce_ref.gather_pieces_ref).
 """
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from kernels import dense_ref, engram_ref, head_ref, mhc_ref, moe_ref
 from kernels import engram_kernel_ref as ek
 from kernels import lm_head_ref as lr
 from kernels import mhc_kernel_ref as mk
+from kernels.allreduce_ref import gather_pieces_ref
 from kernels.common_ref import BF16
 from loader.checkpoint import Checkpoint
 
@@ -274,6 +277,14 @@ def _all_gather_heads(ranks, bucket):
     ranks.write("engram.heads", np.concatenate(parts, axis=1))
 
 
+def _all_gather_kv(ranks, bucket):
+    """Stand-in for engram.kv_allgather: every rank's wkv output pieces, in place."""
+    local = ranks.contexts[0].arena.nbytes("engram.kv_local") // ranks.max_rows // 2
+    parts = [ranks.read(r, "engram.kv_local", BF16, (ranks.max_rows, local))[:bucket]
+             for r in range(ranks.tp)]
+    ranks.write("engram.kv", gather_pieces_ref(parts, ek.kv_pieces(ranks.cfg, ranks.tp)[0]))
+
+
 @pytest.mark.parametrize("batch", ["verify6", "padded"])
 def test_engram_layer_lookup_wkv_gate_then_plain_mixes(env, batch):
     ranks, model, caches = env
@@ -285,7 +296,7 @@ def test_engram_layer_lookup_wkv_gate_then_plain_mixes(env, batch):
     ranks.load(rows, caches, history)
     ranks.run(bucket, roles={"head.rows_prep", "head.engram_hash"})
     # E1: each rank's columns; gathered by hand, they are the reference's looked-up heads.
-    _poison(ranks, ["engram.local_heads", "engram.kv"])
+    _poison(ranks, ["engram.local_heads", "engram.kv_local", "engram.kv"])
     ranks.run(bucket, roles={"engram.lookup"}, layers={layer})
     _all_gather_heads(ranks, bucket)
     mult = np.array(cfg.engram_hash_multipliers(layer), np.int64)
@@ -300,10 +311,19 @@ def test_engram_layer_lookup_wkv_gate_then_plain_mixes(env, batch):
     heads = _read_all(ranks, "engram.heads", BF16, (ranks.max_rows, looked.shape[1]))
     # Codes x 2^scale are exact in bf16 (engram_kernel_ref: scale bytes <= 134): bitwise.
     assert np.array_equal(heads[:r].astype(np.float32), looked)
-    # E2: the replicated W8A16 wkv.
+    # E2: the column-sharded W8A16 wkv (each rank its kv_rank_rows), then all-gathered: the
+    # reference's replicated wkv output. Each rank writes only its columns and bucket rows.
     ranks.run(bucket, roles={"engram.wkv"}, layers={layer})
     e0 = lws[0].engram
     want_kv = step.bf16(moe_ref.matmul_t(looked, e0.wkv))
+    local = (n + 1) * d // ranks.tp
+    for k in range(ranks.tp):
+        part = ranks.read(k, "engram.kv_local", BF16, (ranks.max_rows, local))
+        _untouched(part, bucket)
+        cols = ek.kv_rank_rows(cfg, ranks.tp, k)
+        _close(part[:r].astype(np.float32), want_kv[:, cols], 2 * dense_ref.dense_tolerance(
+            looked.astype(BF16), e0.wkv[cols], "bf16"), f"engram.kv_local rank {k}")
+    _all_gather_kv(ranks, bucket)
     kv = _read_all(ranks, "engram.kv", BF16, (ranks.max_rows, (n + 1) * d))
     _untouched(kv, bucket)
     # Both sides are rounded to bf16 on their own (the kernel's fp32 sum in its order, the
@@ -394,7 +414,7 @@ def _embed_allreduce(ranks, bucket, d):
 def test_chained_head_layers_and_tail(env, batch):
     """Every stage of the group from the head through layers 0-4 (first, Engram, plain, Engram)
     to the tail, the other groups' sublayers replaced by random outputs written into `attn.out` /
-    `ffn.out`, the lead's embedding all-reduce and Engram all-gather done on the host. This checks
+    `ffn.out`, the lead's embedding all-reduce and Engram all-gathers done on the host. This checks
     that the buffers carry from stage to stage and layer to layer (a wrong buffer gives O(1)
     errors); the per-stage bounds above compound through 5 layers of mixes and Sinkhorn, so the
     check here is 2^-5 relative + 2^-5 absolute on the normed activations (entries ~1)."""
@@ -417,7 +437,9 @@ def test_chained_head_layers_and_tail(env, batch):
         if lw.spec.has_engram:
             ranks.run(bucket, roles={"engram.lookup"}, layers={layer})
             _all_gather_heads(ranks, bucket)
-        ranks.run(bucket, roles=attn_roles - {"engram.lookup"}, layers={layer})
+            ranks.run(bucket, roles={"engram.wkv"}, layers={layer})
+            _all_gather_kv(ranks, bucket)
+        ranks.run(bucket, roles=attn_roles - {"engram.lookup", "engram.wkv"}, layers={layer})
         broadcast = state.embedding is not None and not lw.spec.has_engram
         step.apply_pending(state)
         if lw.spec.has_engram:

@@ -104,13 +104,16 @@ def bind_host(space, tensors: dict, prefix: str = "") -> dict[str, int]:
 def run_lockstep(plans, rows: int, space, side_last: bool = False) -> int:
     """Every rank's step, stage by stage: all ranks finish stage i before any starts stage i + 1,
     which is all an all-reduce's emulator needs to see every rank's input. Returns launches run.
+    A stage of several cross-rank launches (engram.kv_allgather's row chunks) runs its ranks
+    interleaved at each wait (allreduce.run_ranks), as the GPUs would.
     side_last: each side branch runs just before its join (Plan.launches), not where it forks."""
+    from executor.emulate.allreduce import run_ranks        # it imports this module
+
     built = [plan.launches(rows, side_last) for plan in plans]
     names = [[stage.name for stage, _ in b] for b in built]
     if any(n != names[0] for n in names):
         raise ValueError("run_lockstep: the ranks' plans differ in their stages")
     count = 0
     for i in range(len(names[0])):
-        for b in built:
-            count += run(b[i][1], space)
+        count += run_ranks([b[i][1] for b in built], space)
     return count

@@ -2,6 +2,7 @@
 
     head.embed_allreduce   embed.partial -> embed.out     (every rank: its vocab rows, zeros elsewhere)
     engram.heads_allgather engram.local_heads -> engram.heads  (rank r's hash columns at block r)
+    engram.kv_allgather    engram.kv_local -> engram.kv        (the sharded wkv's output pieces)
     attn.allreduce         attn.partial  -> attn.out
     ffn.allreduce          ffn.partial   -> ffn.out
     tail.argmax_pick       pick          -> tokens        (the caller's bound int64 [192])
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from executor.launches.allreduce import gather_launches, oneshot_launches, pick_launches
 from kernels import allreduce_ref as ref
+from kernels import engram_kernel_ref as ek
 
 
 def _state(ctx):
@@ -57,6 +59,33 @@ def _heads_allgather(ctx, layer):
     return build
 
 
+def kv_gather_chunks(cfg, tp: int, rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each call of engram.kv_allgather: a rank's [R, P * C] block is
+    gathered as [P * R, C] rows, at most the slots' MAX_ROWS of them a call (P * C > D)."""
+    chunk = ref.MAX_ROWS // ek.kv_pieces(cfg, tp)[0]
+    return [(start, min(chunk, rows - start)) for start in range(0, rows, chunk)]
+
+
+def _kv_allgather(ctx, layer):
+    """Every rank's wkv output pieces into engram.kv, column for column the replicated output
+    (allreduce_ref.gather_pieces_ref), one gather call per row chunk (kv_gather_chunks)."""
+    del layer
+    state = _state(ctx)
+    pieces, cols = ek.kv_pieces(ctx.cfg, ctx.tp)
+    spec = ref.make_gather_spec(state.world, ctx.cfg.hidden_size, cols, ref.MAX_ROWS)
+    inp, out = ctx.ptr("engram.kv_local"), ctx.ptr("engram.kv")
+    local_row, row = 2 * pieces * cols, 2 * pieces * cols * state.world       # bytes
+
+    def build(rows):
+        launches = []
+        for start, count in kv_gather_chunks(ctx.cfg, ctx.tp, rows):
+            ptrs = dict(state.pointers, inp=inp + start * local_row, out=out + start * row)
+            launches += gather_launches(ctx.bundle, spec, ptrs, state.rank, pieces * count,
+                                        state.timeout_us)
+        return launches
+    return build
+
+
 def _pick(ctx, layer):
     del layer
     state = _state(ctx)
@@ -71,6 +100,7 @@ def _pick(ctx, layer):
 BUILDERS = {
     "head.embed_allreduce": _allreduce("embed.partial", "embed.out"),
     "engram.heads_allgather": _heads_allgather,
+    "engram.kv_allgather": _kv_allgather,
     "attn.allreduce": _allreduce("attn.partial", "attn.out"),
     "ffn.allreduce": _allreduce("ffn.partial", "ffn.out"),
     "tail.argmax_pick": _pick,

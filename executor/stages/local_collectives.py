@@ -8,6 +8,8 @@ shape of data movement, so the other stages of one rank run and time as in the r
     attn.allreduce         attn.partial  -> attn.out    (reads R x D x 2 twice, writes once; the
     ffn.allreduce          ffn.partial   -> ffn.out      one-shot reads 4 partials and writes once)
     engram.heads_allgather no launch: engram.heads keeps what it holds (R x 6144 bf16, <= 2.4 MB)
+    engram.kv_allgather    no launch: engram.kv keeps what it holds (R x 25600 bf16, <= 9.8 MB;
+                           the rank's wkv writes its R x 6400 into engram.kv_local)
     tail.argmax_pick       no launch: the rank's own argmax stays in `pick`, `tokens` is not written
 
 The outputs are this rank's partials, not sums over ranks: values differ from the real step,
@@ -49,6 +51,7 @@ def _nothing(ctx, layer):
 BUILDERS = {
     "head.embed_allreduce": _copy("embed.partial", "embed.out"),
     "engram.heads_allgather": _nothing,
+    "engram.kv_allgather": _nothing,
     "attn.allreduce": _copy("attn.partial", "attn.out"),
     "ffn.allreduce": _copy("ffn.partial", "ffn.out"),
     "tail.argmax_pick": _nothing,

@@ -13,11 +13,14 @@ buffers of executor/wiring.py:
   ffn.mhc_pre    post mode: the attention post (sub_out `attn.out`, coeff_prev `coeff.attn`)
                  -> `coeff.ffn`, `x`.
   *.norm         `x` -> `xn` (RMSNorm with the sublayer's weight).
-  engram.lookup  this rank's hash columns -> `engram.local_heads` [R, cols * head_dim].
-                 THEN the lead's all-gather (no stage yet) must put every rank's local heads
-                 into `engram.heads` [R, total_cols * head_dim], rank r at columns
+  engram.lookup  this rank's hash columns -> `engram.local_heads` [R, cols * head_dim]; the
+                 all-gather engram.heads_allgather (executor/stages/collectives.py) puts every
+                 rank's into `engram.heads` [R, total_cols * head_dim], rank r at columns
                  [r * cols * head_dim, (r + 1) * cols * head_dim), on every rank.
-  engram.wkv     `engram.heads` -> `engram.kv` [R, (n + 1) D] (W8A16, replicated weight).
+  engram.wkv     `engram.heads` -> `engram.kv_local` [R, (n + 1) D / tp]: this rank's output
+                 columns (W8A16, column-sharded weight: engram_kernel_ref.kv_rank_rows, P
+                 row-interleaved pieces); engram.kv_allgather puts every rank's into
+                 `engram.kv` [R, (n + 1) D], the replicated wkv's output column for column.
   engram.gate    the pending FFN post (postonly; not at the first layer, which broadcasts the
                  embedding instead), then the gate updates `streams` in place.
   tail           postonly with the last FFN's post and carried pre -> `x`; RMSNorm -> `hidden`;
@@ -311,11 +314,12 @@ def _engram_lookup(ctx, layer):
 
 
 def _engram_wkv(ctx, layer):
+    """This rank's wkv output columns (its weight rows, `weights`) into engram.kv_local."""
     i = layer.index
     small = dl.dense_spec(ctx.bundle, "engram_wkv", 1)
     large = dl.dense_spec(ctx.bundle, "engram_wkv", ctx.max_rows)
     ptrs = {"x": ctx.ptr("engram.heads"), "weight": ctx.ptr(f"layers.{i}.engram.wkv.weight"),
-            "scales": ctx.ptr(f"layers.{i}.engram.wkv.scale"), "out": ctx.ptr("engram.kv"),
+            "scales": ctx.ptr(f"layers.{i}.engram.wkv.scale"), "out": ctx.ptr("engram.kv_local"),
             "workspace": ctx.ptr("engram.wkv_workspace"),
             "counters": ctx.ptr("engram.wkv_counters")}
     return lambda rows: [dl.dense_launch(ctx.bundle, small if rows <= dr.ROW_TILE else large,
@@ -387,7 +391,8 @@ def _wkv_specs(cfg, tp: int) -> list[dr.DenseSpec]:
 
 
 def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
-    """The int32 rows, mHC scratch, Engram ids / heads / wkv output and scratch, lm_head scratch."""
+    """The int32 rows, mHC scratch, Engram ids and wkv scratch, lm_head scratch (the Engram heads
+    and wkv outputs, local and gathered, are boundary buffers: executor/wiring.py)."""
     r, d = max_rows, cfg.hidden_size
     spec = mk.make_spec(d, mk.HC_MULT, "post", cfg.hc_sinkhorn_iters)
     out = [Buffer("tokens32", np.int32, (r,), "token ids (rows prep)"),
@@ -417,8 +422,7 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     out.append(Buffer("history32", np.int32, (r, n), "newest-first token history (rows prep)"))
     out += [Buffer(_ids_name(i), np.int64, (r, total), "Engram hash ids (head)")
             for i in cfg.engram_layer_ids]
-    out += [Buffer("engram.kv", BF16, (r, (cfg.hc_mult + 1) * d), "wkv output: n keys, then v"),
-            Buffer("engram.wkv_workspace", np.float32,
+    out += [Buffer("engram.wkv_workspace", np.float32,
                    (max(1, max(s.workspace_bytes() for s in wkv) // 4),), "wkv split-K partials"),
             Buffer("engram.wkv_counters", np.uint32,
                    (max(1, max(s.counters_bytes() for s in wkv) // 4),), "wkv, zeroed once")]
@@ -427,10 +431,13 @@ def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
 
 def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.ndarray]]:
     """This rank's embed/head vocab rows, norms, mHC fn/base/scale (scale padded to 4 floats, the
-    first layer's attention fn summed over streams), Engram tables, wkv, q/k weights; the
+    first layer's attention fn summed over streams), Engram tables, wkv rows, q/k weights; the
     per-layer ones of `layers` only (None: every backbone layer and the DSpark stages,
-    wiring.packed_layers; the last stage's `norm` too, the draft's final norm)."""
-    del tp, rank                                    # fetch cuts this rank's slices
+    wiring.packed_layers; the last stage's `norm` too, the draft's final norm).
+
+    fetch cuts this rank's slices, except the Engram wkv: the checkpoint (and vLLM) replicate
+    it, the step computes this rank's output columns only, so its rows are cut here
+    (engram_kernel_ref.kv_rank_weight)."""
     one_hot = np.zeros((mk.MAX_ROWS, MHC_COEFFS), np.float32)
     one_hot[:, :cfg.hc_mult] = mhc_ref.one_hot_pre(mk.MAX_ROWS, cfg.hc_mult)
     out = [(name, fetch(name)) for name in ("embed.weight", "head.weight", "norm.weight")]
@@ -458,6 +465,10 @@ def weights(cfg, tp: int, rank: int, fetch, layers=None) -> list[tuple[str, np.n
         if layer.has_engram:
             pre = f"layers.{i}.engram."
             out += [(pre + name, byte_tensor(fetch(pre + name), pre + name))
-                    for name in ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale")]
+                    for name in ("embed.weight", "embed.scale")]
+            wkv = ek.kv_rank_weight(cfg, tp, rank, fetch(pre + "wkv.weight"),
+                                    fetch(pre + "wkv.scale"))
+            out += [(pre + name, byte_tensor(part, pre + name))
+                    for name, part in zip(("wkv.weight", "wkv.scale"), wkv)]
             out += [(pre + name, fetch(pre + name)) for name in ("q_weight", "k_weight")]
     return out

@@ -6,7 +6,8 @@ in lockstep on one stream: every rank's launches of stage i, then stage i + 1. T
 stages cannot run as kernels here (a one-shot all-reduce spins until its peers push, and four
 ranks on one stream would wait forever), so they run on the host between segments: synchronize,
 read the ranks' inputs, apply exactly what the kernel computes (allreduce_ref, gather_ref,
-pick_ref), write the outputs. The collective kernels themselves are tested across processes
+gather_pieces_ref, pick_ref), write the outputs. The collective kernels themselves are tested
+across processes
 (tests/gpu/test_collectives.py). What this proves on the GPU: every other kernel of the step,
 launched by the step's own wiring on the step's own buffers, computes what the reference step
 computes. Weights come from an open checkpoint, or packed by the caller (`PackedRanks`).
@@ -25,6 +26,7 @@ from executor.plan import Plan, decode_plan, draft_plan
 from executor.runtime import Arena
 from executor.wiring import STAGE_MODULES, StepContext, arena_contents, wire
 from kernels import allreduce_ref as ar
+from kernels import engram_kernel_ref as ek
 from kernels.common_ref import BF16
 
 COLLECTIVES = "executor.stages.collectives"
@@ -33,6 +35,7 @@ HOST_ROLES = {
     "attn.allreduce": ("sum", "attn.partial", "attn.out"),
     "ffn.allreduce": ("sum", "ffn.partial", "ffn.out"),
     "engram.heads_allgather": ("gather", "engram.local_heads", "engram.heads"),
+    "engram.kv_allgather": ("gather_pieces", "engram.kv_local", "engram.kv"),
     "tail.argmax_pick": ("pick", "pick", "tokens"),
 }
 COLLECTIVE_FAMILY = "kernels.allreduce"         # the cross-rank kernels: never launched here
@@ -134,7 +137,12 @@ class DeviceRanks:
         else:
             cols = self.contexts[0].arena.nbytes(inp) // (2 * self.max_rows)
             parts = [self.read(r, inp, BF16, (rows, cols)) for r in range(self.tp)]
-            result = ar.allreduce_ref(parts) if kind == "sum" else ar.gather_ref(parts)
+            if kind == "sum":
+                result = ar.allreduce_ref(parts)
+            elif kind == "gather":
+                result = ar.gather_ref(parts)
+            else:                               # the sharded wkv's row-interleaved pieces
+                result = ar.gather_pieces_ref(parts, ek.kv_pieces(self.cfg, self.tp)[0])
         for r in range(self.tp):
             self.write(out, result, ranks=[r])
 
