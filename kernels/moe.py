@@ -424,6 +424,21 @@ class MoeW2Sm90:
             st_bf16(ye + Int64(p1 * hidden + n + 8) * 2, acc[3] * scale)
 
 
+def _slot_sum(route_weights, ye, row, n, topk: int, hidden: int) -> list:
+    """The combine's four fp32 sums at (row, n..n+3): w[row, s] * ye[row*k + s] accumulated by
+    fmul_add in slot order. Plain Python traced inline into each combine kernel: `topk` is a
+    Python int, so the loop unrolls as range_constexpr's does inside a kernel."""
+    acc = [Float32(0.0)] * 4
+    for s in range(topk):
+        w = ld_f32_if(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
+        v = ld_v2(_addr(ye) + Int64((row * topk + s) * hidden + n) * 2, Int32(1))
+        x0, x1 = bf16_pair(v[0])
+        x2, x3 = bf16_pair(v[1])
+        acc = [fmul_add(acc[0], w, x0), fmul_add(acc[1], w, x1),
+               fmul_add(acc[2], w, x2), fmul_add(acc[3], w, x3)]
+    return acc
+
+
 class MoeCombineSm90:
     """moe_combine: y[r, n..n+3] = sum over slots (in order) of w[r, s] * ye[r*k + s, n..n+3]."""
 
@@ -451,14 +466,7 @@ class MoeCombineSm90:
         while idx < rows * self.quads:
             row = idx // self.quads
             n = (idx % self.quads) * mk.COMBINE_VEC
-            acc = [Float32(0.0)] * 4
-            for s in cutlass.range_constexpr(topk):
-                w = ld_f32_if(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
-                v = ld_v2(_addr(ye) + Int64((row * topk + s) * hidden + n) * 2, Int32(1))
-                x0, x1 = bf16_pair(v[0])
-                x2, x3 = bf16_pair(v[1])
-                acc = [fmul_add(acc[0], w, x0), fmul_add(acc[1], w, x1),
-                       fmul_add(acc[2], w, x2), fmul_add(acc[3], w, x3)]
+            acc = _slot_sum(route_weights, ye, row, n, topk, hidden)
             st_v4_f32(_addr(y) + Int64(row * hidden + n) * 4, acc[0], acc[1], acc[2], acc[3])
             idx += gdim * mk.COMBINE_THREADS
 
@@ -494,14 +502,7 @@ class MoeCombineSharedSm90:
         while idx < rows * self.quads:
             row = idx // self.quads
             n = (idx % self.quads) * mk.COMBINE_VEC
-            acc = [Float32(0.0)] * 4
-            for s in cutlass.range_constexpr(topk):
-                w = ld_f32_if(_addr(route_weights) + Int64(row * topk + s) * 4, Int32(1))
-                v = ld_v2(_addr(ye) + Int64((row * topk + s) * hidden + n) * 2, Int32(1))
-                x0, x1 = bf16_pair(v[0])
-                x2, x3 = bf16_pair(v[1])
-                acc = [fmul_add(acc[0], w, x0), fmul_add(acc[1], w, x1),
-                       fmul_add(acc[2], w, x2), fmul_add(acc[3], w, x3)]
+            acc = _slot_sum(route_weights, ye, row, n, topk, hidden)
             at = Int64(row * hidden + n) * 2
             h = ld_v2(_addr(shared) + at, Int32(1))
             s0, s1 = bf16_pair(h[0])
