@@ -44,8 +44,8 @@ KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 m
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import contextlib
+import dataclasses
 import importlib
 import os
 import statistics

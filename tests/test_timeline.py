@@ -71,7 +71,7 @@ def test_decode_names_the_first_missing_stamp_or_a_short_row(kind):
     with pytest.raises(ValueError, match=f"k: CTA {cta} never stamped '{POINTS[point]}' "
                                          r"\(2 stamps missing\)"):
         layout.decode(raw, POINTS, "k")
-    smid, gt, clk = layout.decode(raw, POINTS, "k", complete=False)   # MoE: 0 = not reached
+    _smid, gt, clk = layout.decode(raw, POINTS, "k", complete=False)   # MoE: 0 = not reached
     assert clk[cta, point] == 0 and gt[5, 0] == 0
     need = layout.words(P)
     with pytest.raises(ValueError, match=rf"k: stamps must be u64 \[ctas, >= {need}\]"):
@@ -81,7 +81,7 @@ def test_decode_names_the_first_missing_stamp_or_a_short_row(kind):
 
 
 def test_reordered_and_out_of_order():
-    raw, _, gt, clk = _row_block("attn", 4)
+    raw, _, _gt, clk = _row_block("attn", 4)
     s = tl.Stamps.decode(LAYOUTS["attn"], raw, POINTS, "k")
     assert s.out_of_order() == []
     order = ("entry", "work", "before_wait", "after_wait", "exit")

@@ -107,7 +107,7 @@ def run_lockstep(plans, rows: int, space, side_last: bool = False) -> int:
     A stage of several cross-rank launches (engram.kv_allgather's row chunks) runs its ranks
     interleaved at each wait (allreduce.run_ranks), as the GPUs would.
     side_last: each side branch runs just before its join (Plan.launches), not where it forks."""
-    from executor.emulate.allreduce import run_ranks        # it imports this module
+    from executor.emulate.allreduce import run_ranks  # it imports this module
 
     built = [plan.launches(rows, side_last) for plan in plans]
     names = [[stage.name for stage, _ in b] for b in built]

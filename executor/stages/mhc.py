@@ -54,7 +54,6 @@ from kernels import lm_head_ref as lr
 from kernels import mhc_kernel_ref as mk
 from kernels import mhc_ref, rows_ref
 from kernels import norm_ref as nr
-from kernels.common_ref import BF16
 from loader import engram_vocab
 from loader.schema import UNCERTAIN
 
