@@ -34,12 +34,14 @@ Timed per (bucket, context): graph replay (CUDA events, median of GRAPH_REPS; th
 stages beside the chain, executor/branches.py), the same graph captured without PDL, the graphs
 of the STEP_VARIANTS (HOPDEC_STEP_VARIANTS; the step re-wired with a switch at its previous
 choice, e.g. "serial": no side branches), the same launches eagerly on one stream with and
-without PDL (host-bound: Python issues ~4 us per launch), and per stage role a graph of that role's launches over all layers (the
-per-family breakdown, with launches per step and us per launch; replayed alone, so boundaries
-with the neighbours are not in it: the whole graph minus the sum of the roles is their cost). No L2
-flush: a step reads ~4-10 GB, 70-170x the 60 MB L2. Bytes that must be read: the dense weights
-the step touches, the distinct experts the router picked (counted per layer in an eager pass),
-KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 / 1.97 ms at R = 1 / 6).
+without PDL (host-bound: Python issues ~4 us per launch), and per stage role a graph of that
+role's launches over all layers (the per-family breakdown, with launches per step and us per
+launch; replayed alone, so boundaries with the neighbours are not in it: the whole graph minus
+the sum of the roles is their cost). Each graph's time is the median of TIMING_ROUNDS
+round-robin rounds. No L2 flush: a step reads ~4-10 GB, 70-170x the 60 MB L2. Bytes that must be
+read: the dense weights the step touches, the distinct experts the router picked (counted per
+layer in an eager pass), KV (`kv_read_bytes`); against 4.8 TB/s and model doc §3's floors (0.85 /
+1.97 ms at R = 1 / 6). The KV caches are sized for the selected cases (their capacity is not read).
 """
 from __future__ import annotations
 
