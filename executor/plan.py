@@ -18,9 +18,10 @@ until `executor.wiring.wire` builds it. A missing stage is of one of two kinds:
 Side branches (executor/branches.py): a stage marked `side` runs on a second stream, after the
 side stream's earlier work and after the main stream's work up to the stage's place in the plan;
 the main stream waits for the branch before the next stage marked `joins` of the same layer.
-`decode_plan` / `draft_plan` mark the roles of `branch_roles()` while STEP_BRANCHES. Every serial order of a plan (its stage
-order, or each branch moved to its join: `launches(rows, side_last=True)`) computes the same bytes;
-tests/test_plan_branches.py checks that on the emulated tiny step.
+`decode_plan` / `draft_plan` mark the roles of `branch_roles()` while STEP_BRANCHES. Every serial
+order of a plan (its stage order, or each branch moved to its join: `launches(rows,
+side_last=True)`) computes the same bytes; tests/test_plan_branches.py checks that on the
+emulated tiny step.
 """
 from __future__ import annotations
 

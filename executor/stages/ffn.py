@@ -30,13 +30,13 @@ branch.
 Two launches for the shared expert (SHARED_EXPERT_FUSED), each rounding where
 `moe_ref.shared_expert` / `moe_partial` round: the w1|w3 kernel's "swiglu" epilogue (its weight
 rows interleaved by 8, dense_ref.interleave_gate_up, so one thread holds a gate and its up) and
-the w2 kernel's. Revert: SHARED_EXPERT_FUSED = False gives the four launches
-of round 4 (w1|w3 -> ffn.shared_h13, swiglu, w2 -> ffn.shared_out, and the sum: with
-SHARED_ON_SIDE the shared combine (the same bf16(y + f32(shared_out)) as round 4's f32 + bf16
-residual add of kernels/elementwise.py), else that residual add) and the checkpoint's [w1; w3]
-row order. The dense launches pick
-their kernel by rows (8 rows per pass up to 8 rows, 32 above). Padding rows (past the real ones
-in a bucket) run like any row: the FFN writes no cache, and rows >= the bucket are never touched.
+the w2 kernel's. Revert: SHARED_EXPERT_FUSED = False gives the four launches of round 4
+(w1|w3 -> ffn.shared_h13, swiglu, w2 -> ffn.shared_out, and the sum: with SHARED_ON_SIDE the
+shared combine, the same bf16(y + f32(shared_out)) as round 4's f32 + bf16 residual add of
+kernels/elementwise.py, else that residual add) and the checkpoint's [w1; w3] row order. The
+dense launches pick their kernel by rows (8 rows per pass up to 8 rows, 32 above). Padding rows
+(past the real ones in a bucket) run like any row: the FFN writes no cache, and rows >= the
+bucket are never touched.
 
 Scratch is shared by every layer (layers run one after another; each launch reads its
 predecessor's output only after griddepcontrol.wait). The split-K dense workspace and counters
@@ -100,13 +100,13 @@ SHARED_LABELS = ("shared_w13", "shared_w2")
 SHARED_EXPERT_FUSED = True
 SHARED_EPILOGUES = ({"shared_w13": "swiglu", "shared_w2": "add_f32"} if SHARED_EXPERT_FUSED
                     else {"shared_w13": "bf16", "shared_w2": "bf16"})
+EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
 
 
 def _w2_epilogue() -> str:
     """The shared w2's epilogue in the plans built now: bf16 into ffn.shared_out where the
     combine adds it (plan.SHARED_ON_SIDE), else SHARED_EPILOGUES's."""
     return "bf16" if plan.SHARED_ON_SIDE else SHARED_EPILOGUES["shared_w2"]
-EXPERT_KEYS = ("codes13", "offsets13", "scales13", "codes2", "offsets2", "scales2")
 
 
 def _prefix(cfg, layer) -> str:
@@ -339,8 +339,9 @@ def _shared_expert(ctx, layer):
 
 
 def _shared_expert_fused(ctx, layer):
-    """(w1|w3 with the SwiGLU epilogue -> ffn.shared_h, w2 with the routed sum -> ffn.partial):
-    the builders of ffn.shared_w13 and ffn.shared_expert."""
+    """The builders of ffn.shared_w13 (w1|w3, SwiGLU epilogue -> ffn.shared_h) and
+    ffn.shared_expert (w2: bf16 -> ffn.shared_out for the shared combine, or without
+    SHARED_ON_SIDE "add_f32" over the routed sum -> ffn.partial)."""
     base = _prefix(ctx.cfg, layer) + "shared_experts."
     epilogue = _w2_epilogue()                   # bf16 -> shared_out, or add_f32 -> partial
     w13 = _dense_by_row_tiles(ctx, "shared_w13", "swiglu")
