@@ -15,6 +15,7 @@ from executor.launches.compressor import (
     BUFFERS,
     CompressorShape,
     compressor_launches,
+    kernel_specs,
     requests,
 )
 from kernels import compressor_kernel_ref as ck
@@ -24,12 +25,13 @@ BENCH_ROWS = (1, 6, 48)
 
 
 class CompressorChain:
-    """Arena + launches of `compressor_proj_*` then `compressor_publish_*` for one ratio."""
+    """Arena + launches of `compressor_proj_*` then `compressor_publish_*` for one ratio: the
+    session-1 pair, or round 9's (bulk projection, staged publish) when `fast`."""
 
-    def __init__(self, device, bundle, shape: CompressorShape):
+    def __init__(self, device, bundle, shape: CompressorShape, fast: bool = False):
         self.shape = shape
-        self.proj = ck.make_proj_spec(shape.ratio, shape.hidden)
-        self.pub = ck.make_publish_spec(shape.ratio)
+        self.fast = fast
+        self.proj, self.pub = kernel_specs(shape, fast)
         self.arena = Arena(device, requests(shape))
         self.bundle = bundle
         self.kernels = (bundle.kernel(self.proj.name), bundle.kernel(self.pub.name))
@@ -46,9 +48,12 @@ class CompressorChain:
     def fill(self, name: str, byte: int) -> None:
         self.arena.fill(name, byte)
 
-    def launches(self, rows: int, eps: float) -> list[LaunchSpec]:
+    def launches(self, rows: int, eps: float, fast: bool | None = None) -> list[LaunchSpec]:
+        """[projection, publish]: this chain's pair, or the other one (`fast`) on the same
+        buffers."""
         ptrs = {name: self.arena.ptr(name) for name in BUFFERS}
-        return compressor_launches(self.bundle, self.shape, ptrs, rows, eps)
+        fast = self.fast if fast is None else fast
+        return compressor_launches(self.bundle, self.shape, ptrs, rows, eps, fast)
 
 
 def decode_rows(rows: int, context: int, per_seq: int = 6):

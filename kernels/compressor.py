@@ -374,20 +374,30 @@ def _ld_f32_nc(addr: Int64):
     return Float32(_asm(1, [Int64(addr)], "ld.global.nc.f32 $0, [$1];", "=f,l", kind=T.f32()))
 
 
-_CLASSES = {"proj": CompressorProjSm90, "publish": CompressorPublishSm90}
+_CLASSES = {("proj", ""): CompressorProjSm90, ("publish", ""): CompressorPublishSm90}
+
+
+def _class(spec: ck.CompressorSpec):
+    if spec.variant:                    # round 9: kernels/compressor_fast.py
+        from kernels import compressor_fast
+        return compressor_fast.CLASSES[(spec.kind, spec.variant)]
+    return _CLASSES[(spec.kind, "")]
 
 
 def kernel_function(spec: ck.CompressorSpec):
-    return _CLASSES[spec.kind].kernel
+    return _class(spec).kernel
 
 
 def specs(cfg, tp: int) -> list[ck.CompressorSpec]:
-    """Projection + publish per compressor ratio present in the model (replicated: tp unused)."""
+    """Projection + publish per compressor ratio present in the model (replicated: tp unused),
+    the session-1 kernels first, then round 9's bulk projection and staged publish."""
     del tp
     ratios = sorted({layer.ratio for layer in cfg.layers if layer.owns_compressor})
     out = []
     for r in ratios:
         out += [ck.make_proj_spec(r, cfg.hidden_size), ck.make_publish_spec(r)]
+    for r in ratios:
+        out += [ck.make_proj_spec(r, cfg.hidden_size, "bulk"), ck.make_publish_spec(r, "staged")]
     return out
 
 
@@ -399,4 +409,4 @@ def compile_spec(spec: ck.CompressorSpec, options: str = "--gpu-arch sm_90a"):
 
     args = [ptr() if k == "u64" else Float32(1e-6) if k == "f32" else Int32(1)
             for _, k in spec.params]
-    return cute.compile(_CLASSES[spec.kind](spec), *args, cuda.CUstream(0), options=options)
+    return cute.compile(_class(spec)(spec), *args, cuda.CUstream(0), options=options)

@@ -42,6 +42,57 @@ PUBLISH_THREADS = 128
 PUBLISH_SMEM = 2 * 1024 + 64                   # latent fp32 [512] + three 4-warp partials
 MAX_ROWS = 4096
 
+# Round 9 variants (docs/notes/compressor-design.md "Round 9"); "" is the session-1 kernel.
+# "bulk" projection: one CTA per 4 output columns streams its weight rows and the 8-row x tile
+# through a ring of shared-memory slots (bulk copies on mbarriers) and loops over the row tiles.
+# "staged" publish: wk bulk-copied into shared memory at the start, independent loads first, a
+# grid of at most PUBLISH_STAGED_CTAS CTAs looping over the rows.
+PROJ_VARIANTS = ("", "bulk")
+PUBLISH_VARIANTS = ("", "staged")
+PROJ_BULK_COLS = 4                             # output columns per CTA
+PROJ_BULK_STAGE_K = 512                        # dims per ring slot (4 per thread, 128 threads)
+PUBLISH_STAGED_CTAS = 128
+PUBLISH_STAGED_WK_AT = 2176                    # latent, partials, mbarrier, then wk bf16 [128, 512]
+PUBLISH_STAGED_SMEM = PUBLISH_STAGED_WK_AT + 128 * 512 * 2
+
+
+@dataclass(frozen=True)
+class ProjBulkLayout:
+    """Shared memory of the bulk projection: `slots` slots of [W cols x stage_k | x 8 x stage_k
+    bf16], then the warp partials f32 [warps, cols x 8], then one mbarrier per slot."""
+    threads: int
+    stage_k: int
+    stages: int              # ring slots a pass over K takes (hidden / stage_k)
+    slots: int
+    w_bytes: int             # per slot
+    x_bytes: int
+    parts_at: int
+    bars_at: int
+    smem_bytes: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.w_bytes + self.x_bytes
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+
+def proj_bulk_layout(ratio: int, hidden: int) -> ProjBulkLayout:
+    """Slots: r = 2 4 x 16 KB (2 CTAs an SM: 64 KB of weights in flight an SM); r = 1 has half
+    the weight bytes a slot and one CTA an SM, so 8 slots of 12 KB."""
+    stage_k = min(PROJ_BULK_STAGE_K, hidden)
+    threads = stage_k // 4
+    wb = 4 if ratio == 2 else 2
+    slots = 4 if ratio == 2 else 8
+    w_bytes = PROJ_BULK_COLS * stage_k * wb
+    x_bytes = PROJ_ROW_TILE * stage_k * 2
+    parts_at = slots * (w_bytes + x_bytes)
+    bars_at = parts_at + (threads // 32) * PROJ_BULK_COLS * PROJ_ROW_TILE * 4
+    return ProjBulkLayout(threads, stage_k, hidden // stage_k, slots, w_bytes, x_bytes, parts_at,
+                          bars_at, bars_at + 8 * slots)
+
 PROJ_PARAMS = (("x", "u64"), ("w", "u64"), ("out", "u64"), ("rows", "u32"))
 PUBLISH_PARAMS = (("kv_score", "u64"), ("ring", "u64"), ("positions", "u64"),
                   ("seq_index", "u64"), ("state_lines", "u64"), ("block_tables", "u64"),
@@ -59,6 +110,7 @@ class CompressorSpec:
     params: tuple[tuple[str, str], ...]
     block: tuple[int, int, int] = (PUBLISH_THREADS, 1, 1)
     smem_bytes: int = 0
+    variant: str = ""       # PROJ_VARIANTS / PUBLISH_VARIANTS
 
     @property
     def out_cols(self) -> int:
@@ -72,13 +124,18 @@ class CompressorSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: {rows} rows, at most {MAX_ROWS}")
+        if self.kind == "proj" and self.variant == "bulk":      # loops over the row tiles
+            return (self.out_cols // PROJ_BULK_COLS, 1, 1)
         if self.kind == "proj":
             return (self.out_cols // PROJ_WARPS, ceil_div(rows, PROJ_ROW_TILE), 1)
+        if self.variant == "staged":                              # loops over the rows
+            return (min(rows, PUBLISH_STAGED_CTAS), 1, 1)
         return (rows, 1, 1)
 
     def bytes_moved(self, rows: int, publishing: int | None = None) -> int:
-        """HBM bytes the kernel must move: the floor, weights once (the projection re-reads them
-        per tile of 8 rows, from L2 after the first: 21 MB fit the 50 MB L2)."""
+        """HBM bytes the kernel must move: the floor, weights once (the session-1 projection
+        re-reads them per tile of 8 rows, from L2 after the first: 21 MB fit the 50 MB L2; the
+        bulk one streams them once per tile through its ring, also from L2 after the first)."""
         if self.kind == "proj":
             return (self.out_cols * self.hidden * self.weight_bytes_per_value
                     + rows * self.hidden * 2 + rows * self.out_cols * 4)
@@ -90,24 +147,41 @@ class CompressorSpec:
         return rows * (self.out_cols * 4 + 12) + ring + publishing * per_pub + weights
 
     def to_dict(self) -> dict:
-        return {"family": "compressor", "name": self.name, "kind": self.kind,
-                "ratio": self.ratio, "hidden": self.hidden, "params": params_dict(self.params),
-                "block": list(self.block), "smem_bytes": self.smem_bytes}
+        out = {"family": "compressor", "name": self.name, "kind": self.kind,
+               "ratio": self.ratio, "hidden": self.hidden, "params": params_dict(self.params),
+               "block": list(self.block), "smem_bytes": self.smem_bytes}
+        if self.variant:            # session-1 records stay as they were
+            out["variant"] = self.variant
+        return out
 
 
-def make_proj_spec(ratio: int, hidden: int) -> CompressorSpec:
-    if ratio not in (1, 2) or hidden % 128:
+def _suffix(variant: str) -> str:
+    return f"_{variant}" if variant else ""
+
+
+def make_proj_spec(ratio: int, hidden: int, variant: str = "") -> CompressorSpec:
+    if ratio not in (1, 2) or hidden % 128 or variant not in PROJ_VARIANTS:
         raise ValueError(f"compressor projection: ratio {ratio} (1 or 2), hidden {hidden} "
-                         "(a multiple of 128)")
-    return CompressorSpec(f"compressor_proj_r{ratio}_k{hidden}", "proj", ratio, hidden,
-                          PROJ_PARAMS, (32 * PROJ_WARPS, 1, 1))
+                         f"(a multiple of 128), variant {variant!r} (one of {PROJ_VARIANTS})")
+    name = f"compressor_proj_r{ratio}_k{hidden}{_suffix(variant)}"
+    if variant == "bulk":
+        if hidden % min(PROJ_BULK_STAGE_K, hidden) or hidden < 128:
+            raise ValueError(f"{name}: hidden {hidden} is not a multiple of "
+                             f"{PROJ_BULK_STAGE_K} (or below it)")
+        lay = proj_bulk_layout(ratio, hidden)
+        return CompressorSpec(name, "proj", ratio, hidden, PROJ_PARAMS, (lay.threads, 1, 1),
+                              lay.smem_bytes, variant)
+    return CompressorSpec(name, "proj", ratio, hidden, PROJ_PARAMS, (32 * PROJ_WARPS, 1, 1))
 
 
-def make_publish_spec(ratio: int) -> CompressorSpec:
-    if ratio not in (1, 2):
-        raise ValueError(f"compressor publish: ratio {ratio}, expected 1 or 2")
-    return CompressorSpec(f"compressor_publish_r{ratio}_d{HEAD_DIM}", "publish", ratio, HEAD_DIM,
-                          PUBLISH_PARAMS, smem_bytes=PUBLISH_SMEM)
+def make_publish_spec(ratio: int, variant: str = "") -> CompressorSpec:
+    if ratio not in (1, 2) or variant not in PUBLISH_VARIANTS:
+        raise ValueError(f"compressor publish: ratio {ratio}, expected 1 or 2; variant "
+                         f"{variant!r} (one of {PUBLISH_VARIANTS})")
+    name = f"compressor_publish_r{ratio}_d{HEAD_DIM}{_suffix(variant)}"
+    smem = PUBLISH_STAGED_SMEM if variant == "staged" else PUBLISH_SMEM
+    return CompressorSpec(name, "publish", ratio, HEAD_DIM, PUBLISH_PARAMS, smem_bytes=smem,
+                          variant=variant)
 
 
 # ---- batched reference (GPU layouts) ---------------------------------------------------------

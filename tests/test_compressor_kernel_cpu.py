@@ -171,7 +171,9 @@ def test_specs_grids_and_bytes():
     from kernels import compressor
     names = [s.name for s in compressor.specs(ModelConfig.preset("v41-flash"), 4)]
     assert names == ["compressor_proj_r1_k5120", "compressor_publish_r1_d512",
-                     "compressor_proj_r2_k5120", "compressor_publish_r2_d512"]
+                     "compressor_proj_r2_k5120", "compressor_publish_r2_d512",
+                     "compressor_proj_r1_k5120_bulk", "compressor_publish_r1_d512_staged",
+                     "compressor_proj_r2_k5120_bulk", "compressor_publish_r2_d512_staged"]
     tiny = [s.name for s in compressor.specs(ModelConfig.preset("tiny"), 4)]
     assert "compressor_proj_r2_k256" in tiny and "compressor_publish_r1_d512" in tiny
     proj = ck.make_proj_spec(2, 5120)
@@ -195,3 +197,56 @@ def test_bad_rows_are_refused():
         ck.make_proj_spec(2, 5120).grid(ck.MAX_ROWS + 1)
     with pytest.raises(ValueError, match="ratio 3"):
         ck.make_publish_spec(3)
+
+
+def test_round9_specs_grids_and_layouts():
+    """Bulk projection: one CTA per 4 columns at every R (it loops over the row tiles), the ring
+    fits two CTAs an SM (r = 2) and one (r = 1) beside nothing else; staged publish: at most
+    PUBLISH_STAGED_CTAS CTAs, wk after the session-1 shared memory and a 16-aligned mbarrier."""
+    proj = ck.make_proj_spec(2, 5120, "bulk")
+    assert proj.name == "compressor_proj_r2_k5120_bulk" and proj.block == (128, 1, 1)
+    assert proj.grid(1) == proj.grid(192) == (256, 1, 1)
+    assert proj.bytes_moved(6) == ck.make_proj_spec(2, 5120).bytes_moved(6)
+    for ratio, per_sm in ((2, 2), (1, 1)):
+        lay = ck.proj_bulk_layout(ratio, 5120)
+        assert lay.stages == 10 and lay.threads == 128 and lay.slot_bytes % 128 == 0
+        assert per_sm * ck.make_proj_spec(ratio, 5120, "bulk").smem_bytes <= 227 * 1024
+        assert lay.bars_at % 8 == 0 and lay.smem_bytes == lay.bars_at + 8 * lay.slots
+    tiny = ck.proj_bulk_layout(2, 256)
+    assert (tiny.threads, tiny.stages, tiny.warps) == (64, 1, 2)
+    pub = ck.make_publish_spec(2, "staged")
+    assert pub.grid(7) == (7, 1, 1) and pub.grid(192) == (ck.PUBLISH_STAGED_CTAS, 1, 1)
+    assert ck.PUBLISH_STAGED_WK_AT >= ck.PUBLISH_SMEM + 8 and ck.PUBLISH_STAGED_WK_AT % 16 == 0
+    assert pub.smem_bytes == ck.PUBLISH_STAGED_WK_AT + ck.INDEX_DIM * ck.HEAD_DIM * 2
+    assert pub.to_dict()["variant"] == "staged" and "variant" not in ck.make_publish_spec(
+        2).to_dict()
+    with pytest.raises(ValueError, match="variant"):
+        ck.make_proj_spec(2, 5120, "staged")
+    with pytest.raises(ValueError, match="multiple of 512"):
+        ck.make_proj_spec(2, 640, "bulk")
+
+
+def test_projection_tolerance_holds_for_the_bulk_order():
+    """The bulk kernel's order: thread t adds dims 512 s + 4t .. + 3 of every stage s in order
+    (fma), a warp butterfly, then the 4 warp partials in warp order: n = D/128 + 5 + 3 roundings,
+    inside proj_tolerance's n = D/32 + 6."""
+    d, n, rows = 5120, 24, 3
+    x = (RNG.standard_normal((rows, d)).astype(np.float32).view(np.uint32)
+         & 0xFFFF0000).view(np.float32)
+    w = (RNG.standard_normal((n, d)) * 0.02).astype(np.float32)
+    xc = x.reshape(rows, d // 512, 4, 32, 4).astype(np.float64)     # [stage, warp, lane, k]
+    wc = w.reshape(n, d // 512, 4, 32, 4).astype(np.float64)
+    th = np.zeros((rows, n, 4, 32), np.float32)
+    for s in range(d // 512):
+        for k in range(4):
+            prod = xc[:, None, s, :, :, k] * wc[None, :, s, :, :, k]
+            th = (th.astype(np.float64) + prod).astype(np.float32)
+    for k in range(5):
+        th = (th + th[..., np.arange(32) ^ (16 >> k)]).astype(np.float32)
+    got = th[..., 0, 0]
+    for wi in range(1, 4):
+        got = (got + th[..., wi, 0]).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    tol = ck.proj_tolerance(x, w)
+    assert (np.abs(got - want) <= tol).all()
+    assert not (np.abs(got[:, ::-1] - want) <= tol).all(), "a wrong column must fail"

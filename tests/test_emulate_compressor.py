@@ -90,9 +90,10 @@ def _upload(arena: HostArena, inputs: dict, ratio: int) -> None:
         arena.fill(name, 0xFF)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["round9", "session1"])
 @pytest.mark.parametrize("ratio", [2, 1])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
+def test_emulated_compressor_equals_the_reference(bundle, ratio, case, fast):
     rng = np.random.default_rng()
     cfg = ModelConfig.preset("tiny")
     hidden = bundle.kernel(f"compressor_proj_r{ratio}_k{cfg.hidden_size}").spec["hidden"]
@@ -102,7 +103,9 @@ def test_emulated_compressor_equals_the_reference(bundle, ratio, case):
     space = AddressSpace()
     arena = HostArena(space, requests(shape))
     _upload(arena, inputs, ratio)
-    launches = compressor_launches(bundle, shape, {n: arena.ptr(n) for n in BUFFERS}, rows, eps)
+    launches = compressor_launches(bundle, shape, {n: arena.ptr(n) for n in BUFFERS}, rows, eps,
+                                   fast)
+    assert [sp.kernel.name.endswith(("_bulk", "_staged")) for sp in launches] == [fast] * 2
     assert run(launches, space) == 2
 
     cols = ck.HEAD_DIM * ratio
@@ -141,10 +144,15 @@ def test_emulator_checks_the_grid_and_refuses_unknown_kinds(bundle):
     shape = CompressorShape(2, 256, 16, 2, 4, PAGE, 8, 64)
     space = AddressSpace()
     arena = HostArena(space, requests(shape))
-    proj, _ = compressor_launches(bundle, shape, {n: arena.ptr(n) for n in BUFFERS}, 9, 1e-6)
+    ptrs = {n: arena.ptr(n) for n in BUFFERS}
+    proj, _ = compressor_launches(bundle, shape, ptrs, 9, 1e-6, fast=False)
     short = LaunchSpec(proj.kernel, (proj.grid[0], 1, 1), proj.args)   # covers 8 of 9 rows
     with pytest.raises(ValueError, match="grid"):
         run([short], space)
+    bulk, staged = compressor_launches(bundle, shape, ptrs, 9, 1e-6, fast=True)
+    for spec, grid in ((bulk, (bulk.grid[0], 2, 1)), (staged, (8, 1, 1))):  # loops, one pass
+        with pytest.raises(ValueError, match="grid"):
+            run([LaunchSpec(spec.kernel, grid, spec.args)], space)
     odd = dataclasses.replace(proj.kernel, spec={**proj.kernel.spec, "kind": "x"})
     with pytest.raises(NoEmulator, match="compressor_proj_r2_k256"):
         run([LaunchSpec(odd, proj.grid, proj.args)], space)

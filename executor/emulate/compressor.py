@@ -31,8 +31,11 @@ def emulate(record, grid, args, space) -> None:
 
 def _spec_of(record) -> ck.CompressorSpec:
     s = record.spec
-    spec = (ck.make_proj_spec(s["ratio"], s["hidden"]) if s["kind"] == "proj"
-            else ck.make_publish_spec(s["ratio"]))
+    variant = s.get("variant", "")      # round 9's bulk / staged: the same results
+    if variant not in (ck.PROJ_VARIANTS if s["kind"] == "proj" else ck.PUBLISH_VARIANTS):
+        raise NoEmulator(f"compressor kernel {record.name!r}: unknown variant {variant!r}")
+    spec = (ck.make_proj_spec(s["ratio"], s["hidden"], variant) if s["kind"] == "proj"
+            else ck.make_publish_spec(s["ratio"], variant))
     if spec.name != record.name:
         raise NoEmulator(f"compressor kernel {record.name!r} is not the {spec.name!r} its spec "
                          "describes (an unknown variant)")

@@ -24,6 +24,10 @@ layouts in `kernels/compressor_kernel_ref.py`):
   write  keys         u8 [num_pages * page_size, 132]  its index key (same slot)
 Publishing rows: real rows at odd positions (r = 2) or every real row (r = 1) whose entry's page is
 allocated; nothing else of cache / keys is written. Both kernels read only rows [0, R).
+
+Which kernels: `FAST_KERNELS` (round 9: the "bulk" projection and the "staged" publish of
+`kernels/compressor_fast.py`, same buffers, same ABI, same results within the same tolerances) or
+the session-1 pair; `compressor_launches(..., fast=)` picks one pair explicitly (tests, benchmark).
 """
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ from dataclasses import dataclass
 from executor.launch import LaunchSpec
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref, rope_ref
+
+# Round 9 (docs/notes/compressor-design.md "Round 9"): the step runs the bulk projection and the
+# staged publish. Revert: False (the session-1 kernels; bench_step variant "compressor_round1"
+# re-wires the step with them, so one step run measures both).
+FAST_KERNELS = True
 
 # Every buffer of the two launches, in the order of `requests`.
 BUFFERS = ("x", "w", "kv_score", "ring", "positions", "seq_index", "state_lines", "block_tables",
@@ -97,13 +106,20 @@ def _ptr(ptrs: Mapping[str, int], name: str, who: str) -> int:
                        f"{', '.join(BUFFERS)})") from None
 
 
+def kernel_specs(shape: CompressorShape, fast: bool | None = None):
+    """(projection, publish) specs: round 9's pair when `fast` (default: FAST_KERNELS)."""
+    fast = FAST_KERNELS if fast is None else fast
+    return (ck.make_proj_spec(shape.ratio, shape.hidden, "bulk" if fast else ""),
+            ck.make_publish_spec(shape.ratio, "staged" if fast else ""))
+
+
 def compressor_launches(bundle, shape: CompressorShape, ptrs: Mapping[str, int], rows: int,
-                        eps: float) -> list[LaunchSpec]:
+                        eps: float, fast: bool | None = None) -> list[LaunchSpec]:
     """[projection, publish] of `rows` rows over the buffers at `ptrs` (module docstring)."""
     s = shape
     if not 1 <= rows <= s.max_rows:
         raise ValueError(f"compressor chain: {rows} rows, allocated for 1..{s.max_rows}")
-    proj_spec, pub_spec = ck.make_proj_spec(s.ratio, s.hidden), ck.make_publish_spec(s.ratio)
+    proj_spec, pub_spec = kernel_specs(s, fast)
     who = f"compressor r{s.ratio}"
     proj = LaunchSpec(bundle.kernel(proj_spec.name), proj_spec.grid(rows),
                       (_ptr(ptrs, "x", who), _ptr(ptrs, "w", who), _ptr(ptrs, "kv_score", who),
