@@ -364,6 +364,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
                                 frozenset({"ffn.shared_w13", "ffn.shared_expert"})},
     # round 8's revert: the shared w2 ("add_f32") on the main chain after the plain combine
     "shared_w2_main": lambda: {("executor.plan", "SHARED_ON_SIDE"): False},
+    # compressor round 9's revert: the session-1 projection + publish (compressor-design.md)
+    "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
                            _constant("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT_ROUND7")},
 }
