@@ -366,6 +366,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "shared_w2_main": lambda: {("executor.plan", "SHARED_ON_SIDE"): False},
     # compressor round 9's revert: the session-1 projection + publish (compressor-design.md)
     "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
+    # round 9's revert: the self-routed MoE pair with static items (w13sr bulk, w2sr early)
+    "moe_static": lambda: {("executor.launches.moe", "STEP_QUEUE"): False},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
                            _constant("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT_ROUND7")},
 }

@@ -47,6 +47,7 @@ class MoeChain:
         self.per_expert = {"codes13": c13, "offsets13": o13, "codes2": c2, "offsets2": o2}
         self.arena = Arena(device, ml.weight_requests(shape) + ml.requests(shape, mk.MAX_ROWS))
         self.ptrs = {name: self.arena.ptr(name) for name in self.arena.slices}
+        self.zero_sched()
 
     def close(self) -> None:
         self.arena.close()
@@ -85,6 +86,24 @@ class MoeChain:
             self.arena.view(name, np.uint8)[...] = 0xFF
         self.arena.view("meta", np.int32)[...] = -7
         cp.cuda.Device().synchronize()
+
+    def zero_sched(self) -> None:
+        """The work-queue counters to 0, as the step's arena starts (each queued launch leaves
+        its words 0 again)."""
+        import cupy as cp
+        self.arena.view("sched", np.uint32)[...] = 0
+        cp.cuda.Device().synchronize()
+
+    def sched(self) -> np.ndarray:
+        """The work-queue counters (w13 claim, done, w2 claim, done) from the device."""
+        return self.download("sched", np.uint32, (mk.SCHED_WORDS,))
+
+    def has_queued(self) -> bool:
+        return ml.has_queued(self.available)
+
+    def launches_queued(self, rows: int) -> list[LaunchSpec]:
+        """xquant -> w13sr "bulkq" -> w2sr "earlyq" -> combine (round 9: claimed items)."""
+        return self.launches_selfrouted(rows, *ml.QUEUED_PAIR)
 
     def variant_names(self, kind: str) -> list[str]:
         """"" (the default) and the candidate variants of kind the bundle holds."""
@@ -156,8 +175,10 @@ def _fill_random_weights(chain: MoeChain) -> None:
 def bench_moe_routed(ctx) -> None:
     """The routed-MoE chain (prep + w13 + w2 + combine) at R = 1..192, uniform top-k routing over
     every expert, L2 flushed before each rep; the self-routed chain (xquant + w13sr + w2sr +
-    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants) beside
-    it; Humming's stock numbers (anchors.md)."""
+    combine, rows labelled "selfrouted"; "selfrouted early" = both early-refill variants;
+    "selfrouted bulk" = w13sr bulk + w2sr early, the static pair; "selfrouted queued" = the
+    work-queue pair w13sr bulkq + w2sr earlyq, round 9) beside it; Humming's stock numbers
+    (anchors.md)."""
     from executor.benchmarks import fill_random_bf16
     bundle = ctx.bundle_with("moe_w13_")
     if bundle is None:
@@ -204,10 +225,14 @@ def bench_moe_routed(ctx) -> None:
                             available=chain.available)))
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
+                    if w13 == ml.QUEUED_PAIR[0]:
+                        continue                 # only with its w2 (the row below)
                     w2 = ("early" if w13 in ("early", "bulk", "bulkw") and w2_early
                           else None)
                     chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
                                    chain.launches_selfrouted(rows, w13=w13, w2=w2)))
+                if chain.has_queued():           # round 9: claimed items
+                    chains.append((" selfrouted queued", chain.launches_queued(rows)))
             for label, specs in chains:
                 def run(specs=specs):
                     for s in specs:
@@ -216,6 +241,10 @@ def bench_moe_routed(ctx) -> None:
                 row = ctx.bandwidth(f"moe_routed_{shape.tag()}", f"D={distinct}{label}", rows,
                                     us, mk.moe_bytes(shape, distinct, rows))
                 _report_targets(ctx, rows, us, row, shape, label)
+            if chain.has_queued():               # every queued launch leaves its words zero
+                left = int(np.count_nonzero(chain.sched()))
+                ctx.metric(f"moe queued R={rows}: nonzero sched words after the runs", left, "-",
+                           "== 0", left == 0)
             if rows <= 8:
                 _report_prefixes(ctx, chain, rows)
             if rows in TIMELINE_ROWS:
@@ -245,6 +274,10 @@ def _report_timeline(ctx, chain: MoeChain, rows: int) -> None:
     stamps = (bufs[0].data.ptr, bufs[1].data.ptr)
     chains = [(f"moe timeline R={rows}", ml.timeline_launches(
         chain.bundle, chain.shape, chain.ptrs, rows, stamps))]
+    if rows >= ml.SELFROUTED_FROM_ROWS and ml.STEP_QUEUE and chain.has_queued():
+        # round 9: the step's pair is the queued one; the static pair beside it
+        chains.append((f"moe timeline R={rows} static", ml.timeline_launches(
+            chain.bundle, chain.shape, chain.ptrs, rows, stamps, static=True)))
     for label, specs in chains:
         for _ in range(2):                   # the first run loads the modules: the second counts
             for buf in bufs:

@@ -521,6 +521,9 @@ def _kernel_class(spec: mk.MoeSpec):
     """The default chain's classes here; the per-group-commit w13 / w2 in kernels/moe_pipelined.py
     and the self-routed chain's in kernels/moe_selfroute.py (imported late: both build on this
     module)."""
+    if spec.queued:              # round 9: claimed items (w13sr bulkq, w2sr earlyq, their _tl)
+        from kernels import moe_queue
+        return moe_queue.kernel_class(spec)
     if spec.timeline:                        # diagnostic builds with per-CTA stamps
         from kernels import moe_timeline
         return moe_timeline.kernel_class(spec)

@@ -184,10 +184,16 @@ class MoeSpec:
         return self.launch_bound_ctas or self.ctas_per_sm
 
     @property
+    def queued(self) -> bool:
+        """A work-queue variant (kernels/moe_queue.py): one more pointer, `sched`, before rows
+        (before `stamps` in a timeline build)."""
+        return (self.kind, self.variant) in QUEUED_VARIANTS
+
+    @property
     def params(self) -> tuple[tuple[str, str], ...]:
-        if self.timeline:
-            return (*PARAMS[self.kind][:-1], ("stamps", "u64"), PARAMS[self.kind][-1])
-        return PARAMS[self.kind]
+        extra = ((("sched", "u64"),) if self.queued else ()) + (
+            (("stamps", "u64"),) if self.timeline else ())
+        return (*PARAMS[self.kind][:-1], *extra, PARAMS[self.kind][-1])
 
     def work_items(self, rows: int) -> int:
         """Upper bound of the CTAs with work (distinct experts <= min(rows * k, E))."""
@@ -226,6 +232,7 @@ class MoeSpec:
                 "group_commits": self.group_commits,
                 "layout_source_sha256": _SOURCE_SHA} | ({"timeline": True} if self.timeline
                                                         else {}) | (
+            {"queued": True} if self.queued else {}) | (
             {"launch_bound_ctas": self.launch_bound_ctas} if self.launch_bound_ctas else {})
 
 
@@ -237,8 +244,10 @@ class MoeSpec:
 TIMELINE_EVENTS = ("entry", "wait_begin", "wait_end", "first_landed", "last_landed", "epilogue",
                    "exit")
 TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
-# The bulk chain's w13 / w2 below 3 rows and the step's self-routed w13 / w2 from 3 rows.
-TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"))
+# The bulk chain's w13 / w2 below 3 rows and the step's self-routed w13 / w2 from 3 rows: the
+# static pair and the work-queue pair (round 9).
+TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"),
+                    ("w13sr", "bulkq"), ("w2sr", "earlyq"))
 
 
 def timeline_event(name: str) -> int:
@@ -377,8 +386,8 @@ def is_lean(variant: str) -> bool:
 
 
 def bulk_scheme(variant: str) -> str:
-    """The copy scheme of a bulk variant ("bulkw_lean4" copies as "bulkw")."""
-    return variant.split("_")[0]
+    """The copy scheme of a bulk variant ("bulkw_lean4" copies as "bulkw", "bulkq" as "bulk")."""
+    return QUEUE_BASE.get(variant, variant).split("_")[0]
 
 
 def bulk_parts(shape: MoeShape, warps: int, variant: str = "bulk") -> int:
@@ -453,9 +462,22 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # griddepcontrol.wait and fills its whole ring then. Same work split as the defaults (w13: 4 warps,
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
-W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3))
-W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3))
+W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3),
+                  ("bulkq", 4, 1, 3))
+W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
+# Round 9 (kernels/moe_queue.py): w13sr "bulkq" / w2sr "earlyq" are "bulk" / "early" (same block,
+# shared memory, occupancy, grid, items and per-item math: h / ye bitwise) whose CTAs claim every
+# item after their first from a counter in `sched` instead of striding by the grid. sched: u32
+# [SCHED_WORDS] = w13 (claim, done), w2 (claim, done), zero before the first launch; each queued
+# launch leaves its two words zero again (its last CTA resets them).
+QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early"}
+QUEUE_BASE = {v: base for (_, v), base in QUEUED_VARIANTS.items()}
+SCHED_WORDS = 4
+SCHED_AT = {"w13sr": 0, "w2sr": 2}         # first word (claim; done follows) of each kind
+# Shared-memory words of the item hand-off: bytes 36..43 of the routing lists' header (free:
+# the scan totals end at byte 32, the distinct count is byte 32..35).
+QUEUE_SLOTS_AT = 36
 
 
 def routing_scratch_bytes(shape: MoeShape) -> int:

@@ -219,8 +219,9 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
     names = [spec.kernel.name for spec in specs]
     tag = s.shape.tag()
     w13w, w13sr = ml.step_w13_variants(rows)
-    if rows >= ml.SELFROUTED_FROM_ROWS:
-        expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{w13sr}", f"moe_w2sr_{tag}_early"]
+    if rows >= ml.SELFROUTED_FROM_ROWS:       # s.ptrs has "sched": the queued pair (round 9)
+        w13sr, w2sr = ml.QUEUED_PAIR if ml.STEP_QUEUE else (w13sr, "early")
+        expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{w13sr}", f"moe_w2sr_{tag}_{w2sr}"]
     elif ml.STEP_BULK:
         w13 = (f"w13w_{tag}_{w13w}" if rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS
                else f"w13sr_{tag}_bulk")
@@ -289,7 +290,8 @@ def test_bad_input_and_unknown_variants_raise(setup):
 def test_requests_match_the_pointer_keys_and_the_abi(setup):
     s = setup
     names = {n for n, _, _ in ml.weight_requests(s.shape) + ml.requests(s.shape, 8)}
-    assert names == {key for keys in ml.POINTER_KEYS.values() for key in keys}
+    # + the queued pair's sched (the one pointer beyond its kind's, mk.MoeSpec.queued)
+    assert names == {key for keys in ml.POINTER_KEYS.values() for key in keys} | {"sched"}
     for kind, keys in ml.POINTER_KEYS.items():
         params = [n for n, _ in mk.PARAMS[kind]]
         assert params[-1] == "rows" and len(params) == len(keys) + 1, kind
@@ -359,4 +361,4 @@ def test_scratch_buffers_are_the_requests_of_the_rank_shape(config):
     shape = mk.moe_shape(cfg, 4)
     want = {n: b for n, b, _ in ml.requests(shape, 48)}
     got = {buf.name.removeprefix("moe."): buf.nbytes for buf in ml.scratch_buffers(cfg, 4, 48)}
-    assert got == {n: want[n] for n in ("meta", "pairs", "xq", "xs", "h", "ye", "y")}
+    assert got == {n: want[n] for n in ("meta", "pairs", "xq", "xs", "h", "ye", "y", "sched")}

@@ -10,6 +10,9 @@ What each kind reads and writes (R = rows, k = top-k; buffers as executor/launch
   w2, w2sr as w13 / w13sr with h and the w2 weights -> ye rows
   combine  route_weights, ye -> y [R, D] f32
   combine_shared  route_weights, ye, shared bf16 -> out [R, D] bf16 (mk.combine_shared_reference)
+  queued   w13sr "bulkq" / w2sr "earlyq" (kernels/moe_queue.py) as w13sr / w2sr; their pair of
+           sched words must be zero at the launch (else the GPU kernel would skip items:
+           raised here) and is zero after it
 Weights are decoded from the packed bytes at the experts' addresses (mk.effective_weights: the
 kernel's prmt arithmetic). The GEMMs are moe_ref's W4A8 (per-128-group partials), so an emulated
 chain equals moe_ref.routed_experts on the dequantized checkpoint weights bit for bit; the kernels
@@ -60,6 +63,8 @@ def emulate(record, grid, args, space) -> None:
         experts = _lists_from_meta(name, shape, space, args, rows)
         (_w13 if kind == "w13" else _w2)(name, shape, space, args, rows, experts)
     elif kind in ("w13sr", "w2sr", "w13w"):
+        if spec.get("queued"):
+            _check_sched(name, space, args["sched"], kind)
         lists = _lists_from_ids(name, shape, space, args["topk_ids"], rows)
         experts = _by_expert(lists)
         (_w2 if kind == "w2sr" else _w13)(name, shape, space, args, rows, experts)
@@ -117,6 +122,17 @@ def _lists_from_meta(name, shape: mk.MoeShape, space, args, rows: int):
                              f"{count} pairs) does not fit {e} experts and {n} pairs")
         out.append((expert, listed.copy()))
     return out
+
+
+def _check_sched(name, space, ptr: int, kind: str) -> None:
+    """A queued kernel's (claim, done) words: zero when it starts; its last CTA leaves them
+    zero, which is all the emulation has to do."""
+    sched = space.array(ptr, np.uint32, (mk.SCHED_WORDS,))
+    at = mk.SCHED_AT[kind]
+    if sched[at:at + 2].any():
+        raise ValueError(f"{name}: sched at {space.name_of(ptr)} holds (claim, done) = "
+                         f"{sched[at:at + 2].tolist()}, expected zeros (not zeroed before the "
+                         "first launch, or a launch of this kernel did not finish)")
 
 
 # ---- activations --------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ intermediate, E = experts; every activation buffer holds at least R rows):
            xq     uint8 [R, D]     x as E4M3, fragment order;  xs f32 [R, D/128] its scales
            h      bf16  [R*k, I]   SwiGLU output per (row, slot) pair
            ye     bf16  [R*k, D]   expert output per pair
+           sched  u32   [4]        the work-queue counters of w13sr "bulkq" / w2sr "earlyq"
+                                   (kernels/moe_queue.py): zero before the first launch (the
+                                   step's arena is zeroed), zero again after every queued launch
   output   y      f32   [R, D]     sum over slots of route_weights * ye: the rank's routed
                                    partial (fp32, for the all-reduce epilogue)
   or (moe_combine_<tag>_shared, `combine_launch(shared=True)`):
@@ -33,6 +36,9 @@ Chains (each kernel waits on its predecessor with griddepcontrol):
   warp-routed  the default chain with w13w(ids, xq, xs, w13 -> h) for w13 (rows * k <= 64)
   bulk         prep -> w13w "bulk" (rows * k <= 64) or w13sr "bulk" -> w2 "bulk" -> combine
                (kernels/moe_bulk.py: weights by cp.async.bulk): the step's chain (STEP_BULK)
+  queued       xquant -> w13sr "bulkq" -> w2sr "earlyq" -> combine: the self-routed chain with
+               claimed items (kernels/moe_queue.py; STEP_QUEUE from 3 rows). "bulkq" claims
+               before its wait, so it must never directly follow itself in a stream.
 `step_launches` picks what the step runs (docs/perf.md run 17): the default chain's kernels below
 SELFROUTED_FROM_ROWS (w13 / w2 variants by STEP_VARIANTS, w2 by rows), the self-routed "early"
 chain from there on. `requests` / `weight_requests` give the (name, nbytes, comment) slices for `Arena` or
@@ -102,6 +108,12 @@ BULK_W13W = "bulkw"
 # r6e measured neutral at R = 1 and slower from R = 2). Run r6a (bulk chain, us): R = 1 lean4
 # 23.78 vs bulkw 25.04, R = 2 36.69 vs 37.07. Revert: STEP_W13W_BY_ROWS = {}.
 STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
+# Round 9 (moe-design.md): from SELFROUTED_FROM_ROWS the step's self-routed pair claims its items
+# from a work queue (w13sr "bulkq" -> w2sr "earlyq": "bulk" / "early" whose CTAs take items
+# as they finish, bitwise the same y) where the caller's pointers include "sched". Not yet
+# measured. bench_step variant "moe_static" runs the step with it off.
+STEP_QUEUE = True  # revert: False
+QUEUED_PAIR = ("bulkq", "earlyq")
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
@@ -141,7 +153,8 @@ def has_selfrouted(available) -> bool:
 
 
 def _launch(bundle, spec: mk.MoeSpec, ptrs: Mapping[str, int], rows: int) -> LaunchSpec:
-    keys = POINTER_KEYS[spec.kind] + (("stamps",) if spec.timeline else ())
+    keys = (POINTER_KEYS[spec.kind] + (("sched",) if spec.queued else ())
+            + (("stamps",) if spec.timeline else ()))
     missing = [key for key in keys if key not in ptrs]
     if missing:
         raise KeyError(f"{spec.name}: no address for {missing} (it takes {list(keys)})")
@@ -262,7 +275,8 @@ def step_variants(available, rows: int) -> tuple[str, str | None]:
 def step_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                   rows: int, combine: bool = True) -> list[LaunchSpec]:
     """What the decode step runs for `rows`: from SELFROUTED_FROM_ROWS rows on the self-routed
-    chain (w13sr from `step_w13_variants`, w2sr early) when the bundle has it; below, with
+    chain (`step_selfrouted_pair`: the queued pair with STEP_QUEUE where ptrs has "sched", else
+    w13sr from `step_w13_variants` and w2sr early) when the bundle has it; below, with
     STEP_BULK, the bulk-copy chain (`bulk_launches`, its w13w from `step_w13_variants`); else
     the default chain with `step_variants` (its w13 moe_w13w where that fits). All write the same
     y (bitwise, tests/gpu/test_moe_kernel.py); only the default and bulk ones write meta /
@@ -286,10 +300,10 @@ def _step_chain(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                 rows: int) -> list[LaunchSpec]:
     available = available_specs(bundle, shape)
     w13w, w13sr = step_w13_variants(rows)
-    chosen = {("w13sr", w13sr), ("w2sr", SELFROUTED_EARLY)}
+    w13sr, w2sr = step_selfrouted_pair(available, ptrs, w13sr)
+    chosen = {("w13sr", w13sr), ("w2sr", w2sr)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and chosen <= set(available):
-        return selfrouted_launches(bundle, shape, ptrs, rows, w13sr, SELFROUTED_EARLY,
-                                   available)
+        return selfrouted_launches(bundle, shape, ptrs, rows, w13sr, w2sr, available)
     if (STEP_BULK and bulk_fits(available, shape, rows, w13w)
             and ("w2", STEP_BULK_W2) in available):
         return bulk_launches(bundle, shape, ptrs, rows, available, STEP_BULK_W2, w13w)
@@ -300,17 +314,32 @@ def _step_chain(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
     return chain_launches(bundle, shape, ptrs, rows, w13, w2, available=available)
 
 
+def has_queued(available) -> bool:
+    return {("w13sr", QUEUED_PAIR[0]), ("w2sr", QUEUED_PAIR[1])} <= set(available)
+
+
+def step_selfrouted_pair(available, ptrs: Mapping[str, int], w13sr: str) -> tuple[str, str]:
+    """(w13sr, w2sr) of the step's self-routed chain: QUEUED_PAIR with STEP_QUEUE where the
+    bundle has it and ptrs has "sched", else (w13sr, SELFROUTED_EARLY)."""
+    if STEP_QUEUE and "sched" in ptrs and has_queued(available):
+        return QUEUED_PAIR
+    return w13sr, SELFROUTED_EARLY
+
+
 def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows: int,
-                      stamps: tuple[int, int]) -> list[LaunchSpec]:
+                      stamps: tuple[int, int], static: bool = False) -> list[LaunchSpec]:
     """The step's chain at `rows` (the bulk chain with w13w BULK_W13W and w2 "bulk" below
-    SELFROUTED_FROM_ROWS; from there the self-routed one) with its w13 and w2 replaced by
+    SELFROUTED_FROM_ROWS; from there the self-routed one, its pair `step_selfrouted_pair`'s, or
+    with `static` w13sr STEP_SELFROUTED_W13 and w2sr early) with its w13 and w2 replaced by
     their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
     w2's) addresses, each at least grid x mk.TIMELINE_RECORD_BYTES."""
     available = available_specs(bundle, shape)
     timeline = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)
                 if s.name in set(bundle.names())}
     if rows >= SELFROUTED_FROM_ROWS:
-        w13, w2 = ("w13sr", STEP_SELFROUTED_W13), ("w2sr", SELFROUTED_EARLY)
+        pair = ((STEP_SELFROUTED_W13, SELFROUTED_EARLY) if static
+                else step_selfrouted_pair(available, ptrs, STEP_SELFROUTED_W13))
+        w13, w2 = ("w13sr", pair[0]), ("w2sr", pair[1])
         chain = selfrouted_launches(bundle, shape, ptrs, rows, w13[1], w2[1], available)
     else:
         w13, w2 = ("w13w", BULK_W13W), ("w2", "bulk")
@@ -362,7 +391,9 @@ def requests(shape: mk.MoeShape, max_rows: int = mk.MAX_ROWS) -> list[tuple[str,
             ("ye", 2 * r * k * d, f"bf16 [{r * k}, {d}] expert output per pair"),
             ("y", 4 * r * d, f"f32 [{r}, {d}] routed partial"),
             ("shared", 2 * r * d, f"bf16 [{r}, {d}] shared expert output (shared combine)"),
-            ("out", 2 * r * d, f"bf16 [{r}, {d}] y + shared (shared combine)")]
+            ("out", 2 * r * d, f"bf16 [{r}, {d}] y + shared (shared combine)"),
+            ("sched", 4 * mk.SCHED_WORDS,
+             f"u32 [{mk.SCHED_WORDS}] work-queue counters: zero before the first launch")]
 
 
 def scratch_buffers(cfg, tp: int, max_rows: int):
@@ -381,4 +412,7 @@ def scratch_buffers(cfg, tp: int, max_rows: int):
             Buffer("moe.xs", np.float32, (r, g), "x group scales"),
             Buffer("moe.h", BF16, (r * k, inter), "SwiGLU per pair"),
             Buffer("moe.ye", BF16, (r * k, shape.hidden), "expert output per pair"),
-            Buffer("moe.y", np.float32, (r, shape.hidden), "routed partial")]
+            Buffer("moe.y", np.float32, (r, shape.hidden), "routed partial"),
+            Buffer("moe.sched", np.uint32, (mk.SCHED_WORDS,),
+                   "work-queue counters (w13sr bulkq / w2sr earlyq): zero before the first "
+                   "launch, left zero by each")]

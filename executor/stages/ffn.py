@@ -289,7 +289,7 @@ def _moe_ptrs(ctx, layer):
     return shape, {"ids": ctx.ptr("ffn.topk_ids"), "route_weights": ctx.ptr("ffn.topk_weights"),
                    "x": ctx.ptr("xn"), **{key: ctx.ptr(base + key) for key in EXPERT_KEYS},
                    **{key: ctx.ptr("ffn.moe." + key)
-                      for key in ("meta", "pairs", "xq", "xs", "h", "ye", "y")},
+                      for key in ("meta", "pairs", "xq", "xs", "h", "ye", "y", "sched")},
                    "shared": ctx.ptr("ffn.shared_out"), "out": ctx.ptr("ffn.partial")}
 
 
