@@ -154,3 +154,22 @@ def test_every_step_kernel_waits_on_its_predecessor(tiny_bundle_dir):
     import json
     kernels = json.loads((tiny_bundle_dir / "manifest.json").read_text())["kernels"]
     assert [n for n, k in kernels.items() if not k["pdl_wait"] and not n.startswith("probe_")] == []
+
+
+@pytest.mark.parametrize("rows", [3, 6])
+def test_timeline_launches_of_the_queued_and_the_static_pair(setup, rows):
+    """devicecheck's timeline: the step's pair (queued where ptrs has sched) with its w13 / w2
+    replaced by their `_tl` builds (sched, then stamps, then rows), and with static=True the
+    static pair's."""
+    s = setup
+    stamps = (1 << 40, 1 << 41)
+    tag = s.shape.tag()
+    for static, pair in ((False, ml.QUEUED_PAIR), (True, (ml.STEP_SELFROUTED_W13, "early"))):
+        got = ml.timeline_launches(s.bundle, s.shape, s.ptrs, rows, stamps, static=static)
+        plain = ml.selfrouted_launches(s.bundle, s.shape, s.ptrs, rows, *pair)
+        assert [g.kernel.name for g in got[1:3]] == [
+            f"moe_w13sr_{tag}_{pair[0]}_tl", f"moe_w2sr_{tag}_{pair[1]}_tl"]
+        for i in (1, 2):
+            assert got[i].grid == plain[i].grid
+            assert got[i].args == (*plain[i].args[:-1], stamps[i - 1], rows)
+        assert (got[1].args[-3] == s.ptrs["sched"]) == (not static)
