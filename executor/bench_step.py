@@ -364,6 +364,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
                                 frozenset({"ffn.shared_w13", "ffn.shared_expert"})},
     # round 8's revert: the shared w2 ("add_f32") on the main chain after the plain combine
     "shared_w2_main": lambda: {("executor.plan", "SHARED_ON_SIDE"): False},
+    # session 8's revert: q_norm in attn_prep between wq_a|wkv and wq_b (not folded into wq_b)
+    "q_kv_norm_launch": lambda: {("executor.stages.attn_proj", "FOLD_Q_NORM"): False},
     # compressor round 9's revert: the session-1 projection + publish (compressor-design.md)
     "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
     # round 9's revert: the self-routed MoE pair with static items (w13sr bulk, w2sr early)

@@ -227,10 +227,13 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
             ("attn.norm", "kernels.norm", NOT_WIRED)]
     if spec.owns_compressor:            # reads xn only: beside wq_a|wkv .. the q RoPE
         out.append(("attn.compressor", "kernels.compressor", NOT_WIRED))
-    out += [("attn.wq_a_wkv", "kernels.dense", NOT_WIRED),
-            ("attn.q_kv_norm", "kernels.norm", NOT_WIRED)]
-    if spec.has_indexer:                # reads attn.qr: beside wq_b and the q RoPE
-        out.append(("attn.indexer", "kernels.indexer", NOT_WIRED))
+    indexer = [("attn.indexer", "kernels.indexer", NOT_WIRED)] if spec.has_indexer else []
+    out.append(("attn.wq_a_wkv", "kernels.dense", NOT_WIRED))
+    if _q_norm_folded():                # the indexer reads attn.qkv (R > 8: attn.qr, written
+        out += indexer                  # by attn.wq_a_wkv): it forks before the kv insert
+        indexer = []
+    out.append(("attn.q_kv_norm", "kernels.norm", NOT_WIRED))
+    out += indexer                      # reads attn.qr: beside wq_b and the q RoPE
     out += [("attn.wq_b", "kernels.dense", NOT_WIRED),
             ("attn.rope_swa_insert", "kernels.kv_publish", NOT_WIRED),
             ("attn.sparse_mqa", "kernels.sparse_mqa", NOT_WIRED),
@@ -254,17 +257,34 @@ def _layer_stages(spec) -> list[tuple[str, str, str]]:
 
 def branch_roles() -> tuple[frozenset, frozenset]:
     """(side roles, join roles) of the plans built now: SIDE_ROLES / JOIN_ROLES, with
-    ffn.shared_expert joining instead of on the side where not SHARED_ON_SIDE."""
+    ffn.shared_expert joining instead of on the side where not SHARED_ON_SIDE (attn.q_kv_norm
+    may go on the side too, per layer: `kv_insert_on_side`)."""
     if SHARED_ON_SIDE:
         return SIDE_ROLES, JOIN_ROLES
     return (SIDE_ROLES - {"ffn.shared_expert"},
             (JOIN_ROLES - {"ffn.moe_combine"}) | {"ffn.shared_expert"})
 
 
-def _layer_stage(name: str, role: str, family: str, layer: int, missing: str,
+def _q_norm_folded() -> bool:
+    """q_norm folded into wq_b and the indexer's projection (attn_proj.FOLD_Q_NORM)."""
+    from executor.stages import attn_proj  # lazy: the stage modules import the plan's users
+    return attn_proj.q_norm_folded()
+
+
+def kv_insert_on_side(spec) -> bool:
+    """With q_norm folded, attn.q_kv_norm is the kv half's SWA insert alone (read only by this
+    layer's sparse MQA): a side stage where the layer has no other attention side work, so it
+    runs beside wq_b and the q RoPE; where the compressor / indexer make the side chain the
+    longer one, it stays on the main chain (which waits for the side at sparse MQA anyway),
+    after the indexer has forked."""
+    return _q_norm_folded() and not (spec.owns_compressor or spec.has_indexer)
+
+
+def _layer_stage(name: str, role: str, family: str, spec, missing: str,
                  branches: bool) -> Stage:
     side, joins = branch_roles()
-    return Stage(name, family, layer, missing=missing, side=branches and role in side,
+    on_side = role in side or (role == "attn.q_kv_norm" and kv_insert_on_side(spec))
+    return Stage(name, family, spec.index, missing=missing, side=branches and on_side,
                  joins=branches and role in joins)
 
 
@@ -297,7 +317,7 @@ def decode_plan(cfg, dspark: bool = False, sync_free: bool = False,
             continue
         for role, family, missing in _layer_stages(spec):
             stages.append(_layer_stage(f"layer{spec.index:02d}.{role}", role, family,
-                                       spec.index, missing, branches))
+                                       spec, missing, branches))
             if dspark and role == "attn.mhc_pre" and spec.index in cfg.dspark_target_layer_ids:
                 stages.append(Stage(f"layer{spec.index:02d}.dspark.aux", "kernels.dspark",
                                     spec.index, missing=NOT_WIRED))
@@ -346,7 +366,7 @@ def draft_plan(cfg, sync_free: bool = False, branches: bool | None = None) -> Pl
               Stage("head.embed", "kernels.embed", missing=NOT_WIRED),
               Stage("head.embed_allreduce", "collectives.oneshot", missing=NOT_WIRED)]
     for spec in stage_layers:
-        stages += [_layer_stage(f"layer{spec.index:02d}.draft.{role}", role, family, spec.index,
+        stages += [_layer_stage(f"layer{spec.index:02d}.draft.{role}", role, family, spec,
                                 missing, branches)
                    for role, family, missing in _layer_stages(spec)]
     stages += [Stage("draft.mhc_post_collapse", "kernels.mhc", missing=NOT_WIRED),

@@ -53,17 +53,32 @@ class DenseTileSm90(DenseStreamSm90):
                    u_begin: Int32, n_units: Int32, srow0: Int32, row: Int32, tidx: Int32,
                    warp: Int32, lane: Int32):
         """The CTA's tiles (one unit each), their chunks unrolled; x resident or X_AHEAD ahead."""
+        t = lane % 4
+        xr = cute.make_rmem_tensor((8, self.chunks_per_warp), Int32)    # x words of chunk cj
+        if cutlass.const_expr(self.resident):    # x is the same for every tile: B fragments once
+            for cj in cutlass.range_constexpr(self.chunks_per_warp):
+                self._load_x_chunk(xr, cj, x, u_begin, row, warp, t)
+            self._permute_resident(xr)
+        self._tiles(acc, xr, x, out, residual, workspace, counters, rows, flag, red, ring_a,
+                    sc_a, cta, u_begin, n_units, srow0, row, tidx, warp, lane)
+
+    @cute.jit
+    def _permute_resident(self, xr):
+        """Resident x words (element pairs 2w, 2w + 1) -> B fragments, once per CTA."""
+        for cj in cutlass.range_constexpr(self.chunks_per_warp):
+            for jj in cutlass.range_constexpr(4):
+                lo_x, hi_x = xr[2 * jj, cj], xr[2 * jj + 1, cj]
+                xr[2 * jj, cj] = prmt(lo_x, hi_x, 0x5410)
+                xr[2 * jj + 1, cj] = prmt(lo_x, hi_x, 0x7632)
+
+    @cute.jit
+    def _tiles(self, acc, xr, x: cute.Pointer, out: cute.Pointer, residual: cute.Pointer,
+               workspace: cute.Pointer, counters: cute.Pointer, rows: Int32, flag, red,
+               ring_a: Int32, sc_a: Int32, cta: Int32, u_begin: Int32, n_units: Int32,
+               srow0: Int32, row: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        """The CTA's tiles over xr (resident B fragments, or x loaded X_AHEAD chunks ahead)."""
         g, t = lane // 4, lane % 4
         cpw = self.chunks_per_warp
-        xr = cute.make_rmem_tensor((8, cpw), Int32)          # x words of chunk cj
-        if cutlass.const_expr(self.resident):    # x is the same for every tile: B fragments once
-            for cj in cutlass.range_constexpr(cpw):
-                self._load_x_chunk(xr, cj, x, u_begin, row, warp, t)
-            for cj in cutlass.range_constexpr(cpw):
-                for jj in cutlass.range_constexpr(4):
-                    lo_x, hi_x = xr[2 * jj, cj], xr[2 * jj + 1, cj]
-                    xr[2 * jj, cj] = prmt(lo_x, hi_x, 0x5410)
-                    xr[2 * jj + 1, cj] = prmt(lo_x, hi_x, 0x7632)
         for i in cutlass.range_constexpr(self.spec.tiles_per_cta):
             if i < n_units:                                   # one unit per tile
                 tile = u_begin + i

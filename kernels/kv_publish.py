@@ -290,8 +290,11 @@ def kernel_function(spec):
 
 
 def specs(cfg, tp: int) -> list:
+    """The insert (raw kv rows), attn_prep, and the insert reading the kv half of attn.qkv in
+    place (q_norm folded into wq_b: executor/stages/attn_proj.FOLD_Q_NORM)."""
     del tp
-    return [kp.make_swa_spec(cfg.head_dim), kp.make_attn_prep_spec(cfg.q_lora_rank, cfg.head_dim)]
+    return [kp.make_swa_spec(cfg.head_dim), kp.make_attn_prep_spec(cfg.q_lora_rank, cfg.head_dim),
+            kp.make_swa_spec(cfg.head_dim, cfg.q_lora_rank + cfg.head_dim)]
 
 
 def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
@@ -305,5 +308,6 @@ def compile_spec(spec, options: str = "--gpu-arch sm_90a"):
 
     args = [ptr(n) if k == "u64" else Float32(1e-6) if k == "f32" else Int32(1)
             for n, k in spec.params]
-    kernel = AttnPrepSm90(spec) if spec.kind == "attn_prep" else KvSwaInsertSm90(spec)
+    kernel = (AttnPrepSm90(spec) if spec.kind == "attn_prep"
+              else KvSwaInsertSm90(spec, spec.kv_row_stride))
     return cute.compile(kernel, *args, cuda.CUstream(0), options=options)

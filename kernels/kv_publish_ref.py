@@ -59,6 +59,7 @@ class KvPublishSpec:
     params: tuple[tuple[str, str], ...]
     block: tuple[int, int, int] = (32 * ROWS_PER_CTA, 1, 1)
     smem_bytes: int = 0
+    kv_row_stride: int = HEAD_DIM   # elements between rows' kv (q_lora + 512: read in attn.qkv)
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         check_rows(rows, self.name)
@@ -69,9 +70,10 @@ class KvPublishSpec:
                        + kvrecord_ref.KV_RECORD_BYTES) + HEAD_DIM * 4
 
     def to_dict(self) -> dict:
+        strided = {"kv_row_stride": self.kv_row_stride} if self.kv_row_stride != HEAD_DIM else {}
         return {"family": "kv_publish", "name": self.name, "kind": self.kind,
                 "head_dim": self.head_dim, "params": params_dict(self.params),
-                "block": list(self.block), "smem_bytes": self.smem_bytes}
+                "block": list(self.block), "smem_bytes": self.smem_bytes} | strided
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,17 @@ def make_attn_prep_spec(q_width: int, head_dim: int = HEAD_DIM) -> AttnPrepSpec:
     return AttnPrepSpec(f"attn_prep_q{q_width}_d{head_dim}", q_width, head_dim)
 
 
-def make_swa_spec(head_dim: int = HEAD_DIM) -> KvPublishSpec:
+def make_swa_spec(head_dim: int = HEAD_DIM, kv_row_stride: int = HEAD_DIM) -> KvPublishSpec:
+    """kv_swa_insert over rows of kv_row_stride elements (suffix `_s<stride>` unless 512: the
+    fused wq_a|wkv row, the kv half read in place when q_norm is folded into wq_b)."""
     if head_dim != HEAD_DIM:
         raise ValueError(f"kv_swa_insert: head_dim {head_dim}; the 584-byte record needs 512")
-    return KvPublishSpec(f"kv_swa_insert_d{head_dim}", "swa_insert", head_dim, SWA_PARAMS)
+    if kv_row_stride < head_dim or kv_row_stride % 8:
+        raise ValueError(f"kv_swa_insert: kv row stride {kv_row_stride} must be >= {head_dim} "
+                         f"and a multiple of 8 (16-byte loads)")
+    name = f"kv_swa_insert_d{head_dim}" + (f"_s{kv_row_stride}" if kv_row_stride != head_dim
+                                           else "")
+    return KvPublishSpec(name, "swa_insert", head_dim, SWA_PARAMS, kv_row_stride=kv_row_stride)
 
 
 def swa_entries(kv: np.ndarray, weight: np.ndarray, eps: float, table: rope_ref.RopeTable,

@@ -27,7 +27,7 @@ FAMILIES = (
     "kernels.probes",
     "kernels.allreduce",
     "kernels.moe", "kernels.swiglu",
-    "kernels.dense", "kernels.wo_a", "kernels.lm_head",
+    "kernels.dense", "kernels.dense_qnorm", "kernels.wo_a", "kernels.lm_head",
     "kernels.indexer", "kernels.kv_publish", "kernels.compressor",
     "kernels.sparse_mqa",
     "kernels.mhc", "kernels.router",

@@ -44,15 +44,20 @@ def test_decode_plan_marks_one_branch_per_sublayer(preset):
             continue
         attn = [r for r, has in (("attn.compressor", spec.owns_compressor),
                                  ("attn.indexer", spec.has_indexer)) if has]
+        if plan_mod.kv_insert_on_side(spec):           # q_norm folded: the SWA insert alone
+            attn = ["attn.q_kv_norm"]
         want = ([(attn, "attn.sparse_mqa")] if attn else []) + [
             (["ffn.shared_w13", "ffn.shared_expert"], "ffn.moe_combine")]
         assert by_layer[spec.index] == want, spec.index
     assert not decode_plan(cfg, branches=False).has_branches
     if cfg.dspark_target_layer_ids:
         draft = _branches(draft_plan(cfg))
+        stages = [s for s in cfg.layers if s.is_dspark]
+        per_stage = ([(["draft.attn.q_kv_norm"], "draft.attn.sparse_mqa")]
+                     if plan_mod.kv_insert_on_side(stages[0]) else []) + [
+            (["draft.ffn.shared_w13", "draft.ffn.shared_expert"], "draft.ffn.moe_combine")]
         assert [([n.split(".", 1)[1] for n in s], j.split(".", 1)[1]) for s, j in draft] == \
-            [(["draft.ffn.shared_w13", "draft.ffn.shared_expert"],
-              "draft.ffn.moe_combine")] * len(draft) and draft
+            per_stage * len(stages) and draft
 
 
 @pytest.mark.parametrize("on_side", [True, False])

@@ -3,7 +3,9 @@
 Each case prefills random sequences into fresh caches (the reference's SWA insert and compressor
 on random inputs), then runs the reference attention of every backbone layer in order on fresh
 random inputs (its cache writes, top-k and candidates included), and replays the same layers on
-the emulated ranks: the layer's `xn`, `attn.qr` and per-rank `attn.q` (the reference's values)
+the emulated ranks: the layer's `xn`, `attn.qr`, `attn.qkv` (its q half the reference's wq_a
+output, whose q_norm the folded indexer wq_b computes: attn_proj.FOLD_Q_NORM, R <= 8) and per-rank
+`attn.q` (the reference's values)
 are written, `attn.indexer` and `attn.sparse_mqa` run, and their outputs are compared:
 
 - index query / weights: `attn.index_w` bitwise the reference's weights_proj (both round the
@@ -98,7 +100,9 @@ def _reference_layer(cfg, lws, spec, rows, caches, rng):
     heads = cfg.rank_shapes(TP).heads
     q = [bf16_round(ra._rope(ra._linear(shared.qr, w.layer(i), "attn.wq_b").reshape(
         r, heads, cfg.head_dim), rows.positions, table)) for w in lws]
-    out = {"x": x, "qr": shared.qr, "q": q}
+    q_pre = bf16_round(ra._linear(x, lw, "attn.wq_a"))      # attn.qkv's q half (pre-q_norm)
+    qkv = np.concatenate([q_pre, np.zeros((r, cfg.head_dim), np.float32)], axis=1)
+    out = {"x": x, "qr": shared.qr, "q": q, "qkv": qkv}
     if spec.has_indexer:
         nh, hd = cfg.index_n_heads, cfg.index_head_dim
         iq = ra._linear(shared.qr, lw, "attn.indexer.wq_b")
@@ -313,6 +317,7 @@ def test_indexer_and_sparse_mqa_match_the_reference(ckpt, lws, tiny_bundle_dir, 
         i, ref = spec.index, refs[spec.index]
         ranks.write("xn", ref["x"].astype(BF16))
         ranks.write("attn.qr", ref["qr"].astype(BF16))
+        ranks.write("attn.qkv", ref["qkv"].astype(BF16))   # the folded indexer wq_b's input
         for k in range(TP):
             ranks.write("attn.q", ref["q"][k].astype(BF16), ranks=[k])
         ranks.write("attn.o", np.full(ranks.arenas[0].slices["attn.o"].nbytes // 2, SENTINEL,

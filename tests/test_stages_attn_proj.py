@@ -146,7 +146,8 @@ def _run(s: Setup, rng, case: str, layer: int):
     s.ranks.write("positions32", rows.positions.astype(np.int32))
     launched = s.ranks.run(bucket, roles=ROLES, layers={layer})
     per_rank = (6 if attn_proj.FUSED_ATTN_PREP else 7) + (
-        2 if cfg.layer(layer).owns_compressor else 0)
+        2 if cfg.layer(layer).owns_compressor else 0) + (
+        1 if attn_proj.q_norm_folded() and bucket > dr.ROW_TILE else 0)    # + split_rmsnorm
     assert launched == TP * per_rank
     return rows, caches, x.astype(np.float32), o
 
@@ -163,14 +164,18 @@ def _check_projections(s: Setup, rows: RowBatch, x, layer: int) -> dict:
     qr = s.read(0, "attn.qr", BF16, (bucket, q_lora))
     want_qr = ra._norm(qkv[:, :q_lora].astype(np.float32), lw0.vector("attn.q_norm.weight"),
                        cfg.rms_norm_eps)
+    folded = attn_proj.folded_rows(bucket)          # wq_b normalises attn.qkv's q half itself
+    if folded:
+        assert (_bits(qr) == 0xFFFF).all(), "attn.qr written with q_norm folded into wq_b"
+        qr = want_qr.astype(BF16)                   # what the folded kernel multiplies
     np.testing.assert_array_equal(_bits(qr), _bits(want_qr), err_msg="qr: not _norm(q half)")
     kv = s.read(0, "attn.kv", BF16, (bucket, hd))
-    if attn_proj.FUSED_ATTN_PREP:                   # attn_prep reads the kv half in place
+    if attn_proj.FUSED_ATTN_PREP and not (attn_proj.q_norm_folded() and not folded):
         assert (_bits(kv) == 0xFFFF).all(), "attn.kv written by the fused chain"
-        kv = qkv[:, q_lora:]
+        kv = qkv[:, q_lora:]                        # attn_prep / the insert read it in place
     np.testing.assert_array_equal(_bits(kv), _bits(qkv[:, q_lora:]), err_msg="kv half")
     for r in range(1, TP):                          # replicated: the same bits on every rank
-        for name, ref in (("attn.qkv", qkv), ("attn.qr", qr)):
+        for name, ref in (("attn.qkv", qkv),) + (() if folded else (("attn.qr", qr),)):
             np.testing.assert_array_equal(_bits(s.read(r, name, BF16, ref.shape)), _bits(ref),
                                           err_msg=f"rank {r}: {name} differs from rank 0")
     table = ra.rope_for(cfg, cfg.layer(layer).ratio)
@@ -288,9 +293,17 @@ def test_launch_lists_follow_the_bucket(setup):
     for rows, tile in ((1, "r8"), (6, "r8"), (16, "r32")):
         assert names("attn.wq_a_wkv", 0, rows)[0].endswith(f"_{tile}_bf16")
         assert names("attn.wo_a", 0, rows)[0].startswith("wo_a_fp8_grouped_")
-    fused = attn_proj.FUSED_ATTN_PREP
-    assert names("attn.q_kv_norm", 2, 6) == [f"attn_prep_q{s.cfg.q_lora_rank}_d512" if fused
-                                             else f"split_rmsnorm_d{s.cfg.q_lora_rank}_t512_wf32"]
+    fused, q_lora = attn_proj.FUSED_ATTN_PREP, s.cfg.q_lora_rank
+    split = f"split_rmsnorm_d{q_lora}_t512_wf32"
+    if attn_proj.q_norm_folded():       # wq_b's kernel normalises; split_rmsnorm above 8 rows
+        assert names("attn.q_kv_norm", 2, 6) == [f"kv_swa_insert_d512_s{q_lora + 512}"]
+        assert names("attn.wq_b", 0, 6)[0].startswith("dense_qnorm_wq_b_n")
+        assert names("attn.wq_a_wkv", 0, 6)[1:] == []
+        assert names("attn.wq_a_wkv", 0, 16)[1:] == [split]
+        assert names("attn.wq_b", 0, 16)[0].endswith("_r32_bf16")
+    else:
+        assert names("attn.q_kv_norm", 2, 6) == [f"attn_prep_q{q_lora}_d512" if fused
+                                                 else split]
     assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256", "compressor_publish_r2_d512"]
     assert names("attn.compressor", 6, 6) == ["compressor_proj_r1_k256", "compressor_publish_r1_d512"]
     assert names("attn.rope_swa_insert", 0, 6) == [

@@ -25,6 +25,7 @@ EMULATORS = {
     "kernels.allreduce": "executor.emulate.allreduce:emulate",
     "kernels.moe": "executor.emulate.moe:emulate",
     "kernels.dense": "executor.emulate.dense:emulate",
+    "kernels.dense_qnorm": "executor.emulate.dense_qnorm:emulate",
     "kernels.wo_a": "executor.emulate.wo_a:emulate",
     "kernels.lm_head": "executor.emulate.lm_head:emulate",
     "kernels.indexer": "executor.emulate.indexer:emulate",

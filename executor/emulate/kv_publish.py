@@ -82,5 +82,8 @@ def emulate(record, grid, args, space) -> None:
         raise NoEmulator(f"kernels.kv_publish: no emulator for kernel {record.name!r} "
                          f"(kind {spec.get('kind')!r})")
     rows, width = args["rows"], spec["head_dim"]
+    stride = spec.get("kv_row_stride", width)   # the kv half of attn.qkv: rows stride apart
     _check_grid(record.name, grid, rows, kp.ROWS_PER_CTA)
-    _insert(record.name, space.array(args["kv"], BF16, (rows, width)).copy(), args, space)
+    flat = space.array(args["kv"], BF16, ((rows - 1) * stride + width,))
+    kv = np.stack([flat[r * stride:r * stride + width] for r in range(rows)])
+    _insert(record.name, kv, args, space)

@@ -3,7 +3,9 @@
 Roles (executor/plan.py), model doc §2.2 A3, A10-A14, executor/reference/attention.py:
 
   attn.indexer     (index sources: full and reindex layers)
-                   indexer wq_b (W8A16) `attn.qr` -> `attn.index_q` [R, nh, 128]; RoPE in place
+                   indexer wq_b (W8A16) `attn.qr` -> `attn.index_q` [R, nh, 128] (with
+                   attn_proj.FOLD_Q_NORM at R <= 8: kernels.dense_qnorm from the q half of
+                   `attn.qkv`, q_norm in its prologue, the same bytes); RoPE in place
                    (the compressed layers' YaRN table `rope.yarn`, dims 64..127 of each head);
                    head weights (BF16 linear, kernels.linear_bf16) `xn` -> `attn.index_w`
                    [R, nh]; then prep, scores over the kv source's `index_keys_{k}`, top-k ->
@@ -37,6 +39,7 @@ from executor.launches import indexer as il
 from executor.launches.linear_bf16 import linear_bf16_launch
 from executor.launches.small import rope_launches
 from executor.launches.sparse_mqa import sparse_mqa_launch
+from executor.stages import attn_proj
 from executor.wiring import Buffer, byte_tensor, packed_layers, weight_prefix
 from kernels import dense_ref as dr
 from kernels import linear_bf16_ref as lr
@@ -107,6 +110,11 @@ def _indexer(ctx, layer):
             "counters": ctx.ptr("attn.indexer.wq_b_counters")}
     wq_b_specs = (dl.dense_spec(ctx.bundle, "indexer_wq_b", 1),
                   dl.dense_spec(ctx.bundle, "indexer_wq_b", ctx.max_rows))
+    folded = None                 # R <= 8 with q_norm folded: from attn.qkv (attn_proj)
+    if attn_proj.q_norm_folded():
+        folded = attn_proj.qnorm_dense(
+            ctx, "indexer_wq_b", f"layers.{i}.attn.indexer.wq_b", "attn.index_q",
+            weight_prefix(cfg, layer) + "attn.q_norm.weight.f32")
     rope_spec = rope_ref.make_spec(nh, hd, inverse=False, in_place=True)
     rope = {"x": ctx.ptr("attn.index_q"), "table": ctx.ptr(_rope_name(layer.ratio)),
             "positions": ctx.ptr("positions32")}
@@ -130,7 +138,9 @@ def _indexer(ctx, layer):
     def build(rows):
         wq_b_spec = wq_b_specs[0] if rows <= dr.ROW_TILE else wq_b_specs[1]
         cluster = layer.uses_candidates and rows <= CLUSTER_TOPK_MAX_ROWS
-        return [dl.dense_launch(ctx.bundle, wq_b_spec, wq_b, rows),
+        query = (folded(rows) if attn_proj.folded_rows(rows)
+                 else [dl.dense_launch(ctx.bundle, wq_b_spec, wq_b, rows)])
+        return [*query,
                 *rope_launches(ctx.bundle, rope_spec, rope, rows, num_positions),
                 linear_bf16_launch(ctx.bundle, weights_spec, weights, rows),
                 *il.indexer_launches(ctx.bundle, shape, ptrs, rows, scale, cluster_topk=cluster)]

@@ -15,6 +15,11 @@ this rank's wo_b output, which the attention all-reduce sums):
 
 With FUSED_ATTN_PREP = False (round 4's chain) attn.q_kv_norm is the split RMSNorm (attn.qr, and
 attn.kv = the kv half, copied) and attn.rope_swa_insert adds the SWA insert from attn.kv.
+With FOLD_Q_NORM (session 8, R <= 8): attn.wq_b is kernels.dense_qnorm, q_norm of attn.qkv's q
+half in its x prologue (bitwise attn.qr; the indexer's wq_b likewise), attn.q_kv_norm the SWA
+insert alone from the kv half of attn.qkv (kv_swa_insert_d512_s<q_lora + 512>; a side stage
+where the layer has no compressor / indexer, plan.kv_insert_on_side), attn.qr not written. Above
+8 rows attn.wq_a_wkv ends with split_rmsnorm (attn.qr for the r32 kernels).
   attn.wo_a            grouped wo_a     attn.o (group B, inverse-RoPE'd) -> attn.z [R, G_l lora]
   attn.wo_b            dense wo_b       attn.z -> attn.partial (bf16 epilogue: the reference's
                                         AR-1 rounds each rank's fp32 partial to bf16 first)
@@ -56,6 +61,7 @@ from __future__ import annotations
 import numpy as np
 
 from executor.launches import dense as dl
+from executor.launches import dense_qnorm as ql
 from executor.launches.compressor import CompressorShape, compressor_launches
 from executor.launches.small import (
     attn_prep_launches,
@@ -77,6 +83,12 @@ DENSE_LABELS = ("wqa_wkv", "wq_b", "wo_b")
 # (docs/notes/attn-fusion.md). False: split_rmsnorm, then RoPE + kv_swa_insert, as measured in
 # round 4.
 FUSED_ATTN_PREP = True
+# q_norm folded into its readers (docs/notes/attn-fusion.md, "q_norm folded"): at R <= 8 wq_b and
+# the indexer's wq_b are kernels.dense_qnorm (RMSNorm of attn.qkv's q half in their x prologue,
+# bitwise attn.qr), and attn.q_kv_norm is the kv half's SWA insert alone (kv_swa_insert_d512_s<W
+# + 512>, reading attn.qkv in place) on the side stream: no launch between wq_a|wkv and wq_b. Above
+# 8 rows q_norm is split_rmsnorm at the end of attn.wq_a_wkv (the r32 kernels read attn.qr).
+FOLD_Q_NORM = True                  # revert: False (attn_prep between wq_a|wkv and wq_b)
 ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
 
 
@@ -246,13 +258,29 @@ def _dense(ctx, label: str, x: str, weight: str, out: str, wo_a: bool = False):
     return build
 
 
+def q_norm_folded() -> bool:
+    """FOLD_Q_NORM in effect (it builds on attn_prep's arrangement: FUSED_ATTN_PREP)."""
+    return FOLD_Q_NORM and FUSED_ATTN_PREP
+
+
+def folded_rows(rows: int) -> bool:
+    """Whether a bucket of `rows` runs q_norm inside wq_b / the indexer's wq_b (R <= 8)."""
+    return q_norm_folded() and rows <= dr.ROW_TILE
+
+
 def _wq_a_wkv(ctx, layer):
-    return _dense(ctx, "wqa_wkv", "xn", _prefix(ctx.cfg, layer) + "wq_a_wkv", "attn.qkv")
+    dense = _dense(ctx, "wqa_wkv", "xn", _prefix(ctx.cfg, layer) + "wq_a_wkv", "attn.qkv")
+    if not q_norm_folded():
+        return dense
+    q_norm = _split_norm(ctx, layer)          # R > 8: the r32 kernels read attn.qr
+
+    def build(rows):
+        return dense(rows) + ([] if folded_rows(rows) else q_norm(rows))
+    return build
 
 
-def _q_kv_norm(ctx, layer):
-    if FUSED_ATTN_PREP:
-        return _attn_prep(ctx, layer)
+def _split_norm(ctx, layer):
+    """split_rmsnorm: attn.qkv -> attn.qr (q_norm) and attn.kv (the kv half, copied)."""
     cfg = ctx.cfg
     spec = split_norm_ref.make_spec(cfg.q_lora_rank, cfg.head_dim)
     kernel_for(ctx.bundle, spec)
@@ -260,6 +288,38 @@ def _q_kv_norm(ctx, layer):
             "weight": ctx.ptr(_prefix(cfg, layer) + "q_norm.weight.f32"),
             "out": ctx.ptr("attn.qr"), "tail": ctx.ptr("attn.kv")}
     return lambda rows: [split_norm_launch(ctx.bundle, spec, ptrs, rows, cfg.rms_norm_eps)]
+
+
+def _q_kv_norm(ctx, layer):
+    if q_norm_folded():
+        return _kv_insert(ctx, layer)
+    if FUSED_ATTN_PREP:
+        return _attn_prep(ctx, layer)
+    return _split_norm(ctx, layer)
+
+
+def _kv_insert(ctx, layer):
+    """attn.q_kv_norm with q_norm folded: the SWA record from the kv half of attn.qkv (a side
+    stage: only this layer's sparse MQA, after the join, reads swa_{l})."""
+    cfg, i = ctx.cfg, layer.index
+    spec = kv_publish_ref.make_swa_spec(cfg.head_dim, cfg.q_lora_rank + cfg.head_dim)
+    kernel_for(ctx.bundle, spec)
+    ptrs = {"kv": ctx.ptr("attn.qkv") + 2 * cfg.q_lora_rank,
+            "weight": ctx.ptr(_prefix(cfg, layer) + "kv_norm.weight.f32"),
+            "table": ctx.ptr(rope_name(layer.ratio)), "positions": ctx.ptr("positions32"),
+            "slots": ctx.ptr("slot_mapping"), "cache": ctx.ptr(f"swa_{i}")}
+    num_positions, eps = cfg.max_position_embeddings, cfg.rms_norm_eps
+    return lambda rows: swa_insert_launches(ctx.bundle, spec, ptrs, rows, num_positions, eps)
+
+
+def qnorm_dense(ctx, label: str, weight: str, out: str, norm_weight: str):
+    """rows -> [the folded kernel of `label`] from attn.qkv (R <= 8 only)."""
+    spec = ql.qnorm_spec(ctx.bundle, label)
+    ptrs = {"x": ctx.ptr("attn.qkv"), "weight": ctx.ptr(weight + ".weight"),
+            "scales": ctx.ptr(weight + ".scale"), "norm_weight": ctx.ptr(norm_weight),
+            "out": ctx.ptr(out)}
+    eps = ctx.cfg.rms_norm_eps
+    return lambda rows: [ql.qnorm_launch(ctx.bundle, spec, ptrs, rows, eps)]
 
 
 def _attn_prep(ctx, layer):
@@ -304,7 +364,12 @@ def _compressor(ctx, layer):
 
 
 def _wq_b(ctx, layer):
-    return _dense(ctx, "wq_b", "attn.qr", _prefix(ctx.cfg, layer) + "wq_b", "attn.q")
+    base = _prefix(ctx.cfg, layer)
+    dense = _dense(ctx, "wq_b", "attn.qr", base + "wq_b", "attn.q")
+    if not q_norm_folded():
+        return dense
+    folded = qnorm_dense(ctx, "wq_b", base + "wq_b", "attn.q", base + "q_norm.weight.f32")
+    return lambda rows: folded(rows) if folded_rows(rows) else dense(rows)
 
 
 def _rope_swa_insert(ctx, layer):
