@@ -31,7 +31,7 @@ class CompressorChain:
     def __init__(self, device, bundle, shape: CompressorShape, fast: bool = False):
         self.shape = shape
         self.fast = fast
-        self.proj, self.pub = kernel_specs(shape, fast)
+        self.proj, self.pub = kernel_specs(shape, fast, shape.max_rows)
         self.arena = Arena(device, requests(shape))
         self.bundle = bundle
         self.kernels = (bundle.kernel(self.proj.name), bundle.kernel(self.pub.name))
@@ -113,7 +113,7 @@ def bench_compressor(ctx) -> None:
 def _bench_pair(ctx, chain: CompressorChain, rows: int, seqs: int, pos: np.ndarray, fast: bool,
                 reps: int) -> None:
     proj, pub = chain.launches(rows, 1e-6, fast)
-    proj_spec, pub_spec = kernel_specs(chain.shape, fast)
+    proj_spec, pub_spec = kernel_specs(chain.shape, fast, rows)
     ratio = chain.shape.ratio
     for sp in (proj, pub):
         sp.launch(ctx.stream)

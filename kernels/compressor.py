@@ -390,14 +390,18 @@ def kernel_function(spec: ck.CompressorSpec):
 
 def specs(cfg, tp: int) -> list[ck.CompressorSpec]:
     """Projection + publish per compressor ratio present in the model (replicated: tp unused),
-    the session-1 kernels first, then round 9's bulk projection and staged publish."""
+    the session-1 kernels first, then round 9's bulk projections (8-row tiles; 16-row tiles at
+    r = 2) and staged publish."""
     del tp
     ratios = sorted({layer.ratio for layer in cfg.layers if layer.owns_compressor})
     out = []
     for r in ratios:
         out += [ck.make_proj_spec(r, cfg.hidden_size), ck.make_publish_spec(r)]
     for r in ratios:
-        out += [ck.make_proj_spec(r, cfg.hidden_size, "bulk"), ck.make_publish_spec(r, "staged")]
+        out.append(ck.make_proj_spec(r, cfg.hidden_size, "bulk"))
+        if r == 2:
+            out.append(ck.make_proj_spec(r, cfg.hidden_size, "bulk16"))
+        out.append(ck.make_publish_spec(r, "staged"))
     return out
 
 

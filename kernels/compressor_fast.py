@@ -6,19 +6,21 @@ docs/notes/compressor-design.md "Round 9". Same outputs and tolerances as the se
 of `kernels/compressor.py`; the staged publish does the session-1 arithmetic in the same order.
 
 Bulk projection (PTX: u64 x, u64 w, u64 out, u32 rows): one CTA of stage_k / 4 threads (128 at
-D = 5120) per 4 output columns, grid (512 r / 4). Thread 0 streams the 4 weight rows and the 8-row
-x tile through a ring of `slots` shared-memory slots (one cp.async.bulk per weight row segment and
+D = 5120) per 4 output columns, grid (512 r / 4). Thread 0 streams the 4 weight rows and the x tile
+of 8 ("bulk") or 16 ("bulk16") rows through a ring of `slots` shared-memory slots (one cp.async.bulk per weight row segment and
 per x row segment, counted on the slot's mbarrier); the weight copies of the first slots are issued
 before griddepcontrol.wait (they never depend on an earlier kernel), the x copies after it. Thread
-t multiplies dims 4t..4t+3 of every slot for the 4 columns x 8 rows (32 fp32 fma chains), then a
-warp butterfly per output, the warp partials in shared memory summed in warp order. Rows past R
-read the last row and are not stored; R > 8 loops over tiles of 8 rows through the same ring.
+t multiplies dims 4t..4t+3 of every slot for the 4 columns x 8 (16) rows (32 (64) fp32 fma
+chains), then a warp butterfly per output, the warp partials in shared memory summed in warp
+order. Rows past R read the last row and are not stored; larger R loops over the row tiles
+through the same ring (the weights stream again per tile, from L2).
 Why: the session-1 kernel's weight loads were serialised by the compiler (one 16-byte load in
 flight per lane, after the PDL wait); a bulk copy cannot be sunk to its use.
 
-    slot g % slots: [W col 0..3: stage_k values][x rows 0..7: stage_k bf16]   (g = tile * stages + s)
+    slot g % slots: [W col 0..3: stage_k values][x rows of the tile: stage_k bf16]
+                    (g = tile * stages + s)
     thread 0:  issue W(0..slots-1) | wait PDL | issue x(0..slots-1) | ... refill g+slots after
-    all:       wait bar(g) -> 128 fma per thread -> bar.sync -> (thread 0 refills the slot)
+    all:       wait bar(g) -> 128 (256) fma a thread -> bar.sync -> (thread 0 refills the slot)
 
 Staged publish (PTX: session-1 PUBLISH_PARAMS): grid min(R, 128), CTA b does rows b, b + grid, ...
 Before the PDL wait thread 0 bulk-copies wk (128 KB bf16) into shared memory; after it, every
@@ -104,7 +106,8 @@ class CompressorProjBulkSm90:
 
     def __init__(self, spec: ck.CompressorSpec):
         self.spec = spec
-        self.lay = ck.proj_bulk_layout(spec.ratio, spec.hidden)
+        self.rt = ck.PROJ_BULK_ROW_TILES[spec.variant]         # rows a tile: 8 or 16
+        self.lay = ck.proj_bulk_layout(spec.ratio, spec.hidden, self.rt)
         self.wb = spec.weight_bytes_per_value
 
     @cute.jit
@@ -124,7 +127,7 @@ class CompressorProjBulkSm90:
         bars = base + lay.bars_at
         col0 = bidx * ck.PROJ_BULK_COLS
         wrow = _addr(w) + Int64(col0) * (self.spec.hidden * self.wb)
-        total = ((rows + ck.PROJ_ROW_TILE - 1) // ck.PROJ_ROW_TILE) * lay.stages
+        total = ((rows + self.rt - 1) // self.rt) * lay.stages
         if tidx == 0:
             for k in cutlass.range_constexpr(lay.slots):
                 mbar_init(bars + 8 * k, 1)
@@ -143,7 +146,7 @@ class CompressorProjBulkSm90:
                                 Int32(k // lay.stages), Int32(k % lay.stages), rows,
                                 bars + 8 * k)
         cute.arch.sync_threads()               # the barriers are initialised
-        acc = cute.make_rmem_tensor((ck.PROJ_BULK_COLS, ck.PROJ_ROW_TILE), Float32)
+        acc = cute.make_rmem_tensor((ck.PROJ_BULK_COLS, self.rt), Float32)
         tiles = total // lay.stages
         for tile in cutlass.range(tiles, unroll=1):
             acc.fill(0.0)
@@ -175,8 +178,8 @@ class CompressorProjBulkSm90:
     def copy_x(self, dst: Int32, x: Int64, tile: Int32, s: Int32, rows: Int32, bar: Int32):
         """The same dims of rows tile * 8 .. + 7 (clamped to the last row), one copy per row."""
         seg = self.lay.stage_k * 2
-        for i in cutlass.range_constexpr(ck.PROJ_ROW_TILE):
-            row = imin(tile * ck.PROJ_ROW_TILE + i, rows - 1)
+        for i in cutlass.range_constexpr(self.rt):
+            row = imin(tile * self.rt + i, rows - 1)
             bulk_copy_g2s(dst + i * seg, x + Int64(row) * (self.spec.hidden * 2)
                           + Int64(s) * seg, seg, bar)
 
@@ -190,7 +193,7 @@ class CompressorProjBulkSm90:
             else:
                 wv.append(lds_bf16x4(sb + j * (self.lay.stage_k * 2) + tidx * 8))
         xs = sb + self.lay.w_bytes + tidx * 8
-        for i in cutlass.range_constexpr(ck.PROJ_ROW_TILE):
+        for i in cutlass.range_constexpr(self.rt):
             xv = lds_bf16x4(xs + i * (self.lay.stage_k * 2))
             for j in cutlass.range_constexpr(ck.PROJ_BULK_COLS):
                 a = acc[j, i]
@@ -204,21 +207,22 @@ class CompressorProjBulkSm90:
         """Warp butterfly per output, warp partials summed in warp order by threads 0..31."""
         lane, warp = tidx % LANES, tidx // LANES
         for j in cutlass.range_constexpr(ck.PROJ_BULK_COLS):
-            for i in cutlass.range_constexpr(ck.PROJ_ROW_TILE):
+            for i in cutlass.range_constexpr(self.rt):
                 a = acc[j, i]
                 for k in cutlass.range_constexpr(5):
                     a = a + shfl_xor_f32(a, 16 >> k)
                 if lane == 0:
-                    sts_f32(parts + (warp * 32 + j * ck.PROJ_ROW_TILE + i) * 4, a)
+                    sts_f32(parts + (warp * (ck.PROJ_BULK_COLS * self.rt) + j * self.rt + i)
+                            * 4, a)
         cute.arch.sync_threads()
-        if tidx < ck.PROJ_BULK_COLS * ck.PROJ_ROW_TILE:
+        if tidx < ck.PROJ_BULK_COLS * self.rt:
             v = lds_f32(parts + tidx * 4)
             for wi in cutlass.range_constexpr(1, self.lay.warps):
-                v = v + lds_f32(parts + (wi * 32 + tidx) * 4)
-            row = tile * ck.PROJ_ROW_TILE + tidx % ck.PROJ_ROW_TILE
+                v = v + lds_f32(parts + (wi * ck.PROJ_BULK_COLS * self.rt + tidx) * 4)
+            row = tile * self.rt + tidx % self.rt
             if row < rows:
                 st_f32(out + (Int64(row) * self.spec.out_cols + col0
-                              + tidx // ck.PROJ_ROW_TILE) * 4, v)
+                              + tidx // self.rt) * 4, v)
 
 
 class CompressorPublishStagedSm90(CompressorPublishSm90):
@@ -448,5 +452,5 @@ class CompressorPublishStagedSm90(CompressorPublishSm90):
             st_f32(key + rec.INDEX_SCALE_OFFSET, exp2_f32(ex))
 
 
-CLASSES = {("proj", "bulk"): CompressorProjBulkSm90,
+CLASSES = {("proj", "bulk"): CompressorProjBulkSm90, ("proj", "bulk16"): CompressorProjBulkSm90,
            ("publish", "staged"): CompressorPublishStagedSm90}

@@ -44,13 +44,16 @@ MAX_ROWS = 4096
 
 # Round 9 variants (docs/notes/compressor-design.md "Round 9"); "" is the session-1 kernel.
 # "bulk" projection: one CTA per 4 output columns streams its weight rows and the 8-row x tile
-# through a ring of shared-memory slots (bulk copies on mbarriers) and loops over the row tiles.
+# through a ring of shared-memory slots (bulk copies on mbarriers) and loops over the row tiles;
+# "bulk16" the same with 16-row tiles (half the weight re-reads from L2 above R = 8).
 # "staged" publish: wk bulk-copied into shared memory at the start, independent loads first, a
 # grid of at most PUBLISH_STAGED_CTAS CTAs looping over the rows.
-PROJ_VARIANTS = ("", "bulk")
+PROJ_VARIANTS = ("", "bulk", "bulk16")       # bulk16: tiles of 16 rows (R > 8)
 PUBLISH_VARIANTS = ("", "staged")
 PROJ_BULK_COLS = 4                             # output columns per CTA
 PROJ_BULK_STAGE_K = 512                        # dims per ring slot (4 per thread, 128 threads)
+PROJ_BULK_ROW_TILES = {"bulk": 8, "bulk16": 16}
+FAST_PROJ_16_ABOVE = 8                         # the step's r = 2 projection: bulk16 above R = 8
 PUBLISH_STAGED_CTAS = 128
 PUBLISH_STAGED_WK_AT = 2176                    # latent, partials, mbarrier, then wk bf16 [128, 512]
 PUBLISH_STAGED_SMEM = PUBLISH_STAGED_WK_AT + 128 * 512 * 2
@@ -58,8 +61,9 @@ PUBLISH_STAGED_SMEM = PUBLISH_STAGED_WK_AT + 128 * 512 * 2
 
 @dataclass(frozen=True)
 class ProjBulkLayout:
-    """Shared memory of the bulk projection: `slots` slots of [W cols x stage_k | x 8 x stage_k
-    bf16], then the warp partials f32 [warps, cols x 8], then one mbarrier per slot."""
+    """Shared memory of the bulk projection: `slots` slots of [W cols x stage_k | x row_tile x
+    stage_k bf16], then the warp partials f32 [warps, cols x row_tile], one mbarrier per slot."""
+    row_tile: int
     threads: int
     stage_k: int
     stages: int              # ring slots a pass over K takes (hidden / stage_k)
@@ -79,18 +83,18 @@ class ProjBulkLayout:
         return self.threads // 32
 
 
-def proj_bulk_layout(ratio: int, hidden: int) -> ProjBulkLayout:
-    """Slots: r = 2 4 x 16 KB (2 CTAs an SM: 64 KB of weights in flight an SM); r = 1 has half
-    the weight bytes a slot and one CTA an SM, so 8 slots of 12 KB."""
+def proj_bulk_layout(ratio: int, hidden: int, row_tile: int = PROJ_ROW_TILE) -> ProjBulkLayout:
+    """Slots: r = 2 4 x 16 KB (24 KB with 16-row tiles; 2 CTAs an SM: 64 KB of weights in flight
+    an SM); r = 1 has half the weight bytes a slot and one CTA an SM, so 8 slots of 12 (20) KB."""
     stage_k = min(PROJ_BULK_STAGE_K, hidden)
     threads = stage_k // 4
     wb = 4 if ratio == 2 else 2
     slots = 4 if ratio == 2 else 8
     w_bytes = PROJ_BULK_COLS * stage_k * wb
-    x_bytes = PROJ_ROW_TILE * stage_k * 2
+    x_bytes = row_tile * stage_k * 2
     parts_at = slots * (w_bytes + x_bytes)
-    bars_at = parts_at + (threads // 32) * PROJ_BULK_COLS * PROJ_ROW_TILE * 4
-    return ProjBulkLayout(threads, stage_k, hidden // stage_k, slots, w_bytes, x_bytes, parts_at,
+    bars_at = parts_at + (threads // 32) * PROJ_BULK_COLS * row_tile * 4
+    return ProjBulkLayout(row_tile, threads, stage_k, hidden // stage_k, slots, w_bytes, x_bytes, parts_at,
                           bars_at, bars_at + 8 * slots)
 
 PROJ_PARAMS = (("x", "u64"), ("w", "u64"), ("out", "u64"), ("rows", "u32"))
@@ -124,7 +128,7 @@ class CompressorSpec:
         check_rows(rows, self.name)
         if rows > MAX_ROWS:
             raise ValueError(f"{self.name}: {rows} rows, at most {MAX_ROWS}")
-        if self.kind == "proj" and self.variant == "bulk":      # loops over the row tiles
+        if self.kind == "proj" and self.variant:                # loops over the row tiles
             return (self.out_cols // PROJ_BULK_COLS, 1, 1)
         if self.kind == "proj":
             return (self.out_cols // PROJ_WARPS, ceil_div(rows, PROJ_ROW_TILE), 1)
@@ -164,11 +168,15 @@ def make_proj_spec(ratio: int, hidden: int, variant: str = "") -> CompressorSpec
         raise ValueError(f"compressor projection: ratio {ratio} (1 or 2), hidden {hidden} "
                          f"(a multiple of 128), variant {variant!r} (one of {PROJ_VARIANTS})")
     name = f"compressor_proj_r{ratio}_k{hidden}{_suffix(variant)}"
-    if variant == "bulk":
+    if variant == "bulk16" and ratio == 1:
+        # 16 rows x bf16 unpacking spill at v41 widths; 5 MB re-read from L2 per 8-row tile is
+        # cheap, so r = 1 takes "bulk" at every R.
+        raise ValueError(f"{name}: the 16-row bulk projection is built for ratio 2 only")
+    if variant:
         if hidden % min(PROJ_BULK_STAGE_K, hidden) or hidden < 128:
             raise ValueError(f"{name}: hidden {hidden} is not a multiple of "
                              f"{PROJ_BULK_STAGE_K} (or below it)")
-        lay = proj_bulk_layout(ratio, hidden)
+        lay = proj_bulk_layout(ratio, hidden, PROJ_BULK_ROW_TILES[variant])
         return CompressorSpec(name, "proj", ratio, hidden, PROJ_PARAMS, (lay.threads, 1, 1),
                               lay.smem_bytes, variant)
     return CompressorSpec(name, "proj", ratio, hidden, PROJ_PARAMS, (32 * PROJ_WARPS, 1, 1))

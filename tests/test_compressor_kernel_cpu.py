@@ -173,7 +173,8 @@ def test_specs_grids_and_bytes():
     assert names == ["compressor_proj_r1_k5120", "compressor_publish_r1_d512",
                      "compressor_proj_r2_k5120", "compressor_publish_r2_d512",
                      "compressor_proj_r1_k5120_bulk", "compressor_publish_r1_d512_staged",
-                     "compressor_proj_r2_k5120_bulk", "compressor_publish_r2_d512_staged"]
+                     "compressor_proj_r2_k5120_bulk", "compressor_proj_r2_k5120_bulk16",
+                     "compressor_publish_r2_d512_staged"]
     tiny = [s.name for s in compressor.specs(ModelConfig.preset("tiny"), 4)]
     assert "compressor_proj_r2_k256" in tiny and "compressor_publish_r1_d512" in tiny
     proj = ck.make_proj_spec(2, 5120)
@@ -214,6 +215,11 @@ def test_round9_specs_grids_and_layouts():
         assert lay.bars_at % 8 == 0 and lay.smem_bytes == lay.bars_at + 8 * lay.slots
     tiny = ck.proj_bulk_layout(2, 256)
     assert (tiny.threads, tiny.stages, tiny.warps) == (64, 1, 2)
+    wide = ck.make_proj_spec(2, 5120, "bulk16")
+    assert wide.grid(48) == (256, 1, 1) and 2 * wide.smem_bytes <= 227 * 1024
+    assert ck.proj_bulk_layout(2, 5120, 16).x_bytes == 16 * 512 * 2
+    with pytest.raises(ValueError, match="ratio 2 only"):
+        ck.make_proj_spec(1, 5120, "bulk16")
     pub = ck.make_publish_spec(2, "staged")
     assert pub.grid(7) == (7, 1, 1) and pub.grid(192) == (ck.PUBLISH_STAGED_CTAS, 1, 1)
     assert ck.PUBLISH_STAGED_WK_AT >= ck.PUBLISH_SMEM + 8 and ck.PUBLISH_STAGED_WK_AT % 16 == 0

@@ -106,10 +106,13 @@ def _ptr(ptrs: Mapping[str, int], name: str, who: str) -> int:
                        f"{', '.join(BUFFERS)})") from None
 
 
-def kernel_specs(shape: CompressorShape, fast: bool | None = None):
-    """(projection, publish) specs: round 9's pair when `fast` (default: FAST_KERNELS)."""
+def kernel_specs(shape: CompressorShape, fast: bool | None = None, rows: int = 1):
+    """(projection, publish) specs for `rows` rows: round 9's pair when `fast` (default:
+    FAST_KERNELS), whose r = 2 projection takes 16-row tiles above ck.FAST_PROJ_16_ABOVE rows."""
     fast = FAST_KERNELS if fast is None else fast
-    return (ck.make_proj_spec(shape.ratio, shape.hidden, "bulk" if fast else ""),
+    wide = shape.ratio == 2 and rows > ck.FAST_PROJ_16_ABOVE
+    proj = ("bulk16" if wide else "bulk") if fast else ""
+    return (ck.make_proj_spec(shape.ratio, shape.hidden, proj),
             ck.make_publish_spec(shape.ratio, "staged" if fast else ""))
 
 
@@ -119,7 +122,7 @@ def compressor_launches(bundle, shape: CompressorShape, ptrs: Mapping[str, int],
     s = shape
     if not 1 <= rows <= s.max_rows:
         raise ValueError(f"compressor chain: {rows} rows, allocated for 1..{s.max_rows}")
-    proj_spec, pub_spec = kernel_specs(s, fast)
+    proj_spec, pub_spec = kernel_specs(s, fast, rows)
     who = f"compressor r{s.ratio}"
     proj = LaunchSpec(bundle.kernel(proj_spec.name), proj_spec.grid(rows),
                       (_ptr(ptrs, "x", who), _ptr(ptrs, "w", who), _ptr(ptrs, "kv_score", who),

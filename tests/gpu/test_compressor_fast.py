@@ -7,10 +7,11 @@ record caches 0xFF, ring lines no sequence owns NaN; every byte outside what the
 must keep its poison.
 
 Checks and tolerances (the session-1 kernels' contract, tests/gpu/test_compressor_publish.py):
-- bulk projection: every kv_score element within gamma_n sum |x||w|, n = D/32 + 6; the bulk
-  order needs only D/128 + 8 roundings (thread chain, butterfly, 4 warp partials: CPU-checked in
+- bulk projection (8- and 16-row tiles, "bulk" / "bulk16", each at every R): every kv_score
+  element within gamma_n sum |x||w|, n = D/32 + 6; the bulk order needs only D/128 + 8
+  roundings (thread chain, butterfly, 4 warp partials: CPU-checked in
   tests/test_compressor_kernel_cpu.py); rows >= R keep their NaN. R up to 192 exercises the loop
-  over row tiles through the ring (24 tiles x 10 slots at D = 5120).
+  over row tiles through the ring (24 tiles x 10 slots at D = 5120 with 8-row tiles).
 - staged publish: ring bitwise against `publish_ref` on the kernel's kv_score (padding rows write
   no ring row), records decoded within `entry_tolerance` / `key_tolerance`, pad byte 0, nothing
   outside the publishing slots; R = 192 makes CTAs loop over two rows (grid 128).
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 
 from executor.compressor_chain import CompressorChain, CompressorShape
+from executor.launch import LaunchSpec
 from kernels import compressor_kernel_ref as ck
 from kernels import kvrecord_ref, rope_ref
 from loader import formats
@@ -61,12 +63,14 @@ def width(request, dev):
     return ModelConfig.preset(request.param).hidden_size, bundle
 
 
-@pytest.mark.parametrize("ratio", [2, 1])
+@pytest.mark.parametrize("ratio,variant", [(2, "bulk"), (2, "bulk16"), (1, "bulk")])
 @pytest.mark.parametrize("rows", ROWS)
-def test_bulk_projection(dev, width, ratio, rows):
+def test_bulk_projection(dev, width, ratio, variant, rows):
+    """Both tile heights at every R (the step takes bulk16 above R = 8 at r = 2 only)."""
     hidden, bundle = width
     rng = np.random.default_rng()
     shape = CompressorShape(ratio, hidden, rows + 8, 1, 1, PAGE, 1, 16)
+    spec = ck.make_proj_spec(ratio, hidden, variant)
     chain = CompressorChain(dev, bundle, shape, fast=True)
     try:
         x = formats.bf16_round(rng.standard_normal((rows, hidden)).astype(np.float32))
@@ -76,7 +80,8 @@ def test_bulk_projection(dev, width, ratio, rows):
         chain.fill("kv_score", 0xFF)
         cp.cuda.Device().synchronize()
         stream = dev.stream()
-        chain.launches(rows, 1e-6)[0].launch(stream)
+        ptrs = [chain.arena.ptr(n) for n in ("x", "w", "kv_score")]
+        LaunchSpec(bundle.kernel(spec.name), spec.grid(rows), (*ptrs, rows)).launch(stream)
         stream.synchronize()
         got = chain.download("kv_score", np.float32, (rows + 8, ck.HEAD_DIM * ratio))
     finally:
