@@ -181,13 +181,16 @@ def narrow(specs, labels: str) -> list:
 
 
 def _dense_specs(bundle):
+    from kernels import dense_qgmma_ref as qr
     from kernels import dense_ref as dr
     out = []
     for name in bundle.names():
         rec = bundle.manifest.kernels[name]
-        if rec.family not in ("kernels.dense", "kernels.wo_a"):
+        if rec.family not in ("kernels.dense", "kernels.wo_a", "kernels.dense_qgmma"):
             continue
-        spec = dr.DenseSpec.from_dict(rec.spec)
+        # the QGMMA candidates (`_sqg`, round 9) are timed beside the step's kernel of their layer
+        cls = qr.QgSpec if rec.family == "kernels.dense_qgmma" else dr.DenseSpec
+        spec = cls.from_dict(rec.spec)
         if spec.timeline:                 # stamps: executor/dense_timeline.py measures those
             continue
         if spec.epilogue in PLAN_EPILOGUES.get(_label(spec), ("bf16",)):

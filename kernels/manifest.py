@@ -28,6 +28,7 @@ FAMILIES = (
     "kernels.allreduce",
     "kernels.moe", "kernels.swiglu",
     "kernels.dense", "kernels.dense_qnorm", "kernels.wo_a", "kernels.lm_head",
+    "kernels.dense_qgmma",          # candidate: W8A16 on FP8 wgmma (not in the step)
     "kernels.indexer", "kernels.kv_publish", "kernels.compressor",
     "kernels.sparse_mqa",
     "kernels.mhc", "kernels.router",
