@@ -304,8 +304,18 @@ def test_launch_lists_follow_the_bucket(setup):
     else:
         assert names("attn.q_kv_norm", 2, 6) == [f"attn_prep_q{q_lora}_d512" if fused
                                                  else split]
-    assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256", "compressor_publish_r2_d512"]
-    assert names("attn.compressor", 6, 6) == ["compressor_proj_r1_k256", "compressor_publish_r1_d512"]
+    from executor.launches import compressor as compressor_launches
+    if compressor_launches.FAST_KERNELS:      # round 9: bulk projection (16-row tiles above 8)
+        assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256_bulk",
+                                                  "compressor_publish_r2_d512_staged"]
+        assert names("attn.compressor", 2, 16)[0] == "compressor_proj_r2_k256_bulk16"
+        assert names("attn.compressor", 6, 16) == ["compressor_proj_r1_k256_bulk",
+                                                   "compressor_publish_r1_d512_staged"]
+    else:
+        assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256",
+                                                  "compressor_publish_r2_d512"]
+        assert names("attn.compressor", 6, 6) == ["compressor_proj_r1_k256",
+                                                  "compressor_publish_r1_d512"]
     assert names("attn.rope_swa_insert", 0, 6) == [
         f"rope_fwd_inplace_h{s.shapes.heads}_d512"] + ([] if fused else ["kv_swa_insert_d512"])
     wired = {st.range_name for st in plan.stages if st.build is not None}
