@@ -207,3 +207,32 @@ def test_a_wrong_element_fails_the_bound(shape):
         qr.split_x = hi_only
     for what, got in cases.items():
         assert not _within(spec, got, x, wf), f"{what}: passes the bound"
+
+
+# ---- the benchmark row -----------------------------------------------------------------------
+
+def test_family_benchmark_times_the_candidates_beside_the_step_kernel(tiny_bundle_dir):
+    """executor/bench_dense.py picks the `_sqg` kernels up as QgSpecs of their layer (label),
+    shown as candidates, and launches them with the spec's grid and the workspace / counters a
+    K split needs; the step's own lookup (launches/dense.dense_spec) never returns them."""
+    from executor import bench_dense as bd
+    from executor.hostmem import ManifestBundle
+    from executor.launches import dense as ld
+    bundle = ManifestBundle(tiny_bundle_dir)
+    specs = bd.narrow(bd._dense_specs(bundle), "wqa_wkv,wq_b")
+    qg = [s for s in specs if isinstance(s, qr.QgSpec)]
+    assert sorted(s.name for s in qg) == sorted(s.name for s in qr.qg_specs(
+        ModelConfig.preset("tiny"), 4))
+    ptrs = {"x": 1 << 40, "weight": 2 << 40, "scales": 3 << 40, "out": 4 << 40,
+            "workspace": 5 << 40, "counters": 6 << 40}
+    for spec in qg:
+        assert not bd._shown_name(spec).endswith("*]")
+        assert spec in bd._for_rows(specs, 1) and spec not in bd._for_rows(specs, 17)
+        launch = ld.dense_launch(bundle, spec, ptrs, 6)
+        assert launch.grid == (spec.ctas, 1, 1) and launch.pdl
+        assert launch.args == (ptrs["x"], ptrs["weight"], ptrs["scales"], ptrs["x"], ptrs["out"],
+                               ptrs["workspace"], ptrs["counters"], 6)
+        split = spec.split_k > 1
+        assert ("workspace" in ld.dense_uses(spec)) == split == ("counters" in ld.dense_uses(spec))
+        label = bd._label(spec)
+        assert ld.dense_spec(bundle, label, 6).name != spec.name
