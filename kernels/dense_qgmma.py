@@ -8,18 +8,21 @@ bf16. Here the E4M3 bytes go to the tensor core as they are: `wgmma.mma_async.m6
 E4M3 parts (x * s = hi + lo, one power-of-two s per row and K slice: W8A16 kept to ~2^-17 of the
 row's largest |x|; kernels/dense_qgmma_ref.py has the arithmetic, the reference and the bound).
 
-    CTA = one 64-row tile x one K slice (kc bytes), 2 warpgroups (256 threads), one wave.
+    CTA = one 64-row tile x one K slice (kc bytes), 2 or 4 warpgroups (`_sqg` / `_sqg4`), one
+      wave.
     before griddepcontrol.wait: warp 0 bulk-copies the 64 rows (one cp.async.bulk a row, rows
       kc + 32 bytes apart) on one mbarrier; the two 32-row blocks' scale bytes by cp.async; each
       thread forms its warpgroup's fold factors 2^(s - 63) (fp32 registers).
     after the wait: every thread loads 8 bf16 of x (rows < R only), the row maxima meet by
       red.shared.max, then each thread writes its 8 values' hi / lo E4M3 bytes into the B layout,
       fence.proxy.async, CTA barrier; mbarrier wait for the weights.
-    per k32 step (warpgroup j takes steps [j S/2, (j+1) S/2)): 2 LDS.64 (rows g / g+8, bytes
+    per k32 step (warpgroup j takes steps [j S/W, (j+1) S/W)): 2 LDS.64 (rows g / g+8, bytes
       8t..8t+7 of the 32-K block: the registers a0..a3), wgmma.fence, QGMMA hi (scale-d 0),
-      QGMMA lo (scale-d 1), commit; 4 steps in flight, then wait_group 3 and 4 FFMA fold the
-      oldest step's fp32 partial with its block scale (one 32-row x 32-K block per warp).
-    end: warpgroup 1's sums to smem, warpgroup 0 adds them, * (1 / s_row) * 2^-64, bf16 store
+      QGMMA lo (scale-d 1), commit; 4 steps in flight (2 with 4 warpgroups), then wait_group
+      3 (1) and 4 FFMA fold the oldest step's fp32 partial with its block scale (one 32-row x
+      32-K block per warp).
+    end: warpgroups 1.. put their sums in smem, warpgroup 0 adds them in order, * (1 / s_row)
+      * 2^-64, bf16 store
       (split 1) or the slice partial to the workspace and the last CTA of the tile sums the
       slices in order (split > 1: wq_a|wkv), resetting the counter.
 
@@ -42,12 +45,9 @@ from cutlass.cutlass_dsl import T
 
 from kernels.dense_qgmma_ref import (
     B_STEP_BYTES,
-    BLOCK_THREADS,
-    INFLIGHT,
     KSTEP,
     SCALE_BIAS,
     TILE_M,
-    WARPGROUPS,
     WG_THREADS,
     X_EXP_MIN,
     X_GROUP,
@@ -191,20 +191,26 @@ class DenseQgmmaSm90:
         self.spec = spec
         self.n, self.k, self.kc, self.split = spec.n, spec.k, spec.slice_k, spec.split_k
         self.steps = spec.steps
-        self.wg_steps = spec.steps // WARPGROUPS
+        self.wgs, self.threads, self.wg_steps = spec.warpgroups, spec.threads, spec.wg_steps
+        self.inflight = spec.inflight
         self.stride = spec.row_stride
         self.kb = self.kc // KSTEP                 # scale bytes per 32-row block of the slice
         self.gpr = self.kc // X_GROUP              # x groups (16 bytes) per row of the slice
-        self.x_iters = -(-ROW_TILE * self.gpr // BLOCK_THREADS)
+        self.x_iters = -(-ROW_TILE * self.gpr // self.threads)
         self.red_in_x = spec.red_in_x
 
     @cute.jit
     def __call__(self, x: cute.Pointer, weight: cute.Pointer, scales: cute.Pointer,
                  residual: cute.Pointer, out: cute.Pointer, workspace: cute.Pointer,
                  counters: cute.Pointer, rows: Int32, stream):
+        # Two CTAs per SM (this launch's and the next one's, streaming its weights beside it).
+        # 4 warpgroups: a launch bound keeps ptxas to 64 registers (unbound: 66 for wq_b); the
+        # carveout is any value, it spares the DSL a GPU query at compile time. 2 warpgroups stay
+        # unbound (62-66 registers; bound, ptxas spends 124-126 on the same code).
+        bound = {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100} if self.wgs > 2 else {}
         self.kernel(x, weight, scales, residual, out, workspace, counters, rows).launch(
-            grid=[self.spec.ctas, 1, 1], block=[BLOCK_THREADS, 1, 1], stream=stream,
-            use_pdl=True)
+            grid=[self.spec.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=True, **bound)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, weight: cute.Pointer, scales: cute.Pointer,
@@ -224,10 +230,13 @@ class DenseQgmmaSm90:
         wt = smem.allocate_tensor(Uint8, cute.make_layout(lay["w"][1]), byte_alignment=128)
         xb = smem.allocate_tensor(Uint8, cute.make_layout(lay["x"][1]), byte_alignment=128)
         sc = smem.allocate_tensor(Uint8, cute.make_layout(lay["scales"][1]), byte_alignment=16)
-        red_a = Int32(xb.iterator.toint()) + self.wg_steps * B_STEP_BYTES   # warpgroup 1's half
+        # warpgroup j >= 1's partials: its own x part (red_in_x), else region j - 1 of `red`
+        red_a = Int32(xb.iterator.toint())
+        red_step = self.wg_steps * B_STEP_BYTES
         if cutlass.const_expr(not self.red_in_x):
             red = smem.allocate_tensor(Uint8, cute.make_layout(lay["red"][1]), byte_alignment=16)
-            red_a = Int32(red.iterator.toint())
+            red_a = Int32(red.iterator.toint()) - WG_THREADS * 16
+            red_step = WG_THREADS * 16
         rmax = smem.allocate_tensor(Uint8, cute.make_layout(lay["rowmax"][1]), byte_alignment=16)
         mb = smem.allocate_tensor(Uint8, cute.make_layout(8), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
@@ -246,18 +255,22 @@ class DenseQgmmaSm90:
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
         self._multiply(acc, fold, wt_a, xb_a, wg, wq, lane)
-        if wg == 1:                              # its wgmmas are complete: its x half is free
-            sts_v4_f32(red_a + (tidx - WG_THREADS) * 16, [acc[q] for q in range(4)])
+        if wg > 0:                               # its wgmmas are complete: its x part is free
+            sts_v4_f32(red_a + wg * red_step + (tidx % WG_THREADS) * 16,
+                       [acc[q] for q in range(4)])
         cute.arch.barrier()
         if wg == 0:
-            other = lds_v4_f32(red_a + tidx * 16)
+            for j in cutlass.range_constexpr(1, self.wgs):         # warpgroup order
+                other = lds_v4_f32(red_a + j * red_step + tidx * 16)
+                for q in cutlass.range_constexpr(4):
+                    acc[q] = acc[q] + other[q]
             t = lane % 4
             inv0 = exp_scale(lds_u32(rmax_a + 8 * t), -7)          # 1 / s of token 2t
             inv1 = exp_scale(lds_u32(rmax_a + 8 * t + 4), -7)      # ... of token 2t + 1
             y = cute.make_rmem_tensor((4,), Float32)
             for q in cutlass.range_constexpr(4):
                 inv = inv0 if q % 2 == 0 else inv1
-                y[q] = (acc[q] + other[q]) * inv * Float32(2.0**-SCALE_BIAS)
+                y[q] = acc[q] * inv * Float32(2.0**-SCALE_BIAS)
             if cutlass.const_expr(self.split == 1):
                 self._store(y, out, rows, n0, wq, lane)
             else:
@@ -301,7 +314,7 @@ class DenseQgmmaSm90:
         xw = cute.make_rmem_tensor((4, self.x_iters), Int32)
         total = rows * self.gpr
         for i in cutlass.range_constexpr(self.x_iters):
-            grp = tidx + BLOCK_THREADS * i
+            grp = tidx + self.threads * i
             if grp < total:
                 r, j = grp // self.gpr, grp % self.gpr
                 v = ld_v4_u32(x.toint() + Int64((r * self.k + k0 + X_GROUP * j) * 2))
@@ -310,7 +323,7 @@ class DenseQgmmaSm90:
                 red_max_shared(rmax_a + 4 * r, absmax8([v[0], v[1], v[2], v[3]]))
         cute.arch.barrier()
         for i in cutlass.range_constexpr(self.x_iters):
-            grp = tidx + BLOCK_THREADS * i
+            grp = tidx + self.threads * i
             if grp < total:
                 r, j = grp // self.gpr, grp % self.gpr
                 s = exp_scale(lds_u32(rmax_a + 4 * r), 261)           # 2^(134 - e)
@@ -327,7 +340,7 @@ class DenseQgmmaSm90:
     @cute.jit
     def _multiply(self, acc, fold, wt_a: Int32, xb_a: Int32, wg: Int32, wq: Int32,
                   lane: Int32):
-        """This warpgroup's k-steps: A from 2 LDS.64, QGMMA hi + lo, INFLIGHT groups in flight,
+        """This warpgroup's k-steps: A from 2 LDS.64, QGMMA hi + lo, `inflight` groups in flight,
         the oldest folded: acc += D * 2^(s - 63)."""
         g, t = lane // 4, lane % 4
         first = wg * self.wg_steps
@@ -341,9 +354,10 @@ class DenseQgmmaSm90:
             v = qgmma_hi_lo((lo[0], hi[0], lo[1], hi[1]), step_desc, step_desc + Int64(16))
             for q in cutlass.range_constexpr(4):
                 d[q, i] = v[q]
-            if cutlass.const_expr(i >= INFLIGHT - 1):
-                self._fold(acc, d, fold, i - INFLIGHT + 1, INFLIGHT - 1)
-        for j in cutlass.range_constexpr(max(0, self.wg_steps - INFLIGHT + 1), self.wg_steps):
+            if cutlass.const_expr(i >= self.inflight - 1):
+                self._fold(acc, d, fold, i - self.inflight + 1, self.inflight - 1)
+        for j in cutlass.range_constexpr(max(0, self.wg_steps - self.inflight + 1),
+                                         self.wg_steps):
             self._fold(acc, d, fold, j, self.wg_steps - 1 - j)
 
     @cute.jit

@@ -7,7 +7,8 @@ The kernel (kernels/dense_qgmma.py) never converts a weight: it feeds the E4M3 b
 activations through the tensor core as two E4M3 parts (W8A16 semantics kept to ~2^-17 of the
 row's largest |x|):
 - Work: a CTA owns a 64-row tile (tile = cta // split) and one K slice of kc = K / split bytes
-  (slice = cta % split); its two warpgroups take the slice's first / second half of k32 steps.
+  (slice = cta % split); its 2 ("stream_qg", `_sqg`) or 4 ("stream_qg4", `_sqg4`) warpgroups
+  take equal runs of the slice's k32 steps.
   split > 1 (wq_a|wkv: 28 tiles x 4 slices = 112 CTAs) meets in the workspace, summed in slice
   order by the CTA that arrives last on the tile's counter (dense_stream's deterministic scheme).
 - x split (per row r and slice): e = the bf16 exponent field of max|x[r, slice]| (at least
@@ -17,8 +18,8 @@ row's largest |x|):
 - One k32 step of one warpgroup: QGMMA(hi) from zero, QGMMA(lo) onto it (scale-d 1): the
   step's partial P = W_e4m3 . (hi + lo) over 32 K, one 32-K scale block and 32-row scale block
   per warp (rows 16w..16w+15). The partial is folded in fp32, acc += P * 2^(s_w - 63) (exact
-  power of two, FFMA), four steps in flight (wgmma.commit_group / wait_group 3).
-- CTA result: (acc_wg0 + acc_wg1) * (1 / s_row) * 2^-64, rounded to bf16 (split 1) or written as
+  power of two, FFMA), INFLIGHT steps in flight (wgmma.commit_group / wait_group).
+- CTA result: (acc_wg0 + acc_wg1 [+ ...]) * (1 / s_row) * 2^-64, rounded to bf16 (split 1) or as
   fp32 for the slice sum (split > 1: sum over slices in order, then bf16).
 
 Error bound (`qgmma_tolerance`), against `dense_qgmma_ref` (the exact sum of the split x):
@@ -48,15 +49,19 @@ import numpy as np
 from kernels.common_ref import BF16, H200_NUM_SMS, ceil_div
 from kernels.dense_ref import FP8_BLOCK, MAX_SCALE_BYTE, ROW_TILE, DenseSpec, dense_shapes
 
-VARIANT = "stream_qg"
-TAG = "sqg"
+VARIANT = "stream_qg"                # 2 warpgroups a CTA
+VARIANT_WIDE = "stream_qg4"          # 4 warpgroups a CTA: 4 warps per SM sub-partition, not 2
+TAGS = {VARIANT: "sqg", VARIANT_WIDE: "sqg4"}
 QG_LABELS = ("wqa_wkv", "wq_b")      # the R <= 8 attention linears the candidate is built for
+WIDE_LABELS = ("wqa_wkv",)          # also with 4 warpgroups: at wq_b's shape ptxas serializes
+                                    # the wgmmas there (C7512, insufficient registers at 64)
 TILE_M = 64                         # weight rows per CTA: one wgmma M
 KSTEP = 32                          # K per wgmma (e4m3): one 32-K scale block
-WARPGROUPS = 2                      # per CTA, splitting the slice's k-steps in two halves
+WARPGROUPS = {VARIANT: 2, VARIANT_WIDE: 4}   # per CTA, splitting the slice's k-steps evenly
 WG_THREADS = 128
-BLOCK_THREADS = WARPGROUPS * WG_THREADS
-INFLIGHT = 4                        # wgmma groups (k-steps) in flight per warpgroup
+INFLIGHT = {VARIANT: 4, VARIANT_WIDE: 2}    # wgmma groups (k-steps) in flight per warpgroup:
+                                    # 4 warpgroups at 64 registers with 4 in flight made ptxas
+                                    # serialize every wgmma (C7512, insufficient registers)
 ROW_PAD = 32                        # smem weight row stride kc + 32: 4 rows of a quarter-warp's
                                     # 8-byte reads on disjoint banks (stride = 32 mod 128)
 MAX_SLICE_K = 1280                  # bytes of K per CTA (64 rows x 1312 + x parts: <= 104 KB)
@@ -85,8 +90,20 @@ def choose_split(tiles: int, k: int) -> int:
 
 @dataclass(frozen=True)
 class QgSpec(DenseSpec):
-    """A DenseSpec of variant "stream_qg": split_k = K slices per tile, unit_k = the slice's K,
-    ctas = tiles64 * split. R <= 8, bf16 epilogue, one group."""
+    """A DenseSpec of variant "stream_qg" (2 warpgroups) or "stream_qg4" (4): split_k = K slices
+    per tile, unit_k = the slice's K, ctas = tiles64 * split. R <= 8, bf16 epilogue, one group."""
+
+    @property
+    def warpgroups(self) -> int:
+        return WARPGROUPS[self.variant]
+
+    @property
+    def inflight(self) -> int:
+        return INFLIGHT[self.variant]
+
+    @property
+    def threads(self) -> int:
+        return self.warpgroups * WG_THREADS
 
     @property
     def streamed(self) -> bool:
@@ -98,11 +115,11 @@ class QgSpec(DenseSpec):
 
     @property
     def block(self) -> tuple[int, int, int]:
-        return (BLOCK_THREADS, 1, 1)
+        return (self.threads, 1, 1)
 
     @property
     def warps(self) -> int:
-        return BLOCK_THREADS // 32
+        return self.threads // 32
 
     @property
     def tiles64(self) -> int:
@@ -114,8 +131,12 @@ class QgSpec(DenseSpec):
 
     @property
     def steps(self) -> int:
-        """k32 steps of a CTA's slice; each warpgroup takes half."""
+        """k32 steps of a CTA's slice; each warpgroup takes wg_steps of them."""
         return self.slice_k // KSTEP
+
+    @property
+    def wg_steps(self) -> int:
+        return self.steps // self.warpgroups
 
     @property
     def row_stride(self) -> int:
@@ -123,15 +144,16 @@ class QgSpec(DenseSpec):
 
     @property
     def red_in_x(self) -> bool:
-        """The second warpgroup's partials (2 KB) go into its own half of the x region (dead
-        once its wgmmas completed) when that half holds them; else a region of their own."""
-        return self.steps // WARPGROUPS * B_STEP_BYTES >= WG_THREADS * 16
+        """Warpgroup j >= 1 puts its partials (2 KB) into its own part of the x region (dead
+        once its wgmmas completed) when that part holds them; else regions of their own."""
+        return self.wg_steps * B_STEP_BYTES >= WG_THREADS * 16
 
     def layout(self) -> dict[str, tuple[int, int]]:
         """smem regions: name -> (offset, bytes), in allocation order (the kernel's)."""
         regions = [("w", TILE_M * self.row_stride, 128), ("x", self.steps * B_STEP_BYTES, 128),
                    ("scales", ceil_div(2 * self.steps, 16) * 16, 16),
-                   ("red", 0 if self.red_in_x else WG_THREADS * 16, 16),
+                   ("red", 0 if self.red_in_x else (self.warpgroups - 1) * WG_THREADS * 16,
+                    16),
                    ("rowmax", ROW_TILE * 4, 16), ("mbar", 8, 8), ("flag", 16, 16)]
         out, at = {}, 0
         for name, size, align in regions:
@@ -160,13 +182,13 @@ class QgSpec(DenseSpec):
         return 0 if self.split_k == 1 else self.tiles64 * 4
 
 
-def make_qg_spec(label: str, n: int, k: int) -> QgSpec:
-    if n % TILE_M or k % 128:
-        raise ValueError(f"{label}: the QGMMA kernel needs N % {TILE_M} == 0 and K % 128 == 0, "
-                         f"got N={n}, K={k}")
+def make_qg_spec(label: str, n: int, k: int, variant: str = VARIANT) -> QgSpec:
+    if n % TILE_M or k % 128 or variant not in WARPGROUPS:
+        raise ValueError(f"{label}: the QGMMA kernel needs N % {TILE_M} == 0 and K % 128 == 0 "
+                         f"and a variant of {tuple(WARPGROUPS)}, got N={n}, K={k}, {variant!r}")
     split = choose_split(n // TILE_M, k)
-    name = f"dense_w8a16_{label}_n{n}_k{k}_r{ROW_TILE}_bf16_{TAG}"
-    spec = QgSpec(name, n, k, 1, 1, "bf16", split, VARIANT, k // split, n // TILE_M * split, 0)
+    name = f"dense_w8a16_{label}_n{n}_k{k}_r{ROW_TILE}_bf16_{TAGS[variant]}"
+    spec = QgSpec(name, n, k, 1, 1, "bf16", split, variant, k // split, n // TILE_M * split, 0)
     if spec.smem_bytes > SMEM_BUDGET:
         raise ValueError(f"{label}: {spec.smem_bytes} bytes of smem, over {SMEM_BUDGET}")
     return spec
@@ -175,8 +197,9 @@ def make_qg_spec(label: str, n: int, k: int) -> QgSpec:
 def qg_specs(cfg, tp: int) -> list[QgSpec]:
     """The candidates: QG_LABELS at the config's per-rank shapes (not wired into the step)."""
     shapes = dense_shapes(cfg, tp)
-    return [make_qg_spec(label, shapes[label][0], shapes[label][1]) for label in QG_LABELS
-            if label in shapes]
+    return [make_qg_spec(label, shapes[label][0], shapes[label][1], variant)
+            for label in QG_LABELS if label in shapes
+            for variant in (VARIANT,) + ((VARIANT_WIDE,) if label in WIDE_LABELS else ())]
 
 
 # ---- the x split -------------------------------------------------------------------------------
@@ -260,11 +283,11 @@ def qgmma_model(spec: QgSpec, x: np.ndarray, w_e4m3: np.ndarray, s: np.ndarray,
     (tests: a wrong element must fail the bound)."""
     hi, lo, inv_s = split_x(spec, x)
     w = w_e4m3.astype(np.float32).astype(np.float64)                  # [N, K] e4m3 values
-    rows, half = x.shape[0], spec.steps // WARPGROUPS
+    rows, half = x.shape[0], spec.wg_steps
     out = np.zeros((rows, spec.n), np.float32)
     for sl in range(spec.split_k):
         wg_acc = []
-        for wg in range(WARPGROUPS):
+        for wg in range(spec.warpgroups):
             acc = np.zeros((rows, spec.n), np.float32)
             for i in range(half):
                 step = sl * spec.steps + wg * half + i
@@ -280,7 +303,9 @@ def qgmma_model(spec: QgSpec, x: np.ndarray, w_e4m3: np.ndarray, s: np.ndarray,
                             + SCALE_BIAS)
                 acc = (acc.astype(np.float64) + d.astype(np.float32) * f).astype(np.float32)
             wg_acc.append(acc)
-        total = (wg_acc[0] + wg_acc[1]).astype(np.float32)
+        total = wg_acc[0]
+        for other in wg_acc[1:]:                                       # warpgroup order
+            total = (total + other).astype(np.float32)
         part = (total * inv_s[:, sl:sl + 1].astype(np.float32)).astype(np.float32)
         part = (part * np.float32(2.0**-SCALE_BIAS)).astype(np.float32)
         out = (out + part).astype(np.float32)
@@ -317,8 +342,11 @@ def b_offset(step: int, part: int, token: int, actual: int) -> int:
 def descriptor(start: int) -> int:
     """The wgmma smem matrix descriptor of a B tile at byte `start`: address >> 4 (bits 0-13),
     leading byte offset 128 >> 4 (bits 16-29), stride byte offset 128 >> 4 (bits 32-45), no
-    swizzle. N = 8 is one core-matrix row, so both offsets are the K-direction 128 B: the
-    descriptor reads the same bytes whichever of the two the hardware takes for K."""
+    swizzle. K-major without swizzle, the leading offset is the K step between the two 16-byte
+    core-matrix columns (PTX ISA, tcgen05 descriptor table: "the stride from the first column to
+    the second column of the 8x2 tile"), the stride offset the step between 8-row groups along
+    N, of which N = 8 has one: both are 128 here, so the bytes read do not depend on which is
+    which."""
     return ((start >> 4) & 0x3FFF) | (8 << 16) | (8 << 32)
 
 

@@ -23,19 +23,22 @@ E4M3 = ml_dtypes.float8_e4m3fn
 @pytest.mark.parametrize("config", ["tiny", "v41-flash"])
 def test_specs_cover_the_attention_linears_in_one_wave(config):
     specs = qr.qg_specs(ModelConfig.preset(config), 4)
-    assert [s.name.split("_n")[0] for s in specs] == ["dense_w8a16_wqa_wkv", "dense_w8a16_wq_b"]
+    assert [(s.name.split("_n")[0], s.name.split("_")[-1]) for s in specs] == [
+        ("dense_w8a16_wqa_wkv", "sqg"), ("dense_w8a16_wqa_wkv", "sqg4"),
+        ("dense_w8a16_wq_b", "sqg")]
     for s in specs:
-        assert s.name.endswith("_r8_bf16_sqg") and s.variant == qr.VARIANT
+        assert s.name.endswith(f"_r8_bf16_{qr.TAGS[s.variant]}")
+        assert s.block == (128 * s.warpgroups, 1, 1) and s.steps % s.warpgroups == 0
         assert s.ctas <= 132 and s.ctas == s.n // 64 * s.split_k and s.k == s.split_k * s.slice_k
         assert s.slice_k % 128 == 0 and s.smem_bytes <= qr.SMEM_BUDGET
-        assert s.block == (256, 1, 1) and s.grid(8) == (s.ctas, 1, 1)
+        assert s.grid(8) == (s.ctas, 1, 1)
         assert qr.QgSpec.from_dict(s.to_dict()) == s
         assert DenseSpec.from_dict(s.to_dict()).name == s.name      # the manifest record
         with pytest.raises(ValueError):
             s.grid(9)
         assert s.workspace_bytes() == (0 if s.split_k == 1 else s.ctas * 2048)
     if config == "v41-flash":
-        wqa, wqb = specs
+        wqa, _, wqb = specs
         assert (wqa.n, wqa.k, wqa.split_k, wqa.ctas) == (1792, 5120, 4, 112)
         assert (wqb.n, wqb.k, wqb.split_k, wqb.ctas) == (8192, 1280, 1, 128)
 
@@ -161,9 +164,10 @@ def _within(spec, got, x, wf) -> bool:
                        <= qr.qgmma_tolerance(spec, x, wf)))
 
 
+@pytest.mark.parametrize("variant", [qr.VARIANT, qr.VARIANT_WIDE])
 @pytest.mark.parametrize("shape", [(256, 1280), (128, 5120), (768, 256)])
-def test_model_of_the_kernel_is_within_the_bound(shape):
-    spec = _spec(*shape)
+def test_model_of_the_kernel_is_within_the_bound(shape, variant):
+    spec = qr.make_qg_spec("wq_b", *shape, variant)
     for seed in range(2):
         x, w, s, wf = _case(spec, seed)
         assert _within(spec, qr.qgmma_model(spec, x, w, s), x, wf)
