@@ -240,3 +240,26 @@ def test_family_benchmark_times_the_candidates_beside_the_step_kernel(tiny_bundl
         assert ("workspace" in ld.dense_uses(spec)) == split == ("counters" in ld.dense_uses(spec))
         label = bd._label(spec)
         assert ld.dense_spec(bundle, label, 6).name != spec.name
+
+
+# ---- ptxas keeps the wgmmas asynchronous --------------------------------------------------------
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_ptxas_does_not_serialize_the_wgmmas(config, capsys, monkeypatch):
+    """ptxas -v (the build's captured log) without C7512 "wgmma.mma_async instructions are
+    serialized": under register pressure ptxas waits after every QGMMA, which the build's spill
+    check does not see (it happened with 4 warpgroups and 4 groups in flight, and at wq_b with 4
+    warpgroups at all: a wq_b `_sqg4` is built here to show the check catches it)."""
+    from kernels import build
+    monkeypatch.setenv("CUTE_DSL_COMPILER_OPT", "remarks{ptx}")        # as compile_job sets it
+    specs = qr.qg_specs(ModelConfig.preset(config), 4)
+    if config == "v41-flash":
+        specs.append(qr.make_qg_spec("wq_b", 8192, 1280, qr.VARIANT_WIDE))
+    logs = {}
+    with capsys.disabled():          # the DSL prints the log to sys.stderr: let compile_job see it
+        for spec in specs:
+            logs[spec.name] = build.compile_job("kernels.dense_qgmma", spec)["log"]
+    for name, log in logs.items():
+        assert "Function properties" in log, f"{name}: no ptxas -v log captured"
+        assert ("C7512" in log) == name.startswith("dense_w8a16_wq_b_n8192_k1280_r8_bf16_sqg4"), \
+            f"{name}: ptxas serialized the wgmmas (or the check no longer catches it)"
