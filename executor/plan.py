@@ -186,7 +186,9 @@ class Plan:
             if side is not None and stage.joins and branch_open:
                 side.join(stream)
                 branch_open = False
-            if side is not None and stage.side:      # waits for the main stream's work so far
+            # A side stage with no launches for this bucket forks nothing (e.g. attn.q_kv_norm
+            # at R = 1, executor.stages.attn_proj.FOLD_MIN_ROWS).
+            if side is not None and stage.side and specs:   # waits for the main's work so far
                 if main_since_fork:     # else the side stream already waits for all of it
                     side.fork(stream)
                 branch_open, target, main_since_fork = True, side.stream, False

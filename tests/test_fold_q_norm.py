@@ -36,21 +36,21 @@ def _arena_bytes(ranks) -> dict:
             for k, a in enumerate(ranks.arenas) for name in a.slices if name not in SCRATCH}
 
 
-@pytest.mark.parametrize("verify", [6, 13])
+@pytest.mark.parametrize("verify", [1, 6, 13])
 def test_step_writes_the_same_bytes_with_q_norm_folded_or_not(tiny_bundle_dir, monkeypatch,
                                                               verify):
     assert attn_proj.q_norm_folded()
     rng = np.random.default_rng()
     model, caches, seq = prefilled_tiny(rng, 4)
     toks = [seq[-1], *rng.integers(0, 1000, verify - 1).tolist()]
-    rows = RowBatch.from_blocks([RowBlock(0, len(seq) - 1, tuple(toks), "verify")],
-                                caches.block_tables, caches.ring_slots,
-                                pad_to=8 if verify <= 8 else 16)
+    kind, bucket = ("decode", 1) if verify == 1 else ("verify", 8 if verify <= 8 else 16)
+    rows = RowBatch.from_blocks([RowBlock(0, len(seq) - 1, tuple(toks), kind)],
+                                caches.block_tables, caches.ring_slots, pad_to=bucket)
     history = (token_history(model.cfg, rows, [np.asarray(seq + toks[1:], np.int64)])
                if model.cfg.engram_layer_ids else None)
     on = _step(tiny_bundle_dir, model, caches, rows, history)
     names = [s.kernel.name for _, specs in on.plans[0].launches(rows.num_rows) for s in specs]
-    assert any(n.startswith(qr.PREFIX) for n in names) == (rows.num_rows <= dr.ROW_TILE)
+    assert any(n.startswith(qr.PREFIX) for n in names) == attn_proj.folded_rows(rows.num_rows)
     monkeypatch.setattr(attn_proj, "FOLD_Q_NORM", False)
     off = _step(tiny_bundle_dir, model, caches, rows, history)
     names = [s.kernel.name for _, specs in off.plans[0].launches(rows.num_rows) for s in specs]

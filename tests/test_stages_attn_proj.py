@@ -170,7 +170,8 @@ def _check_projections(s: Setup, rows: RowBatch, x, layer: int) -> dict:
         qr = want_qr.astype(BF16)                   # what the folded kernel multiplies
     np.testing.assert_array_equal(_bits(qr), _bits(want_qr), err_msg="qr: not _norm(q half)")
     kv = s.read(0, "attn.kv", BF16, (bucket, hd))
-    if attn_proj.FUSED_ATTN_PREP and not (attn_proj.q_norm_folded() and not folded):
+    split = attn_proj.q_norm_folded() and bucket > dr.ROW_TILE     # split_rmsnorm copies kv
+    if attn_proj.FUSED_ATTN_PREP and not split:
         assert (_bits(kv) == 0xFFFF).all(), "attn.kv written by the fused chain"
         kv = qkv[:, q_lora:]                        # attn_prep / the insert read it in place
     np.testing.assert_array_equal(_bits(kv), _bits(qkv[:, q_lora:]), err_msg="kv half")
@@ -297,6 +298,9 @@ def test_launch_lists_follow_the_bucket(setup):
     split = f"split_rmsnorm_d{q_lora}_t512_wf32"
     if attn_proj.q_norm_folded():       # wq_b's kernel normalises; split_rmsnorm above 8 rows
         assert names("attn.q_kv_norm", 2, 6) == [f"kv_swa_insert_d512_s{q_lora + 512}"]
+        assert names("attn.q_kv_norm", 2, 1) == []              # FOLD_MIN_ROWS: attn_prep
+        assert names("attn.wq_a_wkv", 2, 1)[1:] == [f"attn_prep_q{q_lora}_d512"]
+        assert not names("attn.wq_b", 0, 1)[0].startswith("dense_qnorm_")
         assert names("attn.wq_b", 0, 6)[0].startswith("dense_qnorm_wq_b_n")
         assert names("attn.wq_a_wkv", 0, 6)[1:] == []
         assert names("attn.wq_a_wkv", 0, 16)[1:] == [split]

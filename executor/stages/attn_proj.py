@@ -15,7 +15,7 @@ this rank's wo_b output, which the attention all-reduce sums):
 
 With FUSED_ATTN_PREP = False (round 4's chain) attn.q_kv_norm is the split RMSNorm (attn.qr, and
 attn.kv = the kv half, copied) and attn.rope_swa_insert adds the SWA insert from attn.kv.
-With FOLD_Q_NORM (session 8, R <= 8): attn.wq_b is kernels.dense_qnorm, q_norm of attn.qkv's q
+With FOLD_Q_NORM (session 8, 2 <= R <= 8; R = 1 keeps attn_prep, FOLD_MIN_ROWS): attn.wq_b is kernels.dense_qnorm, q_norm of attn.qkv's q
 half in its x prologue (bitwise attn.qr; the indexer's wq_b likewise), attn.q_kv_norm the SWA
 insert alone from the kv half of attn.qkv (kv_swa_insert_d512_s<q_lora + 512>; a side stage
 where the layer has no compressor / indexer, plan.kv_insert_on_side), attn.qr not written. Above
@@ -89,6 +89,12 @@ FUSED_ATTN_PREP = True
 # + 512>, reading attn.qkv in place) on the side stream: no launch between wq_a|wkv and wq_b. Above
 # 8 rows q_norm is split_rmsnorm at the end of attn.wq_a_wkv (the r32 kernels read attn.qr).
 FOLD_Q_NORM = True                  # revert: False (attn_prep between wq_a|wkv and wq_b)
+# Run r9b (H100): the fold saves 175 us a step at R = 6 but costs 85 us at R = 1, where the
+# prologue's norm (+1.2 us on wq_b) and the kv insert's fork and join cost more than the launch
+# they remove. So a 1-row bucket keeps round 8's arrangement: attn_prep (qr and the SWA record)
+# on the main chain, at the end of attn.wq_a_wkv's launches, and attn.q_kv_norm launches nothing
+# (an empty side stage forks nothing: executor.plan.Plan.record).
+FOLD_MIN_ROWS = 2
 ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
 
 
@@ -264,8 +270,9 @@ def q_norm_folded() -> bool:
 
 
 def folded_rows(rows: int) -> bool:
-    """Whether a bucket of `rows` runs q_norm inside wq_b / the indexer's wq_b (R <= 8)."""
-    return q_norm_folded() and rows <= dr.ROW_TILE
+    """Whether a bucket of `rows` runs q_norm inside wq_b / the indexer's wq_b
+    (FOLD_MIN_ROWS <= R <= 8)."""
+    return q_norm_folded() and FOLD_MIN_ROWS <= rows <= dr.ROW_TILE
 
 
 def _wq_a_wkv(ctx, layer):
@@ -273,9 +280,12 @@ def _wq_a_wkv(ctx, layer):
     if not q_norm_folded():
         return dense
     q_norm = _split_norm(ctx, layer)          # R > 8: the r32 kernels read attn.qr
+    prep = _attn_prep(ctx, layer)             # R < FOLD_MIN_ROWS: qr and the SWA record
 
     def build(rows):
-        return dense(rows) + ([] if folded_rows(rows) else q_norm(rows))
+        if folded_rows(rows):
+            return dense(rows)
+        return dense(rows) + (prep(rows) if rows < FOLD_MIN_ROWS else q_norm(rows))
     return build
 
 
@@ -291,8 +301,9 @@ def _split_norm(ctx, layer):
 
 
 def _q_kv_norm(ctx, layer):
-    if q_norm_folded():
-        return _kv_insert(ctx, layer)
+    if q_norm_folded():                       # below FOLD_MIN_ROWS attn.wq_a_wkv inserts
+        insert = _kv_insert(ctx, layer)
+        return lambda rows: insert(rows) if rows >= FOLD_MIN_ROWS else []
     if FUSED_ATTN_PREP:
         return _attn_prep(ctx, layer)
     return _split_norm(ctx, layer)
