@@ -21,8 +21,8 @@ row's largest |x|; kernels/dense_qgmma_ref.py has the arithmetic, the reference 
       QGMMA lo (scale-d 1), commit; 4 steps in flight (2 with 4 warpgroups), then wait_group
       3 (1) and 4 FFMA fold the oldest step's fp32 partial with its block scale (one 32-row x
       32-K block per warp).
-    end: warpgroups 1.. put their sums in smem, warpgroup 0 adds them in order, * (1 / s_row)
-      * 2^-64, bf16 store
+    end: warpgroups 1.. put their sums in smem, warpgroup 0 adds them in order, * 2^-64
+      * (1 / s_row), bf16 store
       (split 1) or the slice partial to the workspace and the last CTA of the tile sums the
       slices in order (split > 1: wq_a|wkv), resetting the counter.
 
@@ -270,7 +270,9 @@ class DenseQgmmaSm90:
             y = cute.make_rmem_tensor((4,), Float32)
             for q in cutlass.range_constexpr(4):
                 inv = inv0 if q % 2 == 0 else inv1
-                y[q] = acc[q] * inv * Float32(2.0**-SCALE_BIAS)
+                # 2^-64 first: acc <= ~2^90 never underflows there, and the 1 / s multiply
+                # then overflows only where y itself would
+                y[q] = acc[q] * Float32(2.0**-SCALE_BIAS) * inv
             if cutlass.const_expr(self.split == 1):
                 self._store(y, out, rows, n0, wq, lane)
             else:

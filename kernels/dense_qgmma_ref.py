@@ -19,7 +19,7 @@ row's largest |x|):
   step's partial P = W_e4m3 . (hi + lo) over 32 K, one 32-K scale block and 32-row scale block
   per warp (rows 16w..16w+15). The partial is folded in fp32, acc += P * 2^(s_w - 63) (exact
   power of two, FFMA), INFLIGHT steps in flight (wgmma.commit_group / wait_group).
-- CTA result: (acc_wg0 + acc_wg1 [+ ...]) * (1 / s_row) * 2^-64, rounded to bf16 (split 1) or as
+- CTA result: (acc_wg0 + acc_wg1 [+ ...]) * 2^-64 * (1 / s_row), rounded to bf16 (split 1) or as
   fp32 for the slice sum (split > 1: sum over slices in order, then bf16).
 
 Error bound (`qgmma_tolerance`), against `dense_qgmma_ref` (the exact sum of the split x):
@@ -306,8 +306,8 @@ def qgmma_model(spec: QgSpec, x: np.ndarray, w_e4m3: np.ndarray, s: np.ndarray,
         total = wg_acc[0]
         for other in wg_acc[1:]:                                       # warpgroup order
             total = (total + other).astype(np.float32)
-        part = (total * inv_s[:, sl:sl + 1].astype(np.float32)).astype(np.float32)
-        part = (part * np.float32(2.0**-SCALE_BIAS)).astype(np.float32)
+        part = (total * np.float32(2.0**-SCALE_BIAS)).astype(np.float32)
+        part = (part * inv_s[:, sl:sl + 1].astype(np.float32)).astype(np.float32)
         out = (out + part).astype(np.float32)
     return out
 
@@ -357,7 +357,8 @@ def check_scales(s: np.ndarray) -> None:
 
 def random_wide_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     """bf16 x [rows, k]: normal rows, a row with one huge element, one with elements spread over
-    2^-40..2^20, a row of tiny values, one all zero (the test inputs of the split)."""
+    2^-40..2^20, a row of tiny values (~2^-100), one all zero, one of huge values (~2^100: its
+    1 / s is 2^93, applied after the 2^-64) - the test inputs of the split."""
     x = rng.standard_normal((rows, k))
     if rows > 1:
         x[1, rng.integers(0, k)] = 3.0e4
@@ -367,4 +368,6 @@ def random_wide_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
         x[3] *= 2.0**-100
     if rows > 4:
         x[4] = 0.0
+    if rows > 5:
+        x[5] *= 2.0**100
     return x.astype(np.float32).astype(BF16)

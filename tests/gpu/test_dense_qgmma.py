@@ -3,7 +3,8 @@
 Every `_sqg` kernel of each preset's bundle (tiny: wq_a|wkv 768x256 and wq_b 2048x256, both split
 in 2 K slices; v41-flash TP4: wq_a|wkv 1792x5120 in 4 slices, wq_b 8192x1280 whole) at R in
 {1, 5, 6, 8}, two fresh draws each: x with wide-range rows (dense_qgmma_ref.random_wide_rows: a
-row with one 3e4 element, one spread over 2^-40..2^20, one of ~2^-100 values, one all zero) and
+row with one 3e4 element, one spread over 2^-40..2^20, one of ~2^-100 values, one all zero, one
+of ~2^100 values) and
 plain normal x; weights uniform over every finite E4M3 code (subnormals included), scale bytes
 112..124. The output is NaN-poisoned before each launch; every element of rows < R must be within
 dense_qgmma_ref.qgmma_tolerance of dense_qgmma_ref.dense_qgmma_ref (the exact product of the
