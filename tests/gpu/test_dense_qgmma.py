@@ -57,8 +57,8 @@ class QgCase:
                                  ("s", self.s.nbytes), ("out", 8 * spec.n * 2),
                                  ("ws", max(spec.workspace_bytes(), 16)),
                                  ("cnt", max(spec.counters_bytes(), 16))])
-        for name, host in (("w", self.w), ("s", self.s)):
-            self.arena.view(name, np.uint8)[:] = cp.asarray(host.view(np.uint8).ravel())
+        for name, host in (("w", self.w), ("s", self.s)):     # slices may be padded
+            self.arena.view(name, np.uint8)[:host.nbytes] = cp.asarray(host.view(np.uint8).ravel())
         self.arena.view("cnt", np.uint32)[:] = 0
         self.x = None
 
@@ -66,7 +66,7 @@ class QgCase:
         k = self.spec.k
         self.x = (qr.random_wide_rows(self.rng, 8, k) if wide
                   else self.rng.standard_normal((8, k)).astype(np.float32).astype(BF16))
-        self.arena.view("x", np.uint16)[:] = cp.asarray(self.x.view(np.uint16).ravel())
+        self.arena.view("x", np.uint16)[:self.x.size] = cp.asarray(self.x.view(np.uint16).ravel())
         cp.cuda.Device().synchronize()
 
     def run(self, bundle, rows: int, stream) -> np.ndarray:
