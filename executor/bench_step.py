@@ -368,6 +368,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "q_kv_norm_launch": lambda: {("executor.stages.attn_proj", "FOLD_Q_NORM"): False},
     # compressor round 9's revert: the session-1 projection + publish (compressor-design.md)
     "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
+    # compressor round 9 at every R (bulk16 above 8 rows at r = 2): FAST_MAX_ROWS's revert
+    "compressor_fast_all": lambda: {("executor.launches.compressor", "FAST_MAX_ROWS"): 10**9},
     # round 9's revert: the self-routed MoE pair with static items (w13sr bulk, w2sr early)
     "moe_static": lambda: {("executor.launches.moe", "STEP_QUEUE"): False},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):

@@ -42,6 +42,11 @@ from kernels import kvrecord_ref, rope_ref
 # staged publish. Revert: False (the session-1 kernels; bench_step variant "compressor_round1"
 # re-wires the step with them, so one step run measures both).
 FAST_KERNELS = True
+# ... up to this many rows; above, the session-1 pair (run r9b, H100: round 9's pair -53 / -62 us a
+# step at R = 1 / 6 but +44 at R = 48, where the bulk projection's shared memory and x re-reads
+# beside the main chain cost more than its own time saves). Revert: 10**9 (bench_step variant
+# "compressor_fast_all": round 9's pair at every R, bulk16 above 8 rows at r = 2).
+FAST_MAX_ROWS = 8
 
 # Every buffer of the two launches, in the order of `requests`.
 BUFFERS = ("x", "w", "kv_score", "ring", "positions", "seq_index", "state_lines", "block_tables",
@@ -107,9 +112,11 @@ def _ptr(ptrs: Mapping[str, int], name: str, who: str) -> int:
 
 
 def kernel_specs(shape: CompressorShape, fast: bool | None = None, rows: int = 1):
-    """(projection, publish) specs for `rows` rows: round 9's pair when `fast` (default:
-    FAST_KERNELS), whose r = 2 projection takes 16-row tiles above ck.FAST_PROJ_16_ABOVE rows."""
-    fast = FAST_KERNELS if fast is None else fast
+    """(projection, publish) specs for `rows` rows: round 9's pair when `fast` (default: the
+    step's choice, FAST_KERNELS up to FAST_MAX_ROWS rows), whose r = 2 projection takes 16-row
+    tiles above ck.FAST_PROJ_16_ABOVE rows."""
+    if fast is None:
+        fast = FAST_KERNELS and rows <= FAST_MAX_ROWS
     wide = shape.ratio == 2 and rows > ck.FAST_PROJ_16_ABOVE
     proj = ("bulk16" if wide else "bulk") if fast else ""
     return (ck.make_proj_spec(shape.ratio, shape.hidden, proj),
