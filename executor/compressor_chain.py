@@ -124,6 +124,12 @@ def _bench_pair(ctx, chain: CompressorChain, rows: int, seqs: int, pos: np.ndarr
     case = f"S={seqs}"
     us = ctx.cold_median_us(lambda: proj.launch(ctx.stream), reps)
     row = ctx.bandwidth(proj_spec.name, case, rows, us, proj_spec.bytes_moved(rows))
+    if fast and proj_spec.variant != "bulk":       # r9b's bulk kernel beside the step's choice
+        bulk = ck.make_proj_spec(ratio, chain.shape.hidden, "bulk")
+        if bulk.name in chain.bundle.names():
+            sp = LaunchSpec(chain.bundle.kernel(bulk.name), bulk.grid(rows), proj.args)
+            us_bulk = ctx.cold_median_us(lambda: sp.launch(ctx.stream), reps)
+            ctx.bandwidth(bulk.name, case, rows, us_bulk, bulk.bytes_moved(rows))
     if ratio == 2 and rows == 6:
         ctx.metric(f"{proj_spec.name} R=6: % of 4.8 TB/s", row.pct_hbm, "%",
                    ">= 70" if fast else "", row.pct_hbm >= 70 if fast else None)

@@ -399,6 +399,7 @@ def specs(cfg, tp: int) -> list[ck.CompressorSpec]:
         out += [ck.make_proj_spec(r, cfg.hidden_size), ck.make_publish_spec(r)]
     for r in ratios:
         out.append(ck.make_proj_spec(r, cfg.hidden_size, "bulk"))
+        out.append(ck.make_proj_spec(r, cfg.hidden_size, "bulkr"))
         if r == 2:
             out.append(ck.make_proj_spec(r, cfg.hidden_size, "bulk16"))
         out.append(ck.make_publish_spec(r, "staged"))

@@ -94,6 +94,12 @@ def lds_bf16x4(saddr: Int32):
     return [a, b, c, d]
 
 
+def mbar_arrive_expect_tx_reg(saddr: Int32, nbytes: Int32):
+    """`mbar_arrive_expect_tx` with the byte count in a register."""
+    void([Int32(saddr), Int32(nbytes)],
+         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}")
+
+
 def ld_s32_or(addr: Int64, pred: Int32, fallback: int):
     """The s32 at addr where pred != 0, else `fallback` (no load): a predicated load, no branch."""
     return Int32(asm(1, [Int64(addr), Int32(pred)],
@@ -107,6 +113,7 @@ class CompressorProjBulkSm90:
     def __init__(self, spec: ck.CompressorSpec):
         self.spec = spec
         self.rt = ck.PROJ_BULK_ROW_TILES[spec.variant]         # rows a tile: 8 or 16
+        self.real_only = spec.variant == "bulkr"                # copy the x rows < R only
         self.lay = ck.proj_bulk_layout(spec.ratio, spec.hidden, self.rt)
         self.wb = spec.weight_bytes_per_value
 
@@ -135,7 +142,7 @@ class CompressorProjBulkSm90:
             # The weights never depend on an earlier kernel: in flight before the PDL wait.
             for k in cutlass.range_constexpr(lay.slots):
                 if k < total:
-                    mbar_arrive_expect_tx(bars + 8 * k, lay.slot_bytes)
+                    self.expect(bars + 8 * k, Int32(k // lay.stages), rows)
                     self.copy_w(base + k * lay.slot_bytes, wrow, Int32(k % lay.stages),
                                 bars + 8 * k)
         cute.arch.griddepcontrol_wait()        # x comes from the previous kernel
@@ -159,12 +166,21 @@ class CompressorProjBulkSm90:
                 cute.arch.sync_threads()       # every thread is done with the slot
                 nxt = g + lay.slots
                 if tidx == 0 and nxt < total:
-                    mbar_arrive_expect_tx(bars + 8 * slot, lay.slot_bytes)
+                    self.expect(bars + 8 * slot, nxt // lay.stages, rows)
                     self.copy_w(sb, wrow, nxt % lay.stages, bars + 8 * slot)
                     self.copy_x(sb + lay.w_bytes, _addr(x), nxt // lay.stages,
                                 nxt % lay.stages, rows, bars + 8 * slot)
             self.reduce_store(acc, base + lay.parts_at, _addr(out), tile, rows, col0, tidx)
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def expect(self, bar: Int32, tile: Int32, rows: Int32):
+        """Arrive on the slot's barrier announcing the bytes its copies of `tile` will bring."""
+        if cutlass.const_expr(self.real_only):
+            real = imin(rows - tile * self.rt, self.rt)
+            mbar_arrive_expect_tx_reg(bar, self.lay.w_bytes + real * (self.lay.stage_k * 2))
+        else:
+            mbar_arrive_expect_tx(bar, self.lay.slot_bytes)
 
     @cute.jit
     def copy_w(self, dst: Int32, wrow: Int64, s: Int32, bar: Int32):
@@ -180,8 +196,13 @@ class CompressorProjBulkSm90:
         seg = self.lay.stage_k * 2
         for i in cutlass.range_constexpr(self.rt):
             row = imin(tile * self.rt + i, rows - 1)
-            bulk_copy_g2s(dst + i * seg, x + Int64(row) * (self.spec.hidden * 2)
-                          + Int64(s) * seg, seg, bar)
+            if cutlass.const_expr(self.real_only):
+                if tile * self.rt + i < rows:
+                    bulk_copy_g2s(dst + i * seg, x + Int64(row) * (self.spec.hidden * 2)
+                                  + Int64(s) * seg, seg, bar)
+            else:
+                bulk_copy_g2s(dst + i * seg, x + Int64(row) * (self.spec.hidden * 2)
+                              + Int64(s) * seg, seg, bar)
 
     @cute.jit
     def stage_fma(self, acc, sb: Int32, tidx: Int32):
@@ -453,4 +474,5 @@ class CompressorPublishStagedSm90(CompressorPublishSm90):
 
 
 CLASSES = {("proj", "bulk"): CompressorProjBulkSm90, ("proj", "bulk16"): CompressorProjBulkSm90,
+           ("proj", "bulkr"): CompressorProjBulkSm90,
            ("publish", "staged"): CompressorPublishStagedSm90}

@@ -48,11 +48,14 @@ MAX_ROWS = 4096
 # "bulk16" the same with 16-row tiles (half the weight re-reads from L2 above R = 8).
 # "staged" publish: wk bulk-copied into shared memory at the start, independent loads first, a
 # grid of at most PUBLISH_STAGED_CTAS CTAs looping over the rows.
-PROJ_VARIANTS = ("", "bulk", "bulk16")       # bulk16: tiles of 16 rows (R > 8)
+PROJ_VARIANTS = ("", "bulk", "bulk16", "bulkr")  # bulk16: 16-row tiles; bulkr: real x rows
 PUBLISH_VARIANTS = ("", "staged")
 PROJ_BULK_COLS = 4                             # output columns per CTA
 PROJ_BULK_STAGE_K = 512                        # dims per ring slot (4 per thread, 128 threads)
-PROJ_BULK_ROW_TILES = {"bulk": 8, "bulk16": 16}
+PROJ_BULK_ROW_TILES = {"bulk": 8, "bulk16": 16, "bulkr": 8}
+# "bulkr": "bulk" that copies only the x rows < R into a slot (the clamped duplicates of the
+# last row were 7/8 of the x copies at R = 1, all of the same L2 lines; rows >= R compute on
+# stale shared memory and are never stored). Round 9b, after run r9b; not measured.
 FAST_PROJ_16_ABOVE = 8                         # the step's r = 2 projection: bulk16 above R = 8
 PUBLISH_STAGED_CTAS = 128
 PUBLISH_STAGED_WK_AT = 2176                    # latent, partials, mbarrier, then wk bf16 [128, 512]

@@ -172,9 +172,10 @@ def test_specs_grids_and_bytes():
     names = [s.name for s in compressor.specs(ModelConfig.preset("v41-flash"), 4)]
     assert names == ["compressor_proj_r1_k5120", "compressor_publish_r1_d512",
                      "compressor_proj_r2_k5120", "compressor_publish_r2_d512",
-                     "compressor_proj_r1_k5120_bulk", "compressor_publish_r1_d512_staged",
-                     "compressor_proj_r2_k5120_bulk", "compressor_proj_r2_k5120_bulk16",
-                     "compressor_publish_r2_d512_staged"]
+                     "compressor_proj_r1_k5120_bulk", "compressor_proj_r1_k5120_bulkr",
+                     "compressor_publish_r1_d512_staged",
+                     "compressor_proj_r2_k5120_bulk", "compressor_proj_r2_k5120_bulkr",
+                     "compressor_proj_r2_k5120_bulk16", "compressor_publish_r2_d512_staged"]
     tiny = [s.name for s in compressor.specs(ModelConfig.preset("tiny"), 4)]
     assert "compressor_proj_r2_k256" in tiny and "compressor_publish_r1_d512" in tiny
     proj = ck.make_proj_spec(2, 5120)

@@ -105,7 +105,7 @@ def test_emulated_compressor_equals_the_reference(bundle, ratio, case, fast):
     _upload(arena, inputs, ratio)
     launches = compressor_launches(bundle, shape, {n: arena.ptr(n) for n in BUFFERS}, rows, eps,
                                    fast)
-    assert [sp.kernel.name.endswith(("_bulk", "_bulk16", "_staged"))
+    assert [sp.kernel.name.endswith(("_bulk", "_bulkr", "_bulk16", "_staged"))
             for sp in launches] == [fast] * 2
     assert launches[0].kernel.name.endswith("_bulk16") == (fast and ratio == 2 and rows > 8)
     assert run(launches, space) == 2

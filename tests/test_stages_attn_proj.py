@@ -310,13 +310,14 @@ def test_launch_lists_follow_the_bucket(setup):
                                                  else split]
     from executor.launches import compressor as compressor_launches
     if compressor_launches.FAST_KERNELS:      # round 9 up to FAST_MAX_ROWS (bulk16 above 8)
-        assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256_bulk",
+        proj = compressor_launches.FAST_PROJ
+        assert names("attn.compressor", 2, 6) == [f"compressor_proj_r2_k256_{proj}",
                                                   "compressor_publish_r2_d512_staged"]
         wide = 16 <= compressor_launches.FAST_MAX_ROWS
         assert names("attn.compressor", 2, 16)[0] == ("compressor_proj_r2_k256_bulk16" if wide
                                                       else "compressor_proj_r2_k256")
         assert names("attn.compressor", 6, 16) == (
-            ["compressor_proj_r1_k256_bulk", "compressor_publish_r1_d512_staged"] if wide
+            [f"compressor_proj_r1_k256_{proj}", "compressor_publish_r1_d512_staged"] if wide
             else ["compressor_proj_r1_k256", "compressor_publish_r1_d512"])
     else:
         assert names("attn.compressor", 2, 6) == ["compressor_proj_r2_k256",

@@ -47,6 +47,9 @@ FAST_KERNELS = True
 # beside the main chain cost more than its own time saves). Revert: 10**9 (bench_step variant
 # "compressor_fast_all": round 9's pair at every R, bulk16 above 8 rows at r = 2).
 FAST_MAX_ROWS = 8
+# Round 9b: the projection copies only the x rows < R (kernels/compressor_kernel_ref "bulkr").
+# Revert: "bulk" (r9b's measured kernel; bench_step variant "compressor_bulk").
+FAST_PROJ = "bulkr"
 
 # Every buffer of the two launches, in the order of `requests`.
 BUFFERS = ("x", "w", "kv_score", "ring", "positions", "seq_index", "state_lines", "block_tables",
@@ -118,7 +121,7 @@ def kernel_specs(shape: CompressorShape, fast: bool | None = None, rows: int = 1
     if fast is None:
         fast = FAST_KERNELS and rows <= FAST_MAX_ROWS
     wide = shape.ratio == 2 and rows > ck.FAST_PROJ_16_ABOVE
-    proj = ("bulk16" if wide else "bulk") if fast else ""
+    proj = ("bulk16" if wide else FAST_PROJ) if fast else ""
     return (ck.make_proj_spec(shape.ratio, shape.hidden, proj),
             ck.make_publish_spec(shape.ratio, "staged" if fast else ""))
 

@@ -7,7 +7,8 @@ record caches 0xFF, ring lines no sequence owns NaN; every byte outside what the
 must keep its poison.
 
 Checks and tolerances (the session-1 kernels' contract, tests/gpu/test_compressor_publish.py):
-- bulk projection (8- and 16-row tiles, "bulk" / "bulk16", each at every R): every kv_score
+- bulk projection ("bulk", "bulkr" (x rows < R only), "bulk16" (16-row tiles), each at every R):
+  every kv_score
   element within gamma_n sum |x||w|, n = D/32 + 6; the bulk order needs only D/128 + 8
   roundings (thread chain, butterfly, 4 warp partials: CPU-checked in
   tests/test_compressor_kernel_cpu.py); rows >= R keep their NaN. R up to 192 exercises the loop
@@ -63,10 +64,12 @@ def width(request, dev):
     return ModelConfig.preset(request.param).hidden_size, bundle
 
 
-@pytest.mark.parametrize("ratio,variant", [(2, "bulk"), (2, "bulk16"), (1, "bulk")])
+@pytest.mark.parametrize("ratio,variant", [(2, "bulk"), (2, "bulkr"), (2, "bulk16"), (1, "bulk"),
+                                           (1, "bulkr")])
 @pytest.mark.parametrize("rows", ROWS)
 def test_bulk_projection(dev, width, ratio, variant, rows):
-    """Both tile heights at every R (the step takes bulk16 above R = 8 at r = 2 only)."""
+    """Every variant at every R: both tile heights, and bulkr (x rows < R only: the rows past R
+    compute on stale shared memory and must not be stored)."""
     hidden, bundle = width
     rng = np.random.default_rng()
     shape = CompressorShape(ratio, hidden, rows + 8, 1, 1, PAGE, 1, 16)
