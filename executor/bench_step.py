@@ -370,6 +370,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
     # compressor round 9 at every R (bulk16 above 8 rows at r = 2): FAST_MAX_ROWS's revert
     "compressor_fast_all": lambda: {("executor.launches.compressor", "FAST_MAX_ROWS"): 10**9},
+    # compressor round 9b's revert: r9b's bulk projection (x copies of all 8 rows of a tile)
+    "compressor_bulk": lambda: {("executor.launches.compressor", "FAST_PROJ"): "bulk"},
     # round 9's revert: the self-routed MoE pair with static items (w13sr bulk, w2sr early)
     "moe_static": lambda: {("executor.launches.moe", "STEP_QUEUE"): False},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
