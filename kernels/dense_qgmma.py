@@ -163,21 +163,34 @@ def fold_factor(sbyte: Int32) -> Float32:
 
 def split_hi_lo(w0: Int32, w1: Int32, s: Float32):
     """4 bf16 (w0 low half first) -> (hi, lo) words of 4 E4M3 bytes: xs = f16(x * s),
-    hi = e4m3(xs), lo = e4m3(xs - hi) (dense_qgmma_ref.split_x)."""
-    text = ("{ .reg .b32 a0, a1, a2, a3, h01, h23, r01, r23;\n"
-            ".reg .b16 e01, e23, l01, l23;\n"
-            "shl.b32 a0, $2, 16; and.b32 a1, $2, 0xFFFF0000;\n"
-            "shl.b32 a2, $3, 16; and.b32 a3, $3, 0xFFFF0000;\n"
-            "mul.rn.f32 a0, a0, $4; mul.rn.f32 a1, a1, $4;\n"
-            "mul.rn.f32 a2, a2, $4; mul.rn.f32 a3, a3, $4;\n"
-            "cvt.rn.f16x2.f32 h01, a1, a0; cvt.rn.f16x2.f32 h23, a3, a2;\n"
-            "cvt.rn.satfinite.e4m3x2.f16x2 e01, h01; cvt.rn.satfinite.e4m3x2.f16x2 e23, h23;\n"
-            "cvt.rn.f16x2.e4m3x2 r01, e01; cvt.rn.f16x2.e4m3x2 r23, e23;\n"
-            "sub.rn.f16x2 r01, h01, r01; sub.rn.f16x2 r23, h23, r23;\n"
-            "cvt.rn.satfinite.e4m3x2.f16x2 l01, r01; cvt.rn.satfinite.e4m3x2.f16x2 l23, r23;\n"
-            "mov.b32 $0, {e01, e23}; mov.b32 $1, {l01, l23}; }")
-    v = asm(2, [Int32(w0), Int32(w1), Float32(s)], text, "=r,=r,r,r,f", side_effects=False)
-    return Int32(v[0]), Int32(v[1])
+    hi = e4m3(xs), lo = e4m3(xs - hi) (dense_qgmma_ref.split_x).
+
+    Two asm statements, the hi word passed between them as a b32 and unpacked there: with the
+    whole round trip in one statement (e4m3x2 .b16 registers both converted back and packed
+    into the hi word) the DSL's PTX compiler read the back-conversion of one .b16 of each pair
+    from an unrelated register (R0 = blockIdx.x) - lo = e4m3(xs - garbage), NaN where the CTA
+    id's byte is 0x7F (standalone ptxas 13.0.88 compiled the same PTX correctly).
+    tests/test_dense_qgmma_cpu.py checks every back-conversion's source in the cubins' SASS."""
+    text_hi = ("{ .reg .b32 a0, a1, a2, a3;\n"
+               ".reg .b16 e01, e23;\n"
+               "shl.b32 a0, $3, 16; and.b32 a1, $3, 0xFFFF0000;\n"
+               "shl.b32 a2, $4, 16; and.b32 a3, $4, 0xFFFF0000;\n"
+               "mul.rn.f32 a0, a0, $5; mul.rn.f32 a1, a1, $5;\n"
+               "mul.rn.f32 a2, a2, $5; mul.rn.f32 a3, a3, $5;\n"
+               "cvt.rn.f16x2.f32 $1, a1, a0; cvt.rn.f16x2.f32 $2, a3, a2;\n"
+               "cvt.rn.satfinite.e4m3x2.f16x2 e01, $1; cvt.rn.satfinite.e4m3x2.f16x2 e23, $2;\n"
+               "mov.b32 $0, {e01, e23}; }")
+    v = asm(3, [Int32(w0), Int32(w1), Float32(s)], text_hi, "=r,=r,=r,r,r,f",
+            side_effects=False)
+    hi, h01, h23 = Int32(v[0]), Int32(v[1]), Int32(v[2])        # hi word, xs as 2 f16x2
+    text_lo = ("{ .reg .b32 r01, r23; .reg .b16 x01, x23, l01, l23;\n"
+               "mov.b32 {x01, x23}, $1;\n"
+               "cvt.rn.f16x2.e4m3x2 r01, x01; cvt.rn.f16x2.e4m3x2 r23, x23;\n"
+               "sub.rn.f16x2 r01, $2, r01; sub.rn.f16x2 r23, $3, r23;\n"
+               "cvt.rn.satfinite.e4m3x2.f16x2 l01, r01; cvt.rn.satfinite.e4m3x2.f16x2 l23, r23;\n"
+               "mov.b32 $0, {l01, l23}; }")
+    lo = Int32(asm(1, [hi, h01, h23], text_lo, "=r,r,r,r", side_effects=False))
+    return hi, lo
 
 
 # ---- kernel ------------------------------------------------------------------------------------

@@ -277,3 +277,84 @@ def test_ptxas_does_not_serialize_the_wgmmas(config):
         assert has_log, f"{name}: no ptxas -v log captured"
         assert serialized == name.startswith("dense_w8a16_wq_b_n8192_k1280_r8_bf16_sqg4"), \
             f"{name}: ptxas serialized the wgmmas (or the check no longer catches it)"
+
+
+# ---- coverage: every output column and every k32 step exactly once --------------------------------
+
+@pytest.mark.parametrize("config", ["tiny", "v41-flash"])
+def test_grid_covers_every_column_and_k_step_once(config):
+    """The kernel's index arithmetic (tile = cta // split, slice = cta % split, warpgroup j takes
+    steps [j wg_steps, (j+1) wg_steps) of the slice, the store's 16 wq + g + 8 (q // 2) rows)
+    replayed: every (column, k32 step) pair is multiplied exactly once."""
+    for s in qr.qg_specs(ModelConfig.preset(config), 4):
+        hits = np.zeros((s.n, s.k // qr.KSTEP), np.int64)
+        stored = np.zeros(s.n, np.int64)
+        for cta in range(s.grid(1)[0]):
+            tile, sl = cta // s.split_k, cta % s.split_k
+            for wg in range(s.warpgroups):
+                steps = sl * s.steps + wg * s.wg_steps + np.arange(s.wg_steps)
+                hits[tile * 64:(tile + 1) * 64, steps] += 1
+            if sl == s.split_k - 1:                       # one store per tile (its last slice)
+                for wq, lane, q in itertools.product(range(4), range(32), range(4)):
+                    if 2 * (lane % 4) + q % 2 == 0:       # token 0
+                        stored[tile * 64 + 16 * wq + lane // 4 + 8 * (q // 2)] += 1
+        assert (hits == 1).all() and (stored == 1).all(), s.name
+
+
+# ---- the x split as compiled: the e4m3 -> f16 back-conversions read the hi bytes -----------------
+
+def _nvdisasm():
+    import os
+    import shutil
+    from pathlib import Path
+    for cand in (os.environ.get("HOPDEC_NVDISASM"), shutil.which("nvdisasm"),
+                 "/usr/local/cuda/bin/nvdisasm"):
+        if cand and Path(cand).is_file():
+            return cand
+    return None
+
+
+def unpack_sources_not_from_hi(sass: str) -> list[str]:
+    """SASS lines `F2FP.F16.E4M3.UNPACK_B Rd, Rs` whose Rs was last written by anything but an
+    F2FP.SATFINITE.E4M3 (the hi bytes) or a PRMT: the DSL's PTX compiler once sourced half of
+    them from R0 (blockIdx.x), which made lo = e4m3(xs - garbage)."""
+    import re
+    lines = [ln.split("*/", 1)[1].strip() for ln in sass.splitlines()
+             if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
+    bad = []
+    for i, ln in enumerate(lines):
+        m = re.match(r"(@!?P\d )?F2FP\.F16\.E4M3\.UNPACK_B R\d+, (R\d+)[.\w]* ;", ln)
+        if not m:
+            continue
+        writer = next((mm.group(2) for p in reversed(lines[:i])
+                       if (mm := re.match(r"(@!?U?P\w+ )?([A-Z0-9_.]+) (R\d+)[,. ]", p))
+                       and mm.group(3) == m.group(2)), None)
+        if writer is None or not writer.startswith(("F2FP.SATFINITE.E4M3", "PRMT")):
+            bad.append(f"{ln} (source last written by {writer})")
+    return bad
+
+
+def test_unpack_check_catches_the_r0_miscompile():
+    bad = ("        /*1420*/                   F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C R28, R10, RZ ;\n"
+           "        /*1440*/                   F2FP.F16.E4M3.UNPACK_B R27, R28 ;\n"
+           "        /*1480*/                   F2FP.F16.E4M3.UNPACK_B R8, R0 ;\n")
+    assert len(unpack_sources_not_from_hi("        /*0040*/                   S2R R0, "
+                                          "SR_CTAID.X ;\n" + bad)) == 1
+
+
+def test_compiled_split_converts_back_the_hi_bytes(tiny_bundle_dir):
+    """Every e4m3 -> f16 back-conversion in the bundle's QGMMA cubins reads the hi bytes just
+    made (needs nvdisasm: PATH, /usr/local/cuda/bin or $HOPDEC_NVDISASM; skipped without)."""
+    import json
+    import subprocess
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("no nvdisasm")
+    manifest = json.loads((tiny_bundle_dir / "manifest.json").read_text())
+    names = [n for n, rec in manifest["kernels"].items() if rec["family"] == "kernels.dense_qgmma"]
+    assert names
+    for name in names:
+        sass = subprocess.run([tool, "-c", str(tiny_bundle_dir / manifest["kernels"][name]["cubin"])],
+                              capture_output=True, text=True, check=True).stdout
+        assert "F2FP.F16.E4M3.UNPACK_B" in sass, name
+        assert not unpack_sources_not_from_hi(sass), (name, unpack_sources_not_from_hi(sass))
