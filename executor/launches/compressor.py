@@ -48,7 +48,9 @@ FAST_KERNELS = True
 # "compressor_fast_all": round 9's pair at every R, bulk16 above 8 rows at r = 2).
 FAST_MAX_ROWS = 8
 # Round 9b: the projection copies only the x rows < R (kernels/compressor_kernel_ref "bulkr").
-# Revert: "bulk" (r9b's measured kernel; bench_step variant "compressor_bulk").
+# Revert: "bulk" (r9b's measured kernel; bench_step variant "compressor_bulk"). Run r9d (H100):
+# alone r = 2 12.86 / 12.96 us at R = 1 / 6 against bulk's 15.15 / 13.33; in the step the two tie
+# (bulk +1.0 us at R = 1, -12.3 at R = 6, inside the step's own round-to-round spread of ~40 us).
 FAST_PROJ = "bulkr"
 
 # Every buffer of the two launches, in the order of `requests`.
