@@ -366,6 +366,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "shared_w2_main": lambda: {("executor.plan", "SHARED_ON_SIDE"): False},
     # session 8's revert: q_norm in attn_prep between wq_a|wkv and wq_b (not folded into wq_b)
     "q_kv_norm_launch": lambda: {("executor.stages.attn_proj", "FOLD_Q_NORM"): False},
+    # round 9's revert: wq_b at R = 1 on the step's plain dense kernel (xtwp), not QGMMA's _sqg
+    "wq_b_xtwp": lambda: {("executor.stages.attn_proj", "QGMMA_WQ_B_ROWS"): ()},
     # compressor round 9's revert: the session-1 projection + publish (compressor-design.md)
     "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
     # compressor round 9 at every R (bulk16 above 8 rows at r = 2): FAST_MAX_ROWS's revert

@@ -14,7 +14,8 @@ lockstep on every rank. Checked, every element, on every rank:
   replays rmsnorm_ref's order); attn.kv bitwise the kv half, or, with attn_proj.FUSED_ATTN_PREP
   (attn_prep reads the kv half of attn.qkv), untouched, and the SWA checks use the kv half;
 - attn.q against the reference's q = bf16(RoPE(_linear(qr, wq_b))) on the emulated qr, within
-  `_q_bound`: the two wq_b outputs are 2 x dense_tolerance apart, the rotation adds a pair's two
+  `_q_bound`: the two wq_b outputs are 2 x dense_tolerance apart (at QGMMA_WQ_B_ROWS the QGMMA
+  kernel's qgmma_tolerance + split_error_bound + dense_tolerance), the rotation adds a pair's two
   gaps (|cos|, |sin| <= 1), each side's bf16 rounding adds 2^-8 of its value;
 - swa_{l}: the record of every real row bitwise insert_swa's composition (kv_norm, RoPE, bf16,
   record) on the emulated kv, and bitwise the reference insert_swa's own record wherever the
@@ -36,11 +37,13 @@ from stage_checks import within_bound
 from tiny_checkpoint import tiny_checkpoint
 
 from executor.emulate.ranks import EmulatedRanks
+from executor.launches import dense as dl
 from executor.reference import attention as ra
 from executor.reference.kvcache import KVCaches
 from executor.reference.rows import RowBatch, RowBlock
 from executor.reference.weights import rank_weights_from_checkpoint
 from executor.stages import attn_proj
+from kernels import dense_qgmma_ref as qg
 from kernels import dense_ref as dr
 from kernels import kvrecord_ref, rope_ref
 from kernels.common_ref import BF16
@@ -127,6 +130,20 @@ def _partial_bound(z, z_ref, wo_b, got, want):
             + (2.0**-8 + 2.0**-24) * (np.abs(got.astype(np.float64)) + np.abs(want)) + 2.0**-133)
 
 
+def _wq_b_tolerance(s: Setup, bucket: int, qr, w) -> np.ndarray:
+    """Half the bound of |kernel wq_b - reference _linear| (_q_bound doubles it): the plain and
+    folded kernels within dense_tolerance of the exact product, as the reference is; QGMMA
+    (attn_proj.QGMMA_WQ_B_ROWS) within qgmma_tolerance of its split x's product, that within
+    split_error_bound of the exact one."""
+    dense = dr.dense_tolerance(qr, w, "bf16")
+    if bucket not in attn_proj.QGMMA_WQ_B_ROWS:
+        return dense
+    spec = dl.qgmma_spec(s.ranks.bundle, "wq_b")
+    w64 = w.astype(np.float64)
+    kernel = qg.qgmma_tolerance(spec, qr, w64) + qg.split_error_bound(spec, qr, np.abs(w64))
+    return 0.5 * (kernel + dense)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def _run(s: Setup, rng, case: str, layer: int):
@@ -187,7 +204,7 @@ def _check_projections(s: Setup, rows: RowBatch, x, layer: int) -> dict:
         want = bf16_round(ra._rope(ra._linear(qr32, lw, "attn.wq_b").reshape(bucket, heads, hd),
                                    rows.positions, table))
         got = s.read(r, "attn.q", BF16, (bucket, heads, hd))
-        tol = dr.dense_tolerance(qr, w, "bf16").reshape(bucket, heads, hd)
+        tol = _wq_b_tolerance(s, bucket, qr, w).reshape(bucket, heads, hd)
         errs["q"] = max(errs.get("q", 0.0), within_bound(got, want, _q_bound(tol, got, want),
                                                          f"rank {r}: q"))
     return {"errs": errs, "kv": kv, "kv_ref": qkv_ref[:, q_lora:]}
@@ -301,6 +318,8 @@ def test_launch_lists_follow_the_bucket(setup):
         assert names("attn.q_kv_norm", 2, 1) == []              # FOLD_MIN_ROWS: attn_prep
         assert names("attn.wq_a_wkv", 2, 1)[1:] == [f"attn_prep_q{q_lora}_d512"]
         assert not names("attn.wq_b", 0, 1)[0].startswith("dense_qnorm_")
+        qg_tail = "_r8_bf16_sqg" if 1 in attn_proj.QGMMA_WQ_B_ROWS else "_r8_bf16"
+        assert names("attn.wq_b", 0, 1)[0].endswith(qg_tail)        # QGMMA at R = 1
         assert names("attn.wq_b", 0, 6)[0].startswith("dense_qnorm_wq_b_n")
         assert names("attn.wq_a_wkv", 0, 6)[1:] == []
         assert names("attn.wq_a_wkv", 0, 16)[1:] == [split]

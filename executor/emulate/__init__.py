@@ -26,6 +26,7 @@ EMULATORS = {
     "kernels.moe": "executor.emulate.moe:emulate",
     "kernels.dense": "executor.emulate.dense:emulate",
     "kernels.dense_qnorm": "executor.emulate.dense_qnorm:emulate",
+    "kernels.dense_qgmma": "executor.emulate.dense_qgmma:emulate",
     "kernels.wo_a": "executor.emulate.wo_a:emulate",
     "kernels.lm_head": "executor.emulate.lm_head:emulate",
     "kernels.indexer": "executor.emulate.indexer:emulate",

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from executor.launch import LaunchSpec
+from kernels import dense_qgmma_ref as qr
 from kernels import dense_ref as dr
 from kernels import lm_head_ref as lr
 
@@ -64,6 +65,15 @@ def dense_spec(bundle, label: str, rows: int, epilogue: str = "bf16",
     name = _one([n for n in bundle.names() if n.startswith(head) and n.endswith(tail)],
                 f"{head}*{tail}")
     return dr.DenseSpec.from_dict(_record_spec(bundle, name))
+
+
+def qgmma_spec(bundle, label: str) -> qr.QgSpec:
+    """The bundle's QGMMA kernel of `label` (kernels.dense_qgmma, variant stream_qg, tag `_sqg`;
+    R <= 8, bf16 epilogue): a QgSpec, launched by dense_launch (the dense family's ABI)."""
+    head, tail = f"dense_w8a16_{label}_n", f"_r{dr.ROW_TILE}_bf16_{qr.TAGS[qr.VARIANT]}"
+    name = _one([n for n in bundle.names() if n.startswith(head) and n.endswith(tail)],
+                f"{head}*{tail}")
+    return qr.QgSpec.from_dict(_record_spec(bundle, name))
 
 
 def wo_a_spec(bundle, rows: int) -> dr.DenseSpec:

@@ -10,7 +10,8 @@ this rank's wo_b output, which the attention all-reduce sums):
                                         slot_mapping[r] of swa_{l} (slot -1: padding, no write)
   attn.compressor      compressor       (kv sources) xn -> ring, compressed_{l}, index_keys_{l}
                        proj + publish   (ratio 2 pools pairs through compressor_ring_{l})
-  attn.wq_b            dense wq_b       attn.qr -> attn.q bf16 [R, H_l, 512]
+  attn.wq_b            dense wq_b       attn.qr -> attn.q bf16 [R, H_l, 512] (a 1-row bucket:
+                                        kernels.dense_qgmma's `_sqg`, QGMMA_WQ_B_ROWS)
   attn.rope_swa_insert RoPE in place    attn.q's rope dims at positions32 (the layer's table)
 
 With FUSED_ATTN_PREP = False (round 4's chain) attn.q_kv_norm is the split RMSNorm (attn.qr, and
@@ -72,6 +73,7 @@ from executor.launches.small import (
 from executor.launches.split_norm import split_norm_launch
 from executor.wiring import Buffer, packed_layers, weight_prefix
 from kernels import compressor_kernel_ref as ck
+from kernels import dense_qgmma_ref as qr
 from kernels import dense_ref as dr
 from kernels import kv_publish_ref, rope_ref, split_norm_ref
 from kernels.common_ref import BF16
@@ -95,6 +97,13 @@ FOLD_Q_NORM = True                  # revert: False (attn_prep between wq_a|wkv 
 # on the main chain, at the end of attn.wq_a_wkv's launches, and attn.q_kv_norm launches nothing
 # (an empty side stage forks nothing: executor.plan.Plan.record).
 FOLD_MIN_ROWS = 2
+# Round 9 (QGMMA, docs/notes/dense-design.md): a bucket of these row counts runs attn.wq_b as
+# kernels.dense_qgmma's `_sqg` (W8A16 on FP8 wgmma, x split into two E4M3 parts) on attn.qr.
+# Run r9d (H100, family PDL chain): 3.99 us against the plain kernel's 5.18 at R = 1; 6.40
+# against 5.69 at R = 6, so 1-row buckets only (2..8 keep the fold, R > 8 the r32 kernel).
+# Numerics: within 2^-11 sum|W||x~| + half a bf16 ulp of the split x's product, not the dense
+# family's fp32 bound (dense_qgmma_ref.qgmma_tolerance).
+QGMMA_WQ_B_ROWS = (1,)              # revert: () (bench_step variant "wq_b_xtwp")
 ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
 
 
@@ -120,12 +129,18 @@ def _dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
             for label in DENSE_LABELS for rt in dr.ROW_TILE_CHOICES] + wo_a_specs(cfg, tp)
 
 
+def _qgmma_specs(cfg, tp: int) -> list[qr.QgSpec]:
+    """The QGMMA kernel wq_b may launch (QGMMA_WQ_B_ROWS): sized whether or not the switch is
+    on, so a step variant re-wired without it keeps the same arena."""
+    return [s for s in qr.qg_specs(cfg, tp) if s.variant == qr.VARIANT and "_wq_b_" in s.name]
+
+
 def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
     """The group's intermediates and scratch, sized for max_rows; `attn.qr` and `attn.q` are
     group B's inputs."""
     r, shapes = max_rows, cfg.rank_shapes(tp)
     q_lora, hd = cfg.q_lora_rank, cfg.head_dim
-    dense = _dense_specs(cfg, tp)
+    dense = _dense_specs(cfg, tp) + _qgmma_specs(cfg, tp)
     workspace = max(s.workspace_bytes() for s in dense)
     counters = max(s.counters_bytes() for s in dense)
     out = [Buffer("attn.qkv", BF16, (r, q_lora + hd), "wq_a | wkv output"),
@@ -374,13 +389,40 @@ def _compressor(ctx, layer):
     return lambda rows: compressor_launches(ctx.bundle, shape, ptrs, rows, cfg.rms_norm_eps)
 
 
+def _qgmma(ctx, label: str, x: str, weight: str, out: str):
+    """rows -> [one kernels.dense_qgmma launch of `label`] (R <= 8), on the group's split-K
+    scratch like the dense launches (the tiny preset's wq_b splits K in 2)."""
+    spec = dl.qgmma_spec(ctx.bundle, label)
+    for name, need in (("attn.dense_workspace", spec.workspace_bytes()),
+                       ("attn.dense_counters", spec.counters_bytes())):
+        if need > ctx.arena.nbytes(name):
+            raise ValueError(f"{spec.name} needs {need} bytes of {name}; the arena has "
+                             f"{ctx.arena.nbytes(name)} (buffers() built for another shape?)")
+    ptrs = {"x": ctx.ptr(x), "weight": ctx.ptr(weight + ".weight"),
+            "scales": ctx.ptr(weight + ".scale"), "out": ctx.ptr(out),
+            "workspace": ctx.ptr("attn.dense_workspace"),
+            "counters": ctx.ptr("attn.dense_counters")}
+    return lambda rows: [dl.dense_launch(ctx.bundle, spec, ptrs, rows)]
+
+
 def _wq_b(ctx, layer):
     base = _prefix(ctx.cfg, layer)
-    dense = _dense(ctx, "wq_b", "attn.qr", base + "wq_b", "attn.q")
-    if not q_norm_folded():
-        return dense
-    folded = qnorm_dense(ctx, "wq_b", base + "wq_b", "attn.q", base + "q_norm.weight.f32")
-    return lambda rows: folded(rows) if folded_rows(rows) else dense(rows)
+    plain = _dense(ctx, "wq_b", "attn.qr", base + "wq_b", "attn.q")
+    fold = q_norm_folded()
+    folded = (qnorm_dense(ctx, "wq_b", base + "wq_b", "attn.q", base + "q_norm.weight.f32")
+              if fold else None)
+    qg_rows = frozenset(QGMMA_WQ_B_ROWS)
+    bad = [r for r in qg_rows if not 1 <= r <= dr.ROW_TILE or (fold and r >= FOLD_MIN_ROWS)]
+    if bad:                             # the QGMMA kernel reads attn.qr: R <= 8, not folded
+        raise ValueError(f"QGMMA_WQ_B_ROWS {sorted(qg_rows)}: rows {sorted(bad)} are past "
+                         f"{dr.ROW_TILE} or fold q_norm into wq_b (attn.qr unwritten)")
+    qg = _qgmma(ctx, "wq_b", "attn.qr", base + "wq_b", "attn.q") if qg_rows else None
+
+    def build(rows):
+        if fold and folded_rows(rows):
+            return folded(rows)
+        return qg(rows) if rows in qg_rows else plain(rows)
+    return build
 
 
 def _rope_swa_insert(ctx, layer):
