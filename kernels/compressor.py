@@ -188,8 +188,12 @@ class CompressorPublishSm90:
                  stream: cuda.CUstream):
         self.kernel(kv_score, ring, positions, seq_index, state_lines, block_tables, norm_w, wk,
                     k_norm, table, cache, keys, rows, pages_per_seq, page_size, num_positions,
-                    eps).launch(grid=[rows, 1, 1], block=list(self.spec.block),
+                    eps).launch(grid=[self.grid(rows), 1, 1], block=list(self.spec.block),
                                 smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
+
+    def grid(self, rows: Int32):
+        """CTAs of a launch: one per row."""
+        return rows
 
     @cute.kernel
     def kernel(self, kv_score: cute.Pointer, ring: cute.Pointer, positions: cute.Pointer,
@@ -251,13 +255,7 @@ class CompressorPublishSm90:
                 prev = kv_score + Int64(row - 1) * (ck.RING_WIDTH * 4)
         kv0 = ld_v4_f32(prev + Int64(tidx * 16))
         s0 = ld_v4_f32(prev + ck.HEAD_DIM * 4 + Int64(tidx * 16))
-        out = []
-        for k in cutlass.range_constexpr(4):
-            m = fmax_f32(s0[k], s1[k])
-            e0 = exp_f32(s0[k] - m)
-            e1 = exp_f32(s1[k] - m)
-            out.append(div_f32(e0 * kv0[k] + e1 * kv1[k], e0 + e1))
-        return out
+        return pool_pair(kv0, s0, kv1, s1)
 
     @cute.jit
     def block_sum(self, v: Float32, base: Int32, tidx: Int32, slot: int):
@@ -274,29 +272,35 @@ class CompressorPublishSm90:
     def publish(self, x, norm_w: Int64, wk: Int64, k_norm: Int64, table: Int64, entry: Int64,
                 key: Int64, epos: Int32, num_positions: Int32, eps: Float32, base: Int32,
                 tidx: Int32):
-        acc = Float32(0.0)
-        for k in cutlass.range_constexpr(4):
-            acc = acc + x[k] * x[k]
-        rstd = rstd_of(self.block_sum(acc, base, tidx, 0), eps, ck.HEAD_DIM)
+        rstd = self.latent_rstd(x, eps, base, tidx)
         w = ld_v4_f32(norm_w + Int64(tidx * 16))
-        lat = [(x[k] * rstd) * w[k] for k in range(4)]
-        for k in cutlass.range_constexpr(4):
-            sts_f32(base + tidx * 16 + 4 * k, lat[k])
+        lat = latent_store(x, rstd, w, base, tidx)
         valid = Int32(0)
         if epos >= 0 and epos < num_positions:
             valid = Int32(1)
         trow = table + Int64(valid * epos) * (rec.ROPE_DIM * 4)
         # Entry: threads 112..127 own the rope dims 448..511 (pairs 2(t-112), 2(t-112)+1).
-        rope_t = rec.NOPE_DIM // 4
         y = list(lat)
         pair = 2 * (tidx % 16)
         for q in cutlass.range_constexpr(2):
             c, s = self.cos_sin(trow, pair + q, valid)
-            y0 = lat[2 * q] * c - lat[2 * q + 1] * s
-            y1 = lat[2 * q] * s + lat[2 * q + 1] * c
-            is_rope = flag_ge(tidx, rope_t)
-            y[2 * q] = select_f32(is_rope, y0, lat[2 * q])
-            y[2 * q + 1] = select_f32(is_rope, y1, lat[2 * q + 1])
+            y[2 * q], y[2 * q + 1] = rope_entry_pair(lat[2 * q], lat[2 * q + 1], c, s, tidx)
+        self.store_entry(y, entry, tidx)
+        cute.arch.sync_threads()               # latent complete in shared memory
+        self.index_key(wk, k_norm, trow, valid, key, eps, base, tidx)
+
+    @cute.jit
+    def latent_rstd(self, x, eps: Float32, base: Int32, tidx: Int32):
+        """1 / rms over the row's 512 dims (this thread's are x[0..3])."""
+        acc = Float32(0.0)
+        for k in cutlass.range_constexpr(4):
+            acc = acc + x[k] * x[k]
+        return rstd_of(self.block_sum(acc, base, tidx, 0), eps, ck.HEAD_DIM)
+
+    @cute.jit
+    def store_entry(self, y, entry: Int64, tidx: Int32):
+        """The 584-byte record from the roped latent y (this thread's 4 dims)."""
+        rope_t = rec.NOPE_DIM // 4
         amax = Float32(0.0)
         for k in cutlass.range_constexpr(4):
             amax = fabs_max(amax, y[k])
@@ -315,8 +319,6 @@ class CompressorPublishSm90:
                       pack_bf16_rn(y[0], y[1]), pack_bf16_rn(y[2], y[3]))
             if tidx == ck.PUBLISH_THREADS - 1:
                 st_u8(entry + rec.KV_RECORD_BYTES - 1, Int32(0))
-        cute.arch.sync_threads()               # latent complete in shared memory
-        self.index_key(wk, k_norm, trow, valid, key, eps, base, tidx)
 
     @cute.jit
     def cos_sin(self, trow: Int64, pair: Int32, valid: Int32):
@@ -329,9 +331,7 @@ class CompressorPublishSm90:
                   eps: Float32, base: Int32, tidx: Int32):
         lane = tidx % LANES
         warp = tidx // LANES
-        lat = []
-        for k in cutlass.range_constexpr(16):
-            lat.append(lds_f32(base + (16 * lane + k) * 4))
+        lat = key_latent(base, lane)
         mine = Float32(0.0)
         for jj in cutlass.range(LANES, unroll=8):
             j = warp * LANES + jj
@@ -349,6 +349,15 @@ class CompressorPublishSm90:
         kn = (mine * rstd) * _ld_f32_nc(k_norm + Int64(tidx * 4))
         other = shfl_xor_f32(kn, 1)
         c, s = self.cos_sin(trow, (tidx % 64) // 2, valid)
+        self.store_key(kn, other, c, s, key, base, tidx)
+
+    @cute.jit
+    def store_key(self, kn: Float32, other: Float32, c: Float32, s: Float32, key: Int64,
+                  base: Int32, tidx: Int32):
+        """The index key from the normed key dim kn (other: the xor-1 lane's): RoPE of dims
+        64..127, one power-of-two scale over 128, FP8 bytes."""
+        lane = tidx % LANES
+        warp = tidx // LANES
         odd = Int32(tidx % 2)
         x0 = select_f32(odd, other, kn)
         x1 = select_f32(odd, kn, other)
@@ -368,6 +377,38 @@ class CompressorPublishSm90:
         st_u8(key + Int64(tidx), e4m3_byte(kr * exp2_f32(-ex)))
         if tidx == 0:
             st_f32(key + rec.INDEX_SCALE_OFFSET, exp2_f32(ex))
+
+
+def pool_pair(kv0, s0, kv1, s1):
+    """Softmax pooling of the pair (p-1, p) per channel (4 a thread)."""
+    out = []
+    for k in range(4):
+        m = fmax_f32(s0[k], s1[k])
+        e0 = exp_f32(s0[k] - m)
+        e1 = exp_f32(s1[k] - m)
+        out.append(div_f32(e0 * kv0[k] + e1 * kv1[k], e0 + e1))
+    return out
+
+
+def latent_store(x, rstd: Float32, w, base: Int32, tidx: Int32):
+    """RMSNorm'd latent (this thread's 4 dims), also into shared memory for the index key."""
+    lat = [(x[k] * rstd) * w[k] for k in range(4)]
+    for k in range(4):
+        sts_f32(base + tidx * 16 + 4 * k, lat[k])
+    return lat
+
+
+def rope_entry_pair(a: Float32, b: Float32, c: Float32, s: Float32, tidx: Int32):
+    """The pair (a, b) rotated on the threads that own rope dims (tidx >= NOPE_DIM / 4)."""
+    y0 = a * c - b * s
+    y1 = a * s + b * c
+    is_rope = flag_ge(tidx, rec.NOPE_DIM // 4)
+    return select_f32(is_rope, y0, a), select_f32(is_rope, y1, b)
+
+
+def key_latent(base: Int32, lane: Int32):
+    """Latent dims 16 lane .. 16 lane + 15 from shared memory (the index key's dot products)."""
+    return [lds_f32(base + (16 * lane + k) * 4) for k in range(16)]
 
 
 def _ld_f32_nc(addr: Int64):

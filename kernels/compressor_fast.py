@@ -3,7 +3,9 @@
 Specs and layouts: `kernels/compressor_kernel_ref.py` (`make_proj_spec(r, D, "bulk")`,
 `make_publish_spec(r, "staged")`, `proj_bulk_layout`); why and the predictions:
 docs/notes/compressor-design.md "Round 9". Same outputs and tolerances as the session-1 kernels
-of `kernels/compressor.py`; the staged publish does the session-1 arithmetic in the same order.
+of `kernels/compressor.py`; the staged publish calls the session-1 publish's math (pool_pair,
+latent_rstd, latent_store, rope_entry_pair, store_entry, key_latent, store_key), so the same
+arithmetic in the same order; only its loads differ.
 
 Bulk projection (PTX: u64 x, u64 w, u64 out, u32 rows): one CTA of stage_k / 4 threads (128 at
 D = 5120) per 4 output columns, grid (512 r / 4). Thread 0 streams the 4 weight rows and the x tile
@@ -43,14 +45,14 @@ from kernels.compressor import (
     LANES,
     CompressorPublishSm90,
     _ld_f32_nc,
-    div_f32,
-    e4m3_byte,
-    exp_f32,
     flag_ge,
-    pack_bf16_rn,
+    key_latent,
+    latent_store,
+    pool_pair,
+    rope_entry_pair,
 )
-from kernels.indexer_ptx import _addr, exp2_f32, fmax_f32, imin, pack_e4m3, pow2_exponent
-from kernels.kv_publish import rstd_of, select_f32, st_u8
+from kernels.indexer_ptx import _addr, imin
+from kernels.kv_publish import rstd_of, select_f32
 from kernels.moe_ptx import (
     bulk_copy_g2s,
     lds_v2,
@@ -62,14 +64,11 @@ from kernels.moe_ptx import (
 from kernels.ptx import (
     asm,
     bf16_pair,
-    fabs_max,
     ld_s32,
     ld_v4_f32,
     lds_f32,
     shfl_xor_f32,
-    shfl_xor_max,
     st_f32,
-    st_v2_b32,
     st_v4_f32,
     sts_f32,
     void,
@@ -249,18 +248,9 @@ class CompressorProjBulkSm90:
 class CompressorPublishStagedSm90(CompressorPublishSm90):
     """The session-1 publish with wk in shared memory and the loads issued early (module doc)."""
 
-    @cute.jit
-    def __call__(self, kv_score: cute.Pointer, ring: cute.Pointer, positions: cute.Pointer,
-                 seq_index: cute.Pointer, state_lines: cute.Pointer, block_tables: cute.Pointer,
-                 norm_w: cute.Pointer, wk: cute.Pointer, k_norm: cute.Pointer,
-                 table: cute.Pointer, cache: cute.Pointer, keys: cute.Pointer, rows: Int32,
-                 pages_per_seq: Int32, page_size: Int32, num_positions: Int32, eps: Float32,
-                 stream: cuda.CUstream):
-        grid = cutlass.min(rows, ck.PUBLISH_STAGED_CTAS)
-        self.kernel(kv_score, ring, positions, seq_index, state_lines, block_tables, norm_w, wk,
-                    k_norm, table, cache, keys, rows, pages_per_seq, page_size, num_positions,
-                    eps).launch(grid=[grid, 1, 1], block=list(self.spec.block),
-                                smem=self.spec.smem_bytes, stream=stream, use_pdl=True)
+    def grid(self, rows: Int32):
+        """CTAs of a launch: min(R, 128), each doing rows b, b + grid, ..."""
+        return cutlass.min(rows, ck.PUBLISH_STAGED_CTAS)
 
     @cute.kernel
     def kernel(self, kv_score: cute.Pointer, ring: cute.Pointer, positions: cute.Pointer,
@@ -362,13 +352,7 @@ class CompressorPublishStagedSm90(CompressorPublishSm90):
                 st_v4_f32(dst, *kv)
                 st_v4_f32(dst + ck.HEAD_DIM * 4, *sc)
             publish = pos % 2
-            pooled = []
-            for k in cutlass.range_constexpr(4):
-                m = fmax_f32(sc_prev[k], sc[k])
-                e0 = exp_f32(sc_prev[k] - m)
-                e1 = exp_f32(sc[k] - m)
-                pooled.append(div_f32(e0 * kv_prev[k] + e1 * kv[k], e0 + e1))
-            kv = pooled
+            kv = pool_pair(kv_prev, sc_prev, kv, sc)
         if page < 0:
             publish = Int32(0)
         if real == 0:
@@ -383,58 +367,25 @@ class CompressorPublishStagedSm90(CompressorPublishSm90):
     def publish_staged(self, x, w, kn_w: Float32, cs0, cs1, cs_key, entry: Int64, key: Int64,
                        eps: Float32, base: Int32, bar: Int32, wks: Int32, tidx: Int32):
         """`CompressorPublishSm90.publish` with its loads (norm_w, the RoPE rows) done already."""
-        acc = Float32(0.0)
-        for k in cutlass.range_constexpr(4):
-            acc = acc + x[k] * x[k]
-        rstd = rstd_of(self.block_sum(acc, base, tidx, 0), eps, ck.HEAD_DIM)
-        lat = [(x[k] * rstd) * w[k] for k in range(4)]
-        for k in cutlass.range_constexpr(4):
-            sts_f32(base + tidx * 16 + 4 * k, lat[k])
-        rope_t = rec.NOPE_DIM // 4
+        rstd = self.latent_rstd(x, eps, base, tidx)
+        lat = latent_store(x, rstd, w, base, tidx)
         y = list(lat)
         for q in cutlass.range_constexpr(2):
             c, s = cs0 if q == 0 else cs1
-            y0 = lat[2 * q] * c - lat[2 * q + 1] * s
-            y1 = lat[2 * q] * s + lat[2 * q + 1] * c
-            is_rope = flag_ge(tidx, rope_t)
-            y[2 * q] = select_f32(is_rope, y0, lat[2 * q])
-            y[2 * q + 1] = select_f32(is_rope, y1, lat[2 * q + 1])
+            y[2 * q], y[2 * q + 1] = rope_entry_pair(lat[2 * q], lat[2 * q + 1], c, s, tidx)
         self.store_entry(y, entry, tidx)
         cute.arch.sync_threads()               # latent complete in shared memory
         mbar_wait(bar, Int32(0))               # wk has landed (long since, mostly)
         self.index_key_staged(wks, kn_w, cs_key, key, eps, base, tidx)
 
     @cute.jit
-    def store_entry(self, y, entry: Int64, tidx: Int32):
-        rope_t = rec.NOPE_DIM // 4
-        amax = Float32(0.0)
-        for k in cutlass.range_constexpr(4):
-            amax = fabs_max(amax, y[k])
-        for k in cutlass.range_constexpr(4):
-            amax = shfl_xor_max(amax, 1 << k)
-        ex = pow2_exponent(amax, E4M3_MANT, E4M3_TOP)
-        inv = exp2_f32(-ex)
-        if tidx < rope_t:
-            void([Int64(entry + Int64(tidx * 4)), pack_e4m3(y[0] * inv, y[1] * inv, y[2] * inv,
-                                                      y[3] * inv)],
-                 "st.global.u32 [$0], $1;", "l,r")
-            if tidx % 16 == 0:
-                st_u8(entry + rec.KV_SCALE_OFFSET + tidx // 16, ex + 127)
-        else:
-            st_v2_b32(entry + rec.KV_ROPE_OFFSET + Int64(8 * (tidx - rope_t)),
-                      pack_bf16_rn(y[0], y[1]), pack_bf16_rn(y[2], y[3]))
-            if tidx == ck.PUBLISH_THREADS - 1:
-                st_u8(entry + rec.KV_RECORD_BYTES - 1, Int32(0))
-
-    @cute.jit
     def index_key_staged(self, wks: Int32, kn_w: Float32, cs_key, key: Int64, eps: Float32,
                          base: Int32, tidx: Int32):
-        """`CompressorPublishSm90.index_key` on wk in shared memory (same order of operations)."""
+        """`CompressorPublishSm90.index_key` on wk in shared memory (same order of operations:
+        the dot products' loop is repeated for its loads; the rest is shared)."""
         lane = tidx % LANES
         warp = tidx // LANES
-        lat = []
-        for k in cutlass.range_constexpr(16):
-            lat.append(lds_f32(base + (16 * lane + k) * 4))
+        lat = key_latent(base, lane)
         mine = Float32(0.0)
         for jj in cutlass.range(LANES, unroll=8):
             j = warp * LANES + jj
@@ -452,25 +403,7 @@ class CompressorPublishStagedSm90(CompressorPublishSm90):
         kn = (mine * rstd) * kn_w
         other = shfl_xor_f32(kn, 1)
         c, s = cs_key
-        odd = Int32(tidx % 2)
-        x0 = select_f32(odd, other, kn)
-        x1 = select_f32(odd, kn, other)
-        rot = select_f32(odd, x0 * s + x1 * c, x0 * c - x1 * s)
-        is_rope = flag_ge(tidx, ck.INDEX_DIM - rec.ROPE_DIM)
-        kr = select_f32(is_rope, rot, kn)
-        amax = fabs_max(Float32(0.0), kr)
-        for k in cutlass.range_constexpr(5):
-            amax = shfl_xor_max(amax, 1 << k)
-        part = base + 2048 + 32
-        if lane == 0:
-            sts_f32(part + warp * 4, amax)
-        cute.arch.sync_threads()
-        amax = fmax_f32(fmax_f32(lds_f32(part), lds_f32(part + 4)),
-                        fmax_f32(lds_f32(part + 8), lds_f32(part + 12)))
-        ex = pow2_exponent(amax, E4M3_MANT, E4M3_TOP)
-        st_u8(key + Int64(tidx), e4m3_byte(kr * exp2_f32(-ex)))
-        if tidx == 0:
-            st_f32(key + rec.INDEX_SCALE_OFFSET, exp2_f32(ex))
+        self.store_key(kn, other, c, s, key, base, tidx)
 
 
 CLASSES = {("proj", "bulk"): CompressorProjBulkSm90, ("proj", "bulk16"): CompressorProjBulkSm90,

@@ -58,6 +58,7 @@ from kernels import moe_kernel_ref as mk
 from kernels import moe_ptx as mp
 from kernels.moe_bulk import MoeW13SelfRoutedBulkSm90
 from kernels.moe_selfroute import MoeW2EarlyRefillSm90
+from kernels.moe_timeline import launch_w2, launch_w13, w2_ptrs, w13_ptrs
 from kernels.ptx import ld_f32_if, lds_u32, void
 
 
@@ -97,18 +98,14 @@ class MoeW13QueuedSm90(MoeW13SelfRoutedBulkSm90):
     def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                  codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                  h: cute.Pointer, sched: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        # As MoeW13WarpRoutedSm90.__call__: ctas_per_sm is the launch bound.
-        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, sched, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.launch_bound,
-            preferred_smem_carveout=100)
+        launch_w13(self, self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, sched, rows),
+                   stream)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                h: cute.Pointer, sched: cute.Pointer, rows: Int32):
-        self.run_claimed(mp._addr(topk_ids), (mp._addr(xq), mp._addr(xs), mp._addr(codes),
-                                              mp._addr(offsets), mp._addr(scales), mp._addr(h)),
+        self.run_claimed(mp._addr(topk_ids), w13_ptrs(xq, xs, codes, offsets, scales, h),
                          mp._addr(sched) + 4 * mk.SCHED_AT["w13sr"], rows)
 
     @cute.jit
@@ -182,16 +179,13 @@ class MoeW2QueuedSm90(MoeW2EarlyRefillSm90):
     def __call__(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                  offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
                  sched: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        self.kernel(topk_ids, h, codes, offsets, scales, ye, sched, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True)
+        launch_w2(self, self.kernel(topk_ids, h, codes, offsets, scales, ye, sched, rows), stream)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
                sched: cute.Pointer, rows: Int32):
-        self.run_claimed(mp._addr(topk_ids), (mp._addr(h), mp._addr(codes), mp._addr(offsets),
-                                              mp._addr(scales), mp._addr(ye)),
+        self.run_claimed(mp._addr(topk_ids), w2_ptrs(h, codes, offsets, scales, ye),
                          mp._addr(sched) + 4 * mk.SCHED_AT["w2sr"], rows)
 
     @cute.jit
@@ -261,17 +255,14 @@ class MoeW13QueuedTimelineSm90(MoeW13QueuedSm90):
                  codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                  h: cute.Pointer, sched: cute.Pointer, stamps: cute.Pointer, rows: Int32,
                  stream: cuda.CUstream):
-        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, sched, stamps, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.launch_bound,
-            preferred_smem_carveout=100)
+        launch_w13(self, self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, sched, stamps,
+                                     rows), stream)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                h: cute.Pointer, sched: cute.Pointer, stamps: cute.Pointer, rows: Int32):
-        self.run_claimed(mp._addr(topk_ids), (mp._addr(xq), mp._addr(xs), mp._addr(codes),
-                                              mp._addr(offsets), mp._addr(scales), mp._addr(h)),
+        self.run_claimed(mp._addr(topk_ids), w13_ptrs(xq, xs, codes, offsets, scales, h),
                          mp._addr(sched) + 4 * mk.SCHED_AT["w13sr"], rows, mp._addr(stamps))
 
 
@@ -283,16 +274,14 @@ class MoeW2QueuedTimelineSm90(MoeW2QueuedSm90):
     def __call__(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                  offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
                  sched: cute.Pointer, stamps: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        self.kernel(topk_ids, h, codes, offsets, scales, ye, sched, stamps, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True)
+        launch_w2(self, self.kernel(topk_ids, h, codes, offsets, scales, ye, sched, stamps, rows),
+                  stream)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
                sched: cute.Pointer, stamps: cute.Pointer, rows: Int32):
-        self.run_claimed(mp._addr(topk_ids), (mp._addr(h), mp._addr(codes), mp._addr(offsets),
-                                              mp._addr(scales), mp._addr(ye)),
+        self.run_claimed(mp._addr(topk_ids), w2_ptrs(h, codes, offsets, scales, ye),
                          mp._addr(sched) + 4 * mk.SCHED_AT["w2sr"], rows, mp._addr(stamps))
 
 

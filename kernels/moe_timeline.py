@@ -22,6 +22,30 @@ from kernels.moe_ptx import _addr
 from kernels.moe_selfroute import MoeW2EarlyRefillSm90
 
 
+def launch_w13(obj, kernel, stream: cuda.CUstream):
+    """A w13 kernel's launch (grid and block as compiled; the host sets the real grid). As
+    MoeW13WarpRoutedSm90.__call__: ctas_per_sm is the launch bound."""
+    kernel.launch(grid=[2, 1, 1], block=list(obj.spec.block), smem=obj.spec.smem_bytes,
+                  stream=stream, use_pdl=True, min_blocks_per_mp=obj.spec.launch_bound,
+                  preferred_smem_carveout=100)
+
+
+def launch_w2(obj, kernel, stream: cuda.CUstream):
+    """A w2 kernel's launch (no launch bound)."""
+    kernel.launch(grid=[2, 1, 1], block=list(obj.spec.block), smem=obj.spec.smem_bytes,
+                  stream=stream, use_pdl=True)
+
+
+def w13_ptrs(xq, xs, codes, offsets, scales, h):
+    """The w13 body's pointer tuple (addresses, in this order)."""
+    return (_addr(xq), _addr(xs), _addr(codes), _addr(offsets), _addr(scales), _addr(h))
+
+
+def w2_ptrs(h, codes, offsets, scales, ye):
+    """The self-routed w2 body's pointer tuple (addresses, in this order)."""
+    return (_addr(h), _addr(codes), _addr(offsets), _addr(scales), _addr(ye))
+
+
 class _W13Timeline:
     """w13w / w13sr "bulk*": (ids, xq, xs, codes, offsets, scales, h, stamps, rows)."""
 
@@ -29,18 +53,15 @@ class _W13Timeline:
     def __call__(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                  codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                  h: cute.Pointer, stamps: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        # As MoeW13WarpRoutedSm90.__call__: ctas_per_sm is the launch bound.
-        self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, stamps, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True, min_blocks_per_mp=self.spec.launch_bound,
-            preferred_smem_carveout=100)
+        launch_w13(self, self.kernel(topk_ids, xq, xs, codes, offsets, scales, h, stamps, rows),
+                   stream)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, xq: cute.Pointer, xs: cute.Pointer,
                codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                h: cute.Pointer, stamps: cute.Pointer, rows: Int32):
-        self.run(_addr(topk_ids), (_addr(xq), _addr(xs), _addr(codes), _addr(offsets),
-                                   _addr(scales), _addr(h)), rows, _addr(stamps))
+        self.run(_addr(topk_ids), w13_ptrs(xq, xs, codes, offsets, scales, h), rows,
+                 _addr(stamps))
 
 
 class MoeW13BulkTimelineSm90(_W13Timeline, MoeW13BulkSm90):
@@ -58,9 +79,8 @@ class MoeW2BulkTimelineSm90(MoeW2BulkSm90):
     def __call__(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
                  codes: cute.Pointer, offsets: cute.Pointer, scales: cute.Pointer,
                  ye: cute.Pointer, stamps: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        self.kernel(meta, pairs, h, codes, offsets, scales, ye, stamps, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True)
+        launch_w2(self, self.kernel(meta, pairs, h, codes, offsets, scales, ye, stamps, rows),
+                  stream)
 
     @cute.kernel
     def kernel(self, meta: cute.Pointer, pairs: cute.Pointer, h: cute.Pointer,
@@ -77,16 +97,14 @@ class MoeW2EarlyRefillTimelineSm90(MoeW2EarlyRefillSm90):
     def __call__(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                  offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
                  stamps: cute.Pointer, rows: Int32, stream: cuda.CUstream):
-        self.kernel(topk_ids, h, codes, offsets, scales, ye, stamps, rows).launch(
-            grid=[2, 1, 1], block=list(self.spec.block), smem=self.spec.smem_bytes,
-            stream=stream, use_pdl=True)
+        launch_w2(self, self.kernel(topk_ids, h, codes, offsets, scales, ye, stamps, rows),
+                  stream)
 
     @cute.kernel
     def kernel(self, topk_ids: cute.Pointer, h: cute.Pointer, codes: cute.Pointer,
                offsets: cute.Pointer, scales: cute.Pointer, ye: cute.Pointer,
                stamps: cute.Pointer, rows: Int32):
-        self.run(_addr(topk_ids), (_addr(h), _addr(codes), _addr(offsets), _addr(scales),
-                                   _addr(ye)), rows, _addr(stamps))
+        self.run(_addr(topk_ids), w2_ptrs(h, codes, offsets, scales, ye), rows, _addr(stamps))
 
 
 def kernel_class(spec: mk.MoeSpec):

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from moe_cases import random_chains
 from test_moe_kernel import POOL_SEEDS, _routing, setup  # noqa: F401 (fixture)
 
 from executor.launches import moe as ml
-from kernels import moe_kernel_ref as mk
 from kernels import moe_ref
 
 pytestmark = pytest.mark.gpu
@@ -105,28 +105,10 @@ def test_queued_chain_matches_the_reference(setup, rows):  # noqa: F811 (the imp
         _assert_queued_equals(got, sched, want, what)
 
 
-def _shapes(bundle) -> list[mk.MoeShape]:
-    return sorted({ml.shape_of(bundle.manifest.kernels[n].spec) for n in bundle.names()
-                   if n.startswith("moe_w13_")}, key=lambda s: s.tag())
-
-
 @pytest.fixture(scope="module")
 def chains(dev, preset_bundle):
-    """A MoeChain per MoE shape with random weights (device RNG) in every expert and random x."""
-    from executor.benchmarks import fill_random_bf16
-    from executor.moe_chain import MoeChain, _fill_random_weights
-    _, bundle = preset_bundle
-    out = []
-    try:
-        for shape in _shapes(bundle):
-            chain = MoeChain(dev, bundle, shape)
-            out.append(chain)
-            _fill_random_weights(chain)
-            fill_random_bf16(chain.arena, "x")
-        yield out
-    finally:
-        for chain in out:
-            chain.close()
+    """A MoeChain per MoE shape with random weights in every expert and random x."""
+    yield from random_chains(dev, preset_bundle[1])
 
 
 @pytest.mark.parametrize("rows", ROWS)

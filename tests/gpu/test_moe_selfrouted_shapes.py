@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from moe_cases import random_chains
 
 from executor.launches import moe as ml
-from kernels import moe_kernel_ref as mk
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -22,29 +22,10 @@ cp = pytest.importorskip("cupy")
 ROWS = (1, 3, 6, 16, 48)
 
 
-def _shapes(bundle) -> list[mk.MoeShape]:
-    """Every MoE shape the bundle holds, by tag (v41: e128_k3 then e384_k6)."""
-    return sorted({ml.shape_of(bundle.manifest.kernels[n].spec) for n in bundle.names()
-                   if n.startswith("moe_w13_")}, key=lambda s: s.tag())
-
-
 @pytest.fixture(scope="module")
 def chains(dev, preset_bundle):
-    """A MoeChain per MoE shape with random weights (device RNG) in every expert and random x."""
-    from executor.benchmarks import fill_random_bf16
-    from executor.moe_chain import MoeChain, _fill_random_weights
-    _, bundle = preset_bundle
-    out = []
-    try:
-        for shape in _shapes(bundle):
-            chain = MoeChain(dev, bundle, shape)
-            out.append(chain)
-            _fill_random_weights(chain)
-            fill_random_bf16(chain.arena, "x")
-        yield out
-    finally:
-        for chain in out:
-            chain.close()
+    """A MoeChain per MoE shape with random weights in every expert and random x."""
+    yield from random_chains(dev, preset_bundle[1])
 
 
 def _run(chain, specs, stream, rows):
