@@ -216,7 +216,8 @@ class DenseQgmmaSm90:
     def __call__(self, x: cute.Pointer, weight: cute.Pointer, scales: cute.Pointer,
                  residual: cute.Pointer, out: cute.Pointer, workspace: cute.Pointer,
                  counters: cute.Pointer, rows: Int32, stream):
-        # Two CTAs per SM (this launch's and the next one's, streaming its weights beside it).
+        # Two CTAs per SM (this launch's and the next one's, streaming its weights beside it);
+        # a whole-K spec (WHOLE_K_LABELS: wo_b, 166 KB) one, on 80 of the SMs.
         # 4 warpgroups: a launch bound keeps ptxas to 64 registers (unbound: 66 for wq_b); the
         # carveout is any value, it spares the DSL a GPU query at compile time. 2 warpgroups stay
         # unbound (62-66 registers; bound, ptxas spends 124-126 on the same code).

@@ -52,7 +52,9 @@ from kernels.dense_ref import FP8_BLOCK, MAX_SCALE_BYTE, ROW_TILE, DenseSpec, de
 VARIANT = "stream_qg"                # 2 warpgroups a CTA
 VARIANT_WIDE = "stream_qg4"          # 4 warpgroups a CTA: 4 warps per SM sub-partition, not 2
 TAGS = {VARIANT: "sqg", VARIANT_WIDE: "sqg4"}
-QG_LABELS = ("wqa_wkv", "wq_b")      # the R <= 8 attention linears the candidate is built for
+QG_LABELS = ("wqa_wkv", "wq_b", "wo_b")   # the R <= 8 attention linears the candidate is built for
+WHOLE_K_LABELS = ("wo_b",)          # whole K per CTA at one CTA per SM (wo_b: K = 2048 is past
+                                    # MAX_SLICE_K, and 2 slices of 80 tiles are 160 CTAs, 2 waves)
 WIDE_LABELS = ("wqa_wkv",)          # also with 4 warpgroups: at wq_b's shape ptxas serializes
                                     # the wgmmas there (C7512, insufficient registers at 64)
 TILE_M = 64                         # weight rows per CTA: one wgmma M
@@ -71,6 +73,8 @@ SCALE_BIAS = 64                     # fold factor 2^(s_w - 127 + 64): never an f
 B_STEP_BYTES = 512                  # smem per k-step of x: [hi, lo][k half][token 0..7][16 B]
 QG_ACC_REL = 2.0**-11               # the tensor core's per-step accumulation bound (margin 2)
 SMEM_BUDGET = 104 * 1024            # dense_ref.STREAM_SMEM_BUDGET: the next kernel fits beside
+SMEM_BUDGET_WHOLE = 227 * 1024      # WHOLE_K_LABELS: the SM90 per-block opt-in maximum (one CTA
+                                    # per SM; the next kernel streams on the SMs this grid leaves)
 
 
 def choose_split(tiles: int, k: int) -> int:
@@ -182,22 +186,29 @@ class QgSpec(DenseSpec):
         return 0 if self.split_k == 1 else self.tiles64 * 4
 
 
-def make_qg_spec(label: str, n: int, k: int, variant: str = VARIANT) -> QgSpec:
+def make_qg_spec(label: str, n: int, k: int, variant: str = VARIANT,
+                 whole_k: bool = False) -> QgSpec:
+    """whole_k: one K slice per tile whatever K (smem up to SMEM_BUDGET_WHOLE, one CTA per SM)."""
     if n % TILE_M or k % 128 or variant not in WARPGROUPS:
         raise ValueError(f"{label}: the QGMMA kernel needs N % {TILE_M} == 0 and K % 128 == 0 "
                          f"and a variant of {tuple(WARPGROUPS)}, got N={n}, K={k}, {variant!r}")
-    split = choose_split(n // TILE_M, k)
+    if whole_k and n // TILE_M > H200_NUM_SMS:
+        raise ValueError(f"{label}: {n // TILE_M} tiles of whole K are more than one wave")
+    split = 1 if whole_k else choose_split(n // TILE_M, k)
     name = f"dense_w8a16_{label}_n{n}_k{k}_r{ROW_TILE}_bf16_{TAGS[variant]}"
     spec = QgSpec(name, n, k, 1, 1, "bf16", split, variant, k // split, n // TILE_M * split, 0)
-    if spec.smem_bytes > SMEM_BUDGET:
-        raise ValueError(f"{label}: {spec.smem_bytes} bytes of smem, over {SMEM_BUDGET}")
+    budget = SMEM_BUDGET_WHOLE if whole_k else SMEM_BUDGET
+    if spec.smem_bytes > budget:
+        raise ValueError(f"{label}: {spec.smem_bytes} bytes of smem, over {budget}")
     return spec
 
 
 def qg_specs(cfg, tp: int) -> list[QgSpec]:
-    """The candidates: QG_LABELS at the config's per-rank shapes (not wired into the step)."""
+    """The candidates: QG_LABELS at the config's per-rank shapes (wq_b's `_sqg` is wired at
+    R = 1: executor/stages/attn_proj.QGMMA_WQ_B_ROWS; the others are not)."""
     shapes = dense_shapes(cfg, tp)
-    return [make_qg_spec(label, shapes[label][0], shapes[label][1], variant)
+    return [make_qg_spec(label, shapes[label][0], shapes[label][1], variant,
+                         whole_k=label in WHOLE_K_LABELS)
             for label in QG_LABELS if label in shapes
             for variant in (VARIANT,) + ((VARIANT_WIDE,) if label in WIDE_LABELS else ())]
 

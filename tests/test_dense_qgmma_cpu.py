@@ -25,12 +25,15 @@ def test_specs_cover_the_attention_linears_in_one_wave(config):
     specs = qr.qg_specs(ModelConfig.preset(config), 4)
     assert [(s.name.split("_n")[0], s.name.split("_")[-1]) for s in specs] == [
         ("dense_w8a16_wqa_wkv", "sqg"), ("dense_w8a16_wqa_wkv", "sqg4"),
-        ("dense_w8a16_wq_b", "sqg")]
+        ("dense_w8a16_wq_b", "sqg"), ("dense_w8a16_wo_b", "sqg")]
     for s in specs:
         assert s.name.endswith(f"_r8_bf16_{qr.TAGS[s.variant]}")
         assert s.block == (128 * s.warpgroups, 1, 1) and s.steps % s.warpgroups == 0
         assert s.ctas <= 132 and s.ctas == s.n // 64 * s.split_k and s.k == s.split_k * s.slice_k
-        assert s.slice_k % 128 == 0 and s.smem_bytes <= qr.SMEM_BUDGET
+        whole = "_wo_b_" in s.name                     # WHOLE_K_LABELS: one CTA per SM
+        assert s.slice_k % 128 == 0 and s.smem_bytes <= (qr.SMEM_BUDGET_WHOLE if whole
+                                                         else qr.SMEM_BUDGET)
+        assert s.split_k == 1 or not whole
         assert s.grid(8) == (s.ctas, 1, 1)
         assert qr.QgSpec.from_dict(s.to_dict()) == s
         assert DenseSpec.from_dict(s.to_dict()).name == s.name      # the manifest record
@@ -38,9 +41,11 @@ def test_specs_cover_the_attention_linears_in_one_wave(config):
             s.grid(9)
         assert s.workspace_bytes() == (0 if s.split_k == 1 else s.ctas * 2048)
     if config == "v41-flash":
-        wqa, _, wqb = specs
+        wqa, _, wqb, wob = specs
         assert (wqa.n, wqa.k, wqa.split_k, wqa.ctas) == (1792, 5120, 4, 112)
         assert (wqb.n, wqb.k, wqb.split_k, wqb.ctas) == (8192, 1280, 1, 128)
+        assert (wob.n, wob.k, wob.split_k, wob.ctas) == (5120, 2048, 1, 80)
+        assert qr.SMEM_BUDGET < wob.smem_bytes <= qr.SMEM_BUDGET_WHOLE   # 64 x 2080 + 32 KB x
 
 
 def test_smem_layout_is_disjoint_and_aligned():
@@ -175,6 +180,17 @@ def test_model_of_the_kernel_is_within_the_bound(shape, variant):
     assert _within(spec, qr.qgmma_model(spec, x, w, s, acc_bits=11), x, wf)
 
 
+def test_whole_k_model_is_within_the_bound():
+    """wo_b's arrangement (one slice of K = 2048, 32 k-steps per warpgroup) on the CPU model."""
+    spec = qr.make_qg_spec("wo_b", 128, 2048, whole_k=True)
+    assert (spec.split_k, spec.wg_steps, spec.ctas) == (1, 32, 2)
+    with pytest.raises(ValueError, match="slice"):
+        qr.make_qg_spec("wo_b", 5120, 2048)            # v41 wo_b: 1 slice > MAX_SLICE_K, 2 > 1 wave
+    for seed in range(2):
+        x, w, s, wf = _case(spec, seed)
+        assert _within(spec, qr.qgmma_model(spec, x, w, s), x, wf)
+
+
 @pytest.mark.parametrize("shape", [(256, 1280), (128, 5120)])
 def test_a_wrong_element_fails_the_bound(shape):
     spec = _spec(*shape)
@@ -223,7 +239,7 @@ def test_family_benchmark_times_the_candidates_beside_the_step_kernel(tiny_bundl
     from executor.hostmem import ManifestBundle
     from executor.launches import dense as ld
     bundle = ManifestBundle(tiny_bundle_dir)
-    specs = bd.narrow(bd._dense_specs(bundle), "wqa_wkv,wq_b")
+    specs = bd.narrow(bd._dense_specs(bundle), "wqa_wkv,wq_b,wo_b")
     qg = [s for s in specs if isinstance(s, qr.QgSpec)]
     assert sorted(s.name for s in qg) == sorted(s.name for s in qr.qg_specs(
         ModelConfig.preset("tiny"), 4))

@@ -134,7 +134,7 @@ def test_picker_takes_the_two_warpgroup_kernel(bundle):
     assert spec.variant == qr.VARIANT and spec.name.endswith("_r8_bf16_sqg")
     assert spec in qr.qg_specs(ModelConfig.preset("tiny"), 4)
     with pytest.raises(LookupError):
-        ld.qgmma_spec(bundle, "wo_b")               # built for wq_a|wkv and wq_b only
+        ld.qgmma_spec(bundle, "shared_w2")          # built for the attention linears only
 
 
 def _step(bundle_dir, caches, rows, history):

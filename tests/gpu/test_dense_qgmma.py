@@ -1,7 +1,8 @@
 """GPU tests of the QGMMA W8A16 candidate (kernels/dense_qgmma.py; family kernels.dense_qgmma).
 
 Every `_sqg` kernel of each preset's bundle (tiny: wq_a|wkv 768x256 and wq_b 2048x256, both split
-in 2 K slices; v41-flash TP4: wq_a|wkv 1792x5120 in 4 slices, wq_b 8192x1280 whole) at R in
+in 2 K slices, wo_b 256x256 whole; v41-flash TP4: wq_a|wkv 1792x5120 in 4 slices, wq_b 8192x1280
+whole, wo_b 5120x2048 whole at one CTA per SM, 166 KB of smem: WHOLE_K_LABELS) at R in
 {1, 5, 6, 8}, two fresh draws each: x with wide-range rows (dense_qgmma_ref.random_wide_rows: a
 row with one 3e4 element, one spread over 2^-40..2^20, one of ~2^-100 values, one all zero, one
 of ~2^100 values) and
