@@ -16,11 +16,12 @@ this rank's wo_b output, which the attention all-reduce sums):
 
 With FUSED_ATTN_PREP = False (round 4's chain) attn.q_kv_norm is the split RMSNorm (attn.qr, and
 attn.kv = the kv half, copied) and attn.rope_swa_insert adds the SWA insert from attn.kv.
-With FOLD_Q_NORM (session 8, 2 <= R <= 8; R = 1 keeps attn_prep, FOLD_MIN_ROWS): attn.wq_b is kernels.dense_qnorm, q_norm of attn.qkv's q
-half in its x prologue (bitwise attn.qr; the indexer's wq_b likewise), attn.q_kv_norm the SWA
-insert alone from the kv half of attn.qkv (kv_swa_insert_d512_s<q_lora + 512>; a side stage
-where the layer has no compressor / indexer, plan.kv_insert_on_side), attn.qr not written. Above
-8 rows attn.wq_a_wkv ends with split_rmsnorm (attn.qr for the r32 kernels).
+With FOLD_Q_NORM (session 8, 2 <= R <= 8; a 1-row bucket keeps attn_prep, FOLD_MIN_ROWS):
+attn.wq_b is kernels.dense_qnorm, q_norm of attn.qkv's q half in its x prologue (bitwise
+attn.qr; the indexer's wq_b likewise), attn.q_kv_norm the SWA insert alone from the kv half of
+attn.qkv (kv_swa_insert_d512_s<q_lora + 512>; a side stage where the layer has no compressor /
+indexer, plan.kv_insert_on_side), attn.qr not written. Above 8 rows attn.wq_a_wkv ends with
+split_rmsnorm (attn.qr for the r32 kernels).
   attn.wo_a            grouped wo_a     attn.o (group B, inverse-RoPE'd) -> attn.z [R, G_l lora]
   attn.wo_b            dense wo_b       attn.z -> attn.partial (bf16 epilogue: the reference's
                                         AR-1 rounds each rank's fp32 partial to bf16 first)
@@ -85,7 +86,7 @@ DENSE_LABELS = ("wqa_wkv", "wq_b", "wo_b")
 # (docs/notes/attn-fusion.md). False: split_rmsnorm, then RoPE + kv_swa_insert, as measured in
 # round 4.
 FUSED_ATTN_PREP = True
-# q_norm folded into its readers (docs/notes/attn-fusion.md, "q_norm folded"): at R <= 8 wq_b and
+# q_norm folded into its readers (docs/notes/attn-fusion.md, "q_norm folded"): at 2..8 rows wq_b and
 # the indexer's wq_b are kernels.dense_qnorm (RMSNorm of attn.qkv's q half in their x prologue,
 # bitwise attn.qr), and attn.q_kv_norm is the kv half's SWA insert alone (kv_swa_insert_d512_s<W
 # + 512>, reading attn.qkv in place) on the side stream: no launch between wq_a|wkv and wq_b. Above
