@@ -55,7 +55,8 @@ PROJ_BULK_STAGE_K = 512                        # dims per ring slot (4 per threa
 PROJ_BULK_ROW_TILES = {"bulk": 8, "bulk16": 16, "bulkr": 8}
 # "bulkr": "bulk" that copies only the x rows < R into a slot (the clamped duplicates of the
 # last row were 7/8 of the x copies at R = 1, all of the same L2 lines; rows >= R compute on
-# stale shared memory and are never stored). Round 9b, after run r9b; not measured.
+# stale shared memory and are never stored). Round 9b, after run r9b; run r9d (H100,
+# alone): r = 2 12.86 / 12.96 us at R = 1 / 6 against bulk's 15.15 / 13.33.
 FAST_PROJ_16_ABOVE = 8                         # the step's r = 2 projection: bulk16 above R = 8
 PUBLISH_STAGED_CTAS = 128
 PUBLISH_STAGED_WK_AT = 2176                    # latent, partials, mbarrier, then wk bf16 [128, 512]

@@ -110,8 +110,9 @@ BULK_W13W = "bulkw"
 STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 # Round 9 (moe-design.md): from SELFROUTED_FROM_ROWS the step's self-routed pair claims its items
 # from a work queue (w13sr "bulkq" -> w2sr "earlyq": "bulk" / "early" whose CTAs take items
-# as they finish, bitwise the same y) where the caller's pointers include "sched". Not yet
-# measured. bench_step variant "moe_static" runs the step with it off.
+# as they finish, bitwise the same y) where the caller's pointers include "sched". Runs r9b /
+# r9d (H100, the step against bench_step variant "moe_static", which runs it off): -128 / -119
+# us a step at R = 6, -589 / -633 at R = 48, nothing at R = 1.
 STEP_QUEUE = True  # revert: False
 QUEUED_PAIR = ("bulkq", "earlyq")
 
