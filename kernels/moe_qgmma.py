@@ -192,7 +192,8 @@ class MoeW13QgSm90(MoeW13QueuedSm90):
     def slice_math(self, ring: Int32, ins, warp: Int32, lane: Int32, phase: Int32, refill,
                    first_chunk: Int32, last_chunk: Int32, tl=None, first_item=None):
         """bulkq's slice loop (part barriers, refill after a part's last group) with each
-        group's 4 k-steps on QGMMA, waited and folded in group order. Lane (g, w) of warp w returns (rows g, g+8) x (tokens 0, 1)."""
+        group's 4 k-steps on QGMMA, waited and folded in group order. Lane (g, w) of warp w
+        returns (rows g, g+8) x (tokens 0, 1)."""
         xstage, sc, _, _, _, _ = ins
         base = ring + warp * self.warp_bytes
         acc = [Float32(0.0)] * 4
