@@ -376,8 +376,6 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "compressor_bulk": lambda: {("executor.launches.compressor", "FAST_PROJ"): "bulk"},
     # round 9's revert: the self-routed MoE pair with static items (w13sr bulk, w2sr early)
     "moe_static": lambda: {("executor.launches.moe", "STEP_QUEUE"): False},
-    # round 10's revert: the queued MoE pair on mma.sync (w13sr bulkq, w2sr earlyq) at every R
-    "moe_mma_sync": lambda: {("executor.launches.moe", "STEP_QG_ROWS"): range(0)},
     "mqa_round7": lambda: {("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT"):
                            _constant("kernels.sparse_mqa_ref", "STEP_TOPK_VARIANT_ROUND7")},
 }

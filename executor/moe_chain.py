@@ -225,20 +225,14 @@ def bench_moe_routed(ctx) -> None:
                             available=chain.available)))
                 w2_early = "early" in chain.selfrouted_variants("w2sr")
                 for w13 in chain.selfrouted_variants("w13sr"):
-                    if w13 in (ml.QUEUED_PAIR[0], ml.QG_PAIR[0]):
-                        continue                 # only with its w2 (the rows below)
+                    if w13 == ml.QUEUED_PAIR[0]:
+                        continue                 # only with its w2 (the row below)
                     w2 = ("early" if w13 in ("early", "bulk", "bulkw") and w2_early
                           else None)
                     chains.append((" selfrouted" + (f" {w13}" if w13 else ""),
                                    chain.launches_selfrouted(rows, w13=w13, w2=w2)))
                 if chain.has_queued():           # round 9: claimed items
                     chains.append((" selfrouted queued", chain.launches_queued(rows)))
-                    # round 10: the queued pair on QGMMA, and its w2 alone after bulkq
-                    for label, pair in ((" selfrouted queued qg", ml.QG_PAIR),
-                                        (" selfrouted queued w2 qg",
-                                         (ml.QUEUED_PAIR[0], ml.QG_PAIR[1]))):
-                        if {("w13sr", pair[0]), ("w2sr", pair[1])} <= set(chain.available):
-                            chains.append((label, chain.launches_selfrouted(rows, *pair)))
             for label, specs in chains:
                 def run(specs=specs):
                     for s in specs:

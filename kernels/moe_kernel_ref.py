@@ -187,7 +187,7 @@ class MoeSpec:
     def queued(self) -> bool:
         """A work-queue variant (kernels/moe_queue.py): one more pointer, `sched`, before rows
         (before `stamps` in a timeline build)."""
-        return (self.kind, self.variant) in QUEUED_VARIANTS | QG_VARIANTS
+        return (self.kind, self.variant) in QUEUED_VARIANTS
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -463,9 +463,8 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # w2: 8 warps); the lists cost 9 KB more per CTA, so w2 fits 3 CTAs per SM, not 4.
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
 W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3),
-                  ("bulkq", 4, 1, 3), ("bulkqg", 4, 1, 3))
-W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3),
-                 ("earlyqg", 1, 3))
+                  ("bulkq", 4, 1, 3))
+W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 # Round 9 (kernels/moe_queue.py): w13sr "bulkq" / w2sr "earlyq" are "bulk" / "early" (same block,
 # shared memory, occupancy, grid, items and per-item math: h / ye bitwise) whose CTAs claim every
@@ -473,27 +472,12 @@ W2SR_SINGLE_ROW_VARIANT = "r2x2"
 # [SCHED_WORDS] = w13 (claim, done), w2 (claim, done), zero before the first launch; each queued
 # launch leaves its two words zero again (its last CTA resets them).
 QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early"}
-# Round 10 (kernels/moe_qgmma.py): the queued pair on native FP8 wgmma, queued like the pair it
-# copies (value) but NOT bitwise it: the tensor core accumulates a group's k-steps. w13sr
-# "bulkqg" stages QG_CHUNK_TOKENS tokens of x in shared memory after the lists (qg_xstage_at) and
-# needs 4 warps (one warpgroup): not built where the shape splits K over fewer.
-QG_VARIANTS = {("w13sr", "bulkqg"): "bulkq", ("w2sr", "earlyqg"): "earlyq"}
-QG_CHUNK_TOKENS = 2
-QUEUE_BASE = {v: base for (_, v), base in QUEUED_VARIANTS.items()} | {
-    v: QUEUED_VARIANTS[(k, base)] for (k, v), base in QG_VARIANTS.items()}
+QUEUE_BASE = {v: base for (_, v), base in QUEUED_VARIANTS.items()}
 SCHED_WORDS = 4
 SCHED_AT = {"w13sr": 0, "w2sr": 2}         # first word (claim; done follows) of each kind
 # Shared-memory words of the item hand-off: bytes 36..43 of the routing lists' header (free:
 # the scan totals end at byte 32, the distinct count is byte 32..35).
 QUEUE_SLOTS_AT = 36
-
-
-def qg_xstage_at(shape: MoeShape, warps: int) -> int:
-    """w13sr "bulkqg": byte offset of its x stage (QG_CHUNK_TOKENS x K E4M3 in the wgmma B
-    layout, then their fp32 scales per 128) in shared memory: after w13sr "bulk"'s ring,
-    barriers, reduction area and lists."""
-    return round_up(bulk_sr_ring_region(shape, warps) + bulk_bars_bytes(shape, warps, "bulkqg")
-                    + warps * LANES * 16 + routing_lists_bytes(shape), 16)
 
 
 def routing_scratch_bytes(shape: MoeShape) -> int:
@@ -522,15 +506,10 @@ def selfrouted_specs(shape: MoeShape) -> list[MoeSpec]:
     out = [MoeSpec(f"moe_xquant_{tag}", "xquant", shape, (XQUANT_THREADS, 1, 1), ctas_per_sm=8)]
     for variant, warps, stages, ctas in W13SR_VARIANTS:
         split = min(warps, w13_split(shape))
-        if ("w13sr", variant) in QG_VARIANTS and split != 4:
-            continue
         suffix = f"_{variant}" if variant else ""
         ring = (bulk_sr_ring_region(shape, split) + bulk_bars_bytes(shape, split, variant)
                 if variant.startswith("bulk") else ring_region_bytes(shape, "w13", stages))
         smem = ring + split * LANES * 16 + routing_lists_bytes(shape)
-        if ("w13sr", variant) in QG_VARIANTS:
-            smem = qg_xstage_at(shape, split) + QG_CHUNK_TOKENS * (shape.k13 + 4 * shape.groups(
-                shape.k13))
         out.append(MoeSpec(f"moe_w13sr_{tag}{suffix}", "w13sr", shape, (split * LANES, 1, 1),
                            smem_bytes=smem, ctas_per_sm=ctas, stages=stages, variant=variant))
     for variant, stages, ctas in W2SR_VARIANTS:

@@ -289,9 +289,6 @@ def kernel_class(spec: mk.MoeSpec):
     """The class compiling a queued spec (its timeline build's where spec.timeline)."""
     classes = {("w13sr", "bulkq"): (MoeW13QueuedSm90, MoeW13QueuedTimelineSm90),
                ("w2sr", "earlyq"): (MoeW2QueuedSm90, MoeW2QueuedTimelineSm90)}
-    if (spec.kind, spec.variant) in mk.QG_VARIANTS and not spec.timeline:
-        from kernels import moe_qgmma  # builds on this module
-        return moe_qgmma.KERNEL_CLASSES[(spec.kind, spec.variant)]
     if (spec.kind, spec.variant) not in classes:
         raise ValueError(f"{spec.name}: no work-queue kernel for {spec.kind} {spec.variant!r} "
                          f"(have {sorted(classes)})")

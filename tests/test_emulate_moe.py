@@ -221,9 +221,6 @@ def test_step_launches_pick_the_measured_winners(setup, rows):
     w13w, w13sr = ml.step_w13_variants(rows)
     if rows >= ml.SELFROUTED_FROM_ROWS:       # s.ptrs has "sched": the queued pair (round 9)
         w13sr, w2sr = ml.QUEUED_PAIR if ml.STEP_QUEUE else (w13sr, "early")
-        if ml.STEP_QUEUE and rows in ml.STEP_QG_ROWS:   # round 10: QGMMA where built
-            w13sr, w2sr = (qg if (kind, qg) in ml.available_specs(s.bundle, s.shape) else v
-                           for kind, qg, v in zip(("w13sr", "w2sr"), ml.QG_PAIR, (w13sr, w2sr)))
         expect = [f"moe_xquant_{tag}", f"moe_w13sr_{tag}_{w13sr}", f"moe_w2sr_{tag}_{w2sr}"]
     elif ml.STEP_BULK:
         w13 = (f"w13w_{tag}_{w13w}" if rows * s.shape.topk <= mk.WARP_ROUTED_MAX_PAIRS

@@ -232,8 +232,7 @@ def test_selfrouted_specs_abi_grid_and_shared_memory(config):
     inside the ring and the lists after it."""
     shape = mk.moe_shape(ModelConfig.preset(config), 4)
     specs = mk.selfrouted_specs(shape)
-    w13sr = len(mk.W13SR_VARIANTS) - (mk.w13_split(shape) < 4)    # bulkqg needs 4 warps
-    assert [s.kind for s in specs] == (["xquant"] + ["w13sr"] * w13sr
+    assert [s.kind for s in specs] == (["xquant"] + ["w13sr"] * len(mk.W13SR_VARIANTS)
                                        + ["w2sr"] * len(mk.W2SR_VARIANTS))
     assert len({s.name for s in specs}) == len(specs)
     for spec in specs:

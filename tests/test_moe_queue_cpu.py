@@ -60,7 +60,6 @@ def setup(tiny_bundle_dir):
 def test_step_picks_the_queued_pair_only_with_sched(setup, rows, monkeypatch):
     s = setup
     tag = s.shape.tag()
-    monkeypatch.setattr(ml, "STEP_QG_ROWS", range(0))   # bench_step's "moe_mma_sync"
 
     def picked(ptrs):
         return [spec.kernel.name for spec in ml.step_launches(s.bundle, s.shape, ptrs, rows)]
@@ -78,48 +77,6 @@ def test_bench_step_has_the_static_variant():
     with bench_step.overrides(bench_step.STEP_VARIANTS["moe_static"]()):
         assert ml.STEP_QUEUE is False
     assert ml.STEP_QUEUE is True
-    with bench_step.overrides(bench_step.STEP_VARIANTS["moe_mma_sync"]()):
-        assert len(ml.STEP_QG_ROWS) == 0
-    assert 6 in ml.STEP_QG_ROWS
-
-
-@pytest.mark.parametrize("rows", [2, 3, 6, 48, 49, mk.MAX_ROWS])
-def test_step_picks_the_qg_kernels_in_their_rows(setup, rows):
-    """Round 10: in STEP_QG_ROWS each kernel of the queued pair is its QGMMA build where the
-    bundle has one (tiny: w2sr only, its K split is 2 warps, not a warpgroup), with sched."""
-    s = setup
-    tag = s.shape.tag()
-    launches = ml.step_launches(s.bundle, s.shape, s.ptrs, rows)
-    names = [spec.kernel.name for spec in launches]
-    if rows < ml.SELFROUTED_FROM_ROWS:
-        assert not any("qg" in n for n in names)
-        return
-    assert ("w13sr", "bulkqg") not in ml.available_specs(s.bundle, s.shape)
-    w2 = "earlyqg" if rows in ml.STEP_QG_ROWS else "earlyq"
-    assert names[1:3] == [f"moe_w13sr_{tag}_bulkq", f"moe_w2sr_{tag}_{w2}"]
-    assert [spec.args[-2] for spec in launches[1:3]] == [s.ptrs["sched"]] * 2
-
-
-def test_qg_specs_fit_three_ctas_and_copy_their_queued_pair():
-    """bulkqg / earlyqg: the queued kernels' block, grid, occupancy and ABI; bulkqg's x stage
-    16-aligned after the lists, 3 CTAs (+1 KB each) in an SM's 228 KB; no bulkqg where K is
-    split over fewer than 4 warps."""
-    for config in ("tiny", "v41-flash"):
-        for shape in mk.moe_shapes(ModelConfig.preset(config), 4):
-            every = {(s.kind, s.variant): s for s in mk.selfrouted_specs(shape)}
-            for key, base in mk.QG_VARIANTS.items():
-                if key not in every:
-                    assert key == ("w13sr", "bulkqg") and mk.w13_split(shape) < 4
-                    continue
-                spec, queued = every[key], every[(key[0], base)]
-                assert spec.queued and spec.params == queued.params
-                assert (spec.block, spec.stages, spec.ctas_per_sm) == (
-                    queued.block, queued.stages, queued.ctas_per_sm)
-                assert all(spec.grid(r) == queued.grid(r) for r in (1, 3, 6, 48, 192))
-                assert spec.ctas_per_sm * (spec.smem_bytes + 1024) <= 228 * 1024
-            if ("w13sr", "bulkqg") in every:
-                at = mk.qg_xstage_at(shape, 4)
-                assert at % 16 == 0 and at >= every[("w13sr", "bulkq")].smem_bytes
 
 
 @pytest.mark.parametrize(("kind", "rows"), [("uniform", 3), ("uniform", 6), ("one_expert", 8),

@@ -115,13 +115,6 @@ STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 # us a step at R = 6, -589 / -633 at R = 48, nothing at R = 1.
 STEP_QUEUE = True  # revert: False
 QUEUED_PAIR = ("bulkq", "earlyq")
-# Round 10 (moe-design.md, kernels/moe_qgmma.py): the queued pair on native FP8 wgmma (w13sr
-# "bulkqg" -> w2sr "earlyqg": not bitwise the mma.sync pair, within moe_ref.check_two_stage) at
-# the rows where an expert has ~1-2 tokens (bulkqg's chunks are 2 tokens: more re-decode the
-# weights per chunk). Either kernel of the pair alone where the bundle lacks the other (tiny: no
-# 4-warp w13). Revert: STEP_QG_ROWS = range(0).
-STEP_QG_ROWS = range(SELFROUTED_FROM_ROWS, 49)
-QG_PAIR = ("bulkqg", "earlyqg")
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
@@ -308,7 +301,7 @@ def _step_chain(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int],
                 rows: int) -> list[LaunchSpec]:
     available = available_specs(bundle, shape)
     w13w, w13sr = step_w13_variants(rows)
-    w13sr, w2sr = step_selfrouted_pair(available, ptrs, w13sr, rows)
+    w13sr, w2sr = step_selfrouted_pair(available, ptrs, w13sr)
     chosen = {("w13sr", w13sr), ("w2sr", w2sr)}
     if rows >= SELFROUTED_FROM_ROWS and has_selfrouted(available) and chosen <= set(available):
         return selfrouted_launches(bundle, shape, ptrs, rows, w13sr, w2sr, available)
@@ -326,16 +319,11 @@ def has_queued(available) -> bool:
     return {("w13sr", QUEUED_PAIR[0]), ("w2sr", QUEUED_PAIR[1])} <= set(available)
 
 
-def step_selfrouted_pair(available, ptrs: Mapping[str, int], w13sr: str,
-                         rows: int = 0) -> tuple[str, str]:
+def step_selfrouted_pair(available, ptrs: Mapping[str, int], w13sr: str) -> tuple[str, str]:
     """(w13sr, w2sr) of the step's self-routed chain: QUEUED_PAIR with STEP_QUEUE where the
-    bundle has it and ptrs has "sched" (each kernel QG_PAIR's where rows is in STEP_QG_ROWS and
-    the bundle has it), else (w13sr, SELFROUTED_EARLY)."""
+    bundle has it and ptrs has "sched", else (w13sr, SELFROUTED_EARLY)."""
     if STEP_QUEUE and "sched" in ptrs and has_queued(available):
-        if rows not in STEP_QG_ROWS:
-            return QUEUED_PAIR
-        return tuple(qg if (kind, qg) in available else queued for kind, qg, queued
-                     in zip(("w13sr", "w2sr"), QG_PAIR, QUEUED_PAIR))
+        return QUEUED_PAIR
     return w13sr, SELFROUTED_EARLY
 
 

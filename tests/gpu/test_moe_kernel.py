@@ -143,11 +143,6 @@ def test_moe_chain_matches_reference(setup, kind, rows):
         if ml.warp_routed_fits(chain.available, shape, rows, "bulkw_lean4"):
             variants.insert(0, ("bulkw_lean4", "bulk"))    # round 6: w13w at 128 registers
     variants.insert(0, ("step", None))                  # what the decode step launches
-    # Round 10: at ml.STEP_QG_ROWS the step's pair runs on QGMMA, whose tensor-core
-    # accumulation is not bitwise the mma.sync chains': checked against the reference only
-    # (tests/gpu/test_moe_qgmma.py has its own cases).
-    step_qg = any(ml.QG_PAIR[i] in spec.kernel.name.split("_")
-                  for spec in chain.step_launches(rows) for i in (0, 1))
     ys, hs = [], []
     for w13, w2 in variants:
         chain.poison_outputs()
@@ -166,15 +161,12 @@ def test_moe_chain_matches_reference(setup, kind, rows):
         stream.synchronize()
         y, h = _device_y_h(chain, rows, shape)
         label = f"y ({kind}, R={rows}, w13={w13!r}, w2={w2!r}, {seeds})"
-        if w13 == "step" and step_qg:
-            moe_ref.check_two_stage(y, h, parts, routing, shards, shape.swiglu_limit, label)
-            continue
         if not ys:
             moe_ref.check_two_stage(y, h, parts, routing, shards, shape.swiglu_limit, label)
         ys.append(y)
         hs.append(h)
-        np.testing.assert_array_equal(h, hs[0], err_msg=f"h of {label} vs the first bitwise one")
-        np.testing.assert_array_equal(y, ys[0], err_msg=f"{label} vs the first bitwise one")
+        np.testing.assert_array_equal(h, hs[0], err_msg=f"h of {label} vs {variants[0]}")
+        np.testing.assert_array_equal(y, ys[0], err_msg=f"{label} vs {variants[0]}")
 
     lists = mk.routing_lists(ids, shape.num_experts)
     meta = chain.download("meta", np.int32, (mk.meta_words(shape.num_experts),))
@@ -234,7 +226,7 @@ def _assert_default(chain, rows, shape, default, label):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 12])
-def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, monkeypatch):
+def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows):
     """The timeline builds (kernels/moe_timeline.py) in the step's chain: y bitwise the plain
     chain's (the stamps add stores, never arithmetic), and every CTA's record in order (entry <=
     wait_begin <= wait_end <= first_landed <= last_landed <= epilogue <= exit where reached, the
@@ -249,7 +241,6 @@ def test_moe_timeline_builds_match_and_stamp_in_order(setup, rows, monkeypatch):
     chain.upload_inputs((x.view(np.uint32) >> 16).astype(np.uint16), ids,
                         rng.random((rows, shape.topk)).astype(np.float32))
     bufs = [cp.zeros(mk.H200_NUM_SMS * 4 * mk.TIMELINE_RECORD_BYTES, cp.uint8) for _ in range(2)]
-    monkeypatch.setattr(ml, "STEP_QG_ROWS", range(0))   # the timeline builds are mma.sync's
     ys = []
     for launches in (chain.step_launches(rows),
                      ml.timeline_launches(chain.bundle, shape, chain.ptrs, rows,
