@@ -284,11 +284,11 @@ def new_caches(cfg):
     return KVCaches.allocate(cfg, max_seqs=1, max_context=MAX_CONTEXT)
 
 
-def block_rows(caches, start: int, tokens, kind: str):
-    """One block of line 0 at positions start.., padded to a bucket of 8 rows."""
+def block_rows(caches, start: int, tokens, kind: str, pad_to: int = 8):
+    """One block of line 0 at positions start.., padded to a bucket of `pad_to` rows."""
     from executor.reference.rows import RowBatch, RowBlock
     return RowBatch.from_blocks([RowBlock(0, start, tuple(tokens), kind)], caches.block_tables,
-                                caches.ring_slots, pad_to=8)
+                                caches.ring_slots, pad_to=pad_to)
 
 
 def reference_run(job):

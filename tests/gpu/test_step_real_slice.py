@@ -10,8 +10,8 @@ test_step_tp4_processes.py). The NumPy reference runs the same slice at TP 4 ove
 in a spawned process while the ranks are packed and uploaded (real_slice.reference_in_process).
 
 One sequence: the reference prefills a 14-token prompt; the ranks get its caches once, then run
-3 decode steps and one verify block of 6 rows (8-row buckets: 7 or 2 padding rows), their own
-caches carrying over. Engram's compressed-vocab map is a fresh random non-identity map each run
+3 decode steps and one verify block of 6 rows (8-row buckets with 7 or 2 padding rows, but the
+second decode step in the 1-row bucket: DEVICE_PAD), their own caches carrying over. Engram's compressed-vocab map is a fresh random non-identity map each run
 (surjective onto v41's 99092 compressed ids, `SharedSynth.set_vocab_map`): the ranks pack it and
 their hash kernels read every history token (the current one included) through it; the
 reference maps its lookback through the same map. Input tokens are drawn over the whole
@@ -53,6 +53,11 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 BLOCKS = ("decode", "decode", "decode", "verify")
+# The device's bucket per block: the second decode step runs the 1-row bucket (no padding row:
+# the R = 1 kernels, e.g. attn.wq_b on QGMMA at attn_proj.QGMMA_WQ_B_ROWS and the MoE's bulk
+# chain with w13w "bulkw_lean4"), the others 8-row buckets with 7 or 2 padding rows. The
+# reference pads every block to 8 (its padding rows are never compared).
+DEVICE_PAD = (8, 1, 8, 8)
 VERIFY_ROWS = 6
 PROMPT = 14
 LOGIT_BOUND = 0.25
@@ -125,7 +130,7 @@ def test_real_dimension_slice_follows_the_reference(dev, stream, bench_bundle):
         timings.append(f"reference done {time.perf_counter() - t0:.1f} s after the start")
         seq, diffs = list(prompt), []
         for step, ((kind, tokens), out) in enumerate(zip(blocks, outs, strict=True)):
-            rows = rs.block_rows(initial, len(seq), tokens, kind)
+            rows = rs.block_rows(initial, len(seq), tokens, kind, DEVICE_PAD[step])
             seq += tokens
             ranks.load(rows, initial if step == 0 else None, _history(cfg, rows, seq))
             t1 = time.perf_counter()
