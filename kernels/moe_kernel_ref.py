@@ -247,7 +247,7 @@ TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
 # The bulk chain's w13 / w2 below 3 rows and the step's self-routed w13 / w2 from 3 rows: the
 # static pair and the work-queue pair (round 9).
 TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"),
-                    ("w13sr", "bulkq"), ("w2sr", "earlyq"))
+                    ("w13sr", "bulkq"), ("w2sr", "earlyq"), ("w2sr", "earlyqp"))
 
 
 def timeline_event(name: str) -> int:
@@ -464,14 +464,18 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
 W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3),
                   ("bulkq", 4, 1, 3))
-W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3))
+W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3),
+                 ("earlyqp", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 # Round 9 (kernels/moe_queue.py): w13sr "bulkq" / w2sr "earlyq" are "bulk" / "early" (same block,
 # shared memory, occupancy, grid, items and per-item math: h / ye bitwise) whose CTAs claim every
 # item after their first from a counter in `sched` instead of striding by the grid. sched: u32
 # [SCHED_WORDS] = w13 (claim, done), w2 (claim, done), zero before the first launch; each queued
 # launch leaves its two words zero again (its last CTA resets them).
-QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early"}
+QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early",
+                   ("w2sr", "earlyqp"): "early"}
+# Round 10: w2sr "earlyqp" = "earlyq" claiming two items ahead, the item after next pulled into
+# L2 by bulk prefetches (kernels/moe_queue.py MoeW2QueuedPrefetchSm90); bitwise earlyq.
 QUEUE_BASE = {v: base for (_, v), base in QUEUED_VARIANTS.items()}
 SCHED_WORDS = 4
 SCHED_AT = {"w13sr": 0, "w2sr": 2}         # first word (claim; done follows) of each kind

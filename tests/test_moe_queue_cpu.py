@@ -63,7 +63,8 @@ def test_step_picks_the_queued_pair_only_with_sched(setup, rows, monkeypatch):
 
     def picked(ptrs):
         return [spec.kernel.name for spec in ml.step_launches(s.bundle, s.shape, ptrs, rows)]
-    assert picked(s.ptrs)[1:3] == [f"moe_w13sr_{tag}_bulkq", f"moe_w2sr_{tag}_earlyq"]
+    assert picked(s.ptrs)[1:3] == [f"moe_w13sr_{tag}_{ml.QUEUED_PAIR[0]}",
+                                   f"moe_w2sr_{tag}_{ml.QUEUED_PAIR[1]}"]
     launches = ml.step_launches(s.bundle, s.shape, s.ptrs, rows)
     assert [spec.args[-2] for spec in launches[1:3]] == [s.ptrs["sched"]] * 2
     static = [f"moe_w13sr_{tag}_{ml.STEP_SELFROUTED_W13}", f"moe_w2sr_{tag}_early"]
@@ -77,6 +78,9 @@ def test_bench_step_has_the_static_variant():
     with bench_step.overrides(bench_step.STEP_VARIANTS["moe_static"]()):
         assert ml.STEP_QUEUE is False
     assert ml.STEP_QUEUE is True
+    with bench_step.overrides(bench_step.STEP_VARIANTS["moe_w2_earlyq"]()):
+        assert ml.QUEUED_PAIR == ("bulkq", "earlyq")
+    assert ml.QUEUED_PAIR == ("bulkq", "earlyqp")
 
 
 @pytest.mark.parametrize(("kind", "rows"), [("uniform", 3), ("uniform", 6), ("one_expert", 8),

@@ -114,7 +114,10 @@ STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 # r9d (H100, the step against bench_step variant "moe_static", which runs it off): -128 / -119
 # us a step at R = 6, -589 / -633 at R = 48, nothing at R = 1.
 STEP_QUEUE = True  # revert: False
-QUEUED_PAIR = ("bulkq", "earlyq")
+# Round 10 (moe-design.md): the queued pair's w2 is "earlyqp" (earlyq claiming two items ahead
+# and pulling the item after next into L2; bitwise earlyq). Revert: QUEUED_PAIR = ("bulkq",
+# "earlyq") (bench_step variant "moe_w2_earlyq").
+QUEUED_PAIR = ("bulkq", "earlyqp")
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
