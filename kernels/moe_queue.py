@@ -380,18 +380,11 @@ class MoeW2QueuedTimelineSm90(MoeW2QueuedSm90):
                          mp._addr(sched) + 4 * mk.SCHED_AT["w2sr"], rows, mp._addr(stamps))
 
 
-class MoeW2QueuedPrefetchTimelineSm90(MoeW2QueuedPrefetchSm90):
-    """moe_w2sr "earlyqp" with stamps: earlyq's timeline ABI."""
-
-    __call__ = MoeW2QueuedTimelineSm90.__call__
-    kernel = MoeW2QueuedTimelineSm90.kernel
-
-
 def kernel_class(spec: mk.MoeSpec):
     """The class compiling a queued spec (its timeline build's where spec.timeline)."""
     classes = {("w13sr", "bulkq"): (MoeW13QueuedSm90, MoeW13QueuedTimelineSm90),
                ("w2sr", "earlyq"): (MoeW2QueuedSm90, MoeW2QueuedTimelineSm90),
-               ("w2sr", "earlyqp"): (MoeW2QueuedPrefetchSm90, MoeW2QueuedPrefetchTimelineSm90)}
+               ("w2sr", "earlyqp"): (MoeW2QueuedPrefetchSm90, None)}
     if (spec.kind, spec.variant) not in classes:
         raise ValueError(f"{spec.name}: no work-queue kernel for {spec.kind} {spec.variant!r} "
                          f"(have {sorted(classes)})")
