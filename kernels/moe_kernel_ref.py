@@ -478,7 +478,8 @@ W2SR_SINGLE_ROW_VARIANT = "r2x2"
 QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early",
                    ("w2sr", "earlyqp"): "early"}
 # Round 10: w2sr "earlyqp" = "earlyq" claiming two items ahead, the item after next pulled into
-# L2 by bulk prefetches (kernels/moe_queue.py MoeW2QueuedPrefetchSm90); bitwise earlyq.
+# L2 (prefetch.global.L2 by every thread; kernels/moe_queue.py MoeW2QueuedPrefetchSm90); bitwise
+# earlyq.
 QUEUE_BASE = {v: base for (_, v), base in QUEUED_VARIANTS.items()}
 SCHED_WORDS = 4
 SCHED_AT = {"w13sr": 0, "w2sr": 2}         # first word (claim; done follows) of each kind

@@ -246,20 +246,22 @@ class MoeW2QueuedSm90(MoeW2EarlyRefillSm90):
         mp.mark(tl, "exit")
 
 
-def bulk_prefetch_l2(gaddr: Int64, nbytes: int, pred: Int32):
-    """Where pred != 0: cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) at gaddr
-    (16-aligned): the bytes are pulled into L2, nothing is written, nothing is awaited."""
+def prefetch_l2_if(gaddr: Int64, pred: Int32):
+    """Where pred != 0: prefetch.global.L2 of the 128-byte line holding gaddr (nothing
+    written, nothing awaited)."""
     void([Int64(gaddr), Int32(pred)], "{ .reg .pred p; setp.ne.s32 p, $1, 0;\n"
-         f"@p cp.async.bulk.prefetch.L2.global [$0], {nbytes}; }}", "l,r")
+         "@p prefetch.global.L2 [$0]; }", "l,r")
 
 
 class MoeW2QueuedPrefetchSm90(MoeW2QueuedSm90):
     """moe_w2sr "earlyqp": w2sr "earlyq" whose claims run two items ahead, so that at the top of
-    item n the CTA also knows item n + 2 and pulls its weights into L2 (two bulk prefetches:
-    the item's 8 tiles are contiguous, codes then offsets). The one-item ring's refill of item
+    item n the CTA also knows item n + 2 and pulls its weights into L2 (the item's 8 tiles are
+    contiguous, codes then offsets). The one-item ring's refill of item
     n + 1, issued during item n's mma as before, then reads L2, not HBM under load (run r10a's
     R = 6 timeline: a w2 item's first weights landed ~4.6 us after their request, while the
     refill leads its use by ~1-2 us). Same items, math and outputs: ye / y bitwise earlyq's.
+    The prefetch is one prefetch.global.L2 a 128-byte line and thread: run r10b's
+    cp.async.bulk.prefetch.L2 of the whole 36 KB (UBLKPF) raised CUDA_ERROR_ILLEGAL_INSTRUCTION.
 
     Claims as w13sr "bulkq" (after griddepcontrol.wait here: w2 touches sched only after it):
     the second item is claimed before the loop and published by one more CTA barrier; at item
@@ -292,8 +294,8 @@ class MoeW2QueuedPrefetchSm90(MoeW2QueuedSm90):
         mp.mark(tl, "wait_end")
         second = gdim + atom_add_gpu_if(counters, claimer)
         sts_u32_if(slots + 4, second, claimer)
-        self.prefetch_item(lists, second, total, codes, offsets, claimer)
         cute.arch.sync_threads()
+        self.prefetch_item(lists, lds_u32(slots + 4), total, codes, offsets, tidx, Int32(1))
         item = bidx
         phase = Int32(0)
         while item < total:
@@ -317,7 +319,7 @@ class MoeW2QueuedPrefetchSm90(MoeW2QueuedSm90):
                 mp.mark(tl, "last_landed")
                 if chunk == 0:
                     self.prefetch_item(lists, lds_u32(slots + 4 * phase), total, codes,
-                                       offsets, claimer * more)
+                                       offsets, tidx, more)
                 last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
                 mp.mark(tl, "epilogue")
                 self.chunk_mma_refill(ring, ye, tile, scale, sq, lane, tidx, refill, more * last)
@@ -330,15 +332,21 @@ class MoeW2QueuedPrefetchSm90(MoeW2QueuedSm90):
 
     @cute.jit
     def prefetch_item(self, lists: Int32, item: Int32, total: Int32, codes: Int64,
-                      offsets: Int64, pred: Int32):
-        """Thread `pred`: item's 8 tiles (codes, then offsets) into L2, if it is an item."""
+                      offsets: Int64, tidx: Int32, pred: Int32):
+        """Where pred: item's 8 tiles (codes, then offsets: contiguous) into L2, one 128-byte
+        line a thread and pass (the CTA's 256 threads: 2 passes at v41), if it is an item."""
         go = pred * Int32(item < total)
         e = self.routing.expert_of_item(lists, item, self.blocks, total)
         tile0 = Int64(e * self.shape.tiles2 + (item % self.blocks) * mk.W2_WARPS)
-        bulk_prefetch_l2(codes + tile0 * self.cols * mk.COL_BYTES,
-                         mk.W2_WARPS * self.cols * mk.COL_BYTES, go)
-        bulk_prefetch_l2(offsets + tile0 * self.groups * mk.GROUP_OFFSET_BYTES,
-                         mk.W2_WARPS * self.groups * mk.GROUP_OFFSET_BYTES, go)
+        code_lines = mk.W2_WARPS * self.cols * mk.COL_BYTES // 128
+        offset_lines = -(-mk.W2_WARPS * self.groups * mk.GROUP_OFFSET_BYTES // 128)
+        base = codes + tile0 * self.cols * mk.COL_BYTES
+        for i in cutlass.range_constexpr(-(-code_lines // self.threads)):
+            line = tidx + self.threads * i
+            prefetch_l2_if(base + Int64(line) * 128, go * Int32(line < code_lines))
+        if tidx < offset_lines:
+            prefetch_l2_if(offsets + tile0 * self.groups * mk.GROUP_OFFSET_BYTES
+                           + Int64(tidx) * 128, go)
 
 
 class MoeW13QueuedTimelineSm90(MoeW13QueuedSm90):
