@@ -102,7 +102,7 @@ class MoeChain:
         return ml.has_queued(self.available)
 
     def launches_queued(self, rows: int) -> list[LaunchSpec]:
-        """xquant -> w13sr / w2sr QUEUED_PAIR -> combine (claimed items: round 9, 10)."""
+        """xquant -> w13sr "bulkq" -> w2sr "earlyq" -> combine (round 9: claimed items)."""
         return self.launches_selfrouted(rows, *ml.QUEUED_PAIR)
 
     def variant_names(self, kind: str) -> list[str]:
@@ -233,9 +233,6 @@ def bench_moe_routed(ctx) -> None:
                                    chain.launches_selfrouted(rows, w13=w13, w2=w2)))
                 if chain.has_queued():           # round 9: claimed items
                     chains.append((" selfrouted queued", chain.launches_queued(rows)))
-                    if ("w2sr", "earlyq") in chain.available:   # round 10's w2 without prefetch
-                        chains.append((" selfrouted queued earlyq", chain.launches_selfrouted(
-                            rows, ml.QUEUED_PAIR[0], "earlyq")))
             for label, specs in chains:
                 def run(specs=specs):
                     for s in specs:

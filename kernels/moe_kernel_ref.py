@@ -248,9 +248,6 @@ TIMELINE_RECORD_BYTES = 16 * (1 + len(TIMELINE_EVENTS))
 # static pair and the work-queue pair (round 9).
 TIMELINE_KERNELS = (("w13w", "bulkw"), ("w2", "bulk"), ("w13sr", "bulk"), ("w2sr", "early"),
                     ("w13sr", "bulkq"), ("w2sr", "earlyq"))
-# Kernels whose timeline stands in for another's (same items and math): w2sr "earlyqp"'s twin
-# spilled 8 bytes (tiny) and earlyq's records the same phases but for the L2 prefetch.
-TIMELINE_STAND_IN = {("w2sr", "earlyqp"): ("w2sr", "earlyq")}
 
 
 def timeline_event(name: str) -> int:
@@ -467,19 +464,14 @@ def variant_specs(shape: MoeShape) -> list[MoeSpec]:
 # "early": the stage refilled mid-math; "bulk": moe_w13w "bulk"'s copies (kernels/moe_bulk.py)
 W13SR_VARIANTS = (("", 4, 1, 3), ("early", 4, 1, 3), ("bulk", 4, 1, 3), ("bulkw", 4, 1, 3),
                   ("bulkq", 4, 1, 3))
-W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3),
-                 ("earlyqp", 1, 3))
+W2SR_VARIANTS = (("", 1, 3), ("r2x2", 2, 2), ("early", 1, 3), ("earlyq", 1, 3))
 W2SR_SINGLE_ROW_VARIANT = "r2x2"
 # Round 9 (kernels/moe_queue.py): w13sr "bulkq" / w2sr "earlyq" are "bulk" / "early" (same block,
 # shared memory, occupancy, grid, items and per-item math: h / ye bitwise) whose CTAs claim every
 # item after their first from a counter in `sched` instead of striding by the grid. sched: u32
 # [SCHED_WORDS] = w13 (claim, done), w2 (claim, done), zero before the first launch; each queued
 # launch leaves its two words zero again (its last CTA resets them).
-QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early",
-                   ("w2sr", "earlyqp"): "early"}
-# Round 10: w2sr "earlyqp" = "earlyq" claiming two items ahead, the item after next pulled into
-# L2 (prefetch.global.L2 by every thread; kernels/moe_queue.py MoeW2QueuedPrefetchSm90); bitwise
-# earlyq.
+QUEUED_VARIANTS = {("w13sr", "bulkq"): "bulk", ("w2sr", "earlyq"): "early"}
 QUEUE_BASE = {v: base for (_, v), base in QUEUED_VARIANTS.items()}
 SCHED_WORDS = 4
 SCHED_AT = {"w13sr": 0, "w2sr": 2}         # first word (claim; done follows) of each kind

@@ -246,109 +246,6 @@ class MoeW2QueuedSm90(MoeW2EarlyRefillSm90):
         mp.mark(tl, "exit")
 
 
-def prefetch_l2_if(gaddr: Int64, pred: Int32):
-    """Where pred != 0: prefetch.global.L2 of the 128-byte line holding gaddr (nothing
-    written, nothing awaited)."""
-    void([Int64(gaddr), Int32(pred)], "{ .reg .pred p; setp.ne.s32 p, $1, 0;\n"
-         "@p prefetch.global.L2 [$0]; }", "l,r")
-
-
-class MoeW2QueuedPrefetchSm90(MoeW2QueuedSm90):
-    """moe_w2sr "earlyqp": w2sr "earlyq" whose claims run two items ahead, so that at the top of
-    item n the CTA also knows item n + 2 and pulls its weights into L2 (the item's 8 tiles are
-    contiguous, codes then offsets). The one-item ring's refill of item
-    n + 1, issued during item n's mma as before, then reads L2, not HBM under load (run r10a's
-    R = 6 timeline: a w2 item's first weights landed ~4.6 us after their request, while the
-    refill leads its use by ~1-2 us). Same items, math and outputs: ye / y bitwise earlyq's.
-    The prefetch is one prefetch.global.L2 a 128-byte line and thread: run r10b's
-    cp.async.bulk.prefetch.L2 of the whole 36 KB (UBLKPF) raised CUDA_ERROR_ILLEGAL_INSTRUCTION.
-
-    Claims as w13sr "bulkq" (after griddepcontrol.wait here: w2 touches sched only after it):
-    the second item is claimed before the loop and published by one more CTA barrier; at item
-    n's top, nxt = slot[phase ^ 1] (item n + 1) and the claim of item n + 2 (only while nxt is
-    an item) is stored to slot[phase] before the first chunk's barrier and read after it."""
-
-    @cute.jit
-    def run_claimed(self, topk_ids: Int64, ptrs, counters: Int64, rows: Int32, stamps=None):
-        h, codes, offsets, scales, ye = ptrs
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        tl = mp.timeline_of(stamps, bidx, tidx)
-        mp.mark(tl, "entry")
-        warp = tidx // mk.LANES
-        lane = tidx % mk.LANES
-        claimer = Int32(tidx == 0)
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate(self.spec.smem_bytes, byte_alignment=16).toint()
-        sq = ring + self.ring_region
-        lists = sq + mk.w2_smem_bytes(self.shape)
-        slots = lists + mk.QUEUE_SLOTS_AT
-        self.routing.build(topk_ids, rows, ring, lists, tidx)
-        total = self.routing.distinct(lists) * self.blocks
-        self.issue(ring, self.routing.expert_of_item(lists, bidx, self.blocks, total),
-                   codes, offsets, bidx, total, warp, lane, tidx)
-        mp.mark(tl, "wait_begin")
-        cute.arch.griddepcontrol_wait()          # h comes from moe_w13sr; sched: docstring
-        cute.arch.griddepcontrol_launch_dependents()
-        mp.mark(tl, "wait_end")
-        second = gdim + atom_add_gpu_if(counters, claimer)
-        sts_u32_if(slots + 4, second, claimer)
-        cute.arch.sync_threads()
-        self.prefetch_item(lists, lds_u32(slots + 4), total, codes, offsets, tidx, Int32(1))
-        item = bidx
-        phase = Int32(0)
-        while item < total:
-            nxt = lds_u32(slots + 4 * (phase ^ 1))
-            more = Int32(nxt < total)
-            after = gdim + atom_add_gpu_if(counters, claimer * more)
-            e, first, count = self.routing.entry(lists, item // self.blocks)
-            scale = ld_f32_if(scales + Int64(e) * 4, Int32(1))
-            tile = (item % self.blocks) * mk.W2_WARPS + warp
-            pair_list = lists + self.routing.pairs_at + 4 * first
-            nxt_e = self.routing.expert_of_item(lists, nxt, self.blocks, total)
-            refill = self.weight_addresses(nxt_e, nxt, codes, offsets, warp, lane)
-            chunk = Int32(0)
-            while chunk < count:
-                self.quantize_chunk_smem(pair_list, h, count - chunk, chunk, sq, warp, lane)
-                sts_u32_if(slots + 4 * phase, after, claimer * more * Int32(chunk == 0))
-                mp.cp_async_wait(0)              # this item's weights (no-op after chunk 0)
-                cute.arch.sync_threads()
-                mp.mark(tl, "first_landed",
-                        lambda i=item, c=chunk: Int32(i == bidx) & Int32(c == 0))
-                mp.mark(tl, "last_landed")
-                if chunk == 0:
-                    self.prefetch_item(lists, lds_u32(slots + 4 * phase), total, codes,
-                                       offsets, tidx, more)
-                last = Int32(1) if chunk + mk.CHUNK_TOKENS >= count else Int32(0)
-                mp.mark(tl, "epilogue")
-                self.chunk_mma_refill(ring, ye, tile, scale, sq, lane, tidx, refill, more * last)
-                cute.arch.sync_threads()
-                chunk += mk.CHUNK_TOKENS
-            item = nxt
-            phase = phase ^ 1
-        finish(counters, gdim, claimer)
-        mp.mark(tl, "exit")
-
-    @cute.jit
-    def prefetch_item(self, lists: Int32, item: Int32, total: Int32, codes: Int64,
-                      offsets: Int64, tidx: Int32, pred: Int32):
-        """Where pred: item's 8 tiles (codes, then offsets: contiguous) into L2, one 128-byte
-        line a thread and pass (the CTA's 256 threads: 2 passes at v41), if it is an item."""
-        go = pred * Int32(item < total)
-        e = self.routing.expert_of_item(lists, item, self.blocks, total)
-        tile0 = Int64(e * self.shape.tiles2 + (item % self.blocks) * mk.W2_WARPS)
-        code_lines = mk.W2_WARPS * self.cols * mk.COL_BYTES // 128
-        offset_lines = -(-mk.W2_WARPS * self.groups * mk.GROUP_OFFSET_BYTES // 128)
-        base = codes + tile0 * self.cols * mk.COL_BYTES
-        for i in cutlass.range_constexpr(-(-code_lines // self.threads)):
-            line = tidx + self.threads * i
-            prefetch_l2_if(base + Int64(line) * 128, go * Int32(line < code_lines))
-        if tidx < offset_lines:
-            prefetch_l2_if(offsets + tile0 * self.groups * mk.GROUP_OFFSET_BYTES
-                           + Int64(tidx) * 128, go)
-
-
 class MoeW13QueuedTimelineSm90(MoeW13QueuedSm90):
     """moe_w13sr "bulkq" with stamps (kernels/moe_timeline.py): (ids, xq, xs, codes, offsets,
     scales, h, sched, stamps, rows)."""
@@ -391,8 +288,7 @@ class MoeW2QueuedTimelineSm90(MoeW2QueuedSm90):
 def kernel_class(spec: mk.MoeSpec):
     """The class compiling a queued spec (its timeline build's where spec.timeline)."""
     classes = {("w13sr", "bulkq"): (MoeW13QueuedSm90, MoeW13QueuedTimelineSm90),
-               ("w2sr", "earlyq"): (MoeW2QueuedSm90, MoeW2QueuedTimelineSm90),
-               ("w2sr", "earlyqp"): (MoeW2QueuedPrefetchSm90, None)}
+               ("w2sr", "earlyq"): (MoeW2QueuedSm90, MoeW2QueuedTimelineSm90)}
     if (spec.kind, spec.variant) not in classes:
         raise ValueError(f"{spec.name}: no work-queue kernel for {spec.kind} {spec.variant!r} "
                          f"(have {sorted(classes)})")

@@ -37,7 +37,7 @@ def test_queued_pair_is_the_static_pair_with_one_sched_pointer(config):
             assert spec.to_dict()["queued"] is True and "queued" not in base.to_dict()
             assert replace(spec, name=base.name, variant=base.variant) == base
         stamped = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)}
-        for key in set(mk.QUEUED_VARIANTS) - set(mk.TIMELINE_STAND_IN):   # sched, then stamps
+        for key in mk.QUEUED_VARIANTS:          # timeline builds: sched, then stamps
             assert stamped[key].params == (*every[key].params[:-1], ("stamps", "u64"),
                                            ("rows", "u32"))
             assert stamped[key].params[-3] == ("sched", "u64") and stamped[key].name in names
@@ -63,8 +63,7 @@ def test_step_picks_the_queued_pair_only_with_sched(setup, rows, monkeypatch):
 
     def picked(ptrs):
         return [spec.kernel.name for spec in ml.step_launches(s.bundle, s.shape, ptrs, rows)]
-    assert picked(s.ptrs)[1:3] == [f"moe_w13sr_{tag}_{ml.QUEUED_PAIR[0]}",
-                                   f"moe_w2sr_{tag}_{ml.QUEUED_PAIR[1]}"]
+    assert picked(s.ptrs)[1:3] == [f"moe_w13sr_{tag}_bulkq", f"moe_w2sr_{tag}_earlyq"]
     launches = ml.step_launches(s.bundle, s.shape, s.ptrs, rows)
     assert [spec.args[-2] for spec in launches[1:3]] == [s.ptrs["sched"]] * 2
     static = [f"moe_w13sr_{tag}_{ml.STEP_SELFROUTED_W13}", f"moe_w2sr_{tag}_early"]
@@ -78,9 +77,6 @@ def test_bench_step_has_the_static_variant():
     with bench_step.overrides(bench_step.STEP_VARIANTS["moe_static"]()):
         assert ml.STEP_QUEUE is False
     assert ml.STEP_QUEUE is True
-    with bench_step.overrides(bench_step.STEP_VARIANTS["moe_w2_earlyq"]()):
-        assert ml.QUEUED_PAIR == ("bulkq", "earlyq")
-    assert ml.QUEUED_PAIR == ("bulkq", "earlyqp")
 
 
 @pytest.mark.parametrize(("kind", "rows"), [("uniform", 3), ("uniform", 6), ("one_expert", 8),
@@ -170,9 +166,6 @@ def test_timeline_launches_of_the_queued_and_the_static_pair(setup, rows):
     tag = s.shape.tag()
     for static, pair in ((False, ml.QUEUED_PAIR), (True, (ml.STEP_SELFROUTED_W13, "early"))):
         got = ml.timeline_launches(s.bundle, s.shape, s.ptrs, rows, stamps, static=static)
-        # the twin's pair: earlyqp has none, earlyq's stands in (the same items and math)
-        pair = tuple(mk.TIMELINE_STAND_IN.get((kind, v), (kind, v))[1]
-                     for kind, v in zip(("w13sr", "w2sr"), pair))
         plain = ml.selfrouted_launches(s.bundle, s.shape, s.ptrs, rows, *pair)
         assert [g.kernel.name for g in got[1:3]] == [
             f"moe_w13sr_{tag}_{pair[0]}_tl", f"moe_w2sr_{tag}_{pair[1]}_tl"]

@@ -114,10 +114,7 @@ STEP_W13W_BY_ROWS = {1: "bulkw_lean4", 2: "bulkw_lean4"}
 # r9d (H100, the step against bench_step variant "moe_static", which runs it off): -128 / -119
 # us a step at R = 6, -589 / -633 at R = 48, nothing at R = 1.
 STEP_QUEUE = True  # revert: False
-# Round 10 (moe-design.md): the queued pair's w2 is "earlyqp" (earlyq claiming two items ahead
-# and pulling the item after next into L2; bitwise earlyq). Revert: QUEUED_PAIR = ("bulkq",
-# "earlyq") (bench_step variant "moe_w2_earlyq").
-QUEUED_PAIR = ("bulkq", "earlyqp")
+QUEUED_PAIR = ("bulkq", "earlyq")
 
 
 def step_w13_variants(rows: int) -> tuple[str, str]:
@@ -335,9 +332,8 @@ def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows:
     """The step's chain at `rows` (the bulk chain with w13w BULK_W13W and w2 "bulk" below
     SELFROUTED_FROM_ROWS; from there the self-routed one, its pair `step_selfrouted_pair`'s, or
     with `static` w13sr STEP_SELFROUTED_W13 and w2sr early) with its w13 and w2 replaced by
-    their timeline builds (mk.timeline_specs; mk.TIMELINE_STAND_IN's where a kernel has none),
-    writing per-CTA records at stamps = (w13's, w2's) addresses, each at least grid x
-    mk.TIMELINE_RECORD_BYTES."""
+    their timeline builds (mk.timeline_specs), writing per-CTA records at stamps = (w13's,
+    w2's) addresses, each at least grid x mk.TIMELINE_RECORD_BYTES."""
     available = available_specs(bundle, shape)
     timeline = {(s.kind, s.variant): s for s in mk.timeline_specs(shape)
                 if s.name in set(bundle.names())}
@@ -352,7 +348,6 @@ def timeline_launches(bundle, shape: mk.MoeShape, ptrs: Mapping[str, int], rows:
             raise ValueError(f"timeline below {SELFROUTED_FROM_ROWS} rows needs w13w {w13[1]!r} "
                              f"to fit rows={rows}")
         chain = bulk_launches(bundle, shape, ptrs, rows, available, w2[1], w13[1])
-    w13, w2 = (mk.TIMELINE_STAND_IN.get(key, key) for key in (w13, w2))
     missing = [key for key in (w13, w2) if key not in timeline]
     if missing:
         raise KeyError(f"the bundle has no timeline build of {missing} ({shape.tag()}; "
