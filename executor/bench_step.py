@@ -368,6 +368,8 @@ STEP_VARIANTS: dict[str, Callable[[], dict[tuple[str, str], object]]] = {
     "q_kv_norm_launch": lambda: {("executor.stages.attn_proj", "FOLD_Q_NORM"): False},
     # round 9's revert: wq_b at R = 1 on the step's plain dense kernel (xtwp), not QGMMA's _sqg
     "wq_b_xtwp": lambda: {("executor.stages.attn_proj", "QGMMA_WQ_B_ROWS"): ()},
+    # session 9's revert: wo_b at R = 1 on the step's plain dense kernel, not QGMMA's _sqg
+    "wo_b_xtu": lambda: {("executor.stages.attn_proj", "QGMMA_WO_B_ROWS"): ()},
     # compressor round 9's revert: the session-1 projection + publish (compressor-design.md)
     "compressor_round1": lambda: {("executor.launches.compressor", "FAST_KERNELS"): False},
     # compressor round 9 at every R (bulk16 above 8 rows at r = 2): FAST_MAX_ROWS's revert

@@ -24,7 +24,8 @@ indexer, plan.kv_insert_on_side), attn.qr not written. Above 8 rows attn.wq_a_wk
 split_rmsnorm (attn.qr for the r32 kernels).
   attn.wo_a            grouped wo_a     attn.o (group B, inverse-RoPE'd) -> attn.z [R, G_l lora]
   attn.wo_b            dense wo_b       attn.z -> attn.partial (bf16 epilogue: the reference's
-                                        AR-1 rounds each rank's fp32 partial to bf16 first)
+                                        AR-1 rounds each rank's fp32 partial to bf16 first; a
+                                        1-row bucket: `_sqg`, QGMMA_WO_B_ROWS)
 
 `attn.qr` and `attn.q` are group B's inputs (indexer query, sparse MQA query); `attn.o` its
 output, declared by B. Kernel choices: the fused linear's two halves go through one launch
@@ -105,6 +106,10 @@ FOLD_MIN_ROWS = 2
 # Numerics: within 2^-11 sum|W||x~| + half a bf16 ulp of the split x's product, not the dense
 # family's fp32 bound (dense_qgmma_ref.qgmma_tolerance).
 QGMMA_WQ_B_ROWS = (1,)              # revert: () (bench_step variant "wq_b_xtwp")
+# Session 9: attn.wo_b the same way (whole K = 2048 per CTA, one CTA per SM on 80 SMs). Run r9f
+# (H100, family PDL chain): 5.02 us against the plain kernel's 5.35 at R = 1, 7.40 against 5.54
+# at R = 6: 1-row buckets only. Same numerics as wq_b's QGMMA (qgmma_tolerance).
+QGMMA_WO_B_ROWS = (1,)              # revert: () (bench_step variant "wo_b_xtu")
 ROPE_TABLES = {"plain": "rope.plain", "yarn": "rope.yarn"}
 
 
@@ -131,9 +136,11 @@ def _dense_specs(cfg, tp: int) -> list[dr.DenseSpec]:
 
 
 def _qgmma_specs(cfg, tp: int) -> list[qr.QgSpec]:
-    """The QGMMA kernel wq_b may launch (QGMMA_WQ_B_ROWS): sized whether or not the switch is
-    on, so a step variant re-wired without it keeps the same arena."""
-    return [s for s in qr.qg_specs(cfg, tp) if s.variant == qr.VARIANT and "_wq_b_" in s.name]
+    """The QGMMA kernels wq_b and wo_b may launch (QGMMA_WQ_B_ROWS, QGMMA_WO_B_ROWS): sized
+    whether or not the switches are on, so a step variant re-wired without them keeps the same
+    arena."""
+    return [s for s in qr.qg_specs(cfg, tp)
+            if s.variant == qr.VARIANT and ("_wq_b_" in s.name or "_wo_b_" in s.name)]
 
 
 def buffers(cfg, tp: int, max_rows: int) -> list[Buffer]:
@@ -454,7 +461,15 @@ def _wo_a(ctx, layer):
 
 
 def _wo_b(ctx, layer):
-    return _dense(ctx, "wo_b", "attn.z", _prefix(ctx.cfg, layer) + "wo_b", "attn.partial")
+    args = ("wo_b", "attn.z", _prefix(ctx.cfg, layer) + "wo_b", "attn.partial")
+    plain = _dense(ctx, *args)
+    qg_rows = frozenset(QGMMA_WO_B_ROWS)
+    bad = [r for r in qg_rows if not 1 <= r <= dr.ROW_TILE]
+    if bad:
+        raise ValueError(f"QGMMA_WO_B_ROWS {sorted(qg_rows)}: rows {sorted(bad)} are past "
+                         f"{dr.ROW_TILE} (the QGMMA kernel's tile)")
+    qg = _qgmma(ctx, *args) if qg_rows else None
+    return lambda rows: qg(rows) if rows in qg_rows else plain(rows)
 
 
 BUILDERS = {"attn.wq_a_wkv": _wq_a_wkv, "attn.q_kv_norm": _q_kv_norm,
