@@ -11,7 +11,8 @@ in a spawned process while the ranks are packed and uploaded (real_slice.referen
 
 One sequence: the reference prefills a 14-token prompt; the ranks get its caches once, then run
 3 decode steps and one verify block of 6 rows (8-row buckets with 7 or 2 padding rows, but the
-second decode step in the 1-row bucket: DEVICE_PAD), their own caches carrying over. Engram's compressed-vocab map is a fresh random non-identity map each run
+second decode step in the 1-row bucket: DEVICE_PAD), their own caches carrying over. Engram's
+compressed-vocab map is a fresh random non-identity map each run
 (surjective onto v41's 99092 compressed ids, `SharedSynth.set_vocab_map`): the ranks pack it and
 their hash kernels read every history token (the current one included) through it; the
 reference maps its lookback through the same map. Input tokens are drawn over the whole
